@@ -1,0 +1,69 @@
+"""The public functions. They check arguments, pick a backend and hand the arrays over."""
+from __future__ import annotations
+
+from . import _dispatch
+from ._checks import make_case
+
+
+def attention_forward(q, k, v, *, causal=False, scale=None, layout="bhnd", backend="auto"):
+    """Forward pass of exact attention; returns ``(o, lse)``.
+
+    Parameters
+    ----------
+    q : array, ``(B, Hq, Nq, D)`` for ``layout="bhnd"`` or ``(B, Nq, Hq, D)`` for ``"bnhd"``
+    k, v : arrays, ``(B, Hkv, Nk, D)`` or ``(B, Nk, Hkv, D)``; ``Hq`` a multiple of ``Hkv``
+        (query head ``h`` reads key/value head ``h // (Hq // Hkv)``).
+    causal : bool
+        Mask aligned to the bottom right: query ``i`` sees key ``j`` iff
+        ``j <= i + (Nk - Nq)``. For ``Nq=2, Nk=4``::
+
+            q0: x x x .
+            q1: x x x x
+
+        A query row that sees no key gets output 0 and ``lse = -inf``.
+    scale : float, optional
+        Multiplies ``q kᵀ``; defaults to ``1/sqrt(D)``.
+    layout : {"bhnd", "bnhd"}
+    backend : {"auto", "numba_cuda", "numba_cpu", "torch", "jax", "reference"}
+
+    Returns
+    -------
+    o : array of q's shape, dtype, library and device
+    lse : float32 array ``(B, Hq, Nq)``, the log-sum-exp of each row's scaled scores
+    """
+    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
+                     explicit=backend != "auto")
+    return _dispatch.select(case, backend).forward(q, k, v, case)
+
+
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhnd",
+                       backend="auto"):
+    """Backward pass: gradients ``(dq, dk, dv)`` of attention for the output gradient ``do``.
+
+    ``o`` and ``lse`` are what :func:`attention_forward` returned for the same q, k, v and
+    options. ``dq`` has q's shape and dtype, ``dk`` and ``dv`` k's. Two passes, no atomics:
+    the same inputs give bitwise the same gradients.
+    """
+    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, direction="backward",
+                     explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse})
+    return _dispatch.select(case, backend).backward(do, q, k, v, o, lse, case)
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=False,
+              backend="auto"):
+    """Exact attention ``softmax(q kᵀ · scale) v`` without materializing the score matrix.
+
+    Takes and returns arrays of any Array API library (NumPy, PyTorch, JAX, CuPy); see
+    :func:`attention_forward` for shapes and options. Returns ``o``, or ``(o, lse)`` with
+    ``return_lse=True``. Differentiable where the library has autodiff (PyTorch, JAX).
+    """
+    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=return_lse,
+                     explicit=backend != "auto")
+    impl = _dispatch.select(case, backend)
+    o, lse = impl.forward(q, k, v, case)
+    return (o, lse) if return_lse else o
+
+
+def available_backends() -> dict:
+    """``{name: None if the backend can run here, else the reason it cannot}``."""
+    return _dispatch.available_backends()

@@ -1,0 +1,117 @@
+"""Argument checks: every mistake a caller can make becomes a clear TypeError or ValueError.
+
+Errors name the argument and the value it had; nothing here uses ``assert``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+from . import _interop
+from ._case import DTYPES, LAYOUTS, Case
+
+
+def _arrays(named: dict):
+    """Check that every value is an array of one library on one device; return (library, device)."""
+    libs = {}
+    for name, x in named.items():
+        if not _interop.is_array(x):
+            raise TypeError(
+                f"{name} must be an array (NumPy, PyTorch, JAX, CuPy or another Array API "
+                f"library); got {type(x).__module__}.{type(x).__qualname__}"
+            )
+        libs[name] = _interop.library_of(x)
+    if len(set(libs.values())) > 1:
+        raise TypeError(f"all arrays must come from one library; got {libs}")
+    library = next(iter(libs.values()))
+    devices = {name: _interop.device_of(x, library) for name, x in named.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all arrays must be on one device; got {devices}")
+    return library, next(iter(devices.values()))
+
+
+def _dtype(named: dict) -> str:
+    dtypes = {name: _interop.dtype_name(x) for name, x in named.items()}
+    for name, dt in dtypes.items():
+        if dt not in DTYPES:
+            raise TypeError(
+                f"{name} has dtype {dt}; flashcore computes on {', '.join(DTYPES)}"
+            )
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"q, k and v must share one dtype; got {dtypes}")
+    return next(iter(dtypes.values()))
+
+
+def _shape4(name, x, layout):
+    shape = tuple(int(s) for s in x.shape)
+    if len(shape) != 4:
+        dims = "(B, H, N, D)" if layout == "bhnd" else "(B, N, H, D)"
+        raise ValueError(
+            f"{name} must have 4 dimensions {dims} for {layout=}; got {name}.shape={shape}"
+        )
+    return shape
+
+
+def check_options(*, causal, scale, layout, head_dim):
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} is not one of {LAYOUTS}")
+    if not isinstance(causal, (bool,)) and type(causal).__name__ != "bool_":
+        raise TypeError(f"causal must be True or False; got {causal=}")
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None; got {scale=}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number; got {scale=}")
+    return scale
+
+
+def make_case(q, k, v, *, causal, scale, layout, direction="forward", need_lse=False,
+              explicit=False, extra=None) -> Case:
+    """Check q, k, v (and, for the backward pass, ``extra`` = {"do", "o", "lse"}) and
+    describe the call."""
+    named = {"q": q, "k": k, "v": v}
+    library, device = _arrays({**named, **(extra or {})})
+    dtype = _dtype(named)
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} is not one of {LAYOUTS}")
+    qs, ks, vs = (_shape4(n, x, layout) for n, x in named.items())
+    if layout == "bhnd":
+        (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk) = qs, ks
+    else:
+        (B, Nq, Hq, D), (Bk, Nk, Hkv, Dk) = qs, ks
+    if ks != vs:
+        raise ValueError(f"k and v must have one shape; got k.shape={ks}, v.shape={vs}")
+    if Bk != B:
+        raise ValueError(f"q and k must have one batch size; got q.shape={qs}, k.shape={ks}")
+    if Dk != D:
+        raise ValueError(f"q and k must have one head dim; got q.shape={qs}, k.shape={ks}")
+    if D < 1:
+        raise ValueError(f"the head dim must be at least 1; got q.shape={qs}")
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(
+            f"the number of query heads must be a multiple of the key/value heads "
+            f"(GQA/MQA); got Hq={Hq}, Hkv={Hkv} from q.shape={qs}, k.shape={ks}"
+        )
+    scale = check_options(causal=causal, scale=scale, layout=layout, head_dim=D)
+    if extra:
+        for name in ("do", "o"):
+            s = tuple(int(t) for t in extra[name].shape)
+            if s != qs:
+                raise ValueError(f"{name} must have q's shape {qs}; got {name}.shape={s}")
+            dt = _interop.dtype_name(extra[name])
+            if dt != dtype:
+                raise TypeError(f"{name} must have q's dtype {dtype}; got {name}.dtype={dt}")
+        lse = extra["lse"]
+        s = tuple(int(t) for t in lse.shape)
+        if s != (B, Hq, Nq):
+            raise ValueError(f"lse must have shape (B, Hq, Nq) = {(B, Hq, Nq)}; got lse.shape={s}")
+        dt = _interop.dtype_name(lse)
+        if dt not in ("float32", "float64"):
+            raise TypeError(f"lse must be float32 (as attention_forward returns it); got {dt}")
+    return Case(
+        library=library, device=device, dtype=dtype, batch=B, heads_q=Hq, heads_kv=Hkv,
+        seqlen_q=Nq, seqlen_k=Nk, head_dim=D, causal=bool(causal), scale=scale, layout=layout,
+        direction=direction, need_lse=need_lse, explicit=explicit,
+    )

@@ -1,0 +1,133 @@
+"""Which library and device arrays come from, and zero-copy hand-over between libraries.
+
+Nothing here imports a framework to answer a question about an array: array-api-compat
+recognises torch, JAX and CuPy arrays only if those libraries are already imported.
+The one place that copies between host and device is named for it (:func:`copy_to_host`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_FLOAT_NAMES = {"float16", "bfloat16", "float32", "float64"}
+
+
+def library_of(x) -> str:
+    """Short name of the library that owns array ``x`` ("numpy", "torch", "jax", "cupy", ...)."""
+    import array_api_compat as aac
+
+    if aac.is_numpy_array(x):
+        return "numpy"
+    if aac.is_torch_array(x):
+        return "torch"
+    if aac.is_jax_array(x):
+        return "jax"
+    if aac.is_cupy_array(x):
+        return "cupy"
+    return type(x).__module__.split(".")[0]
+
+
+def is_array(x) -> bool:
+    import array_api_compat as aac
+
+    return aac.is_array_api_obj(x)
+
+
+def device_of(x, library: str) -> str:
+    """Device of ``x`` as a string: ``"cpu"`` or ``"cuda:N"``."""
+    if library == "numpy":
+        return "cpu"
+    if library == "torch":
+        d = x.device
+        return "cpu" if d.type == "cpu" else f"{d.type}:{d.index or 0}"
+    if library == "cupy":
+        return f"cuda:{x.device.id}"
+    if library == "jax":
+        devs = x.devices()
+        if len(devs) != 1:
+            raise ValueError(f"JAX arrays sharded over several devices are not supported: {devs=}")
+        (d,) = devs
+        return "cpu" if d.platform == "cpu" else f"cuda:{d.id}"
+    import array_api_compat as aac
+
+    d = aac.device(x)
+    s = str(d)
+    return "cpu" if s.lower() in ("cpu", "cpu_device") else s
+
+
+def dtype_name(x) -> str:
+    """Name of ``x``'s dtype ("float32", "bfloat16", ...), whatever library owns it."""
+    name = str(x.dtype)
+    for prefix in ("torch.", "dtype("):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.strip("')\"")
+
+
+def is_float_name(name: str) -> bool:
+    return name in _FLOAT_NAMES
+
+
+def namespace(x):
+    import array_api_compat as aac
+
+    return aac.array_namespace(x)
+
+
+# --- host views ---------------------------------------------------------------------------
+
+
+def host_view(x, library: str) -> np.ndarray:
+    """A NumPy view of a CPU array's memory, with no copy (bfloat16 as ml_dtypes.bfloat16).
+
+    Strides are kept: a transposed or sliced torch tensor stays a strided view.
+    """
+    if library == "numpy":
+        return x
+    if library == "torch":
+        t = x.detach()
+        if str(t.dtype) == "torch.bfloat16":
+            import ml_dtypes
+
+            return t.view(_torch().int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    if library == "jax":
+        # On the CPU, np.asarray of a JAX array shares its buffer (read-only).
+        return np.asarray(x)
+    return np.from_dlpack(x)
+
+
+def from_host(a: np.ndarray, library: str, like=None):
+    """Hand a NumPy array to ``library`` (zero-copy where the library allows it)."""
+    if library == "numpy":
+        return a
+    if library == "torch":
+        torch = _torch()
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    if library == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(a)
+    xp = namespace(like) if like is not None else None
+    if xp is not None and hasattr(xp, "from_dlpack"):
+        return xp.from_dlpack(a)
+    return a
+
+
+def copy_to_host(x, library: str) -> np.ndarray:
+    """A host copy of any array (the only function here that copies device memory)."""
+    if library == "cupy":
+        return x.get()
+    if library == "torch":
+        t = x.detach().cpu()
+        return host_view(t, "torch")
+    if library == "jax":
+        return np.asarray(x)
+    return np.asarray(x)
+
+
+def _torch():
+    import torch
+
+    return torch
