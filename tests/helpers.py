@@ -1,0 +1,85 @@
+"""Shared test helpers: fresh random inputs, the float64 oracle, error norms, tolerances."""
+from __future__ import annotations
+
+import numpy as np
+
+import flashcore
+from flashcore import reference
+
+#: Norm-wise relative error ||x - ref|| / ||ref|| allowed per input dtype. The oracle works in
+#: float64 on the same (already rounded) inputs, so the error is the kernel's own: rounding
+#: of the output to the dtype (unit roundoff u: fp16 4.9e-4, bf16 3.9e-3, whose norm-wise
+#: effect is about u/sqrt(3)) plus float32 accumulation over Nk terms (~1e-6 at our sizes).
+#: The bounds are a few times those, far below what one wrong tile or mask produces.
+TOL_FWD = {"float64": 1e-12, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
+#: Gradients go through one more rounding (dS = P * (dP - D), with D from the rounded O).
+TOL_BWD = {"float64": 1e-11, "float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+LAYOUT_AXES = {"bhnd": (0, 1, 2, 3), "bnhd": (0, 2, 1, 3)}
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def rand(rng, shape, dtype="float32", layout="bhnd", scale=1.0):
+    """Standard normal numbers in ``dtype``; ``shape`` is given in bhnd order and the array is
+    returned in ``layout`` (a transposed view for bnhd, so strides are not trivial)."""
+    x = (rng.standard_normal(shape) * scale).astype(np_dtype(dtype))
+    if layout == "bnhd":
+        x = np.ascontiguousarray(np.transpose(x, (0, 2, 1, 3)))
+    return x
+
+
+def qkv(rng, B=1, Hq=2, Hkv=None, Nq=16, Nk=None, D=16, dtype="float32", layout="bhnd"):
+    Hkv = Hq if Hkv is None else Hkv
+    Nk = Nq if Nk is None else Nk
+    return (rand(rng, (B, Hq, Nq, D), dtype, layout),
+            rand(rng, (B, Hkv, Nk, D), dtype, layout),
+            rand(rng, (B, Hkv, Nk, D), dtype, layout))
+
+
+def to64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def oracle_forward(q, k, v, **opts):
+    """float64 (o, lse) of the reference on float64 copies of the inputs."""
+    o, lse = reference.forward(*_case64(q, k, v, opts))
+    return o, lse.astype(np.float64)
+
+
+def oracle_backward(do, q, k, v, **opts):
+    q64, k64, v64 = (to64(x) for x in (q, k, v))
+    o, lse = flashcore.attention_forward(q64, k64, v64, backend="reference", **opts)
+    return flashcore.attention_backward(to64(do), q64, k64, v64, o, lse,
+                                        backend="reference", **opts)
+
+
+def _case64(q, k, v, opts):
+    from flashcore._checks import make_case
+
+    q64, k64, v64 = (to64(x) for x in (q, k, v))
+    case = make_case(q64, k64, v64, causal=opts.get("causal", False), scale=opts.get("scale"),
+                     layout=opts.get("layout", "bhnd"), explicit=True)
+    return q64, k64, v64, case
+
+
+def rel_err(x, ref):
+    """||x - ref|| / ||ref|| in float64; NaN anywhere gives inf; an all-zero ref uses abs error."""
+    x = to64(x)
+    ref = to64(ref)
+    if x.shape != ref.shape:
+        raise AssertionError(f"shape {x.shape} != reference shape {ref.shape}")
+    if not np.all(np.isfinite(x) == np.isfinite(ref)):
+        return np.inf
+    fin = np.isfinite(ref)
+    if not np.array_equal(x[~fin], ref[~fin]):
+        return np.inf
+    num = np.linalg.norm((x - ref)[fin])
+    den = np.linalg.norm(ref[fin])
+    return num / den if den > 0 else num
