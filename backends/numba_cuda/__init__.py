@@ -1,0 +1,85 @@
+"""The Numba-CUDA backend: FlashAttention-2 kernels written in Python with numba-cuda.
+
+Serves GPU arrays of PyTorch, CuPy and JAX with no copy: kernels read the callers' buffers
+through their strides and write into outputs allocated by the caller's own library, on the
+caller's current stream (torch's or CuPy's current stream; for JAX, outside ``jit``, the
+legacy default stream after the inputs are ready, synchronized before returning, since JAX
+cannot be told about work on another stream). NumPy arrays are served only when the caller
+names ``backend="numba_cuda"``: they are copied to the GPU and back (under the CUDA
+simulator they are used in place).
+
+Kernels (forward_kernels.py, backward_kernels.py; not forward.py, whose import would
+shadow the contract function ``forward`` of this package), tilings (tiles.py) and the host side (launch.py) mirror
+the CPU backend's names. numba.cuda is imported on first use, not with this module.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+NAME = "numba_cuda"
+#: Largest head dim the kernels are specialized for.
+MAX_HEAD_DIM = 256
+_DTYPES = ("float32", "float16", "bfloat16")
+_GPU_LIBRARIES = ("torch", "cupy", "jax")
+
+
+@functools.cache
+def unavailable_reason():
+    """None when numba-cuda and a CUDA GPU are usable (or the CUDA simulator is on)."""
+    if importlib.util.find_spec("numba") is None or importlib.util.find_spec("numba_cuda") is None:
+        return "numba-cuda is not installed: pip install 'flashcore[cuda]'"
+    try:
+        from numba import cuda
+    except Exception as e:  # a broken install (e.g. NumPy too new for numba-cuda)
+        return f"numba.cuda cannot be imported ({e}): pip install 'flashcore[cuda]'"
+    if cuda.config.ENABLE_CUDASIM:
+        return None
+    try:
+        if not cuda.is_available():
+            return "no CUDA GPU found (numba.cuda.is_available() is False)"
+        cc = cuda.get_current_device().compute_capability
+    except Exception as e:
+        return f"no usable CUDA GPU ({e})"
+    if tuple(cc) < (7, 0):
+        return f"the GPU has compute capability {cc}; numba_cuda needs 7.0 or newer"
+    return None
+
+
+def supports(case):
+    """None when this backend can serve ``case``, else why not."""
+    if case.dtype not in _DTYPES:
+        return (f"dtype {case.dtype} is not computed by numba_cuda (it computes float32, "
+                "float16 and bfloat16 with fp32 accumulation); use backend='reference'")
+    if not 1 <= case.head_dim <= MAX_HEAD_DIM:
+        return f"head dim {case.head_dim} is outside 1..{MAX_HEAD_DIM}"
+    if case.library == "numpy":
+        if not case.explicit:
+            return ("NumPy arrays live on the host; numba_cuda copies them to the GPU only "
+                    "when named explicitly (backend='numba_cuda')")
+    elif case.library in _GPU_LIBRARIES:
+        if not case.on_gpu:
+            return f"{case.library} arrays on {case.device} are not on a CUDA GPU"
+    else:
+        return f"arrays of {case.library!r} are not supported (torch, cupy, jax or numpy)"
+    if case.batch * max(case.heads_q, case.heads_kv) > 65535:
+        return (f"batch * heads = {case.batch * case.heads_q} exceeds the CUDA grid limit "
+                "65535")
+    return None
+
+
+def forward(q, k, v, case):
+    """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``."""
+    return _adapter(case.library).forward(q, k, v, case)
+
+
+def backward(do, q, k, v, o, lse, case):
+    """``(dq, dk, dv)`` in the inputs' library, layout and dtype."""
+    return _adapter(case.library).backward(do, q, k, v, o, lse, case)
+
+
+def _adapter(library):
+    from ._io import ADAPTERS
+
+    return ADAPTERS[library]
+

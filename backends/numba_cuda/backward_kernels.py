@@ -1,0 +1,293 @@
+"""Backward kernels: ``attn_backward_preprocess`` (``delta = rowsum(dO * O)``), then
+``attn_backward_dkdv`` (key tiles outer, query tiles inner) and ``attn_backward_dq``
+(query tiles outer, key tiles inner).
+
+Both passes recompute ``P = exp(S - lse)`` tile by tile (in base 2: Q is pre-multiplied by
+``scale * log2(e)`` and lse by ``log2(e)``) and use ``dS = P * (dP - delta)``. Each output
+element is owned by exactly one thread of one block, which sums its terms in a fixed order:
+no atomics, so the gradients are bitwise deterministic. Under GQA a dK/dV block loops over
+all query heads of its key/value head.
+
+Rows that see no key have ``lse = -inf``; they are read as ``+inf`` so that ``P = 0`` and
+they contribute nothing. Rows and columns past the ends are zero in shared memory; only the
+causal mask and, in the dQ pass, the end of the keys need explicit masks (rows of dK and dV
+past the end are never stored).
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32
+
+from .convert import load_f32, store_f32
+from .forward_kernels import LN2, LOG2E, load_tile_t
+from .tile_product import tile_product
+
+_CACHE = {}
+
+
+def make_attn_backward_preprocess(head_dim: int, threads: int):
+    key = ("pre", head_dim, threads)
+    if key in _CACHE:
+        return _CACHE[key]
+    D = head_dim
+    NT = threads
+
+    def attn_backward_preprocess(o, do, delta, Nq, Hq, osb, osh, osn, osd,
+                                 gsb, gsh, gsn, gsd):
+        """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d], one thread per row."""
+        i = cuda.blockIdx.x * NT + cuda.threadIdx.x
+        bh = cuda.blockIdx.y
+        b = bh // Hq
+        h = bh - b * Hq
+        if i < Nq:
+            ob = b * osb + h * osh + i * osn
+            gb = b * gsb + h * gsh + i * gsn
+            acc = float32(0.0)
+            for d in range(D):
+                acc += load_f32(o[ob + d * osd]) * load_f32(do[gb + d * gsd])
+            delta[bh * Nq + i] = acc
+
+    _CACHE[key] = attn_backward_preprocess
+    return attn_backward_preprocess
+
+
+def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
+    """dK, dV for one key tile of ``t.block_m`` keys per block; query tiles of ``t.block_n``."""
+    key = ("dkdv", head_dim, t, causal)
+    if key in _CACHE:
+        return _CACHE[key]
+    D = head_dim
+    DP = t.dpad(D)
+    BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
+    RD = DP // TC
+    NT = TR * TC
+    LDK = BM + t.pad  # K, V: [d][key]
+    LDQ = BN + t.pad  # Q, dO: [d][query]
+    LDP = BM + t.pad  # P, dS: [query][key]
+    K_OFF = 0
+    V_OFF = K_OFF + DP * LDK
+    Q_OFF = V_OFF + DP * LDK
+    DO_OFF = Q_OFF + DP * LDQ
+    P_OFF = DO_OFF + DP * LDQ
+    DS_OFF = P_OFF + BN * LDP
+    LS_OFF = DS_OFF + BN * LDP
+    DL_OFF = LS_OFF + BN
+    CAUSAL = bool(causal)
+
+    def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
+                           causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
+                           vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
+                           dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
+                           lsb, lsh, lsn, scale):
+        smem = cuda.shared.array(0, float32)
+        tid = cuda.threadIdx.x
+        tr = tid // TC
+        tc = tid - tr * TC
+        k0 = cuda.blockIdx.x * BM
+        bh = cuda.blockIdx.y
+        b = bh // Hkv
+        hk = bh - b * Hkv
+        sl2 = float32(scale * LOG2E)
+        kbase = b * ksb + hk * ksh
+        vbase = b * vsb + hk * vsh
+        load_tile_t(smem, K_OFF, LDK, k, kbase, k0, Nk, ksn, ksd, BM, D, DP, float32(1.0),
+                    tid, NT)
+        load_tile_t(smem, V_OFF, LDK, v, vbase, k0, Nk, vsn, vsd, BM, D, DP, float32(1.0),
+                    tid, NT)
+
+        s = cuda.local.array((RM, RN), float32)
+        dp = cuda.local.array((RM, RN), float32)
+        dk_acc = cuda.local.array((RM, RD), float32)
+        dv_acc = cuda.local.array((RM, RD), float32)
+        xa = cuda.local.array(RM, float32)
+        xb = cuda.local.array(RN, float32)
+        xd = cuda.local.array(RD, float32)
+        for a in range(RM):
+            for dd in range(RD):
+                dk_acc[a, dd] = float32(0.0)
+                dv_acc[a, dd] = float32(0.0)
+
+        # Query i sees key j iff i >= j - causal_offset: earlier query tiles see none of ours.
+        m_begin = 0
+        if CAUSAL:
+            m_begin = max(0, k0 - causal_offset) // BN * BN
+        # Query tiles from m_full on see every key of ours: no mask.
+        m_full = k0 + BM - 1 - causal_offset
+
+        for g in range(group):
+            h = hk * group + g
+            qbase = b * qsb + h * qsh
+            gbase = b * gsb + h * gsh
+            lbase = b * lsb + h * lsh
+            for m0 in range(m_begin, Nq, BN):
+                load_tile_t(smem, Q_OFF, LDQ, q, qbase, m0, Nq, qsn, qsd, BN, D, DP, sl2,
+                            tid, NT)
+                load_tile_t(smem, DO_OFF, LDQ, do, gbase, m0, Nq, gsn, gsd, BN, D, DP,
+                            float32(1.0), tid, NT)
+                for e in range(tid, BN, NT):
+                    i = m0 + e
+                    ls = math.inf
+                    dl = float32(0.0)
+                    if i < Nq:
+                        lv = lse[lbase + i * lsn]
+                        if lv != -math.inf:
+                            ls = lv * LOG2E
+                        dl = delta[(b * Hq + h) * Nq + i]
+                    smem[LS_OFF + e] = ls
+                    smem[DL_OFF + e] = dl
+                cuda.syncthreads()
+                for a in range(RM):
+                    for bb in range(RN):
+                        s[a, bb] = float32(0.0)
+                        dp[a, bb] = float32(0.0)
+                tile_product(s, xa, xb, smem, K_OFF, LDK, 1, Q_OFF, LDQ, 1, D, tr, tc,
+                             RM, RN, TR, TC)
+                tile_product(dp, xa, xb, smem, V_OFF, LDK, 1, DO_OFF, LDQ, 1, D, tr, tc,
+                             RM, RN, TR, TC)
+                masked = CAUSAL and m0 < m_full
+                for bb in range(RN):
+                    col = tc + TC * bb
+                    ls = smem[LS_OFF + col]
+                    dl = smem[DL_OFF + col]
+                    i = m0 + col
+                    for a in range(RM):
+                        row = tr + TR * a
+                        p = math.exp2(s[a, bb] - ls)
+                        if masked and k0 + row > i + causal_offset:
+                            p = float32(0.0)
+                        smem[P_OFF + col * LDP + row] = p
+                        smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
+                cuda.syncthreads()
+                tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, 1, DO_OFF, 1, LDQ, BN,
+                             tr, tc, RM, RD, TR, TC)
+                tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, 1, Q_OFF, 1, LDQ, BN,
+                             tr, tc, RM, RD, TR, TC)
+                cuda.syncthreads()
+
+        dkbase = b * dksb + hk * dksh
+        dvbase = b * dvsb + hk * dvsh
+        for a in range(RM):
+            j = k0 + tr + TR * a
+            if j < Nk:
+                for dd in range(RD):
+                    d = tc + TC * dd
+                    if d < D:
+                        # Q was scaled by scale * log2(e): dK = scale * dS Q = ln2 * dS Qs.
+                        store_f32(dk, dkbase + j * dksn + d * dksd, dk_acc[a, dd] * LN2)
+                        store_f32(dv, dvbase + j * dvsn + d * dvsd, dv_acc[a, dd])
+
+    _CACHE[key] = attn_backward_dkdv
+    return attn_backward_dkdv
+
+
+def make_attn_backward_dq(head_dim: int, t, causal: bool):
+    """dQ for one query tile of ``t.block_m`` rows per block; key tiles of ``t.block_n``."""
+    key = ("dq", head_dim, t, causal)
+    if key in _CACHE:
+        return _CACHE[key]
+    D = head_dim
+    DP = t.dpad(D)
+    BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
+    RD = DP // TC
+    NT = TR * TC
+    LDQ = BM + t.pad  # Q, dO: [d][query]
+    LDK = BN + t.pad  # K, V: [d][key]
+    LDP = BM + t.pad  # dS: [key][query]
+    Q_OFF = 0
+    DO_OFF = Q_OFF + DP * LDQ
+    K_OFF = DO_OFF + DP * LDQ
+    V_OFF = K_OFF + DP * LDK
+    DS_OFF = V_OFF + DP * LDK
+    CAUSAL = bool(causal)
+
+    def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
+                         qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
+                         gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale):
+        smem = cuda.shared.array(0, float32)
+        tid = cuda.threadIdx.x
+        tr = tid // TC
+        tc = tid - tr * TC
+        n_qtiles = cuda.gridDim.x
+        qt = n_qtiles - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        q0 = qt * BM
+        bh = cuda.blockIdx.y
+        b = bh // Hq
+        h = bh - b * Hq
+        hk = h // group
+        sl2 = float32(scale * LOG2E)
+        qbase = b * qsb + h * qsh
+        gbase = b * gsb + h * gsh
+        kbase = b * ksb + hk * ksh
+        vbase = b * vsb + hk * vsh
+        load_tile_t(smem, Q_OFF, LDQ, q, qbase, q0, Nq, qsn, qsd, BM, D, DP, sl2, tid, NT)
+        load_tile_t(smem, DO_OFF, LDQ, do, gbase, q0, Nq, gsn, gsd, BM, D, DP,
+                    float32(1.0), tid, NT)
+
+        s = cuda.local.array((RM, RN), float32)
+        dp = cuda.local.array((RM, RN), float32)
+        dq_acc = cuda.local.array((RM, RD), float32)
+        ls = cuda.local.array(RM, float32)
+        dl = cuda.local.array(RM, float32)
+        xa = cuda.local.array(RM, float32)
+        xb = cuda.local.array(RN, float32)
+        xd = cuda.local.array(RD, float32)
+        for a in range(RM):
+            i = q0 + tr + TR * a
+            ls[a] = math.inf
+            dl[a] = float32(0.0)
+            if i < Nq:
+                lv = lse[b * lsb + h * lsh + i * lsn]
+                if lv != -math.inf:
+                    ls[a] = lv * LOG2E
+                dl[a] = delta[bh * Nq + i]
+            for dd in range(RD):
+                dq_acc[a, dd] = float32(0.0)
+
+        n_end = Nk
+        if CAUSAL:
+            n_end = min(Nk, q0 + BM + causal_offset)
+        n_full = q0 + 1 + causal_offset
+
+        for n0 in range(0, n_end, BN):
+            load_tile_t(smem, K_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
+                        float32(1.0), tid, NT)
+            load_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                        float32(1.0), tid, NT)
+            cuda.syncthreads()
+            for a in range(RM):
+                for bb in range(RN):
+                    s[a, bb] = float32(0.0)
+                    dp[a, bb] = float32(0.0)
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, 1, K_OFF, LDK, 1, D, tr, tc,
+                         RM, RN, TR, TC)
+            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, 1, V_OFF, LDK, 1, D, tr, tc,
+                         RM, RN, TR, TC)
+            # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
+            masked = n0 + BN > Nk or (CAUSAL and n0 + BN > n_full)
+            for a in range(RM):
+                row = tr + TR * a
+                i = q0 + row
+                for bb in range(RN):
+                    col = tc + TC * bb
+                    p = math.exp2(s[a, bb] - ls[a])
+                    if masked and (n0 + col >= Nk or (CAUSAL and n0 + col > i + causal_offset)):
+                        p = float32(0.0)
+                    smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
+            cuda.syncthreads()
+            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, 1, K_OFF, 1, LDK, BN, tr, tc,
+                         RM, RD, TR, TC)
+            cuda.syncthreads()
+
+        dqbase = b * dqsb + h * dqsh
+        sc = float32(scale)
+        for a in range(RM):
+            i = q0 + tr + TR * a
+            if i < Nq:
+                for dd in range(RD):
+                    d = tc + TC * dd
+                    if d < D:
+                        store_f32(dq, dqbase + i * dqsn + d * dqsd, dq_acc[a, dd] * sc)
+
+    _CACHE[key] = attn_backward_dq
+    return attn_backward_dq

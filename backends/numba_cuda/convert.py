@@ -1,0 +1,95 @@
+"""Element conversions between the stored dtypes and fp32, for kernels and the simulator.
+
+Kernels receive raw pointers: ``float32*``, ``float16*``, and for bfloat16 ``uint16*`` (the
+raw bits), so that one code path serves the GPU and the CUDA simulator, which has no bf16
+arithmetic. ``load_f32(x)`` widens one stored element to fp32; ``store_f32(ptr, i, v)``
+rounds an fp32 value to the stored dtype (bf16: round to nearest even) and writes it.
+
+On the GPU these are typed ``@overload``s (the pointer type picks the conversion at
+compile time); under ``NUMBA_ENABLE_CUDASIM=1`` they are plain Python on NumPy arrays.
+Import this module only after that choice is fixed (it imports numba.cuda).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+SIMULATOR = bool(cuda.config.ENABLE_CUDASIM)
+
+if SIMULATOR:
+
+    def load_f32(x):
+        if x.dtype == np.uint16:
+            return np.array(int(x) << 16, dtype=np.uint32).view(np.float32)[()]
+        return np.float32(x)
+
+    def store_f32(ptr, i, v):
+        if ptr.dtype == np.uint16:
+            bits = int(np.array(v, dtype=np.float32).view(np.uint32))
+            if v != v:  # NaN stays NaN
+                ptr[i] = 0x7FC0
+            else:
+                ptr[i] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        else:
+            ptr[i] = v
+
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic, overload
+
+    @intrinsic
+    def _bits_to_f32(typingctx, x):
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def _f32_to_bits(typingctx, x):
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return sig, codegen
+
+    def load_f32(x):  # replaced by the overload below inside kernels
+        raise NotImplementedError
+
+    def store_f32(ptr, i, v):  # replaced by the overload below inside kernels
+        raise NotImplementedError
+
+    @overload(load_f32, target="cuda", inline="always")
+    def _load_f32(x):
+        if x == types.uint16:
+            def impl(x):
+                return _bits_to_f32(types.uint32(x) << types.uint32(16))
+            return impl
+
+        def impl(x):
+            return types.float32(x)
+        return impl
+
+    @overload(store_f32, target="cuda", inline="always")
+    def _store_f32(ptr, i, v):
+        if ptr.dtype == types.uint16:
+            def impl(ptr, i, v):
+                bits = _f32_to_bits(types.float32(v))
+                if v != v:
+                    ptr[i] = types.uint16(0x7FC0)
+                else:
+                    rounded = bits + types.uint32(0x7FFF) + ((bits >> types.uint32(16))
+                                                             & types.uint32(1))
+                    ptr[i] = types.uint16(rounded >> types.uint32(16))
+            return impl
+        if ptr.dtype == types.float16:
+            def impl(ptr, i, v):
+                ptr[i] = types.float16(v)
+            return impl
+
+        def impl(ptr, i, v):
+            ptr[i] = types.float32(v)
+        return impl

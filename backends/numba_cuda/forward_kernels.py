@@ -1,0 +1,176 @@
+"""Forward kernel: ``attn_forward``, FlashAttention-2 with an online softmax.
+
+One thread block per (query tile, batch * query head). The query tile is loaded once into
+shared memory (pre-multiplied by ``scale * log2(e)``, so the softmax runs on ``exp2``), key
+and value tiles stream through one shared buffer; the running row max ``m_i`` and sum
+``l_i`` stay in fp32 registers, and the output is normalized once at the end.
+
+Causal masking is bottom-right aligned (query ``i`` sees key ``j`` iff
+``j <= i + causal_offset``): key tiles wholly above the diagonal are never visited, and
+masks are applied only on tiles that cross the diagonal or the end of the keys.
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32
+
+from .convert import load_f32, store_f32
+from .tile_product import tile_product
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@cuda.jit(device=True, inline="always")
+def load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult, tid, NT):
+    """smem[off + d * ld + j] = src[row n0 + j, column d] * mult, transposed, in fp32; rows
+    past ``nvalid`` and columns past ``D`` (up to ``DP``) are zero."""
+    for e in range(tid, rows * DP, NT):
+        j = e // DP
+        d = e - j * DP
+        val = float32(0.0)
+        if d < D and n0 + j < nvalid:
+            val = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
+        smem[off + d * ld + j] = val
+
+
+_CACHE = {}
+
+
+def make_attn_forward(head_dim: int, t, causal: bool):
+    """The forward kernel specialized for one head dim, tiling ``t`` and causality."""
+    key = (head_dim, t, causal)
+    if key in _CACHE:
+        return _CACHE[key]
+    D = head_dim
+    DP = t.dpad(D)
+    BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
+    RD = DP // TC
+    NT = TR * TC
+    LDQ = BM + t.pad  # Q tile: [d][i]
+    LDK = BN + t.pad  # K or V tile: [d][j]
+    LDP = BM + t.pad  # P tile: [j][i]
+    Q_OFF = 0
+    KV_OFF = Q_OFF + DP * LDQ
+    P_OFF = KV_OFF + DP * LDK
+    RED_OFF = P_OFF + BN * LDP  # [i][tc]: per-thread partial row max / row sum
+    CAUSAL = bool(causal)
+
+    def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
+                     qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
+                     vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale):
+        smem = cuda.shared.array(0, float32)
+        tid = cuda.threadIdx.x
+        tr = tid // TC
+        tc = tid - tr * TC
+        n_qtiles = cuda.gridDim.x
+        # Heaviest (most keys under the causal mask) tiles first.
+        qt = n_qtiles - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        b = bh // Hq
+        h = bh - b * Hq
+        hk = h // group
+        q0 = qt * BM
+        qbase = b * qsb + h * qsh
+        kbase = b * ksb + hk * ksh
+        vbase = b * vsb + hk * vsh
+        sl2 = float32(scale * LOG2E)
+
+        load_tile_t(smem, Q_OFF, LDQ, q, qbase, q0, Nq, qsn, qsd, BM, D, DP, sl2, tid, NT)
+
+        s = cuda.local.array((RM, RN), float32)
+        acc = cuda.local.array((RM, RD), float32)
+        m_i = cuda.local.array(RM, float32)
+        l_i = cuda.local.array(RM, float32)
+        xa = cuda.local.array(RM, float32)
+        xb = cuda.local.array(RN, float32)
+        xd = cuda.local.array(RD, float32)  # the V row slice in the P V product
+        for a in range(RM):
+            m_i[a] = -math.inf
+            l_i[a] = float32(0.0)
+            for dd in range(RD):
+                acc[a, dd] = float32(0.0)
+
+        # Keys this tile can see: all, or (causal) up to the last row's diagonal.
+        n_end = Nk
+        if CAUSAL:
+            n_end = min(Nk, q0 + BM + causal_offset)
+        # Key tiles before n_full need no mask at all.
+        n_full = Nk
+        if CAUSAL:
+            n_full = min(Nk, q0 + 1 + causal_offset)
+
+        for n0 in range(0, n_end, BN):
+            load_tile_t(smem, KV_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
+                        float32(1.0), tid, NT)
+            cuda.syncthreads()
+            for a in range(RM):
+                for bb in range(RN):
+                    s[a, bb] = float32(0.0)
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, 1, KV_OFF, LDK, 1, D, tr, tc,
+                         RM, RN, TR, TC)
+            if n0 + BN > n_full:  # a diagonal or tail tile: mask
+                for a in range(RM):
+                    i = q0 + tr + TR * a
+                    for bb in range(RN):
+                        j = n0 + tc + TC * bb
+                        if j >= Nk or (CAUSAL and j > i + causal_offset):
+                            s[a, bb] = -math.inf
+            for a in range(RM):
+                mx = s[a, 0]
+                for bb in range(1, RN):
+                    mx = max(mx, s[a, bb])
+                smem[RED_OFF + (tr + TR * a) * TC + tc] = mx
+            cuda.syncthreads()
+            # K is consumed: V goes into the same buffer while the softmax runs.
+            load_tile_t(smem, KV_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                        float32(1.0), tid, NT)
+            for a in range(RM):
+                row = tr + TR * a
+                mx = m_i[a]
+                for c in range(TC):
+                    mx = max(mx, smem[RED_OFF + row * TC + c])
+                # A row that has seen no key yet keeps m = -inf; subtract 0 instead.
+                m_use = mx if mx != -math.inf else float32(0.0)
+                alpha = math.exp2(m_i[a] - m_use)
+                m_i[a] = mx
+                lsum = l_i[a] * alpha
+                for dd in range(RD):
+                    acc[a, dd] *= alpha
+                for bb in range(RN):
+                    p = math.exp2(s[a, bb] - m_use)
+                    lsum += p
+                    smem[P_OFF + (tc + TC * bb) * LDP + row] = p
+                l_i[a] = lsum
+            cuda.syncthreads()
+            tile_product(acc, xa, xd, smem, P_OFF, LDP, 1, KV_OFF, 1, LDK, BN, tr, tc,
+                         RM, RD, TR, TC)
+            cuda.syncthreads()
+
+        # Each thread summed its own columns; add up the row sums across the TC threads.
+        for a in range(RM):
+            smem[RED_OFF + (tr + TR * a) * TC + tc] = l_i[a]
+        cuda.syncthreads()
+        obase = b * osb + h * osh
+        for a in range(RM):
+            row = tr + TR * a
+            i = q0 + row
+            lsum = float32(0.0)
+            for c in range(TC):
+                lsum += smem[RED_OFF + row * TC + c]
+            if i < Nq:
+                inv = float32(1.0) / lsum if lsum > 0 else float32(0.0)
+                for dd in range(RD):
+                    d = tc + TC * dd
+                    if d < D:
+                        store_f32(o, obase + i * osn + d * osd, acc[a, dd] * inv)
+                if tc == 0:
+                    val = -math.inf
+                    if lsum > 0:
+                        val = (m_i[a] + math.log2(lsum)) * LN2
+                    lse[(b * Hq + h) * Nq + i] = val
+
+    _CACHE[key] = attn_forward
+    return attn_forward
+

@@ -1,0 +1,241 @@
+"""Host side: compiled kernels prepared once per (kernel, device), zero-copy hand-over of
+the caller's buffers, and launches on the caller's stream.
+
+Kernels take raw pointers and element strides, never array objects: a launch packs about
+thirty 8-byte words and calls ``cuLaunchKernel`` through ctypes, which costs a few
+microseconds, where numba's ``kernel[grid, block](tensors...)`` path costs 50-75 µs
+(it exports each tensor through DLPack twice). Buffers are described by
+:class:`View`: an address (on the GPU) or a flat NumPy array (under the simulator) plus
+strides in elements in (B, H, N, D) order, whatever the layout of the caller's array.
+
+Compiled kernels are kept in memory, keyed by the kernel and its tiling, and on disk
+(numba's ``cache=True``), so a warm process pays no compile.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+import threading
+
+import numpy as np
+
+from . import backward_kernels as _bwd
+from . import forward_kernels as _fwd
+from . import tiles as _tiles
+from .convert import SIMULATOR
+
+from numba import cuda
+from numba.cuda import types
+
+#: stored dtype name -> numba element type of the kernel's pointers (bf16 as raw bits)
+_ELEM = {"float32": types.float32, "float16": types.float16, "bfloat16": types.uint16}
+_I64 = types.int64
+_F64 = types.float64
+_FASTMATH = {"contract", "arcp", "nsz"}  # no "ninf": the softmax relies on -inf
+
+
+# --- kernels compiled and prepared per device ---------------------------------------------
+
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuLaunchKernel
+    f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    f.restype = ctypes.c_int
+    s = lib.cuStreamSynchronize
+    s.argtypes = [ctypes.c_void_p]
+    s.restype = ctypes.c_int
+    return lib
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+class Prepared:
+    """One kernel compiled for one signature and loaded on one device, launched raw."""
+
+    __slots__ = ("name", "handle", "threads", "smem", "device", "kernel", "_dispatcher")
+
+    def __init__(self, pyfunc, sig, threads, smem_words, device):
+        self.name = pyfunc.__name__
+        self.threads = threads
+        self.smem = 4 * smem_words
+        self.device = device
+        if SIMULATOR:
+            self._dispatcher = cuda.jit(pyfunc)
+            self.kernel = self.handle = None
+            return
+        self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=_FASTMATH)
+        with cuda.gpus[device]:
+            self.kernel = self._dispatcher.compile(sig)
+            cufunc = self.kernel._codelibrary.get_cufunc()
+            if self.smem > _tiles.STATIC_SMEM_LIMIT:
+                from numba.cuda.cudadrv.driver import binding, driver
+
+                attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                driver.cuKernelSetAttribute(attr, self.smem, cufunc.handle, device)
+            self.handle = int(cufunc.handle)
+
+    def __call__(self, grid, stream, args):
+        """Launch on ``grid`` (x, y) on raw stream handle ``stream``; ``args`` are ints
+        (addresses, sizes, strides) and one trailing float (the scale)."""
+        if grid[0] == 0 or grid[1] == 0:
+            return
+        if SIMULATOR:
+            self._dispatcher[grid, self.threads, 0, self.smem](*args)
+            return
+        n = len(args)
+        buf = (ctypes.c_int64 * n)(*args[:-1], _f64_bits(args[-1])) if isinstance(
+            args[-1], float) else (ctypes.c_int64 * n)(*args)
+        base = ctypes.addressof(buf)
+        ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        launch = _libcuda().cuLaunchKernel
+        err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1, self.smem,
+                     stream, ptrs, None)
+        if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched this GPU
+            with cuda.gpus[self.device]:
+                err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1, self.smem,
+                             stream, ptrs, None)
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA error {err}")
+
+
+def synchronize(stream: int):
+    if not SIMULATOR:
+        err = _libcuda().cuStreamSynchronize(stream)
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamSynchronize failed with CUDA error {err}")
+
+
+def _ptr(elem):
+    return types.CPointer(elem)
+
+
+_lock = threading.Lock()
+_PREPARED: dict = {}
+
+
+def _prepared(key, build):
+    p = _PREPARED.get(key)
+    if p is None:
+        with _lock:
+            p = _PREPARED.get(key)
+            if p is None:
+                p = _PREPARED[key] = build()
+    return p
+
+
+def device_cc(device: int) -> tuple:
+    if SIMULATOR:
+        return (0, 0)
+    return _cc(device)
+
+
+@functools.cache
+def _cc(device):
+    return tuple(cuda.gpus[device].compute_capability)
+
+
+def kernel_tiles(head_dim, dtype, causal, device, override=None):
+    return _tiles.choose(head_dim, dtype, causal, device_cc(device), simulator=SIMULATOR,
+                         override=override)
+
+
+def forward_kernel(head_dim, dtype, causal, device, t):
+    def build():
+        e = _ptr(_ELEM[dtype])
+        f32 = _ptr(types.float32)
+        sig = (e, e, e, e, f32) + (_I64,) * 21 + (_F64,)
+        fn = _fwd.make_attn_forward(head_dim, t, causal)
+        return Prepared(fn, sig, t.threads, _tiles.forward_smem_words(t, head_dim), device)
+    return _prepared(("fwd", head_dim, dtype, causal, device, t), build)
+
+
+def preprocess_kernel(head_dim, dtype, device, threads):
+    def build():
+        e = _ptr(_ELEM[dtype])
+        sig = (e, e, _ptr(types.float32)) + (_I64,) * 10
+        fn = _bwd.make_attn_backward_preprocess(head_dim, threads)
+        return Prepared(fn, sig, threads, 0, device)
+    return _prepared(("pre", head_dim, dtype, device, threads), build)
+
+
+def dkdv_kernel(head_dim, dtype, causal, device, t):
+    def build():
+        e = _ptr(_ELEM[dtype])
+        f32 = _ptr(types.float32)
+        sig = (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,)
+        fn = _bwd.make_attn_backward_dkdv(head_dim, t, causal)
+        return Prepared(fn, sig, t.threads, _tiles.dkdv_smem_words(t, head_dim), device)
+    return _prepared(("dkdv", head_dim, dtype, causal, device, t), build)
+
+
+def dq_kernel(head_dim, dtype, causal, device, t):
+    def build():
+        e = _ptr(_ELEM[dtype])
+        f32 = _ptr(types.float32)
+        sig = (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,)
+        fn = _bwd.make_attn_backward_dq(head_dim, t, causal)
+        return Prepared(fn, sig, t.threads, _tiles.dq_smem_words(t, head_dim), device)
+    return _prepared(("dq", head_dim, dtype, causal, device, t), build)
+
+
+# --- the passes ----------------------------------------------------------------------------
+
+
+def run_forward(case, device, stream, q, k, v, o, lse, tiles=None):
+    """Launch attn_forward. q, k, v, o are (handle, strides4) pairs; lse is a handle of a
+    contiguous float32 (B, Hq, Nq) buffer."""
+    t = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles).forward
+    kern = forward_kernel(case.head_dim, case.dtype, case.causal, device, t)
+    grid = (-(-case.seqlen_q // t.block_m), case.batch * case.heads_q)
+    kern(grid, stream, (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k,
+                        case.heads_q, case.group, case.causal_offset, *q[1], *k[1], *v[1],
+                        *o[1], float(case.scale)))
+
+
+def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None):
+    """Launch the three backward kernels. Arrays are (handle, strides) pairs; lse has three
+    strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch buffer."""
+    kt = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles)
+    B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
+    scale = float(case.scale)
+    pre = preprocess_kernel(case.head_dim, case.dtype, device, kt.preprocess_threads)
+    pre((-(-Nq // kt.preprocess_threads), B * Hq), stream,
+        (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    t = kt.dkdv
+    kern = dkdv_kernel(case.head_dim, case.dtype, case.causal, device, t)
+    kern((-(-Nk // t.block_m), B * Hkv), stream,
+         (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, case.group,
+          case.causal_offset, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], scale))
+    t = kt.dq
+    kern = dq_kernel(case.head_dim, case.dtype, case.causal, device, t)
+    kern((-(-Nq // t.block_m), B * Hq), stream,
+         (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, case.group,
+          case.causal_offset, *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], scale))
+
+
+def bhnd(strides, layout):
+    """Strides of a (B, H, N, D) or (B, N, H, D) array, in (B, H, N, D) order."""
+    s0, s1, s2, s3 = strides
+    return (s0, s1, s2, s3) if layout == "bhnd" else (s0, s2, s1, s3)
+
+
+def host_flat(x: np.ndarray):
+    """A flat NumPy view over the memory of ``x`` (simulator launches index it like a
+    pointer) and ``x``'s strides in elements; bf16 is viewed as its uint16 bits."""
+    if x.dtype.name == "bfloat16":
+        x = x.view(np.uint16)
+    item = x.itemsize
+    if any(s < 0 for s in x.strides) or any(s % item for s in x.strides):
+        x = np.ascontiguousarray(x)
+    strides = tuple(s // item for s in x.strides)
+    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, strides)) if x.size else 0
+    flat = np.lib.stride_tricks.as_strided(x, shape=(extent,), strides=(item,))
+    return flat, strides
