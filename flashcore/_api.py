@@ -57,6 +57,25 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
     :func:`attention_forward` for shapes and options. Returns ``o``, or ``(o, lse)`` with
     ``return_lse=True``. Differentiable where the library has autodiff (PyTorch, JAX).
     """
+    # --- begin framework autodiff routing (issue 5; see flashcore._torch_ops, _jax_ops) ---
+    # A framework is looked for only if already imported (no array of it can exist
+    # otherwise) and only when q, k, v all belong to it; mixed inputs fall through to the
+    # checks below, which name what was mixed.
+    import sys
+
+    torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
+    if torch is not None and all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        from . import _torch_ops
+
+        if _torch_ops.wants(q, k, v):
+            return _torch_ops.attention(q, k, v, causal=causal, scale=scale, layout=layout,
+                                        return_lse=return_lse, backend=backend)
+    elif jax is not None and all(isinstance(x, jax.Array) for x in (q, k, v)):
+        from . import _jax_ops
+
+        return _jax_ops.attention(q, k, v, causal=causal, scale=scale, layout=layout,
+                                  return_lse=return_lse, backend=backend)
+    # --- end framework autodiff routing ---
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=return_lse,
                      explicit=backend != "auto")
     impl = _dispatch.select(case, backend)
