@@ -1,0 +1,104 @@
+"""Backend "jax": ``jax.nn.dot_product_attention`` (XLA, or cuDNN on GPU), with flashcore's
+semantics kept around it.
+
+- Layout: JAX's own is ``(B, N, H, D)``, flashcore's ``"bnhd"``; ``"bhnd"`` is transposed
+  (XLA fuses the transpose; JAX arrays have no strided views to read in place).
+- Causal masking aligned to the bottom right: rows that see no key (the first ``Nq - Nk``
+  when ``Nq > Nk``) are cut off before the call and given output 0 and lse ``-inf``; the
+  remaining rows form a square lower triangle (JAX's ``is_causal``). With ``Nq < Nk`` an
+  explicit bottom-right mask is passed (cuDNN declines masks, so JAX then uses XLA).
+- GQA/MQA is native to ``jax.nn.dot_product_attention``.
+- lse comes from ``return_residual=True`` (jax >= 0.6), which returns the log-sum-exp of
+  the scaled scores, ``(B, Nq, Hq)``; lse is treated as a constant by autodiff.
+- The backward pass is JAX's autodiff of the same computation (``jax.vjp``).
+
+Everything here is JAX code: it runs eagerly, under ``jax.jit`` and under ``jax.vmap``, and
+is differentiable as it is. JAX is imported inside functions only.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+NAME = "jax"
+
+
+def unavailable_reason():
+    if importlib.util.find_spec("jax") is None:
+        return 'JAX is not installed; install it with pip install "flashcore[jax]"'
+    return None
+
+
+def _has_residual():
+    import inspect
+
+    import jax
+
+    return "return_residual" in inspect.signature(jax.nn.dot_product_attention).parameters
+
+
+def supports(case):
+    if case.library != "jax":
+        return f"it serves only JAX arrays; got {case.library} arrays"
+    if case.direction == "forward" and case.need_lse and not _has_residual():
+        import jax
+
+        return (f"jax {jax.__version__} has no return_residual in "
+                "jax.nn.dot_product_attention, so it cannot return lse (jax >= 0.6 can)")
+    return None
+
+
+def _attend(q, k, v, case, need_lse):
+    """(o, lse or None) for bnhd q (B, n, Hq, D) whose rows each see at least one key."""
+    import jax
+    import jax.numpy as jnp
+
+    nq, nk = q.shape[1], k.shape[1]
+    kw = {"scale": case.scale}
+    if case.causal and nq != nk:
+        i = jnp.arange(nq)[:, None]
+        j = jnp.arange(nk)[None, :]
+        kw["mask"] = (j <= i + (nk - nq))[None, None]
+    elif case.causal:
+        kw["is_causal"] = True
+    if need_lse:
+        o, lse = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
+        lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
+        return o, lse
+    return jax.nn.dot_product_attention(q, k, v, **kw), None
+
+
+def forward(q, k, v, case):
+    """``(o, lse)``; lse is None unless ``case.need_lse``."""
+    import jax.numpy as jnp
+
+    if case.need_lse:
+        why = supports(case)
+        if why is not None:
+            raise NotImplementedError(f"backend 'jax' cannot return lse here: {why}")
+    to_bnhd = (lambda x: x) if case.layout == "bnhd" else (lambda x: jnp.swapaxes(x, 1, 2))
+    qb, kb, vb = (to_bnhd(x) for x in (q, k, v))
+    B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
+    skip = Nq if case.seqlen_k == 0 else (max(0, Nq - case.seqlen_k) if case.causal else 0)
+    if skip == Nq or B == 0:
+        o = jnp.zeros((B, Nq, Hq, D), dtype=q.dtype)
+        lse = jnp.full((B, Hq, Nq), -math.inf, dtype=jnp.float32) if case.need_lse else None
+    else:
+        o, lse = _attend(qb[:, skip:], kb, vb, case, case.need_lse)
+        if skip:
+            o = jnp.concatenate([jnp.zeros((B, skip, Hq, D), dtype=o.dtype), o], axis=1)
+            if lse is not None:
+                lse = jnp.concatenate(
+                    [jnp.full((B, Hq, skip), -math.inf, dtype=jnp.float32), lse], axis=2)
+    return to_bnhd(o), lse
+
+
+def backward(do, q, k, v, o, lse, case):
+    """Gradients by JAX's autodiff of :func:`forward` (``o`` and ``lse`` are not needed)."""
+    from dataclasses import replace
+
+    import jax
+
+    fcase = replace(case, direction="forward", need_lse=False)
+    _, pull = jax.vjp(lambda a, b, c: forward(a, b, c, fcase)[0], q, k, v)
+    return tuple(pull(do))

@@ -1,0 +1,276 @@
+"""JAX autodiff and ``jit`` glue: the one place flashcore meets JAX's tracing machinery.
+
+:func:`flashcore.attention` calls :func:`attention` for JAX arrays (tracers included). The
+kernel backend is chosen by :mod:`flashcore._dispatch` from a description of the call:
+
+- a backend written in JAX (``"jax"``; ``"reference"``, which is Array API code) is simply
+  called: JAX traces, differentiates and batches it like any JAX code;
+- a Numba backend (``numba_cpu``, ``numba_cuda``) runs behind a ``jax.custom_vjp`` whose
+  residuals are ``(q, k, v, o, lse)`` and whose forward and backward are callbacks:
+  on the CPU ``jax.pure_callback`` (the callback sees NumPy views of XLA's buffers and
+  calls the backend through :mod:`flashcore._dispatch`); on the GPU
+  ``jax.experimental.buffer_callback`` (jax >= 0.6.1), which hands the kernels XLA's own
+  stream and output buffers, so nothing is copied and nothing waits. Under ``jax.vmap`` the
+  callbacks see the mapped axes in front of the batch axis and fold them into it.
+
+``lse`` is returned through ``lax.stop_gradient``: autodiff treats it as a constant (as
+FlashAttention-2 does), so a gradient never silently misses its contribution.
+
+Shapes, dtypes and options are checked at trace time by :func:`flashcore._checks.make_case`
+on zero-byte NumPy stand-ins of the arrays (a tracer has a shape and dtype but no device
+or data), so a mistake raises the usual TypeError/ValueError where the call is written.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _dispatch
+from ._checks import make_case
+from ._errors import BackendUnavailableError
+
+#: Backends written in JAX-traceable array code: called directly, differentiated by JAX.
+_TRACEABLE = ("jax", "reference")
+
+
+def _stand_in(x):
+    """A zero-byte NumPy array with ``x``'s shape and dtype (for the argument checks)."""
+    return np.broadcast_to(np.zeros((), dtype=np.dtype(x.dtype)), tuple(x.shape))
+
+
+def _device(x):
+    """``"cpu"``/``"cuda:N"`` of a concrete array; for a tracer, where jit will place it."""
+    try:
+        devs = x.devices()
+    except jax.errors.ConcretizationTypeError:  # a tracer: no device until it runs
+        return "cpu" if jax.default_backend() == "cpu" else "cuda:0"
+    if len(devs) != 1:
+        raise ValueError(f"JAX arrays sharded over several devices are not supported: {devs=}")
+    (d,) = devs
+    return "cpu" if d.platform == "cpu" else f"cuda:{d.id}"
+
+
+def _case(q, k, v, *, causal, scale, layout, need_lse, backend, extra=None):
+    """The call's Case (library "jax"), checked on stand-ins; raises on bad arguments."""
+    stand = {n: _stand_in(x) for n, x in (extra or {}).items()}
+    case = make_case(_stand_in(q), _stand_in(k), _stand_in(v), causal=causal, scale=scale,
+                     layout=layout, need_lse=need_lse, explicit=backend != "auto",
+                     direction="backward" if extra else "forward", extra=stand or None)
+    devices = {n: _device(x) for n, x in {"q": q, "k": k, "v": v, **(extra or {})}.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all arrays must be on one device; got {devices}")
+    return replace(case, library="jax", device=devices["q"])
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=False,
+              backend="auto"):
+    """Differentiable, jit- and vmap-able :func:`flashcore.attention` for JAX arrays."""
+    case = _case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
+                 backend=backend)
+    impl = _dispatch.select(case, backend)
+    if impl.NAME in _TRACEABLE:
+        o, lse = impl.forward(q, k, v, replace(case, need_lse=return_lse))
+        if lse is not None:
+            lse = jax.lax.stop_gradient(lse)
+    else:
+        o, lse = _numba_attention(impl.NAME, case)(q, k, v)
+        lse = jax.lax.stop_gradient(lse)
+    return (o, lse) if return_lse else o
+
+
+# --- the custom_vjp around a Numba backend -----------------------------------------------
+
+
+@functools.cache
+def _numba_attention(name: str, case):
+    """``f(q, k, v) -> (o, lse)`` with a custom VJP, for one backend and one Case."""
+    o_type = jax.ShapeDtypeStruct(_shape(case, "q"), np.dtype(_dtype(case)))
+    lse_type = jax.ShapeDtypeStruct((case.batch, case.heads_q, case.seqlen_q), np.float32)
+    kv_type = jax.ShapeDtypeStruct(_shape(case, "k"), np.dtype(_dtype(case)))
+    fwd_types = (o_type, lse_type)
+    bwd_types = (o_type, kv_type, kv_type)
+
+    if case.on_gpu:
+        fwd_call, bwd_call = _gpu_calls(name, case, fwd_types, bwd_types, lse_type)
+    else:
+        fwd_call, bwd_call = _cpu_calls(name, case, fwd_types, bwd_types)
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        return fwd_call(q, k, v)
+
+    def f_fwd(q, k, v):
+        o, lse = fwd_call(q, k, v)
+        return (o, lse), (q, k, v, o, lse)
+
+    def f_bwd(res, cts):
+        do, _ = cts  # lse leaves through stop_gradient: its cotangent is zero
+        q, k, v, o, lse = res
+        return tuple(bwd_call(do, q, k, v, o, lse))
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _shape(case, which):
+    B, N = case.batch, case.seqlen_q if which == "q" else case.seqlen_k
+    H = case.heads_q if which == "q" else case.heads_kv
+    return (B, H, N, case.head_dim) if case.layout == "bhnd" else (B, N, H, case.head_dim)
+
+
+def _dtype(case):
+    if case.dtype == "bfloat16":
+        return jnp.bfloat16
+    return case.dtype
+
+
+def _fold(x, ndim):
+    """Fold leading (vmapped) axes into the batch axis: (V..., B, ...) -> (V*B, ...)."""
+    x = np.asarray(x)
+    return x.reshape((-1, *x.shape[x.ndim - ndim + 1:])) if x.ndim > ndim else x
+
+
+def _cpu_calls(name, case, fwd_types, bwd_types):
+    """Forward and backward through ``jax.pure_callback``; the callbacks get NumPy arrays
+    and call the backend chosen by name through the dispatcher."""
+    opts = {"causal": case.causal, "scale": case.scale, "layout": case.layout}
+
+    def fwd_host(q, k, v):
+        q4, k4, v4 = (_fold(x, 4) for x in (q, k, v))
+        host = make_case(q4, k4, v4, need_lse=True, explicit=case.explicit, **opts)
+        o, lse = _dispatch.select(host, name).forward(q4, k4, v4, host)
+        return (np.asarray(o, dtype=q4.dtype).reshape(np.shape(q)),
+                np.asarray(lse, dtype=np.float32).reshape(*np.shape(q)[:-3], *np.shape(lse)[1:]))
+
+    def bwd_host(do, q, k, v, o, lse):
+        do4, q4, k4, v4, o4 = (_fold(x, 4) for x in (do, q, k, v, o))
+        lse3 = _fold(lse, 3)
+        host = make_case(q4, k4, v4, direction="backward", explicit=case.explicit,
+                         extra={"do": do4, "o": o4, "lse": lse3}, **opts)
+        grads = _dispatch.select(host, name).backward(do4, q4, k4, v4, o4, lse3, host)
+        return tuple(np.asarray(g, dtype=x4.dtype).reshape(np.shape(x))
+                     for g, x4, x in zip(grads, (q4, k4, v4), (q, k, v)))
+
+    def fwd_call(q, k, v):
+        return jax.pure_callback(fwd_host, fwd_types, q, k, v, vmap_method="broadcast_all")
+
+    def bwd_call(do, q, k, v, o, lse):
+        return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse,
+                                 vmap_method="broadcast_all")
+
+    return fwd_call, bwd_call
+
+
+# --- GPU: buffer_callback on XLA's stream -------------------------------------------------
+
+
+def _buffer_callback():
+    try:
+        from jax.experimental.buffer_callback import buffer_callback
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"flashcore's GPU kernels under JAX need jax.experimental.buffer_callback "
+            f"(jax >= 0.6.1); this is jax {jax.__version__}. Upgrade JAX, or pass "
+            f"backend='jax' to use JAX's own attention") from e
+    return buffer_callback
+
+
+def _gpu_adapter(name):
+    """A launcher of the named backend's kernels that reads XLA's buffers and writes into
+    the output buffers XLA allocated, on XLA's stream. Needs the backend's adapter base
+    (``_io._Adapter`` of numba_cuda: buffers in, raw launches out)."""
+    impl = _dispatch.load(name)
+    io = getattr(impl, "_io", None)
+    if io is None:
+        import importlib
+
+        try:
+            io = importlib.import_module(f"{impl.__name__}._io")
+        except ImportError:
+            io = None
+    base = getattr(io, "_Adapter", None)
+    if base is None:
+        raise BackendUnavailableError(
+            f"backend {name!r} cannot run inside jax.jit on a GPU (it has no raw-buffer "
+            f"launcher); pass backend='jax' or backend='numba_cuda'")
+
+    class _XlaBuffers(base):
+        """Inputs and outputs are XLA buffers (wrapped in :class:`_Folded`)."""
+
+        def __init__(self, outs, stream):
+            self._outs = list(outs)
+            self._stream = stream
+
+        def raw(self, x, keep):
+            buf = x.buf
+            try:
+                cai = buf.__cuda_array_interface__
+            except (AttributeError, TypeError, ValueError):  # no typestr (bf16): via DLPack
+                ptr, strides = io._dlpack_raw(buf, keep)
+            else:
+                ptr, strides = cai["data"][0], cai.get("strides")
+                item = np.dtype(buf.dtype).itemsize
+                strides = (tuple(s // item for s in strides) if strides is not None
+                           else io._contiguous_strides(tuple(buf.shape)))
+            return ptr, tuple(strides[len(strides) - x.ndim_core:])
+
+        def empty(self, like, shape, dtype, dev, poison=True):
+            return self._outs.pop(0)
+
+        def stream(self, like, dev):
+            return self._stream
+
+        def as_float32(self, lse):
+            return lse
+
+    return _XlaBuffers
+
+
+def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
+    """Forward and backward through ``buffer_callback`` (kernels on XLA's stream)."""
+    buffer_callback = _buffer_callback()
+    adapter = _gpu_adapter(name)
+
+    def host_case(q, direction):
+        lead = int(np.prod(q.shape[:-4])) if len(q.shape) > 4 else 1
+        dev = q.__dlpack_device__()[1]
+        return replace(case, batch=case.batch * lead, device=f"cuda:{dev}",
+                       direction=direction, need_lse=True)
+
+    def fwd_cb(ctx, out, q, k, v):
+        o, lse = out
+        c = host_case(q, "forward")
+        run = adapter([_Folded(o, 4), _Folded(lse, 3)], ctx.stream)
+        run.forward(_Folded(q, 4), _Folded(k, 4), _Folded(v, 4), c)
+
+    def bwd_cb(ctx, out, do, q, k, v, o, lse):
+        dq, dk, dv, delta = out
+        c = host_case(q, "backward")
+        run = adapter([_Folded(dq, 4), _Folded(dk, 4), _Folded(dv, 4), _Folded(delta, 3)],
+                      ctx.stream)
+        run.backward(*(_Folded(x, 4) for x in (do, q, k, v, o)), _Folded(lse, 3), c)
+
+    delta_type = lse_type  # scratch: D = rowsum(dO * O), float32 (B, Hq, Nq)
+    fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
+    bwd = buffer_callback(bwd_cb, (*bwd_types, delta_type), vmap_method="broadcast_all")
+
+    def bwd_call(do, q, k, v, o, lse):
+        dq, dk, dv, _ = bwd(do, q, k, v, o, lse)
+        return dq, dk, dv
+
+    return fwd, bwd_call
+
+
+class _Folded:
+    """An XLA buffer seen with its leading (vmapped) axes folded into the batch axis: XLA's
+    buffers are dense and row-major, so the batch stride serves the folded axis too."""
+
+    def __init__(self, buf, ndim_core):
+        self.buf, self.ndim_core = buf, ndim_core
+        lead = len(buf.shape) - ndim_core + 1
+        self.shape = (int(np.prod(buf.shape[:lead])), *buf.shape[lead:])
+        self.dtype = buf.dtype
