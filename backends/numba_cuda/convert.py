@@ -18,6 +18,10 @@ SIMULATOR = bool(cuda.config.ENABLE_CUDASIM)
 
 if SIMULATOR:
 
+    def device_function(fn):
+        """A helper that kernels call: plain Python under the simulator."""
+        return fn
+
     def load_f32(x):
         if x.dtype == np.uint16:
             return np.array(int(x) << 16, dtype=np.uint32).view(np.float32)[()]
@@ -37,6 +41,18 @@ else:
     from llvmlite import ir
     from numba.cuda import types
     from numba.cuda.extending import intrinsic, overload
+
+    def device_function(fn):
+        """A helper that kernels call, inlined into each caller at the typing stage.
+
+        (``cuda.jit(device=True)`` would ask the current GPU for its compute capability
+        while compiling its caller, which breaks ``compile_ptx`` on a machine without one.)
+        """
+        def typer(*args):
+            return fn
+
+        overload(fn, target="cuda", inline="always", strict=False)(typer)
+        return fn
 
     @intrinsic
     def _bits_to_f32(typingctx, x):

@@ -15,24 +15,24 @@ import math
 
 from numba import cuda, float32
 
-from .convert import load_f32, store_f32
+from .convert import device_function, load_f32, store_f32
 from .tile_product import tile_product
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-@cuda.jit(device=True, inline="always")
+@device_function
 def load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult, tid, NT):
     """smem[off + d * ld + j] = src[row n0 + j, column d] * mult, transposed, in fp32; rows
     past ``nvalid`` and columns past ``D`` (up to ``DP``) are zero."""
     for e in range(tid, rows * DP, NT):
         j = e // DP
         d = e - j * DP
-        val = float32(0.0)
         if d < D and n0 + j < nvalid:
-            val = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
-        smem[off + d * ld + j] = val
+            smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
+        else:
+            smem[off + d * ld + j] = float32(0.0)
 
 
 _CACHE = {}

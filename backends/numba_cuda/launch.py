@@ -147,42 +147,66 @@ def kernel_tiles(head_dim, dtype, causal, device, override=None):
                          override=override)
 
 
+def signature(kernel: str, dtype: str) -> tuple:
+    """Argument types of a kernel: pointers (inputs and outputs in the stored dtype, lse and
+    delta float32), then int64 sizes and strides, then the float64 scale."""
+    e = _ptr(_ELEM[dtype])
+    f32 = _ptr(types.float32)
+    return {
+        "attn_forward": (e, e, e, e, f32) + (_I64,) * 21 + (_F64,),
+        "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
+        "attn_backward_dkdv": (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,),
+        "attn_backward_dq": (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,),
+    }[kernel]
+
+
+def kernel_variants(head_dim: int, dtype: str, causal: bool, kt):
+    """``(name, python function, signature, shared-memory words, threads)`` of every kernel
+    one case launches; the PTX tests compile exactly these."""
+    return [
+        ("attn_forward", _fwd.make_attn_forward(head_dim, kt.forward, causal),
+         signature("attn_forward", dtype), _tiles.forward_smem_words(kt.forward, head_dim),
+         kt.forward.threads),
+        ("attn_backward_preprocess",
+         _bwd.make_attn_backward_preprocess(head_dim, kt.preprocess_threads),
+         signature("attn_backward_preprocess", dtype), 0, kt.preprocess_threads),
+        ("attn_backward_dkdv", _bwd.make_attn_backward_dkdv(head_dim, kt.dkdv, causal),
+         signature("attn_backward_dkdv", dtype), _tiles.dkdv_smem_words(kt.dkdv, head_dim),
+         kt.dkdv.threads),
+        ("attn_backward_dq", _bwd.make_attn_backward_dq(head_dim, kt.dq, causal),
+         signature("attn_backward_dq", dtype), _tiles.dq_smem_words(kt.dq, head_dim),
+         kt.dq.threads),
+    ]
+
+
 def forward_kernel(head_dim, dtype, causal, device, t):
     def build():
-        e = _ptr(_ELEM[dtype])
-        f32 = _ptr(types.float32)
-        sig = (e, e, e, e, f32) + (_I64,) * 21 + (_F64,)
         fn = _fwd.make_attn_forward(head_dim, t, causal)
-        return Prepared(fn, sig, t.threads, _tiles.forward_smem_words(t, head_dim), device)
+        return Prepared(fn, signature("attn_forward", dtype), t.threads,
+                        _tiles.forward_smem_words(t, head_dim), device)
     return _prepared(("fwd", head_dim, dtype, causal, device, t), build)
 
 
 def preprocess_kernel(head_dim, dtype, device, threads):
     def build():
-        e = _ptr(_ELEM[dtype])
-        sig = (e, e, _ptr(types.float32)) + (_I64,) * 10
         fn = _bwd.make_attn_backward_preprocess(head_dim, threads)
-        return Prepared(fn, sig, threads, 0, device)
+        return Prepared(fn, signature("attn_backward_preprocess", dtype), threads, 0, device)
     return _prepared(("pre", head_dim, dtype, device, threads), build)
 
 
 def dkdv_kernel(head_dim, dtype, causal, device, t):
     def build():
-        e = _ptr(_ELEM[dtype])
-        f32 = _ptr(types.float32)
-        sig = (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,)
         fn = _bwd.make_attn_backward_dkdv(head_dim, t, causal)
-        return Prepared(fn, sig, t.threads, _tiles.dkdv_smem_words(t, head_dim), device)
+        return Prepared(fn, signature("attn_backward_dkdv", dtype), t.threads,
+                        _tiles.dkdv_smem_words(t, head_dim), device)
     return _prepared(("dkdv", head_dim, dtype, causal, device, t), build)
 
 
 def dq_kernel(head_dim, dtype, causal, device, t):
     def build():
-        e = _ptr(_ELEM[dtype])
-        f32 = _ptr(types.float32)
-        sig = (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,)
         fn = _bwd.make_attn_backward_dq(head_dim, t, causal)
-        return Prepared(fn, sig, t.threads, _tiles.dq_smem_words(t, head_dim), device)
+        return Prepared(fn, signature("attn_backward_dq", dtype), t.threads,
+                        _tiles.dq_smem_words(t, head_dim), device)
     return _prepared(("dq", head_dim, dtype, causal, device, t), build)
 
 

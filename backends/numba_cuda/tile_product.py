@@ -13,10 +13,10 @@ replace it without touching the kernels around it. It is inlined into its caller
 """
 from __future__ import annotations
 
-from numba import cuda
+from .convert import device_function
 
 
-@cuda.jit(device=True, inline="always")
+@device_function
 def tile_product(acc, xa, xb, smem, a_off, a_ks, a_is, b_off, b_ks, b_js, depth, tr, tc,
                  RM, RN, TR, TC):
     for k in range(depth):

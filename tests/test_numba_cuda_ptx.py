@@ -1,0 +1,105 @@
+"""Every CUDA kernel variant compiles to PTX for sm_80 and sm_90, without a GPU.
+
+``numba.cuda.compile_ptx`` needs only NVVM (the toolkit wheels of ``numba-cuda[cu13]``).
+A variant is one (kernel, head-dim tiling class, dtype, causal) as ``launch.kernel_variants``
+builds it for a launch. Besides compiling, each check reads the PTX for what the host side
+and the speed rely on: the parameter list the raw launch packs, and no local memory (the
+register tiles must stay in registers).
+"""
+from __future__ import annotations
+
+import os
+import re
+import types as pytypes
+
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0"):
+    pytest.skip("compile_ptx needs the real numba.cuda, not the CUDA simulator",
+                allow_module_level=True)
+
+cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+
+
+def _toolkit_reason():
+    try:
+        def probe(x):
+            x[0] = 1.0
+
+        from numba.cuda import types
+
+        cuda.compile_ptx(probe, (types.float32[:],), cc=(9, 0))
+    except Exception as e:  # NVVM missing: the toolkit wheels are not installed
+        return f"the CUDA toolkit (NVVM) is not importable: {type(e).__name__}: {e}"
+    return None
+
+
+_REASON = _toolkit_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+
+from flashcore.backends.numba_cuda import launch, tiles  # noqa: E402
+
+#: One head dim per tiling class of tiles.choose, plus dims that are not a multiple of the
+#: thread columns (padded head-dim columns).
+CLASS_DIMS = (64, 128, 256)
+ODD_DIMS = (5, 100)
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@pytest.fixture
+def target_cc(monkeypatch, request):
+    """Device helpers (``@overload``s) are compiled while their caller is typed, and numba
+    asks the current GPU for its compute capability then; without a GPU, answer with the
+    target's."""
+    import numba.cuda.dispatcher as nd
+
+    cc = request.param
+    monkeypatch.setattr(nd, "get_current_device",
+                        lambda: pytypes.SimpleNamespace(compute_capability=cc))
+    return cc
+
+
+def _check(cc, head_dim, dtype, causal, only=None):
+    kt = tiles.choose(head_dim, dtype, causal, cc)
+    for name, fn, sig, smem_words, threads in launch.kernel_variants(head_dim, dtype, causal, kt):
+        if only is not None and name not in only:
+            continue
+        ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH)
+        arch = f"sm_{cc[0]}{cc[1]}"
+        assert f".target {arch}" in ptx, f"{name}: not compiled for {arch}"
+        entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.S)
+        assert entry, f"{name}: no kernel entry in the PTX"
+        params = re.findall(r"\.param\s+\.(\w+)", entry.group(1))
+        assert len(params) == len(sig), f"{name}: {len(params)} PTX parameters for {len(sig)}"
+        assert all(p in ("u64", "b64", "s64", "f64") for p in params), (
+            f"{name}: the raw launch packs 8-byte words; PTX has {set(params)}")
+        assert "ld.local" not in ptx and "st.local" not in ptx, (
+            f"{name} ({head_dim=}, {dtype}, {causal=}) spills register tiles to local memory")
+        assert smem_words * 4 <= 227 * 1024, f"{name}: {smem_words * 4} bytes of shared memory"
+        assert threads <= 1024
+
+
+@pytest.mark.parametrize("target_cc", [(9, 0)], indirect=True, ids=["sm90"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", CLASS_DIMS, ids=lambda d: f"D{d}")
+def test_ptx_sm90(target_cc, head_dim, dtype, causal):
+    # the preprocess kernel does not depend on causality: compile it once
+    only = None if not causal else ("attn_forward", "attn_backward_dkdv", "attn_backward_dq")
+    _check(target_cc, head_dim, dtype, causal, only)
+
+
+@pytest.mark.parametrize("target_cc", [(8, 0)], indirect=True, ids=["sm80"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", CLASS_DIMS, ids=lambda d: f"D{d}")
+def test_ptx_sm80(target_cc, head_dim, causal):
+    # sm_80 gets the same tilings as sm_90 and the dtype changes only the loads and stores
+    # (covered above): one dtype per class keeps this file within CI's time on two cores
+    only = None if not causal else ("attn_forward", "attn_backward_dkdv", "attn_backward_dq")
+    _check(target_cc, head_dim, "bfloat16", causal, only)
+
+
+@pytest.mark.parametrize("target_cc", [(9, 0)], indirect=True, ids=["sm90"])
+@pytest.mark.parametrize("head_dim", ODD_DIMS, ids=lambda d: f"D{d}")
+def test_ptx_padded_head_dims(target_cc, head_dim):
+    _check(target_cc, head_dim, "float16", True)
