@@ -20,7 +20,7 @@ import math
 from numba import cuda, float32
 
 from .convert import load_f32, store_f32
-from .forward_kernels import LN2, LOG2E, load_tile_t
+from .forward_kernels import LN2, LOG2E, load_tile_t, variant_tag
 from .tile_product import tile_product
 
 _CACHE = {}
@@ -48,6 +48,7 @@ def make_attn_backward_preprocess(head_dim: int, threads: int):
                 acc += load_f32(o[ob + d * osd]) * load_f32(do[gb + d * gsd])
             delta[bh * Nq + i] = acc
 
+    attn_backward_preprocess.__qualname__ = f"attn_backward_preprocess_d{D}_t{NT}"
     _CACHE[key] = attn_backward_preprocess
     return attn_backward_preprocess
 
@@ -177,6 +178,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
                         store_f32(dk, dkbase + j * dksn + d * dksd, dk_acc[a, dd] * LN2)
                         store_f32(dv, dvbase + j * dvsn + d * dvsd, dv_acc[a, dd])
 
+    attn_backward_dkdv.__qualname__ = f"attn_backward_dkdv_{variant_tag(D, t, CAUSAL)}"
     _CACHE[key] = attn_backward_dkdv
     return attn_backward_dkdv
 
@@ -289,5 +291,6 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
                     if d < D:
                         store_f32(dq, dqbase + i * dqsn + d * dqsd, dq_acc[a, dd] * sc)
 
+    attn_backward_dq.__qualname__ = f"attn_backward_dq_{variant_tag(D, t, CAUSAL)}"
     _CACHE[key] = attn_backward_dq
     return attn_backward_dq

@@ -171,6 +171,15 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                         val = (m_i[a] + math.log2(lsum)) * LN2
                     lse[(b * Hq + h) * Nq + i] = val
 
+    attn_forward.__qualname__ = f"attn_forward_{variant_tag(D, t, CAUSAL)}"
     _CACHE[key] = attn_forward
     return attn_forward
+
+
+def variant_tag(head_dim, t, causal=None) -> str:
+    """A name per compiled variant: numba's disk cache keeps one index file per qualified
+    name, so variants compiled by different processes never overwrite each other's entry,
+    and profiles name the variant."""
+    tag = f"d{head_dim}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}_p{t.pad}"
+    return tag if causal is None else tag + ("_causal" if causal else "_full")
 
