@@ -80,6 +80,6 @@ def rel_err(x, ref):
     fin = np.isfinite(ref)
     if not np.array_equal(x[~fin], ref[~fin]):
         return np.inf
-    num = np.linalg.norm((x - ref)[fin])
+    num = np.linalg.norm(x[fin] - ref[fin])
     den = np.linalg.norm(ref[fin])
     return num / den if den > 0 else num

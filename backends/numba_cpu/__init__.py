@@ -1,0 +1,103 @@
+"""Numba CPU backend: tiled FlashAttention kernels parallel over (batch, head, tile).
+
+Inputs are read in place through strides (NumPy views of torch/JAX CPU buffers included);
+float16 and bfloat16 are computed in float32, float32 and float64 in their own precision.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashcore import _interop, _poison
+
+from .tiles import choose_tiles
+
+NAME = "numba_cpu"
+#: storage dtype the kernels see, and the dtype they compute in
+_KERNEL_VIEW = {"float16": (np.int16, np.float32), "bfloat16": (np.uint16, np.float32),
+                "float32": (np.float32, np.float32), "float64": (np.float64, np.float64)}
+MAX_HEAD_DIM = 256
+
+
+def unavailable_reason():
+    return None
+
+
+def supports(case):
+    if case.device != "cpu":
+        return f"it runs on the CPU; the arrays are on {case.device}"
+    if case.head_dim > MAX_HEAD_DIM:
+        return f"head dim {case.head_dim} > {MAX_HEAD_DIM}"
+    return None
+
+
+def _bhnd(x, layout):
+    return x if layout == "bhnd" else x.transpose(0, 2, 1, 3)
+
+
+def _kernel_view(x, case):
+    """Host view of x in bhnd order, 16-bit floats as raw integer bits."""
+    a = _bhnd(_interop.host_view(x, case.library), case.layout)
+    return a.view(_KERNEL_VIEW[case.dtype][0]) if case.dtype in ("float16", "bfloat16") else a
+
+
+def _empty(shape, dtype):
+    return np.full(shape, np.nan, dtype) if _poison.ENABLED else np.empty(shape, dtype)
+
+
+def _out_like_q(case):
+    """Output buffer in q's layout and dtype (host), and its bhnd kernel view."""
+    B, H, N, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
+    shape = (B, H, N, D) if case.layout == "bhnd" else (B, N, H, D)
+    return _alloc(shape, case)
+
+
+def _alloc(shape, case):
+    a = _empty(shape, _interop_np_dtype(case.dtype))
+    view = _bhnd(a, case.layout)
+    if case.dtype in ("float16", "bfloat16"):
+        view = view.view(_KERNEL_VIEW[case.dtype][0])
+    return a, view
+
+
+def _interop_np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _work(case):
+    return _KERNEL_VIEW[case.dtype][1]
+
+
+def _give(a, case):
+    return _interop.from_host(a, case.library)
+
+
+def forward(q, k, v, case):
+    from .forward_kernels import attn_forward
+
+    tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
+    qk, kk, vk = (_kernel_view(x, case) for x in (q, k, v))
+    o, ok = _out_like_q(case)
+    lse = _empty((case.batch, case.heads_q, case.seqlen_q), np.float32)
+    if o.size or lse.size:
+        attn_forward(qk, kk, vk, ok, lse, case.scale, case.causal, tiles.block_q, tiles.block_k,
+                     _work(case))
+    return _give(o, case), _give(lse, case)
+
+
+def backward(do, q, k, v, o, lse, case):
+    from .backward_kernels import attn_backward
+
+    tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
+    dok, qk, kk, vk, ok = (_kernel_view(x, case) for x in (do, q, k, v, o))
+    lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library), dtype=np.float32)
+    dq, dqk = _out_like_q(case)
+    kv_shape = tuple(int(s) for s in k.shape)
+    dk, dkk = _alloc(kv_shape, case)
+    dv, dvk = _alloc(kv_shape, case)
+    attn_backward(dok, qk, kk, vk, ok, lse_h, dqk, dkk, dvk, case.scale, case.causal,
+                  tiles.block_q, tiles.block_k, _work(case))
+    return _give(dq, case), _give(dk, case), _give(dv, case)

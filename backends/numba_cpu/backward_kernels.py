@@ -1,0 +1,194 @@
+"""Backward pass in two parallel passes and no atomics, so it is deterministic.
+
+``attn_backward_preprocess`` computes ``D_i = rowsum(dO_i * O_i)``. ``attn_backward_dkdv``
+owns one key/value tile per job and loops over the query tiles (of every query head that
+shares the key/value head) to accumulate dK and dV; ``attn_backward_dq`` owns one query tile
+per job and loops over key/value tiles for dQ. Both recompute ``P = exp(S - lse)`` tile by
+tile; neither writes where another job writes.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .forward_kernels import FASTMATH, load_tile, mask_tile
+from .scalar import LOG2E, exp2, load, store
+
+
+@njit(parallel=True, cache=True)
+def attn_backward_preprocess(do, o, delta, work_dtype):
+    """delta[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d] (in the compute dtype)."""
+    B, H, N, D = o.shape
+    zero = work_dtype(0.0)
+    for bh in prange(B * H):
+        b, h = bh // H, bh % H
+        for i in range(N):
+            acc = zero
+            for d in range(D):
+                acc += load(do[b, h, i, d]) * load(o[b, h, i, d])
+            delta[b, h, i] = acc
+
+
+@njit(inline="always")
+def load_rows(src, b, h, r0, n, out, mult):
+    """out[:n] = src[b, h, r0:r0+n] * mult for per-row statistics (lse, delta)."""
+    for r in range(n):
+        out[r] = src[b, h, r0 + r] * mult
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def probabilities_tile(s, n_rows, n_cols, lse2):
+    """s (scores in log2 units) -> P = exp2(s - lse2); rows with lse = -inf (they see no key)
+    arrive with lse2 = +inf and get P = 0."""
+    for r in range(n_rows):
+        m = lse2[r]
+        for c in range(n_cols):
+            s[r, c] = exp2(s[r, c] - m)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dscores_tile(p, dp, n_rows, n_cols, delta):
+    """dp <- P * (dP - D): the gradient of the scores."""
+    for r in range(n_rows):
+        dr = delta[r]
+        for c in range(n_cols):
+            dp[r, c] = p[r, c] * (dp[r, c] - dr)
+
+
+@njit(inline="always")
+def prepare_lse2(lse, b, h, i0, n, out):
+    for r in range(n):
+        x = lse[b, h, i0 + r]
+        out[r] = np.inf if x == -np.inf else x * LOG2E
+
+
+@njit(inline="always")
+def zero_tail(x, n_rows, n_cols):
+    """Zero rows >= n_rows and columns >= n_cols of a tile (tails hold stale values)."""
+    x[n_rows:, :] = 0.0
+    x[:, n_cols:] = 0.0
+
+
+@njit(parallel=True, cache=True)
+def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, block_k,
+                       work_dtype):
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    offset = Nk - Nq
+    n_kt = (Nk + block_k - 1) // block_k
+    one = work_dtype(1.0)
+    q_mult = work_dtype(scale * LOG2E)
+    for job in prange(B * Hkv * n_kt):
+        b = job // (Hkv * n_kt)
+        hk = (job // n_kt) % Hkv
+        j0 = (job % n_kt) * block_k
+        nk = min(block_k, Nk - j0)
+        kt = np.zeros((block_k, D), work_dtype)
+        vt = np.zeros((block_k, D), work_dtype)
+        qt = np.zeros((block_q, D), work_dtype)
+        dot = np.zeros((block_q, D), work_dtype)
+        s = np.empty((block_q, block_k), work_dtype)
+        dp = np.empty((block_q, block_k), work_dtype)
+        lse2 = np.empty(block_q, work_dtype)
+        dlt = np.empty(block_q, work_dtype)
+        dk_acc = np.zeros((block_k, D), work_dtype)
+        dv_acc = np.zeros((block_k, D), work_dtype)
+        tmp = np.empty((block_k, D), work_dtype)
+        load_tile(k, b, hk, j0, nk, kt, one)
+        load_tile(v, b, hk, j0, nk, vt, one)
+        # Causal: only query rows i with i + offset >= j0 see any key of this tile.
+        i_start = 0 if not causal else max(0, j0 - offset)
+        i_start = (i_start // block_q) * block_q
+        # Query tiles whose first row sees the whole key tile need no mask.
+        for h in range(hk * group, (hk + 1) * group):
+            for i0 in range(i_start, Nq, block_q):
+                nq = min(block_q, Nq - i0)
+                load_tile(q, b, h, i0, nq, qt, q_mult)
+                load_tile(do, b, h, i0, nq, dot, one)
+                if nq < block_q:
+                    qt[nq:, :] = 0.0
+                    dot[nq:, :] = 0.0
+                prepare_lse2(lse, b, h, i0, nq, lse2)
+                load_rows(delta, b, h, i0, nq, dlt, one)
+                np.dot(qt, kt.T, s)
+                if causal and j0 + nk - 1 > i0 + offset:
+                    mask_tile(s, nq, nk, i0, j0, offset)
+                probabilities_tile(s, nq, nk, lse2)
+                zero_tail(s, nq, nk)
+                np.dot(s.T, dot, tmp)  # dV += P^T dO
+                dv_acc += tmp
+                np.dot(dot, vt.T, dp)  # dP = dO V^T
+                dscores_tile(s, dp, nq, nk, dlt)
+                zero_tail(dp, nq, nk)
+                np.dot(dp.T, qt, tmp)  # dK += dS^T Q (qt carries scale*log2e)
+                dk_acc += tmp
+        dk_mult = work_dtype(1.0 / LOG2E)
+        for r in range(nk):
+            for d in range(D):
+                dk[b, hk, j0 + r, d] = store(dk_acc[r, d] * dk_mult, dk[0, 0, 0, 0])
+                dv[b, hk, j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
+
+
+@njit(parallel=True, cache=True)
+def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k, work_dtype):
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    offset = Nk - Nq
+    n_qt = (Nq + block_q - 1) // block_q
+    one = work_dtype(1.0)
+    q_mult = work_dtype(scale * LOG2E)
+    for job in prange(B * Hq * n_qt):
+        b = job // (Hq * n_qt)
+        h = (job // n_qt) % Hq
+        hk = h // group
+        i0 = (job % n_qt) * block_q
+        nq = min(block_q, Nq - i0)
+        qt = np.zeros((block_q, D), work_dtype)
+        dot = np.zeros((block_q, D), work_dtype)
+        kt = np.zeros((block_k, D), work_dtype)
+        vt = np.zeros((block_k, D), work_dtype)
+        s = np.empty((block_q, block_k), work_dtype)
+        dp = np.empty((block_q, block_k), work_dtype)
+        lse2 = np.empty(block_q, work_dtype)
+        dlt = np.empty(block_q, work_dtype)
+        dq_acc = np.zeros((block_q, D), work_dtype)
+        tmp = np.empty((block_q, D), work_dtype)
+        load_tile(q, b, h, i0, nq, qt, q_mult)
+        load_tile(do, b, h, i0, nq, dot, one)
+        prepare_lse2(lse, b, h, i0, nq, lse2)
+        load_rows(delta, b, h, i0, nq, dlt, one)
+        k_end = Nk if not causal else max(0, min(Nk, i0 + nq + offset))
+        for j0 in range(0, k_end, block_k):
+            nk = min(block_k, k_end - j0)
+            load_tile(k, b, hk, j0, nk, kt, one)
+            load_tile(v, b, hk, j0, nk, vt, one)
+            if nk < block_k:
+                kt[nk:, :] = 0.0
+                vt[nk:, :] = 0.0
+            np.dot(qt, kt.T, s)
+            if causal and j0 + nk - 1 > i0 + offset:
+                mask_tile(s, nq, nk, i0, j0, offset)
+            probabilities_tile(s, nq, nk, lse2)
+            np.dot(dot, vt.T, dp)
+            dscores_tile(s, dp, nq, nk, dlt)
+            zero_tail(dp, nq, nk)
+            np.dot(dp, kt, tmp)  # dQ += dS K
+            dq_acc += tmp
+        dq_mult = work_dtype(scale)
+        for r in range(nq):
+            for d in range(D):
+                dq[b, h, i0 + r, d] = store(dq_acc[r, d] * dq_mult, dq[0, 0, 0, 0])
+
+
+def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block_k, work_dtype):
+    """Host driver: preprocess, then the dK/dV pass and the dQ pass (all bhnd views)."""
+    B, Hq, Nq, _ = q.shape
+    delta = np.empty((B, Hq, Nq), work_dtype)
+    if q.size:
+        attn_backward_preprocess(do, o, delta, work_dtype)
+    if dk.size:
+        attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, block_k,
+                           work_dtype)
+    if dq.size:
+        attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k,
+                         work_dtype)

@@ -1,0 +1,107 @@
+"""Forward pass: tiles of Q against tiles of K and V with the online softmax.
+
+``attn_forward`` runs one job per (batch, query head, query tile) in parallel; each job
+streams the key/value tiles its rows can see, keeps the running row max ``m_i``, row sum
+``l_i`` and output accumulator ``acc`` in its own tiles, and normalizes once at the end.
+Memory beyond the inputs and outputs is a few tiles per thread, never ``Nq x Nk``.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .scalar import LOG2E, exp2, load, store
+
+FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # no 'nnan'/'ninf': -inf marks masked scores
+
+
+@njit(inline="always")
+def load_tile(src, b, h, r0, n, out, mult):
+    """out[:n] = src[b, h, r0:r0+n, :] converted to the compute dtype and multiplied."""
+    for r in range(n):
+        for d in range(out.shape[1]):
+            out[r, d] = load(src[b, h, r0 + r, d]) * mult
+
+
+@njit(inline="always")
+def mask_tile(s, n_rows, n_cols, i0, j0, offset):
+    """Diagonal tiles only: -inf where key j0+c lies after query i0+r's last visible key."""
+    for r in range(n_rows):
+        first_hidden = i0 + r + offset + 1 - j0
+        for c in range(max(first_hidden, 0), n_cols):
+            s[r, c] = -np.inf
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def online_softmax_tile(s, n_rows, n_cols, m_i, l_i, acc):
+    """Turn scores (log2 units) into probabilities against the running max; rescale acc."""
+    for r in range(n_rows):
+        m_new = m_i[r]
+        for c in range(n_cols):
+            x = s[r, c]
+            m_new = x if x > m_new else m_new
+        if m_new == -np.inf:  # nothing visible yet in this row
+            for c in range(n_cols):
+                s[r, c] = 0.0
+            continue
+        alpha = exp2(m_i[r] - m_new)
+        total = l_i[r] * alpha
+        for c in range(n_cols):
+            p = exp2(s[r, c] - m_new)
+            s[r, c] = p
+            total += p
+        l_i[r] = total
+        m_i[r] = m_new
+        for d in range(acc.shape[1]):
+            acc[r, d] *= alpha
+
+
+@njit(parallel=True, cache=True)
+def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, work_dtype):
+    """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), any strides; writes o (like q) and lse
+    (B, Hq, Nq) float32. float16/bfloat16 arrive as int16/uint16 bits (see scalar.py)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    offset = Nk - Nq
+    n_qt = (Nq + block_q - 1) // block_q
+    q_mult = work_dtype(scale * LOG2E)  # scores in log2 units: exp2 instead of exp
+    one = work_dtype(1.0)
+    for job in prange(B * Hq * n_qt):
+        b = job // (Hq * n_qt)
+        h = (job // n_qt) % Hq
+        hk = h // group
+        i0 = (job % n_qt) * block_q
+        nq = min(block_q, Nq - i0)
+        qt = np.empty((block_q, D), work_dtype)
+        kt = np.empty((block_k, D), work_dtype)
+        vt = np.empty((block_k, D), work_dtype)
+        s = np.empty((block_q, block_k), work_dtype)
+        pv = np.empty((block_q, D), work_dtype)
+        acc = np.zeros((block_q, D), work_dtype)
+        m_i = np.full(block_q, -np.inf, work_dtype)
+        l_i = np.zeros(block_q, work_dtype)
+        load_tile(q, b, h, i0, nq, qt, q_mult)
+        # Keys this tile can see: all, or (causal) up to the last row's diagonal.
+        k_end = Nk if not causal else max(0, min(Nk, i0 + nq + offset))
+        # Key tiles wholly at or before the first row's diagonal need no mask.
+        k_unmasked = k_end if not causal else max(0, min(k_end, i0 + offset + 1))
+        for j0 in range(0, k_end, block_k):
+            nk = min(block_k, k_end - j0)
+            load_tile(k, b, hk, j0, nk, kt, one)
+            load_tile(v, b, hk, j0, nk, vt, one)
+            np.dot(qt, kt.T, s)
+            if j0 + nk > k_unmasked:
+                mask_tile(s, nq, nk, i0, j0, offset)
+            online_softmax_tile(s, nq, nk, m_i, l_i, acc)
+            if nk < block_k:  # tail: columns past nk hold stale values, zero their weight
+                s[:, nk:] = 0.0
+                vt[nk:, :] = 0.0
+            np.dot(s, vt, pv)
+            acc += pv
+        for r in range(nq):
+            empty = l_i[r] == 0.0
+            inv = 0.0 if empty else 1.0 / l_i[r]
+            for d in range(D):
+                o[b, h, i0 + r, d] = store(acc[r, d] * inv, o[0, 0, 0, 0])
+            lse[b, h, i0 + r] = -np.inf if empty else (m_i[r] + math.log2(l_i[r])) / LOG2E
