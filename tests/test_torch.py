@@ -1,0 +1,372 @@
+"""PyTorch: autograd through flashcore's kernels, torch.compile, opcheck, gradcheck, the
+"torch" (SDPA) backend's semantics, mixed-library errors, and CUDA streams/devices (gpu)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from helpers import (
+    TOL_BWD,
+    TOL_FWD,
+    oracle_backward,
+    oracle_forward,
+    qkv,
+    rand,
+    rel_err,
+)
+
+import flashcore
+from flashcore import _dispatch, _torch_ops
+from flashcore._case import Case
+
+pytestmark = pytest.mark.torch
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+# (Nq, Nk, Hq, Hkv): square, Nq < Nk, Nq > Nk (causal: leading rows see no key), GQA, MQA
+SHAPES = [(16, 16, 2, 2), (9, 23, 4, 2), (21, 8, 3, 1)]
+SHAPE_IDS = ["square", "nq<nk-gqa", "nq>nk-mqa"]
+
+
+def t(x, device="cpu", grad=False):
+    """A torch tensor sharing x's values (bfloat16 through its bits)."""
+    if x.dtype.name == "bfloat16":
+        out = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    else:
+        out = torch.from_numpy(np.ascontiguousarray(x))
+    return out.to(device).requires_grad_(grad)
+
+
+def host(x):
+    x = x.detach().cpu()
+    return x.double().numpy() if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def _check_grads(rng, backend, dtype, layout, causal, shape, device="cpu"):
+    Nq, Nk, Hq, Hkv = shape
+    q, k, v = qkv(rng, B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=16, dtype=dtype, layout=layout)
+    do = rand(rng, q.shape, dtype)
+    opts = {"causal": causal, "layout": layout}
+    tq, tk, tv = (t(x, device, grad=True) for x in (q, k, v))
+    o = flashcore.attention(tq, tk, tv, backend=backend, **opts)
+    assert o.requires_grad and o.shape == tq.shape and o.dtype == tq.dtype
+    o.backward(t(do, device))
+    ro, _ = oracle_forward(q, k, v, **opts)
+    assert rel_err(host(o), ro) <= TOL_FWD[dtype]
+    for g, r in zip((tq.grad, tk.grad, tv.grad), oracle_backward(do, q, k, v, **opts)):
+        assert rel_err(host(g), r) <= TOL_BWD[dtype]
+
+
+# --- autograd ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_backward_matches_reference(backend, layout, causal, shape):
+    _check_grads(np.random.default_rng(1), backend, "float32", layout, causal, shape)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # float16 shares the path (and costs a compile)
+def test_backward_low_precision(dtype):
+    _check_grads(np.random.default_rng(2), "auto", dtype, "bhnd", True, SHAPES[1])
+
+
+def test_custom_op_glue_with_reference_backend():
+    """The custom op + autograd registration, independent of which kernel serves them."""
+    _check_grads(np.random.default_rng(3), "reference", "float32", "bnhd", True, SHAPES[2])
+
+
+def test_autograd_grad_and_lse_is_not_differentiable():
+    rng = np.random.default_rng(4)
+    q, k, v = (t(x, grad=True) for x in qkv(rng, Nq=8, D=8))
+    o, lse = flashcore.attention(q, k, v, return_lse=True)
+    assert o.requires_grad and not lse.requires_grad and lse.dtype == torch.float32
+    dq, = torch.autograd.grad(o.sum(), q)
+    assert dq.shape == q.shape and torch.isfinite(dq).all()
+
+
+def test_no_grad_takes_the_plain_path():
+    rng = np.random.default_rng(5)
+    q, k, v = (t(x, grad=True) for x in qkv(rng, Nq=8, D=8))
+    assert _torch_ops.wants(q, k, v)
+    with torch.no_grad():
+        assert not _torch_ops.wants(q, k, v)
+        o = flashcore.attention(q, k, v)
+    assert not o.requires_grad
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_float64(causal):
+    rng = np.random.default_rng(6)
+    q, k, v = (t(x, grad=True) for x in qkv(rng, B=1, Hq=2, Hkv=1, Nq=5, Nk=7, D=4,
+                                             dtype="float64"))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flashcore.attention(a, b, c, causal=causal), (q, k, v))
+
+
+def test_empty_rows_get_zero_gradients():
+    rng = np.random.default_rng(7)
+    q, k, v = (t(x, grad=True) for x in qkv(rng, Nq=12, Nk=5, D=8))
+    o, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.all(o[:, :, :7] == 0) and torch.all(lse[:, :, :7] == -math.inf)
+    o.sum().backward()
+    assert torch.all(q.grad[:, :, :7] == 0) and torch.isfinite(q.grad).all()
+
+
+# --- opcheck, compile -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("layout,causal,shape", [("bhnd", True, SHAPES[1]),
+                                                 ("bnhd", False, SHAPES[2])])
+def test_opcheck(backend, layout, causal, shape):
+    Nq, Nk, Hq, Hkv = shape
+    rng = np.random.default_rng(8)
+    q, k, v = (t(x, grad=True) for x in qkv(rng, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=8,
+                                             layout=layout))
+    args = (q, k, v, causal, 0.3, layout, backend)
+    torch.library.opcheck(_torch_ops.attention_forward_op, args)
+    with torch.no_grad():
+        o, lse = _torch_ops.attention_forward_op(*args)
+    do = torch.randn_like(o)
+    torch.library.opcheck(_torch_ops.attention_backward_op,
+                          (do, q.detach(), k.detach(), v.detach(), o, lse, causal, 0.3, layout,
+                           backend))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d=16, heads=2, backend="auto"):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.heads, self.backend = heads, backend
+
+    def forward(self, x):
+        B, N, d = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, d // self.heads).unbind(2)
+        o = flashcore.attention(q, k, v, causal=True, layout="bnhd", backend=self.backend)
+        return o.reshape(B, N, d).square().sum()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_compile_fullgraph_forward_and_backward(backend):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = _Block(backend=backend)
+    x = torch.randn(2, 12, 16)
+    loss = model(x)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    compiled = torch.compile(model, fullgraph=True)  # raises on any graph break
+    closs = compiled(x)
+    cgrads = torch.autograd.grad(closs, list(model.parameters()))
+    assert rel_err(closs.detach().numpy(), loss.detach().numpy()) <= TOL_FWD["float32"]
+    for a, b in zip(cgrads, grads):
+        assert rel_err(a.numpy(), b.numpy()) <= TOL_BWD["float32"]
+
+
+def test_compile_dynamic_shapes_without_grad():
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: flashcore.attention(q, k, v, causal=True),
+                      fullgraph=True, dynamic=True)
+    rng = np.random.default_rng(9)
+    for n in (8, 13):
+        q, k, v = qkv(rng, Nq=n, Nk=n + 3, D=8)
+        o = f(t(q), t(k), t(v))
+        assert rel_err(o.numpy(), oracle_forward(q, k, v, causal=True)[0]) <= TOL_FWD["float32"]
+
+
+# --- the "torch" backend ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES + [(6, 0, 2, 1), (0, 5, 2, 2)],
+                         ids=SHAPE_IDS + ["nk=0", "nq=0"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_torch_backend_forward(layout, causal, shape, dtype):
+    Nq, Nk, Hq, Hkv = shape
+    rng = np.random.default_rng(10)
+    q, k, v = qkv(rng, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=16, dtype=dtype, layout=layout)
+    opts = {"causal": causal, "layout": layout}
+    o, lse = flashcore.attention_forward(t(q), t(k), t(v), backend="torch", **opts)
+    o2 = flashcore.attention(t(q), t(k), t(v), backend="torch", **opts)
+    ro, rlse = oracle_forward(q, k, v, **opts)
+    assert o.dtype == t(q).dtype and lse.dtype == torch.float32 and lse.shape == rlse.shape
+    assert rel_err(host(o), ro) <= TOL_FWD[dtype]
+    assert rel_err(host(o2), ro) <= TOL_FWD[dtype]
+    assert rel_err(lse.numpy(), rlse) <= TOL_FWD["float32"]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_torch_backend_backward(causal, shape):
+    Nq, Nk, Hq, Hkv = shape
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=16, layout="bnhd")
+    do = rand(rng, q.shape)
+    opts = {"causal": causal, "layout": "bnhd"}
+    o, lse = flashcore.attention_forward(t(q), t(k), t(v), backend="torch", **opts)
+    grads = flashcore.attention_backward(t(do), t(q), t(k), t(v), o, lse, backend="torch", **opts)
+    for g, r in zip(grads, oracle_backward(do, q, k, v, **opts)):
+        assert rel_err(g.numpy(), r) <= TOL_BWD["float32"]
+
+
+def _case(**kw):
+    base = {"library": "torch", "device": "cpu", "dtype": "float32", "batch": 1,
+            "heads_q": 2, "heads_kv": 2, "seqlen_q": 4, "seqlen_k": 4, "head_dim": 8,
+            "causal": False, "scale": 0.3, "layout": "bhnd"}
+    return Case(**{**base, **kw})
+
+
+def test_torch_backend_declines_other_libraries_and_lse_it_cannot_give():
+    mod = _dispatch.load("torch")
+    assert "PyTorch" in mod.supports(_case(library="numpy"))
+    assert mod.supports(_case()) is None
+    assert "float64" in mod.supports(_case(device="cuda:0", dtype="float64", need_lse=True))
+    assert mod.supports(_case(device="mps:0", need_lse=False)) is None
+    assert "lse" in mod.supports(_case(device="mps:0", need_lse=True))
+    # Named explicitly, the missing lse is a NotImplementedError that says why.
+    case = _case(device="mps:0", need_lse=True, explicit=True)
+    assert mod.supports(case) is None
+    x = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="lse"):
+        mod.forward(x, x, x, case)
+
+
+def test_torch_backend_is_not_picked_for_numpy():
+    rng = np.random.default_rng(12)
+    q, k, v = qkv(rng)
+    with pytest.raises(flashcore.BackendUnavailableError, match="PyTorch"):
+        flashcore.attention(q, k, v, backend="torch")
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_mixed_libraries_raise():
+    rng = np.random.default_rng(13)
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="one library"):
+        flashcore.attention(t(q, grad=True), k, t(v))
+    tq, tk, tv = t(q), t(k), t(v)
+    o, lse = flashcore.attention_forward(tq, tk, tv)
+    with pytest.raises(TypeError, match="one library"):
+        flashcore.attention_backward(q, tq, tk, tv, o, lse)
+
+
+def test_bad_input_raises_under_autograd():
+    rng = np.random.default_rng(14)
+    q, k, v = (t(x, grad=True) for x in qkv(rng, Hq=3, Hkv=2))
+    with pytest.raises(ValueError, match="multiple"):
+        flashcore.attention(q, k, v)
+    with pytest.raises(ValueError, match="layout"):
+        flashcore.attention(q, q, q, layout="nhbd")
+    with pytest.raises(ValueError, match="scale"):
+        flashcore.attention(q, q, q, scale=-1.0)
+
+
+# --- CUDA (run on a GPU machine) ------------------------------------------------------------
+
+
+class _Recorder:
+    """Wraps the selected backend and records the data pointers it saw and returned."""
+
+    def __init__(self, monkeypatch):
+        self.seen, self.made = [], []
+        real = _dispatch.select
+
+        def select(case, backend):
+            impl = real(case, backend)
+            rec = self
+
+            class Wrapped:
+                NAME = impl.NAME
+
+                @staticmethod
+                def forward(q, k, v, c):
+                    rec.seen += [x.data_ptr() for x in (q, k, v)]
+                    out = impl.forward(q, k, v, c)
+                    rec.made += [x.data_ptr() for x in out]
+                    return out
+
+                @staticmethod
+                def backward(*args):
+                    rec.seen += [x.data_ptr() for x in args[:6]]
+                    out = impl.backward(*args)
+                    rec.made += [x.data_ptr() for x in out]
+                    return out
+
+            return Wrapped
+
+        monkeypatch.setattr(_dispatch, "select", select)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+def test_zero_copy_by_data_pointer(monkeypatch, device):
+    rec = _Recorder(monkeypatch)
+    rng = np.random.default_rng(15)
+    q, k, v = (t(x, device, grad=True) for x in qkv(rng, Nq=16, D=16, layout="bnhd"))
+    o = flashcore.attention(q, k, v, layout="bnhd")
+    assert rec.seen == [x.data_ptr() for x in (q, k, v)]
+    assert rec.made[0] == o.data_ptr()
+    o.sum().backward()
+    assert rec.seen[4:7] == [x.data_ptr() for x in (q, k, v)]
+    assert rec.made[-3:] == [x.grad.data_ptr() for x in (q, k, v)]
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_backward_matches_reference():
+    _check_grads(np.random.default_rng(16), "auto", "bfloat16", "bnhd", True, SHAPES[1], "cuda")
+    _check_grads(np.random.default_rng(16), "torch", "float16", "bhnd", True, SHAPES[2], "cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_runs_on_the_current_stream():
+    rng = np.random.default_rng(17)
+    q, k, v = qkv(rng, B=4, Hq=8, Nq=1024, D=64)
+    ro = oracle_forward(q[:1, :1], k[:1, :1], v[:1, :1])[0]
+    w = torch.eye(64, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        # q is produced on s by queued work: a kernel on another stream would race with it.
+        tq = t(q, "cuda").requires_grad_(True)
+        tq2 = tq
+        for _ in range(50):
+            tq2 = tq2 @ w
+        o = flashcore.attention(tq2, t(k, "cuda"), t(v, "cuda"))
+        o.sum().backward()
+    s.synchronize()
+    assert rel_err(host(o[:1, :1]), ro) <= TOL_FWD["float32"]
+    assert torch.isfinite(tq.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_second_device():
+    rng = np.random.default_rng(18)
+    q, k, v = qkv(rng, Nq=64, D=32)
+    tq, tk, tv = (t(x, "cuda:1", grad=True) for x in (q, k, v))
+    with torch.cuda.device(0):
+        o = flashcore.attention(tq, tk, tv, causal=True)
+        o.sum().backward()
+    assert o.device == tq.device and tq.grad.device == tq.device
+    assert rel_err(host(o), oracle_forward(q, k, v, causal=True)[0]) <= TOL_FWD["float32"]
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_compile_fullgraph():
+    torch._dynamo.reset()
+    model = _Block().cuda()
+    x = torch.randn(2, 64, 16, device="cuda")
+    loss = model(x)
+    closs = torch.compile(model, fullgraph=True)(x)
+    assert rel_err(closs.detach().cpu().numpy(), loss.detach().cpu().numpy()) <= 1e-4
