@@ -67,7 +67,8 @@ def _positive_float(text):
 def _int_list(text, check=_positive_int):
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers, got {text!r}")
     try:
         return tuple(check(t) for t in items)
     except argparse.ArgumentTypeError as e:
@@ -284,9 +285,10 @@ def run_main(argv):
             line += (f", {m2 / m1:.1f}x less extra memory" if m2 >= m1 else
                      f", {m1 / m2:.1f}x more extra memory")
         print(line)
+    half = " (causal: half)" if config.causal else ""
     print(f"(times: median of {len(rec['times_s'])} runs after a warm-up; GFLOP/s: "
-          f"{config.flops('fwd') / 1e9:.1f} GFLOP nominal{' (causal: half)' if config.causal else ''}"
-          f"; memory: {_memory_note(rec, gpu)}; wall {wall:.1f} s)")
+          f"{config.flops('fwd') / 1e9:.1f} GFLOP nominal{half}; memory: "
+          f"{_memory_note(rec, gpu)}; wall {wall:.1f} s)")
     return 0 if chk["ok"] else 1
 
 
@@ -295,7 +297,8 @@ def _memory_note(rec, gpu):
         return "torch.cuda.max_memory_allocated above the baseline, outputs included"
     method = rec.get("host_peak_method")
     if method == "VmHWM":
-        return "growth of the resident set at its peak (Linux VmHWM reset per run), outputs included"
+        return ("growth of the resident set at its peak (Linux VmHWM reset per run), "
+                "outputs included")
     if method == "sampler":
         return "growth of the resident set sampled every ms, outputs included"
     return "not measurable on this platform"
@@ -356,7 +359,8 @@ def gpu_lines():
 
             if cuda.is_available():
                 for d in cuda.list_devices():
-                    lines.append(f"cuda:{d.id} {d.name.decode() if isinstance(d.name, bytes) else d.name} (numba.cuda)")
+                    name = d.name.decode() if isinstance(d.name, bytes) else d.name
+                    lines.append(f"cuda:{d.id} {name} (numba.cuda)")
         except Exception as e:  # driver trouble
             lines.append(f"numba.cuda cannot query CUDA: {e}")
     if importlib.util.find_spec("jax"):
@@ -393,7 +397,7 @@ def _bench_parser():
                    default=_bench.DIRECTIONS, metavar="fwd,fwdbwd", help="(both)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: the GPU where one is visible, else the CPU")
-    p.add_argument("--contenders", "--backends", dest="contenders",
+    p.add_argument("--contenders",
                    type=_choice_list(_bench.contender_names()), default=None,
                    metavar="NAME,...", help="what to run (default: everything usable here but "
                    f"{', '.join(sorted(_bench.NOT_BY_DEFAULT))}); see --list")
