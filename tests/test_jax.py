@@ -1,0 +1,262 @@
+"""JAX: custom_vjp through flashcore's kernels, eager and under jit, vmap, the "jax"
+backend's semantics, bad input at trace time, and buffer_callback on a GPU (gpu)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp
+from helpers import TOL_BWD, TOL_FWD, oracle_backward, oracle_forward, qkv, rand, rel_err
+
+import flashcore
+from flashcore import _dispatch, _jax_ops
+
+pytestmark = pytest.mark.jax
+
+GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.skipif(not GPU, reason="needs JAX with a CUDA GPU")
+
+SHAPES = [(16, 16, 2, 2), (9, 23, 4, 2), (21, 8, 3, 1)]
+SHAPE_IDS = ["square", "nq<nk-gqa", "nq>nk-mqa"]
+
+
+def j(x, device=None):
+    return jax.device_put(jnp.asarray(x), device)
+
+
+def host(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def _grads(fn, q, k, v, do):
+    """(o, dq, dk, dv) of o = fn(q, k, v) pulled back with do."""
+    o, pull = jax.vjp(fn, q, k, v)
+    return (o, *pull(do))
+
+
+def _check(fn, rng, dtype="float32", layout="bhnd", causal=False, shape=SHAPES[0], jit=False):
+    Nq, Nk, Hq, Hkv = shape
+    q, k, v = qkv(rng, B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=16, dtype=dtype, layout=layout)
+    do = rand(rng, q.shape, dtype)
+    opts = {"causal": causal, "layout": layout}
+
+    def f(a, b, c):
+        return fn(a, b, c, **opts)
+
+    run = jax.jit(lambda *a: _grads(f, *a)) if jit else (lambda *a: _grads(f, *a))
+    o, dq, dk, dv = run(j(q), j(k), j(v), j(do))
+    assert o.shape == q.shape and o.dtype == j(q).dtype
+    assert rel_err(host(o), oracle_forward(q, k, v, **opts)[0]) <= TOL_FWD[dtype]
+    for g, r in zip((dq, dk, dv), oracle_backward(do, q, k, v, **opts)):
+        assert rel_err(host(g), r) <= TOL_BWD[dtype]
+
+
+# --- custom_vjp through the kernels -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("layout,causal,shape", [
+    ("bhnd", True, SHAPES[1]), ("bnhd", False, SHAPES[2]), ("bnhd", True, SHAPES[0])])
+@pytest.mark.parametrize("backend", ["auto", "jax"])
+def test_grad_matches_reference(backend, layout, causal, shape, jit):
+    _check(lambda *a, **o: flashcore.attention(*a, backend=backend, **o),
+           np.random.default_rng(1), layout=layout, causal=causal, shape=shape, jit=jit)
+
+
+def test_grad_bfloat16_under_jit():
+    _check(flashcore.attention, np.random.default_rng(2), dtype="bfloat16", causal=True,
+           shape=SHAPES[1], jit=True)
+
+
+def test_auto_uses_a_numba_backend_through_callbacks():
+    rng = np.random.default_rng(3)
+    q, k, v = (j(x) for x in qkv(rng))
+    jaxpr = str(jax.make_jaxpr(lambda a, b, c: flashcore.attention(a, b, c))(q, k, v))
+    assert "custom_vjp" in jaxpr and "callback" in jaxpr
+
+
+def test_custom_vjp_glue_with_reference_kernels():
+    """The custom_vjp + callbacks, with the reference serving the callbacks (NumPy)."""
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, B=2, Hq=4, Hkv=2, Nq=9, Nk=23, D=16, layout="bnhd")
+    case = _jax_ops._case(j(q), j(k), j(v), causal=True, scale=None, layout="bnhd",
+                          need_lse=True, backend="auto")
+    f = _jax_ops._numba_attention("reference", case)
+
+    def fn(a, b, c, **_):
+        return f(a, b, c)[0]
+
+    _check(fn, rng, layout="bnhd", causal=True, shape=SHAPES[1], jit=True)
+
+
+def test_grad_function_and_lse_is_a_constant():
+    rng = np.random.default_rng(5)
+    q, k, v = (j(x) for x in qkv(rng, Nq=8, D=8))
+
+    def loss(a):
+        o, lse = flashcore.attention(a, k, v, return_lse=True)
+        return jnp.sum(o) + jnp.sum(lse)
+
+    def loss_o(a):
+        return jnp.sum(flashcore.attention(a, k, v))
+
+    np.testing.assert_allclose(jax.grad(loss)(q), jax.grad(loss_o)(q), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["auto", "jax"])
+def test_vmap_over_a_leading_axis(backend):
+    rng = np.random.default_rng(6)
+    qs = np.stack([qkv(rng, Hq=4, Hkv=2, Nq=9, Nk=12, D=8)[0] for _ in range(3)])
+    _, k, v = qkv(rng, Hq=4, Hkv=2, Nq=9, Nk=12, D=8)
+
+    def f(a):
+        return flashcore.attention(a, j(k), j(v), causal=True, backend=backend)
+
+    out = jax.jit(jax.vmap(f))(j(qs))
+    assert out.shape == qs.shape
+    for i in range(3):
+        assert rel_err(host(out[i]), oracle_forward(qs[i], k, v, causal=True)[0]) <= 2e-5
+    # ...and its gradient (vmap of grad batches the backward callback too).
+    g = jax.vmap(jax.grad(lambda a: jnp.sum(f(a) ** 2)))(j(qs))
+    do = 2 * np.asarray(out, dtype=np.float64)
+    for i in range(3):
+        dq = oracle_backward(do[i].astype(np.float32), qs[i], k, v, causal=True)[0]
+        assert rel_err(host(g[i]), dq) <= TOL_BWD["float32"]
+
+
+# --- the "jax" backend ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout,causal,shape", [
+    ("bhnd", False, SHAPES[0]), ("bnhd", True, SHAPES[0]), ("bnhd", True, SHAPES[1]),
+    ("bhnd", True, SHAPES[2]), ("bnhd", False, SHAPES[1]), ("bhnd", True, (6, 0, 2, 1)),
+    ("bnhd", False, (0, 5, 2, 2))],
+    ids=["full-square", "causal-square", "causal-nq<nk-gqa", "causal-nq>nk-mqa",
+         "full-nq<nk-gqa", "causal-nk=0", "full-nq=0"])
+def test_jax_backend_forward(layout, causal, shape):
+    Nq, Nk, Hq, Hkv = shape
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=16, layout=layout)
+    opts = {"causal": causal, "layout": layout}
+    o, lse = flashcore.attention_forward(j(q), j(k), j(v), backend="jax", **opts)
+    ro, rlse = oracle_forward(q, k, v, **opts)
+    assert lse.dtype == jnp.float32 and lse.shape == rlse.shape
+    assert rel_err(host(o), ro) <= TOL_FWD["float32"]
+    assert rel_err(host(lse), rlse) <= TOL_FWD["float32"]
+    oj, lj = jax.jit(lambda a, b, c: flashcore.attention(a, b, c, return_lse=True,
+                                                         backend="jax", **opts))(j(q), j(k), j(v))
+    assert rel_err(host(oj), ro) <= TOL_FWD["float32"]
+    assert rel_err(host(lj), rlse) <= TOL_FWD["float32"]
+
+
+def test_jax_backend_backward_and_empty_rows():
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, Hq=3, Hkv=1, Nq=21, Nk=8, D=16)
+    do = rand(rng, q.shape)
+    o, lse = flashcore.attention_forward(j(q), j(k), j(v), causal=True, backend="jax")
+    assert np.all(np.asarray(o)[:, :, :13] == 0) and np.all(np.asarray(lse)[:, :, :13] == -math.inf)
+    grads = flashcore.attention_backward(j(do), j(q), j(k), j(v), o, lse, causal=True,
+                                         backend="jax")
+    for g, r in zip(grads, oracle_backward(do, q, k, v, causal=True)):
+        assert np.all(np.isfinite(np.asarray(g)))
+        assert rel_err(host(g), r) <= TOL_BWD["float32"]
+
+
+def test_jax_backend_declines_other_libraries():
+    rng = np.random.default_rng(9)
+    q, k, v = qkv(rng)
+    with pytest.raises(flashcore.BackendUnavailableError, match="JAX"):
+        flashcore.attention(q, k, v, backend="jax")
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_mixed_libraries_raise():
+    rng = np.random.default_rng(10)
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="one library"):
+        flashcore.attention(j(q), k, j(v))
+    o, lse = flashcore.attention_forward(j(q), j(k), j(v))
+    with pytest.raises(TypeError, match="one library"):
+        flashcore.attention_backward(q, j(q), j(k), j(v), o, lse)
+
+
+def test_bad_input_raises_at_trace_time():
+    rng = np.random.default_rng(11)
+    q, k, v = (j(x) for x in qkv(rng, Hq=3, Hkv=2))
+    with pytest.raises(ValueError, match="multiple"):
+        jax.jit(flashcore.attention)(q, k, v)
+    with pytest.raises(TypeError, match="dtype"):
+        jax.jit(flashcore.attention)(q, q, q.astype(jnp.int32))
+    with pytest.raises(ValueError, match="scale"):
+        jax.jit(lambda a: flashcore.attention(a, a, a, scale=0.0))(q)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        flashcore.attention(q[0], q[0], q[0])
+
+
+def test_gpu_path_without_buffer_callback_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_buffer_callback(name, *args, **kw):
+        if name == "jax.experimental.buffer_callback":
+            raise ImportError("no buffer_callback here")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_buffer_callback)
+    with pytest.raises(flashcore.BackendUnavailableError, match="buffer_callback"):
+        _jax_ops._buffer_callback()
+
+
+# --- GPU (run on a GPU machine) ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_gpu_grad_matches_reference(jit):
+    _check(flashcore.attention, np.random.default_rng(12), dtype="bfloat16", layout="bnhd",
+           causal=True, shape=SHAPES[1], jit=jit)
+    _check(flashcore.attention, np.random.default_rng(12), dtype="float32", layout="bhnd",
+           causal=False, shape=SHAPES[2], jit=jit)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_jit_uses_buffer_callback_and_numba_cuda():
+    rng = np.random.default_rng(13)
+    q, k, v = (j(x) for x in qkv(rng, Nq=64, D=32, dtype="bfloat16"))
+    case = _jax_ops._case(q, k, v, causal=False, scale=None, layout="bhnd", need_lse=True,
+                          backend="auto")
+    assert case.on_gpu and _dispatch.select(case, "auto").NAME == "numba_cuda"
+    text = jax.jit(lambda a, b, c: flashcore.attention(a, b, c)).lower(q, k, v).as_text()
+    assert "callback" in text.lower()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_vmap_under_jit():
+    rng = np.random.default_rng(14)
+    qs = np.stack([qkv(rng, Nq=40, D=32)[0] for _ in range(2)])
+    _, k, v = qkv(rng, Nq=40, D=32)
+    out = jax.jit(jax.vmap(lambda a: flashcore.attention(a, j(k), j(v), causal=True)))(j(qs))
+    for i in range(2):
+        assert rel_err(host(out[i]), oracle_forward(qs[i], k, v, causal=True)[0]) <= 2e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_output_stays_on_the_input_device():
+    devs = jax.devices("gpu")
+    rng = np.random.default_rng(15)
+    q, k, v = qkv(rng, Nq=32, D=16)
+    dev = devs[-1]
+    o = jax.jit(lambda a, b, c: flashcore.attention(a, b, c))(*(j(x, dev) for x in (q, k, v)))
+    assert o.devices() == {dev}
+    assert rel_err(host(o), oracle_forward(q, k, v)[0]) <= TOL_FWD["float32"]
