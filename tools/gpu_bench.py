@@ -131,11 +131,12 @@ def main():
 
     # --- forward tilings of the float32 kernel --------------------------------------------
     variants = {
+        "64x64/8x16": tiles.Tiles(64, 64, 8, 16),
         "64x64/16x16": tiles.Tiles(64, 64, 16, 16),
         "128x64/16x16": tiles.Tiles(128, 64, 16, 16),
         "64x128/8x16": tiles.Tiles(64, 128, 8, 16),
         "128x128/16x16": tiles.Tiles(128, 128, 16, 16),
-        "64x32/16x8": tiles.Tiles(64, 32, 16, 8),
+        "32x64/4x16": tiles.Tiles(32, 64, 4, 16),
     }
     tv = results["tilings"] = {}
     for D in (64, 128):

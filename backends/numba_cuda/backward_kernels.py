@@ -19,8 +19,10 @@ import math
 
 from numba import cuda, float32
 
-from .convert import load_f32, store_f32
-from .forward_kernels import LN2, LOG2E, load_tile_t, variant_tag
+from . import tiles as _tiles
+from .convert import load_f32, smem_pointer, store_f32
+from .forward_kernels import (LN2, LOG2E, NEG_INF, POS_INF, SMEM_ALIGN, load_tile_t,
+                              variant_tag)
 from .tile_product import tile_product
 
 _CACHE = {}
@@ -63,17 +65,10 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
-    LDK = BM + t.pad  # K, V: [d][key]
-    LDQ = BN + t.pad  # Q, dO: [d][query]
-    LDP = BM + t.pad  # P, dS: [query][key]
-    K_OFF = 0
-    V_OFF = K_OFF + DP * LDK
-    Q_OFF = V_OFF + DP * LDK
-    DO_OFF = Q_OFF + DP * LDQ
-    P_OFF = DO_OFF + DP * LDQ
-    DS_OFF = P_OFF + BN * LDP
-    LS_OFF = DS_OFF + BN * LDP
-    DL_OFF = LS_OFF + BN
+    lay = _tiles.dkdv_layout(t, D)
+    LDK, LDQ, LDP = lay["LDK"], lay["LDQ"], lay["LDP"]  # K, V [d][key]; Q, dO [d][query]
+    K_OFF, V_OFF, Q_OFF, DO_OFF = lay["K"], lay["V"], lay["Q"], lay["DO"]
+    P_OFF, DS_OFF, LS_OFF, DL_OFF = lay["P"], lay["DS"], lay["LS"], lay["DL"]  # [query][key]
     CAUSAL = bool(causal)
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
@@ -81,7 +76,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
                            vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
                            dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
                            lsb, lsh, lsn, scale):
-        smem = cuda.shared.array(0, float32)
+        smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
@@ -128,12 +123,12 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
                             float32(1.0), tid, NT)
                 for e in range(tid, BN, NT):
                     i = m0 + e
-                    ls = math.inf
+                    ls = POS_INF
                     dl = float32(0.0)
                     if i < Nq:
                         lv = lse[lbase + i * lsn]
-                        if lv != -math.inf:
-                            ls = lv * LOG2E
+                        if lv != NEG_INF:
+                            ls = lv * float32(LOG2E)
                         dl = delta[(b * Hq + h) * Nq + i]
                     smem[LS_OFF + e] = ls
                     smem[DL_OFF + e] = dl
@@ -142,10 +137,9 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
                     for bb in range(RN):
                         s[a, bb] = float32(0.0)
                         dp[a, bb] = float32(0.0)
-                tile_product(s, xa, xb, smem, K_OFF, LDK, 1, Q_OFF, LDQ, 1, D, tr, tc,
-                             RM, RN, TR, TC)
-                tile_product(dp, xa, xb, smem, V_OFF, LDK, 1, DO_OFF, LDQ, 1, D, tr, tc,
-                             RM, RN, TR, TC)
+                tile_product(s, xa, xb, smem, K_OFF, LDK, Q_OFF, LDQ, 1, DP, tr, tc, RM, RN, TC)
+                tile_product(dp, xa, xb, smem, V_OFF, LDK, DO_OFF, LDQ, 1, DP, tr, tc,
+                             RM, RN, TC)
                 masked = CAUSAL and m0 < m_full
                 for bb in range(RN):
                     col = tc + TC * bb
@@ -153,29 +147,30 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
                     dl = smem[DL_OFF + col]
                     i = m0 + col
                     for a in range(RM):
-                        row = tr + TR * a
+                        row = tr * RM + a
                         p = math.exp2(s[a, bb] - ls)
                         if masked and k0 + row > i + causal_offset:
                             p = float32(0.0)
                         smem[P_OFF + col * LDP + row] = p
                         smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
                 cuda.syncthreads()
-                tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, 1, DO_OFF, 1, LDQ, BN,
-                             tr, tc, RM, RD, TR, TC)
-                tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, 1, Q_OFF, 1, LDQ, BN,
-                             tr, tc, RM, RD, TR, TC)
+                tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, DO_OFF, 1, LDQ, BN, tr, tc,
+                             RM, RD, TC)
+                tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, Q_OFF, 1, LDQ, BN, tr, tc,
+                             RM, RD, TC)
                 cuda.syncthreads()
 
         dkbase = b * dksb + hk * dksh
         dvbase = b * dvsb + hk * dvsh
         for a in range(RM):
-            j = k0 + tr + TR * a
+            j = k0 + tr * RM + a
             if j < Nk:
                 for dd in range(RD):
                     d = tc + TC * dd
                     if d < D:
                         # Q was scaled by scale * log2(e): dK = scale * dS Q = ln2 * dS Qs.
-                        store_f32(dk, dkbase + j * dksn + d * dksd, dk_acc[a, dd] * LN2)
+                        store_f32(dk, dkbase + j * dksn + d * dksd,
+                                  dk_acc[a, dd] * float32(LN2))
                         store_f32(dv, dvbase + j * dvsn + d * dvsd, dv_acc[a, dd])
 
     attn_backward_dkdv.__qualname__ = f"attn_backward_dkdv_{variant_tag(D, t, CAUSAL)}"
@@ -193,20 +188,15 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
-    LDQ = BM + t.pad  # Q, dO: [d][query]
-    LDK = BN + t.pad  # K, V: [d][key]
-    LDP = BM + t.pad  # dS: [key][query]
-    Q_OFF = 0
-    DO_OFF = Q_OFF + DP * LDQ
-    K_OFF = DO_OFF + DP * LDQ
-    V_OFF = K_OFF + DP * LDK
-    DS_OFF = V_OFF + DP * LDK
+    lay = _tiles.dq_layout(t, D)
+    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q, dO [d][query]; K, V [d][key]
+    Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF = lay["Q"], lay["DO"], lay["K"], lay["V"], lay["DS"]
     CAUSAL = bool(causal)
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
                          gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale):
-        smem = cuda.shared.array(0, float32)
+        smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
@@ -235,13 +225,13 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
         xb = cuda.local.array(RN, float32)
         xd = cuda.local.array(RD, float32)
         for a in range(RM):
-            i = q0 + tr + TR * a
-            ls[a] = math.inf
+            i = q0 + tr * RM + a
+            ls[a] = POS_INF
             dl[a] = float32(0.0)
             if i < Nq:
                 lv = lse[b * lsb + h * lsh + i * lsn]
-                if lv != -math.inf:
-                    ls[a] = lv * LOG2E
+                if lv != NEG_INF:
+                    ls[a] = lv * float32(LOG2E)
                 dl[a] = delta[bh * Nq + i]
             for dd in range(RD):
                 dq_acc[a, dd] = float32(0.0)
@@ -261,14 +251,12 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, 1, K_OFF, LDK, 1, D, tr, tc,
-                         RM, RN, TR, TC)
-            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, 1, V_OFF, LDK, 1, D, tr, tc,
-                         RM, RN, TR, TC)
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, LDK, 1, DP, tr, tc, RM, RN, TC)
+            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, V_OFF, LDK, 1, DP, tr, tc, RM, RN, TC)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             masked = n0 + BN > Nk or (CAUSAL and n0 + BN > n_full)
             for a in range(RM):
-                row = tr + TR * a
+                row = tr * RM + a
                 i = q0 + row
                 for bb in range(RN):
                     col = tc + TC * bb
@@ -277,14 +265,14 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
                         p = float32(0.0)
                     smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
             cuda.syncthreads()
-            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, 1, K_OFF, 1, LDK, BN, tr, tc,
-                         RM, RD, TR, TC)
+            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, K_OFF, 1, LDK, BN, tr, tc,
+                         RM, RD, TC)
             cuda.syncthreads()
 
         dqbase = b * dqsb + h * dqsh
         sc = float32(scale)
         for a in range(RM):
-            i = q0 + tr + TR * a
+            i = q0 + tr * RM + a
             if i < Nq:
                 for dd in range(RD):
                     d = tc + TC * dd

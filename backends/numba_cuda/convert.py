@@ -22,6 +22,14 @@ if SIMULATOR:
         """A helper that kernels call: plain Python under the simulator."""
         return fn
 
+    def smem_pointer(arr):
+        """The shared array itself: simulator kernels index it like a pointer."""
+        return arr
+
+    def ld4(p, i):
+        """Four consecutive words ``p[i:i+4]`` (one 16-byte load on the GPU)."""
+        return p[i], p[i + 1], p[i + 2], p[i + 3]
+
     def load_f32(x):
         if x.dtype == np.uint16:
             return np.array(int(x) << 16, dtype=np.uint32).view(np.float32)[()]
@@ -43,16 +51,42 @@ else:
     from numba.cuda.extending import intrinsic, overload
 
     def device_function(fn):
-        """A helper that kernels call, inlined into each caller at the typing stage.
+        """A helper that kernels call: a device function that LLVM inlines (``forceinline``),
+        so that after inlining its sizes are the caller's constants, its loops unroll and the
+        local arrays passed in stay in registers. (Numba asks the current GPU for its compute
+        capability while compiling it, so compile_ptx without a GPU must answer for it; see
+        tests/test_numba_cuda_ptx.py.)"""
+        return cuda.jit(device=True, forceinline=True)(fn)
 
-        (``cuda.jit(device=True)`` would ask the current GPU for its compute capability
-        while compiling its caller, which breaks ``compile_ptx`` on a machine without one.)
-        """
-        def typer(*args):
-            return fn
+    @intrinsic
+    def smem_pointer(typingctx, arr):
+        """A raw pointer to a shared array's data. Indexing it skips the negative-index
+        wraparound that array indexing compiles to (five 64-bit integer instructions per
+        access in the hot loops), and NVVM still emits ``ld.shared`` through it."""
+        sig = types.CPointer(arr.dtype)(arr)
 
-        overload(fn, target="cuda", inline="always", strict=False)(typer)
-        return fn
+        def codegen(context, builder, signature, args):
+            return context.make_array(signature.args[0])(context, builder, args[0]).data
+
+        return sig, codegen
+
+    @intrinsic
+    def ld4(typingctx, ptr, idx):
+        """``(p[i], p[i+1], p[i+2], p[i+3])`` of a float32 pointer as one 16-byte vector
+        load (``ld.shared.v4.f32``); ``p + i`` must be 16-byte aligned."""
+        rt = types.UniTuple(types.float32, 4)
+        sig = rt(ptr, idx)
+
+        def codegen(context, builder, signature, args):
+            p, i = args
+            vty = ir.VectorType(ir.FloatType(), 4)
+            vp = builder.bitcast(builder.gep(p, [i]), vty.as_pointer())
+            v = builder.load(vp, align=16)
+            vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), n))
+                    for n in range(4)]
+            return context.make_tuple(builder, rt, vals)
+
+        return sig, codegen
 
     @intrinsic
     def _bits_to_f32(typingctx, x):

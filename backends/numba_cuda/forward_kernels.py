@@ -13,26 +13,50 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda, float32
 
-from .convert import device_function, load_f32, store_f32
+from . import tiles as _tiles
+from .convert import SIMULATOR, device_function, load_f32, smem_pointer, store_f32
 from .tile_product import tile_product
 
+#: Dynamic shared memory starts 16-byte aligned (vector loads); the simulator takes no
+#: alignment argument.
+SMEM_ALIGN = None if SIMULATOR else 16
 LOG2E = 1.4426950408889634
+# fp32 infinities: comparing with Python's math.inf would compute in fp64.
+NEG_INF = np.float32(-np.inf)
+POS_INF = np.float32(np.inf)
 LN2 = 0.6931471805599453
 
 
 @device_function
 def load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult, tid, NT):
     """smem[off + d * ld + j] = src[row n0 + j, column d] * mult, transposed, in fp32; rows
-    past ``nvalid`` and columns past ``D`` (up to ``DP``) are zero."""
-    for e in range(tid, rows * DP, NT):
-        j = e // DP
-        d = e - j * DP
-        if d < D and n0 + j < nvalid:
-            smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
-        else:
-            smem[off + d * ld + j] = float32(0.0)
+    past ``nvalid`` and columns past ``D`` (up to ``DP``) are zero.
+
+    Lanes read along d (coalesced). With an odd ``ld``, consecutive d land on distinct
+    banks; with ``ld`` a multiple of 4, a warp takes 8 columns x 4 rows so that its stores
+    still cover all 32 banks."""
+    if ld % 2 == 1:  # (a compile-time constant: one branch survives)
+        for e in range(tid, rows * DP, NT):
+            j = e // DP
+            d = e - j * DP
+            if d < D and n0 + j < nvalid:
+                smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
+            else:
+                smem[off + d * ld + j] = float32(0.0)
+    else:
+        for e in range(tid, rows * DP, NT):
+            blk = e >> 5
+            lane = e & 31
+            db = blk // (rows >> 2)
+            j = (blk - db * (rows >> 2)) * 4 + (lane >> 3)
+            d = db * 8 + (lane & 7)
+            if d < D and n0 + j < nvalid:
+                smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
+            else:
+                smem[off + d * ld + j] = float32(0.0)
 
 
 _CACHE = {}
@@ -48,19 +72,16 @@ def make_attn_forward(head_dim: int, t, causal: bool):
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
-    LDQ = BM + t.pad  # Q tile: [d][i]
-    LDK = BN + t.pad  # K or V tile: [d][j]
-    LDP = BM + t.pad  # P tile: [j][i]
-    Q_OFF = 0
-    KV_OFF = Q_OFF + DP * LDQ
-    P_OFF = KV_OFF + DP * LDK
-    RED_OFF = P_OFF + BN * LDP  # [i][tc]: per-thread partial row max / row sum
+    lay = _tiles.forward_layout(t, D)
+    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q [d][i], K or V [d][j], P [j][i]
+    Q_OFF, KV_OFF, P_OFF = lay["Q"], lay["KV"], lay["P"]
+    RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(causal)
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                      vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale):
-        smem = cuda.shared.array(0, float32)
+        smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
@@ -87,7 +108,7 @@ def make_attn_forward(head_dim: int, t, causal: bool):
         xb = cuda.local.array(RN, float32)
         xd = cuda.local.array(RD, float32)  # the V row slice in the P V product
         for a in range(RM):
-            m_i[a] = -math.inf
+            m_i[a] = NEG_INF
             l_i[a] = float32(0.0)
             for dd in range(RD):
                 acc[a, dd] = float32(0.0)
@@ -108,31 +129,31 @@ def make_attn_forward(head_dim: int, t, causal: bool):
             for a in range(RM):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, 1, KV_OFF, LDK, 1, D, tr, tc,
-                         RM, RN, TR, TC)
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, KV_OFF, LDK, 1, DP, tr, tc,
+                         RM, RN, TC)
             if n0 + BN > n_full:  # a diagonal or tail tile: mask
                 for a in range(RM):
-                    i = q0 + tr + TR * a
+                    i = q0 + tr * RM + a
                     for bb in range(RN):
                         j = n0 + tc + TC * bb
                         if j >= Nk or (CAUSAL and j > i + causal_offset):
-                            s[a, bb] = -math.inf
+                            s[a, bb] = NEG_INF
             for a in range(RM):
                 mx = s[a, 0]
                 for bb in range(1, RN):
                     mx = max(mx, s[a, bb])
-                smem[RED_OFF + (tr + TR * a) * TC + tc] = mx
+                smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
             cuda.syncthreads()
             # K is consumed: V goes into the same buffer while the softmax runs.
             load_tile_t(smem, KV_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
                         float32(1.0), tid, NT)
             for a in range(RM):
-                row = tr + TR * a
+                row = tr * RM + a
                 mx = m_i[a]
                 for c in range(TC):
                     mx = max(mx, smem[RED_OFF + row * TC + c])
                 # A row that has seen no key yet keeps m = -inf; subtract 0 instead.
-                m_use = mx if mx != -math.inf else float32(0.0)
+                m_use = mx if mx != NEG_INF else float32(0.0)
                 alpha = math.exp2(m_i[a] - m_use)
                 m_i[a] = mx
                 lsum = l_i[a] * alpha
@@ -144,17 +165,16 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                     smem[P_OFF + (tc + TC * bb) * LDP + row] = p
                 l_i[a] = lsum
             cuda.syncthreads()
-            tile_product(acc, xa, xd, smem, P_OFF, LDP, 1, KV_OFF, 1, LDK, BN, tr, tc,
-                         RM, RD, TR, TC)
+            tile_product(acc, xa, xd, smem, P_OFF, LDP, KV_OFF, 1, LDK, BN, tr, tc, RM, RD, TC)
             cuda.syncthreads()
 
         # Each thread summed its own columns; add up the row sums across the TC threads.
         for a in range(RM):
-            smem[RED_OFF + (tr + TR * a) * TC + tc] = l_i[a]
+            smem[RED_OFF + (tr * RM + a) * TC + tc] = l_i[a]
         cuda.syncthreads()
         obase = b * osb + h * osh
         for a in range(RM):
-            row = tr + TR * a
+            row = tr * RM + a
             i = q0 + row
             lsum = float32(0.0)
             for c in range(TC):
@@ -166,9 +186,9 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                     if d < D:
                         store_f32(o, obase + i * osn + d * osd, acc[a, dd] * inv)
                 if tc == 0:
-                    val = -math.inf
+                    val = NEG_INF
                     if lsum > 0:
-                        val = (m_i[a] + math.log2(lsum)) * LN2
+                        val = (m_i[a] + math.log2(lsum)) * float32(LN2)
                     lse[(b * Hq + h) * Nq + i] = val
 
     attn_forward.__qualname__ = f"attn_forward_{variant_tag(D, t, CAUSAL)}"
@@ -180,6 +200,6 @@ def variant_tag(head_dim, t, causal=None) -> str:
     """A name per compiled variant: numba's disk cache keeps one index file per qualified
     name, so variants compiled by different processes never overwrite each other's entry,
     and profiles name the variant."""
-    tag = f"d{head_dim}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}_p{t.pad}"
+    tag = f"d{head_dim}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}"
     return tag if causal is None else tag + ("_causal" if causal else "_full")
 

@@ -1,15 +1,17 @@
 """Tile configurations of the CUDA kernels: plain data, chosen per (head dim, dtype, causal,
-compute capability).
+compute capability), and the shared-memory layout that follows from them.
 
 Every kernel works on a ``block_m x block_n`` tile of the score matrix with a
-``rows x cols`` grid of threads; thread ``(r, c)`` owns the score rows ``r + rows * a``
-(``a < block_m // rows``) and columns ``c + cols * b`` (``b < block_n // cols``), and the
-head-dim columns ``c + cols * t`` (``t < ceil(D / cols)``) of the output rows it owns.
-Strided ownership keeps the lanes of a warp on consecutive shared-memory words (no bank
-conflicts) and broadcasts the words that lanes share.
+``rows x cols`` grid of threads; thread ``(r, c)`` owns the ``rm = block_m // rows``
+consecutive score rows ``r * rm + a`` and the columns ``c + cols * b`` (``b < block_n //
+cols``), and the head-dim columns ``c + cols * t`` (``t < dpad / cols``) of the output rows
+it owns. Consecutive rows let a thread fetch its A operand in 16-byte vector loads, which
+the lanes sharing ``r`` receive as one broadcast; strided columns put the lanes of a warp on
+consecutive shared-memory words of the B operand (no bank conflicts).
 
-Shared memory holds fp32 tiles stored transposed, ``tile[d][row]``, each row of the
-transposed tile padded by ``pad`` words so that column walks also hit distinct banks.
+Shared memory holds fp32 tiles stored transposed, ``tile[k][row]``. Tiles read as an A
+operand have rows padded by 4 words (16-byte aligned vector loads); tiles read only as a B
+operand by 1 word (an odd stride keeps column walks on distinct banks).
 """
 from __future__ import annotations
 
@@ -17,6 +19,18 @@ from dataclasses import dataclass
 
 #: Shared memory a block may use by default; more needs an opt-in attribute per kernel.
 STATIC_SMEM_LIMIT = 48 * 1024
+#: Shared memory a block may opt in to on sm_80 and sm_90 (227 KiB on sm_90, 163 on sm_80).
+SMEM_LIMIT = {(8, 0): 163 * 1024, (9, 0): 227 * 1024}
+
+
+def a_ld(n: int) -> int:
+    """Row stride of a tile read as an A operand (vector loads: a multiple of 4 words)."""
+    return n + 4
+
+
+def b_ld(n: int) -> int:
+    """Row stride of a tile read only as a B operand (odd: conflict-free column walks)."""
+    return n + 1
 
 
 @dataclass(frozen=True)
@@ -27,11 +41,12 @@ class Tiles:
     block_n: int
     rows: int  # thread rows
     cols: int  # thread columns
-    pad: int = 1
 
     def __post_init__(self):
         if self.block_m % self.rows or self.block_n % self.cols:
             raise ValueError(f"tiles must divide among threads: {self}")
+        if self.block_m % 4 or self.block_n % 4:
+            raise ValueError(f"tile sides must be multiples of 4: {self}")
 
     @property
     def threads(self) -> int:
@@ -48,8 +63,10 @@ class Tiles:
         return self.block_n // self.cols
 
     def dpad(self, head_dim: int) -> int:
-        """Head dim rounded up to a multiple of ``cols`` (padded columns hold zeros)."""
-        return -(-head_dim // self.cols) * self.cols
+        """Head dim rounded up to a multiple of ``cols`` and of 8 (padded columns hold
+        zeros; the tile loaders move 8 columns x 4 rows per warp)."""
+        step = self.cols * 8 // _gcd(self.cols, 8)
+        return -(-head_dim // step) * step
 
 
 @dataclass(frozen=True)
@@ -62,34 +79,81 @@ class KernelTiles:
     preprocess_threads: int = 128
 
 
-# Shared memory in fp32 words for each kernel (see the kernels for the layout).
-def forward_smem_words(t: Tiles, head_dim: int) -> int:
+def _gcd(a, b):
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _offsets(*sizes):
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out, at
+
+
+def forward_layout(t: Tiles, head_dim: int):
+    """Offsets and row strides (in fp32 words) of attn_forward's shared memory:
+    Q ``[d][i]`` (A operand of Q Kᵀ), K or V ``[d][j]`` (B operand of both products),
+    P ``[j][i]`` (A operand of P V), and the per-thread partial row maxima and sums."""
     dp = t.dpad(head_dim)
-    return dp * (t.block_m + t.pad) + dp * (t.block_n + t.pad) + t.block_n * (
-        t.block_m + t.pad) + t.block_m * t.cols
+    ldq, ldk, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
+    (q, kv, p, red), words = _offsets(dp * ldq, dp * ldk, t.block_n * ldp,
+                                      t.block_m * t.cols)
+    return dict(Q=q, KV=kv, P=p, RED=red, LDQ=ldq, LDK=ldk, LDP=ldp, words=words)
+
+
+def dkdv_layout(t: Tiles, head_dim: int):
+    """attn_backward_dkdv: K, V ``[d][key]`` (resident, A operands), Q, dO ``[d][query]``
+    (streamed, B operands), P and dS ``[query][key]`` (A operands), lse and delta."""
+    dp = t.dpad(head_dim)
+    ldk, ldq, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
+    (k, v, q, do, p, ds, ls, dl), words = _offsets(
+        dp * ldk, dp * ldk, dp * ldq, dp * ldq, t.block_n * ldp, t.block_n * ldp,
+        t.block_n, t.block_n)
+    return dict(K=k, V=v, Q=q, DO=do, P=p, DS=ds, LS=ls, DL=dl, LDK=ldk, LDQ=ldq, LDP=ldp,
+                words=words)
+
+
+def dq_layout(t: Tiles, head_dim: int):
+    """attn_backward_dq: Q, dO ``[d][query]`` (resident, A operands), K, V ``[d][key]``
+    (streamed, B operands), dS ``[key][query]`` (A operand of dS K)."""
+    dp = t.dpad(head_dim)
+    ldq, ldk, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
+    (q, do, k, v, ds), words = _offsets(dp * ldq, dp * ldq, dp * ldk, dp * ldk,
+                                        t.block_n * ldp)
+    return dict(Q=q, DO=do, K=k, V=v, DS=ds, LDQ=ldq, LDK=ldk, LDP=ldp, words=words)
+
+
+def forward_smem_words(t: Tiles, head_dim: int) -> int:
+    return forward_layout(t, head_dim)["words"]
 
 
 def dkdv_smem_words(t: Tiles, head_dim: int) -> int:
-    dp = t.dpad(head_dim)
-    # K, V (resident) + Q, dO (streamed) + P and dS + lse and delta of the query tile
-    return 2 * dp * (t.block_m + t.pad) + 2 * dp * (t.block_n + t.pad) + 2 * t.block_n * (
-        t.block_m + t.pad) + 2 * t.block_n
+    return dkdv_layout(t, head_dim)["words"]
 
 
 def dq_smem_words(t: Tiles, head_dim: int) -> int:
-    dp = t.dpad(head_dim)
-    # Q, dO (resident) + K, V (streamed) + dS
-    return 2 * dp * (t.block_m + t.pad) + 2 * dp * (t.block_n + t.pad) + t.block_n * (
-        t.block_m + t.pad)
+    return dq_layout(t, head_dim)["words"]
 
 
 #: Tiny tiles for the CUDA simulator, which runs every thread as a Python thread: they keep
-#: several tiles, tails and diagonal tiles in play on the small shapes the tests use.
+#: several tiles, tails and diagonal tiles in play on the small shapes the tests use, and
+#: four rows per thread so that the vector loads run too.
 SIMULATOR = KernelTiles(
-    forward=Tiles(block_m=4, block_n=8, rows=2, cols=4),
-    dkdv=Tiles(block_m=8, block_n=4, rows=4, cols=2),
-    dq=Tiles(block_m=4, block_n=8, rows=2, cols=4),
+    forward=Tiles(block_m=8, block_n=8, rows=2, cols=4),
+    dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2),
+    dq=Tiles(block_m=8, block_n=8, rows=2, cols=4),
     preprocess_threads=8,
+)
+
+#: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ) tilings. Register
+#: tiles stay near 100 words per thread (no spills at 255), shared memory within sm_80's.
+_TABLE = (
+    (64, Tiles(64, 64, 8, 16), Tiles(64, 64, 16, 16), Tiles(64, 64, 16, 16)),
+    (128, Tiles(64, 64, 8, 16), Tiles(64, 32, 16, 16), Tiles(64, 32, 16, 16)),
+    (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
 )
 
 
@@ -101,16 +165,7 @@ def choose(head_dim: int, dtype: str, causal: bool, cc: tuple, simulator: bool =
         return override
     if simulator:
         return SIMULATOR
-    if head_dim <= 64:
-        fwd = Tiles(block_m=64, block_n=64, rows=16, cols=16)
-        dkdv = Tiles(block_m=64, block_n=64, rows=16, cols=16)
-        dq = Tiles(block_m=64, block_n=64, rows=16, cols=16)
-    elif head_dim <= 128:
-        fwd = Tiles(block_m=64, block_n=64, rows=16, cols=16)
-        dkdv = Tiles(block_m=64, block_n=32, rows=16, cols=16)
-        dq = Tiles(block_m=64, block_n=32, rows=16, cols=16)
-    else:
-        fwd = Tiles(block_m=32, block_n=32, rows=8, cols=16)
-        dkdv = Tiles(block_m=32, block_n=32, rows=8, cols=16)
-        dq = Tiles(block_m=32, block_n=32, rows=8, cols=16)
-    return KernelTiles(forward=fwd, dkdv=dkdv, dq=dq)
+    for limit, fwd, dkdv, dq in _TABLE:
+        if head_dim <= limit:
+            return KernelTiles(forward=fwd, dkdv=dkdv, dq=dq)
+    raise ValueError(f"{head_dim=} exceeds the largest tiled head dim {_TABLE[-1][0]}")
