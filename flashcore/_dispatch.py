@@ -64,9 +64,11 @@ def select(case, backend: str):
     if backend == "auto":
         reasons = {}
         for name in AUTO_ORDER:
-            why = unavailable_reason(name)
-            if why is None:
-                why = load(name).supports(case)
+            # supports() first: it is cheap, while probing availability may load a GPU runtime.
+            try:
+                why = load(name).supports(case) or load(name).unavailable_reason()
+            except BackendUnavailableError as e:
+                why = str(e)
             if why is None:
                 return load(name)
             reasons[name] = why

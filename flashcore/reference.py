@@ -70,7 +70,10 @@ def _probabilities(xp, dev, q, k, case, lse=None):
         m = xp.max(s, axis=-1, keepdims=True) if case.seqlen_k else xp.full(
             (*s.shape[:-1], 1), -math.inf, dtype=s.dtype, device=dev)
         m = xp.where(xp.isinf(m) & (m < 0), xp.zeros_like(m), m)
-        lse = xp.log(xp.sum(xp.exp(s - m), axis=-1, keepdims=True)) + m
+        total = xp.sum(xp.exp(s - m), axis=-1, keepdims=True)
+        seen = total > 0
+        lse = xp.where(seen, xp.log(xp.where(seen, total, xp.ones_like(total))) + m,
+                       xp.full_like(total, -math.inf))
     else:
         lse = xp.reshape(xp.astype(lse, s.dtype), (*s.shape[:-1], 1))
     empty = xp.isinf(lse) & (lse < 0)

@@ -69,8 +69,12 @@ def _case64(q, k, v, opts):
     return q64, k64, v64, case
 
 
-def rel_err(x, ref):
-    """||x - ref|| / ||ref|| in float64; NaN anywhere gives inf; an all-zero ref uses abs error."""
+def rel_err(x, ref, floor=0.0):
+    """||x - ref|| / max(||ref||, floor) in float64; NaN where ref has none gives inf.
+
+    ``floor`` keeps a reference that vanishes by cancellation (dq when every row sees one key
+    is exactly 0) from turning rounding noise into a huge relative error; pass
+    :func:`grad_floor` for gradients."""
     x = to64(x)
     ref = to64(ref)
     if x.shape != ref.shape:
@@ -81,5 +85,11 @@ def rel_err(x, ref):
     if not np.array_equal(x[~fin], ref[~fin]):
         return np.inf
     num = np.linalg.norm(x[fin] - ref[fin])
-    den = np.linalg.norm(ref[fin])
+    den = max(np.linalg.norm(ref[fin]), floor)
     return num / den if den > 0 else num
+
+
+def grad_floor(ref):
+    """Norm of an array whose elements all have RMS 1e-2: far below the gradients of unit
+    normal inputs, so it only matters where the exact gradient cancels to (nearly) zero."""
+    return 1e-2 * np.sqrt(np.asarray(ref).size)

@@ -40,6 +40,10 @@ def online_softmax_tile(s, n_rows, n_cols, m_i, l_i, acc):
         for c in range(n_cols):
             x = s[r, c]
             m_new = x if x > m_new else m_new
+        if m_new == -np.inf:
+            for c in range(n_cols):
+                if s[r, c] != -np.inf:  # only NaN scores: the row's result must be NaN
+                    m_new = np.nan
         if m_new == -np.inf:  # nothing visible yet in this row
             for c in range(n_cols):
                 s[r, c] = 0.0

@@ -1,0 +1,168 @@
+"""The front end: argument checks, dispatch, backend registry, and import hygiene."""
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flashcore
+from flashcore import BackendUnavailableError
+
+from helpers import qkv, rand
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def test_available_backends_lists_every_backend_with_reason_or_none():
+    av = flashcore.available_backends()
+    assert set(av) == {"numba_cuda", "numba_cpu", "torch", "jax", "reference"}
+    assert av["numba_cpu"] is None and av["reference"] is None
+    for name, why in av.items():
+        assert why is None or (isinstance(why, str) and why), name
+
+
+def test_import_flashcore_imports_no_framework():
+    code = (
+        "import sys, numpy as np, flashcore\n"
+        "q = np.ones((1, 1, 4, 8), np.float32) * np.arange(8, dtype=np.float32)\n"
+        "flashcore.attention(q, q, q)\n"
+        "flashcore.attention(q, q, q, backend='reference')\n"
+        "bad = [m for m in ('torch', 'jax', 'cupy', 'numba.cuda') if m in sys.modules]\n"
+        "flashcore.available_backends()\n"
+        "bad += [m for m in ('torch', 'jax', 'cupy') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"import flashcore pulled in {out.stdout.strip()}"
+
+
+def test_auto_picks_numba_cpu_for_host_arrays(rng):
+    from flashcore import _dispatch
+    from flashcore._checks import make_case
+
+    q, k, v = qkv(rng)
+    case = make_case(q, k, v, causal=False, scale=None, layout="bhnd")
+    assert _dispatch.select(case, "auto").NAME == "numba_cpu"
+
+
+def test_auto_never_gives_reference_a_large_input():
+    from flashcore import reference
+    from flashcore._case import Case
+
+    big = Case(library="numpy", device="cpu", dtype="float32", batch=1, heads_q=8, heads_kv=8,
+               seqlen_q=4096, seqlen_k=4096, head_dim=64, causal=False, scale=0.125,
+               layout="bhnd")
+    assert reference.supports(big) is not None
+    assert reference.supports(Case(**{**big.__dict__, "explicit": True})) is None
+
+
+def test_named_backend_that_cannot_serve_says_why(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(BackendUnavailableError, match="numba_cuda"):
+        # No GPU here (or host arrays with a GPU): either way the reason is given.
+        if flashcore.available_backends()["numba_cuda"] is not None:
+            flashcore.attention(q, k, v, backend="numba_cuda")
+        else:
+            raise BackendUnavailableError("numba_cuda usable here; nothing to check")
+
+
+def test_no_backend_fits_lists_each_reason(rng, monkeypatch):
+    from flashcore import _dispatch
+
+    monkeypatch.setattr(_dispatch, "AUTO_ORDER", ("reference",))
+    q, k, v = qkv(rng, Nq=2048, Nk=4096, Hq=1)  # 8M scores: more than auto gives the reference
+    with pytest.raises(BackendUnavailableError, match="reference: it materializes"):
+        flashcore.attention(q, k, v)
+
+
+# --- bad input ------------------------------------------------------------------------
+
+
+def test_non_array_input(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match=r"k must be an array .* got builtins.list"):
+        flashcore.attention(q, k.tolist(), v)
+
+
+def test_integer_dtype(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="q has dtype int32"):
+        flashcore.attention(q.astype(np.int32), k, v)
+
+
+def test_mismatched_dtypes(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="share one dtype.*float64"):
+        flashcore.attention(q, k, v.astype(np.float64))
+
+
+def test_wrong_ndim(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions .*q.shape=\(2, 16, 16\)"):
+        flashcore.attention(q[0], k, v)
+
+
+@pytest.mark.parametrize("which,shape,match", [
+    ("k", (2, 2, 16, 16), "batch size"),
+    ("k", (1, 2, 16, 8), "head dim"),
+    ("v", (1, 2, 12, 16), "k and v must have one shape"),
+    ("k", (1, 3, 16, 16), "multiple of the key/value heads"),
+])
+def test_mismatched_shapes(rng, which, shape, match):
+    q, k, v = qkv(rng)
+    args = {"q": q, "k": k, "v": v}
+    if which == "k":
+        args["k"] = args["v"] = rand(rng, shape)
+        if match.startswith("k and v"):
+            args["v"] = v
+    else:
+        args["v"] = rand(rng, shape)
+    with pytest.raises(ValueError, match=match):
+        flashcore.attention(args["q"], args["k"], args["v"])
+
+
+def test_unknown_layout_and_backend(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match="layout='bshd'"):
+        flashcore.attention(q, k, v, layout="bshd")
+    with pytest.raises(ValueError, match="backend='flash'"):
+        flashcore.attention(q, k, v, backend="flash")
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
+def test_bad_scale_values(rng, scale):
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        flashcore.attention(q, k, v, scale=scale)
+
+
+def test_bad_scale_type_and_causal(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        flashcore.attention(q, k, v, scale="0.1")
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        flashcore.attention(q, k, v, causal="yes")
+
+
+def test_backward_argument_checks(rng):
+    q, k, v = qkv(rng)
+    o, lse = flashcore.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match=r"do must have q's shape"):
+        flashcore.attention_backward(o[:, :1], q, k, v, o, lse)
+    with pytest.raises(TypeError, match="o must have q's dtype float32"):
+        flashcore.attention_backward(o, q, k, v, o.astype(np.float64), lse)
+    with pytest.raises(ValueError, match=r"lse must have shape \(B, Hq, Nq\)"):
+        flashcore.attention_backward(o, q, k, v, o, lse[..., :3])
+    with pytest.raises(TypeError, match="lse must be float32"):
+        flashcore.attention_backward(o, q, k, v, o, lse.astype(np.float16))
+
+
+def test_mixed_libraries_raise(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="one library.*torch"):
+        flashcore.attention(q, torch.from_numpy(k), v)

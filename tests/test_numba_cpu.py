@@ -1,0 +1,152 @@
+"""The numba_cpu backend against the float64 reference, forward and backward."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flashcore
+
+from helpers import (TOL_BWD, TOL_FWD, grad_floor, oracle_backward, oracle_forward, qkv, rand,
+                     rel_err)
+
+BACKEND = "numba_cpu"
+DTYPES = ["float32", "float64", "float16", "bfloat16"]
+
+
+def check(rng, dtype="float32", layout="bhnd", causal=False, backward=True, **shape):
+    q, k, v = qkv(rng, dtype=dtype, layout=layout, **shape)
+    opts = dict(causal=causal, layout=layout)
+    o, lse = flashcore.attention_forward(q, k, v, backend=BACKEND, **opts)
+    ro, rlse = oracle_forward(q, k, v, **opts)
+    assert o.dtype == q.dtype and o.shape == q.shape
+    assert lse.dtype == np.float32 and lse.shape == rlse.shape
+    assert rel_err(o, ro) <= TOL_FWD[dtype], rel_err(o, ro)
+    assert rel_err(lse, rlse) <= 1e-6, rel_err(lse, rlse)
+    if not backward:
+        return
+    do = rand(rng, q.shape if layout == "bhnd" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3]),
+              dtype, layout)
+    grads = flashcore.attention_backward(do, q, k, v, o, lse, backend=BACKEND, **opts)
+    refs = oracle_backward(do, q, k, v, **opts)
+    for name, g, r, x in zip("qkv", grads, refs, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        err = rel_err(g, r, grad_floor(r))
+        assert err <= TOL_BWD[dtype], (name, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dtypes(dtype, causal):
+    check(np.random.default_rng(), dtype, causal=causal, B=2, Hq=4, Hkv=2, Nq=150, Nk=140, D=40)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (7, 300), (300, 7), (129, 129), (256, 384)])
+def test_lengths_and_layouts(layout, Nq, Nk):
+    check(np.random.default_rng(), layout=layout, causal=True, Hq=3, Hkv=1, Nq=Nq, Nk=Nk, D=16)
+
+
+@pytest.mark.parametrize("D", [1, 40, 128, 200, 256])
+def test_head_dims(D):
+    check(np.random.default_rng(), Nq=70, Nk=130, D=D, causal=D % 2 == 0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 4]),
+    Nq=st.sampled_from([0, 1, 7, 64, 129, 200]), Nk=st.sampled_from([0, 1, 7, 128, 129, 257]),
+    D=st.sampled_from([1, 8, 40, 64]), causal=st.booleans(),
+    layout=st.sampled_from(["bhnd", "bnhd"]), seed=st.integers(0, 2**32 - 1),
+)
+def test_random_shapes(B, Hkv, G, Nq, Nk, D, causal, layout, seed):
+    check(np.random.default_rng(seed), layout=layout, causal=causal, B=B, Hq=Hkv * G, Hkv=Hkv,
+          Nq=Nq, Nk=Nk, D=D)
+
+
+def test_strided_views_are_read_in_place():
+    rng = np.random.default_rng()
+    base = rand(rng, (2, 6, 90, 48))
+    q = base[:, ::2, 10:80, :32]  # every other head, a window of rows, part of the features
+    k = base[:, 1::2, :, 8:40]
+    v = np.swapaxes(rand(rng, (2, 3, 32, 90)), 2, 3)  # transposed last two axes
+    assert not (q.flags.c_contiguous or k.flags.c_contiguous or v.flags.c_contiguous)
+    o, lse = flashcore.attention_forward(q, k, v, causal=True, backend=BACKEND)
+    ro, rlse = oracle_forward(q, k, v, causal=True)
+    assert rel_err(o, ro) <= TOL_FWD["float32"]
+    do = rand(rng, q.shape)
+    for g, r in zip(flashcore.attention_backward(do, q, k, v, o, lse, causal=True, backend=BACKEND),
+                    oracle_backward(do, q, k, v, causal=True)):
+        assert rel_err(g, r) <= TOL_BWD["float32"]
+
+
+def test_rows_that_see_no_key():
+    rng = np.random.default_rng()
+    q, k, v = qkv(rng, Nq=200, Nk=50, D=16)  # causal offset -150: rows 0..149 see nothing
+    o, lse = flashcore.attention_forward(q, k, v, causal=True, backend=BACKEND)
+    assert np.all(o[:, :, :150] == 0) and np.all(lse[:, :, :150] == -np.inf)
+    assert np.all(np.isfinite(o[:, :, 150:])) and np.all(np.isfinite(lse[:, :, 150:]))
+    do = rand(rng, q.shape)
+    dq, dk, dv = flashcore.attention_backward(do, q, k, v, o, lse, causal=True, backend=BACKEND)
+    assert np.all(dq[:, :, :150] == 0)
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+
+
+def test_nan_propagates_to_affected_rows_only():
+    rng = np.random.default_rng()
+    q, k, v = qkv(rng, Nq=64, Nk=64, D=16)
+    q[0, 0, 5, 3] = np.nan
+    o, lse = flashcore.attention_forward(q, k, v, causal=True, backend=BACKEND)
+    bad = np.isnan(o).any(axis=-1)
+    assert bad[0, 0, 5] and bad.sum() == 1
+    k[0, 1, 40, 0] = np.nan  # a key is seen by causal rows 40.. of head 1
+    o, _ = flashcore.attention_forward(q, k, v, causal=True, backend=BACKEND)
+    rows = np.isnan(o[0, 1]).any(axis=-1)
+    assert not rows[:40].any() and rows[40:].all()
+
+
+def test_large_scores_neither_overflow_nor_nan():
+    rng = np.random.default_rng()
+    q, k, v = qkv(rng, Nq=100, Nk=100, D=4)
+    q = q * np.float32(100.0)
+    k = np.sign(k) * np.float32(100.0)  # |scores| up to 1e4 * scale
+    o, lse = flashcore.attention_forward(q, k, v, scale=1.0, backend=BACKEND)
+    ro, rlse = oracle_forward(q, k, v, scale=1.0)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse))
+    assert np.abs(lse).max() > 1e4 * 0.5
+    assert rel_err(o, ro) <= TOL_FWD["float32"]
+
+
+def test_backward_is_deterministic():
+    rng = np.random.default_rng()
+    q, k, v = qkv(rng, Hq=4, Hkv=1, Nq=300, Nk=300, D=32)
+    o, lse = flashcore.attention_forward(q, k, v, backend=BACKEND)
+    do = rand(rng, q.shape)
+    g1 = flashcore.attention_backward(do, q, k, v, o, lse, backend=BACKEND)
+    g2 = flashcore.attention_backward(do, q, k, v, o, lse, backend=BACKEND)
+    for a, b in zip(g1, g2):
+        assert np.array_equal(a, b)
+
+
+def test_default_scale_and_explicit_scale():
+    rng = np.random.default_rng()
+    q, k, v = qkv(rng, D=25)
+    o1 = flashcore.attention(q, k, v, backend=BACKEND)
+    o2 = flashcore.attention(q, k, v, scale=0.2, backend=BACKEND)
+    assert rel_err(o1, o2) == 0
+    o3, lse3 = flashcore.attention(q, k, v, scale=0.7, return_lse=True, backend=BACKEND)
+    ro, rl = oracle_forward(q, k, v, scale=0.7)
+    assert rel_err(o3, ro) <= TOL_FWD["float32"] and rel_err(lse3, rl) <= 1e-6
+
+
+def test_torch_cpu_tensors_are_read_without_copy():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    for dtype, tdt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        q, k, v = (torch.from_numpy(x.astype(np.float32)).to(tdt)
+                   for x in qkv(rng, Nq=33, Nk=65, D=16))
+        from flashcore import _interop
+        assert _interop.host_view(q, "torch").ctypes.data == q.data_ptr()
+        o, lse = flashcore.attention_forward(q, k, v, causal=True, backend=BACKEND)
+        assert isinstance(o, torch.Tensor) and o.dtype == tdt
+        ro, _ = oracle_forward(*(x.float().numpy() for x in (q, k, v)), causal=True)
+        assert rel_err(o.float().numpy(), ro) <= TOL_FWD[dtype]
