@@ -76,7 +76,7 @@ MEMORY_GUARD = 0.5
 
 @dataclass(frozen=True)
 class Config:
-    """One problem size, in the ``"bhnd"`` sense: q, k, v of shape ``(batch, heads, seqlen, head_dim)``."""
+    """One problem size: q, k, v of shape ``(batch, heads, seqlen, head_dim)`` ("bhnd")."""
 
     batch: int = 1
     heads: int = 8
@@ -121,10 +121,12 @@ class Config:
         x = self.batch * self.heads * self.seqlen * self.head_dim * self.itemsize  # one tensor
         lse = 4 * self.batch * self.heads * self.seqlen
         fwd = 4 * x + lse  # read q, k, v; write o and lse
-        total = fwd if direction == "fwd" else fwd + 8 * x + lse  # + read q,k,v,o,do,lse; write dq,dk,dv
+        # backward: read q, k, v, o, do, lse; write dq, dk, dv
+        total = fwd if direction == "fwd" else fwd + 8 * x + lse
         if materializes:
             s = self.scores() * max(self.itemsize, 4) * (0.5 if self.causal else 1.0)
-            # forward: write S, read S, write P, read P; backward: read P, write/read dP, write/read dS
+            # forward: write S, read S, write P, read P;
+            # backward: read P, write and read dP, write and read dS
             total += 4 * s if direction == "fwd" else 9 * s
         return float(total)
 
@@ -411,14 +413,18 @@ class Contender:
             why = _memory_guard(self, config)
         return why
 
-    def prepare(self, config: Config, direction: str, seed: int = 0) -> Prepared:
+    def prepare(self, config: Config, direction: str, seed: int = 0, host=None) -> Prepared:
+        """Make inputs (``host``: the arrays of :func:`host_inputs`, if already made) and
+        return the ready-to-run call."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction={direction!r} is not one of {DIRECTIONS}")
-        prep = self._prepare(config, direction, seed)
+        if host is None:
+            host = host_inputs(config, seed)
+        prep = self._prepare(config, direction, host)
         prep.device = self.device
         return prep
 
-    def _prepare(self, config, direction, seed) -> Prepared:
+    def _prepare(self, config, direction, host) -> Prepared:
         raise NotImplementedError
 
     def estimated_extra_bytes(self, config: Config, direction: str = "fwdbwd") -> float:
@@ -458,7 +464,7 @@ def _gpu_free_bytes(device):
 def backend_reason(name: str) -> str | None:
     """``flashcore._dispatch.unavailable_reason(name)``, with a backend that fails to answer
     (a module still being written, a broken install) reported as a reason, not raised."""
-    from . import _dispatch
+    from flashcore import _dispatch
 
     try:
         return _dispatch.unavailable_reason(name)
@@ -553,10 +559,9 @@ class FlashcoreContender(Contender):
         s = config.scores() * 8  # the reference computes in float64
         return (3 if direction == "fwd" else 6) * s
 
-    def _prepare(self, config, direction, seed):
+    def _prepare(self, config, direction, host):
         import flashcore
 
-        host = host_inputs(config, seed)
         q, k, v, do = (to_library(a, self.library, self.device) for a in host)
         opts = dict(causal=config.causal, backend=self.backend)
         if direction == "fwd":
@@ -589,10 +594,9 @@ class TorchSdpa(Contender):
         self.materializes = kernel == "math"
         self.description = (f"torch SDPA ({kernel or 'default choice'}) on {device}")
 
-    def _prepare(self, config, direction, seed):
+    def _prepare(self, config, direction, host):
         torch = _import_torch()
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        host = host_inputs(config, seed)
         q, k, v, do = (to_library(a, "torch", self.device) for a in host)
         causal = config.causal
         if self.kernel:
@@ -638,9 +642,8 @@ class JaxDpa(Contender):
             return "JAX's cuDNN attention takes float16 and bfloat16 only"
         return super().unavailable_reason(config)
 
-    def _prepare(self, config, direction, seed):
+    def _prepare(self, config, direction, host):
         jax = _import_jax()
-        host = host_inputs(config, seed)
         q, k, v, do = (to_library(a, "jax", self.device, layout="bnhd") for a in host)
         impl, causal = self.implementation, config.causal
 
@@ -673,8 +676,7 @@ class Naive(Contender):
         self.name = f"{library}_naive" + ("" if device == "cpu" else "@gpu")
         self.description = f"naive softmax(QK^T)V in {library} ({device})"
 
-    def _prepare(self, config, direction, seed):
-        host = host_inputs(config, seed)
+    def _prepare(self, config, direction, host):
         if self.library == "numpy" and config.dtype in ("float16", "bfloat16"):
             host = tuple(a.astype(np.float32) for a in host)
         q, k, v, do = (to_library(a, self.library, self.device) for a in host)
@@ -827,7 +829,6 @@ def measure_ceilings(device: str = "cpu", dtype: str = "float32", quick: bool = 
         np.copyto(b, a)
         best = min(_seconds(lambda: np.copyto(b, a)) for _ in range(5))
         bw = 2 * a.nbytes / best / 1e9
-        del a, b
         gdt = np.float64 if dtype == "float64" else np.float32
         m = 1024 if quick else 2048
         x = np.ones((m, m), dtype=gdt)
@@ -840,12 +841,10 @@ def measure_ceilings(device: str = "cpu", dtype: str = "float32", quick: bool = 
     torch = _import_torch()
     dev = torch.device("cuda:0" if device == "cuda" else device)
     tdt = getattr(torch, dtype)
-    n = 1 << 28  # 1 GiB of bytes as uint8... measured as float32 below
-    a = torch.empty(n // 4, dtype=torch.float32, device=dev).fill_(1.0)
+    a = torch.ones(1 << 28, dtype=torch.float32, device=dev)  # 1 GiB
     b = torch.empty_like(a)
     bw_t = _cuda_best(torch, dev, lambda: b.copy_(a), 10)
     bw = 2 * a.numel() * 4 / bw_t / 1e9
-    del a, b
     m = 8192
     x = torch.randn(m, m, device=dev).to(tdt)
     y = torch.randn(m, m, device=dev).to(tdt)
@@ -879,11 +878,12 @@ def _cuda_best(torch, dev, fn, n):
 
 def measure(contender: Contender, config: Config, direction: str, *, repeat: int = 5,
             warmup: int = 1, budget_s: float | None = None, memory: bool = True,
-            seed: int = 0, check=None) -> dict:
+            seed: int = 0, check=None, host=None) -> dict:
     """Time (and measure the memory of) one contender on one config and direction.
 
     ``check(outputs) -> dict``, if given, is called on the warm-up run's outputs and its answer
-    stored under ``"check"``. Never raises for a contender's failure: a contender that cannot run here comes back with
+    stored under ``"check"``. Never raises for a contender's failure: a contender that
+    cannot run here comes back with
     ``"skipped"`` (the reason), one that fails with ``"error"`` (the exception's first line).
     """
     rec = {"contender": contender.name, "kind": contender.kind, "library": contender.library,
@@ -899,7 +899,7 @@ def measure(contender: Contender, config: Config, direction: str, *, repeat: int
         return rec
     prep = None
     try:
-        prep = contender.prepare(config, direction, seed)
+        prep = contender.prepare(config, direction, seed, host)
         try:
             prep.outputs = prep.run()  # the first run compiles: not timed
         except Exception as e:  # the contender declined this config (e.g. no kernel for it)
@@ -966,7 +966,8 @@ class Progress:
         if self.enabled and self.tty:
             filled = "#" * self.width
             elapsed = time.perf_counter() - self.t0
-            self.stream.write(f"\r\x1b[K[{filled}] {self.done}/{self.total} {elapsed:4.0f}s  done\n")
+            self.stream.write(
+                f"\r\x1b[K[{filled}] {self.done}/{self.total} {elapsed:4.0f}s  done\n")
             self.stream.flush()
 
 
@@ -1166,7 +1167,8 @@ def format_tables(report: dict) -> str:
     ceil = report.get("ceilings") or {}
     if "mem_bw_GBps" in ceil:
         out.append(f"\nthis machine: memory bandwidth {ceil['mem_bw_GBps']:.1f} GB/s, "
-                   f"GEMM {ceil['gemm_GFLOPps']:.1f} GFLOP/s ({ceil['gemm_dtype']}; {ceil['how']})")
+                   f"GEMM {ceil['gemm_GFLOPps']:.1f} GFLOP/s "
+                   f"({ceil['gemm_dtype']}; {ceil['how']})")
     out.append("time: median after a warm-up; FLOP/s: nominal FLOPs (4BHN^2D forward, 2.5x that "
                "backward, halved causal); GB moved: modelled traffic; peak: extra memory of one "
                "run, outputs included")

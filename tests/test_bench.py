@@ -125,7 +125,7 @@ def test_a_contender_that_cannot_run_is_skipped_with_its_reason():
 class _Failing(_bench.Contender):
     name = "failing"
 
-    def _prepare(self, config, direction, seed):
+    def _prepare(self, config, direction, host):
         def call():
             raise RuntimeError("declined: no kernel for this shape\nsecond line")
         return _bench.Prepared(call)
@@ -134,7 +134,7 @@ class _Failing(_bench.Contender):
 class _FailsLater(_bench.Contender):
     name = "fails-later"
 
-    def _prepare(self, config, direction, seed):
+    def _prepare(self, config, direction, host):
         calls = []
 
         def call():
