@@ -133,6 +133,23 @@ else:
         ro, rl = oracle_forward(q, k, v, causal=True)
         assert rel_err(o, ro) < TOL_FWD["float32"]
 
+    def test_warp_sized_blocks(monkeypatch):
+        # blocks of 32 threads take the loaders' 8 x 4 path (the GPU tilings' one)
+        from flashcore.backends.numba_cuda import tiles
+
+        t = tiles.Tiles(block_m=8, block_n=16, rows=2, cols=16)
+        monkeypatch.setattr(tiles, "SIMULATOR", tiles.KernelTiles(t, t, t, 32))
+        c = dict(B=1, Hq=2, Hkv=1, Nq=11, Nk=19, D=12, dtype="float32", causal=True,
+                 layout="bnhd")
+        q, k, v, do = _inputs(c, seed=5)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **_opts(c))
+        ro, _ = oracle_forward(q, k, v, **_opts(c))
+        assert rel_err(o, ro) < TOL_FWD["float32"]
+        grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda",
+                                             **_opts(c))
+        for g, r in zip(grads, oracle_backward(do, q, k, v, **_opts(c))):
+            assert rel_err(g, r) < TOL_BWD["float32"]
+
     def test_auto_does_not_take_host_arrays():
         from flashcore.backends import numba_cuda
         from flashcore._checks import make_case

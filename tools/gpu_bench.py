@@ -164,6 +164,46 @@ def main():
                   f"({flops(B, H, N, D, False, False) / ms / 1e9:.1f} TFLOP/s)", flush=True)
         del q, k, v, do
 
+    # --- backward tilings (one pass's tiling changed at a time, whole backward timed) ----
+    bvariants = {
+        "64x64/16x16": tiles.Tiles(64, 64, 16, 16),
+        "64x32/16x16": tiles.Tiles(64, 32, 16, 16),
+        "128x64/16x16": tiles.Tiles(128, 64, 16, 16),
+        "128x32/16x16": tiles.Tiles(128, 32, 16, 16),
+        "32x64/8x16": tiles.Tiles(32, 64, 8, 16),
+    }
+    for D in (64, 128):
+        q, k, v, do = inputs(B, H, N, D, torch.float32)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda")
+        case = make_case(q, k, v, causal=False, scale=None, layout="bhnd",
+                         direction="backward", extra={"do": do, "o": o, "lse": lse})
+        base = tiles.choose(D, "float32", False, (9, 0))
+        delta = torch.empty(B, H, N, device=DEV)
+        grads = [torch.empty_like(q) for _ in range(3)]
+        views = [(x.data_ptr(), x.stride()) for x in (do, q, k, v, o)]
+        lse_v = (lse.data_ptr(), lse.stride())
+        gviews = [(x.data_ptr(), x.stride()) for x in grads]
+        stream = torch.cuda.current_stream().cuda_stream
+        for which in ("dkdv", "dq"):
+            for name, t in bvariants.items():
+                words = (tiles.dkdv_smem_words if which == "dkdv" else tiles.dq_smem_words)(t, D)
+                if words * 4 > 227 * 1024:
+                    continue
+                kt = tiles.KernelTiles(forward=base.forward, dkdv=t if which == "dkdv" else
+                                       base.dkdv, dq=t if which == "dq" else base.dq)
+
+                def run():
+                    launch.run_backward(case, 0, stream, *views, lse_v, delta.data_ptr(),
+                                        *gviews, tiles=kt)
+                try:
+                    ms = bench(run)
+                except Exception as e:
+                    print(f"tiling {which} {name} D={D}: {type(e).__name__}: {e}")
+                    continue
+                tv[f"bwd D{D} {which} {name}"] = ms
+                print(f"tiling bwd D={D} {which}={name}: {ms:.3f} ms", flush=True)
+        del q, k, v, do, o, lse, grads
+
     # --- peak extra memory at N=16384, bf16 forward -----------------------------------------
     mem = results["peak_extra_mib_N16384"] = {}
     q, k, v, do = inputs(1, 16, 16384, 128, torch.bfloat16)

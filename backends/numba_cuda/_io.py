@@ -90,8 +90,11 @@ class _Torch(_Adapter):
     def empty(self, like, shape, dtype, dev, poison=True):
         import torch
 
-        dt = like.dtype if dtype is None else getattr(torch, dtype)
-        out = torch.empty(shape, dtype=dt, device=like.device)
+        if dtype is None and tuple(like.shape) == shape:
+            out = torch.empty_like(like)  # (the fastest allocation; strides come with it)
+        else:
+            dt = like.dtype if dtype is None else getattr(torch, dtype)
+            out = torch.empty(shape, dtype=dt, device=like.device)
         if poison and _poison.ENABLED:
             out.fill_(math.nan)
         return out
@@ -99,7 +102,10 @@ class _Torch(_Adapter):
     def stream(self, like, dev):
         import torch
 
-        return torch.cuda.current_stream(like.device).cuda_stream
+        try:  # the raw handle of the current stream, without building a Stream object
+            return torch._C._cuda_getCurrentRawStream(dev)
+        except AttributeError:
+            return torch.cuda.current_stream(like.device).cuda_stream
 
     def as_float32(self, lse):
         import torch

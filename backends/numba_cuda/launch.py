@@ -41,8 +41,12 @@ _CUDA_SUCCESS = 0
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 
+_LAUNCH = None  # libcuda's cuLaunchKernel, once loaded
+
+
 @functools.cache
 def _libcuda():
+    global _LAUNCH
     lib = ctypes.CDLL("libcuda.so.1")
     f = lib.cuLaunchKernel
     f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
@@ -50,17 +54,17 @@ def _libcuda():
     s = lib.cuStreamSynchronize
     s.argtypes = [ctypes.c_void_p]
     s.restype = ctypes.c_int
+    _LAUNCH = f
     return lib
 
 
-def _f64_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
 class Prepared:
-    """One kernel compiled for one signature and loaded on one device, launched raw."""
+    """One kernel compiled for one signature and loaded on one device, launched raw: the
+    arguments are packed into a buffer made once (``struct.pack_into``) whose words a fixed
+    pointer array addresses, then handed to ``cuLaunchKernel``, which copies them."""
 
-    __slots__ = ("name", "handle", "threads", "smem", "device", "kernel", "_dispatcher")
+    __slots__ = ("name", "handle", "threads", "smem", "device", "kernel", "_dispatcher",
+                 "_fmt", "_buf", "_ptrs", "_lock")
 
     def __init__(self, pyfunc, sig, threads, smem_words, device):
         self.name = pyfunc.__name__
@@ -71,6 +75,13 @@ class Prepared:
             self._dispatcher = cuda.jit(pyfunc)
             self.kernel = self.handle = None
             return
+        # every parameter is an 8-byte word: pointers and int64 as "q", the scale as "d"
+        self._fmt = "<" + "".join("d" if t == _F64 else "q" for t in sig)
+        n = len(sig)
+        self._buf = (ctypes.c_int64 * n)()
+        base = ctypes.addressof(self._buf)
+        self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        self._lock = threading.Lock()
         self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=_FASTMATH)
         with cuda.gpus[device]:
             self.kernel = self._dispatcher.compile(sig)
@@ -84,24 +95,21 @@ class Prepared:
 
     def __call__(self, grid, stream, args):
         """Launch on ``grid`` (x, y) on raw stream handle ``stream``; ``args`` are ints
-        (addresses, sizes, strides) and one trailing float (the scale)."""
+        (addresses, sizes, strides) and, last, the float scale where the kernel takes one."""
         if grid[0] == 0 or grid[1] == 0:
             return
         if SIMULATOR:
             self._dispatcher[grid, self.threads, 0, self.smem](*args)
             return
-        n = len(args)
-        buf = (ctypes.c_int64 * n)(*args[:-1], _f64_bits(args[-1])) if isinstance(
-            args[-1], float) else (ctypes.c_int64 * n)(*args)
-        base = ctypes.addressof(buf)
-        ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
-        launch = _libcuda().cuLaunchKernel
-        err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1, self.smem,
-                     stream, ptrs, None)
-        if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched this GPU
-            with cuda.gpus[self.device]:
-                err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1, self.smem,
-                             stream, ptrs, None)
+        launch = _LAUNCH or _libcuda().cuLaunchKernel
+        with self._lock:  # the buffer is shared; cuLaunchKernel copies it before returning
+            struct.pack_into(self._fmt, self._buf, 0, *args)
+            err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1, self.smem,
+                         stream, self._ptrs, None)
+            if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched this GPU
+                with cuda.gpus[self.device]:
+                    err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1,
+                                 self.smem, stream, self._ptrs, None)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA error {err}")
 
@@ -213,36 +221,60 @@ def dq_kernel(head_dim, dtype, causal, device, t):
 # --- the passes ----------------------------------------------------------------------------
 
 
+_FWD_PLANS: dict = {}
+_BWD_PLANS: dict = {}
+
+
+def _forward_plan(case, device, tiles):
+    """(kernel, block_m) for a case's (head dim, dtype, causal, device), looked up by a tuple
+    of plain values, cheap to hash on every call."""
+    key = (case.head_dim, case.dtype, case.causal, device, tiles)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        t = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles).forward
+        plan = _FWD_PLANS[key] = (
+            forward_kernel(case.head_dim, case.dtype, case.causal, device, t), t.block_m)
+    return plan
+
+
+def _backward_plan(case, device, tiles):
+    key = (case.head_dim, case.dtype, case.causal, device, tiles)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        kt = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles)
+        args = (case.head_dim, case.dtype, case.causal, device)
+        plan = _BWD_PLANS[key] = (
+            preprocess_kernel(case.head_dim, case.dtype, device, kt.preprocess_threads),
+            kt.preprocess_threads,
+            dkdv_kernel(*args, kt.dkdv), kt.dkdv.block_m,
+            dq_kernel(*args, kt.dq), kt.dq.block_m)
+    return plan
+
+
 def run_forward(case, device, stream, q, k, v, o, lse, tiles=None):
     """Launch attn_forward. q, k, v, o are (handle, strides4) pairs; lse is a handle of a
     contiguous float32 (B, Hq, Nq) buffer."""
-    t = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles).forward
-    kern = forward_kernel(case.head_dim, case.dtype, case.causal, device, t)
-    grid = (-(-case.seqlen_q // t.block_m), case.batch * case.heads_q)
-    kern(grid, stream, (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k,
-                        case.heads_q, case.group, case.causal_offset, *q[1], *k[1], *v[1],
-                        *o[1], float(case.scale)))
+    kern, bm = _forward_plan(case, device, tiles)
+    kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
+         (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
+          case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
+          *o[1], float(case.scale)))
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None):
     """Launch the three backward kernels. Arrays are (handle, strides) pairs; lse has three
     strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch buffer."""
-    kt = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles)
+    pre, pt, dkdv, dkdv_bm, dqk, dq_bm = _backward_plan(case, device, tiles)
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     scale = float(case.scale)
-    pre = preprocess_kernel(case.head_dim, case.dtype, device, kt.preprocess_threads)
-    pre((-(-Nq // kt.preprocess_threads), B * Hq), stream,
-        (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
-    t = kt.dkdv
-    kern = dkdv_kernel(case.head_dim, case.dtype, case.causal, device, t)
-    kern((-(-Nk // t.block_m), B * Hkv), stream,
-         (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, case.group,
-          case.causal_offset, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], scale))
-    t = kt.dq
-    kern = dq_kernel(case.head_dim, case.dtype, case.causal, device, t)
-    kern((-(-Nq // t.block_m), B * Hq), stream,
-         (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, case.group,
-          case.causal_offset, *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], scale))
+    group, off = Hq // Hkv, Nk - Nq
+    pre(((Nq + pt - 1) // pt, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    dkdv(((Nk + dkdv_bm - 1) // dkdv_bm, B * Hkv), stream,
+         (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, group, off,
+          *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], scale))
+    dqk(((Nq + dq_bm - 1) // dq_bm, B * Hq), stream,
+        (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, group, off,
+         *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], scale))
 
 
 def bhnd(strides, layout):
