@@ -1,13 +1,23 @@
 """Tile configurations of the CPU kernels, as data.
 
-A query tile of ``block_q`` rows meets key/value tiles of ``block_k`` rows; each product is
-one BLAS call, so tiles are large enough to amortize the call and small enough that a
-job's working set (Q, K, V, S and the accumulator tiles) stays in the core's L2 cache.
+A query tile of ``block_q`` rows meets key/value tiles of ``block_k`` rows, and every tile
+product is one BLAS call of ``block_q * block_k * head_dim`` multiply-adds. The kernels are
+already parallel over (batch, head, tile), so each BLAS call must stay on its own thread:
+OpenBLAS (SciPy's, which Numba calls) runs a product on one thread only while
+``M * N * K <= 65536 * 4``; above that it starts its own threads inside ours, and on the
+2-core test machine a forward pass went from 0.26 s to 14.7 s. Tiles are the largest that
+stay under that bound (measurements in notes/numba_cpu.md).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+#: OpenBLAS's single-thread bound on M*N*K for one GEMM (SMP_THRESHOLD_MIN * 4).
+BLAS_SINGLE_THREAD_MNK = 65536 * 4
+
+#: Candidate (block_q, block_k) pairs, best first.
+CANDIDATES = ((128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 
 
 @dataclass(frozen=True)
@@ -22,7 +32,8 @@ class TileConfig:
 
 @functools.cache
 def choose_tiles(head_dim: int, dtype: str, causal: bool) -> TileConfig:
-    """Tiles for a head dim, compute dtype and mask (measured on a 2-core AVX-512 machine)."""
-    if head_dim > 128:
-        return TileConfig(block_q=64, block_k=128)
-    return TileConfig(block_q=128, block_k=128)
+    """The largest candidate tiles whose products stay single-threaded in BLAS."""
+    for bq, bk in CANDIDATES:
+        if bq * bk * head_dim <= BLAS_SINGLE_THREAD_MNK:
+            return TileConfig(bq, bk)
+    return TileConfig(*CANDIDATES[-1])
