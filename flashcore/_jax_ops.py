@@ -135,34 +135,65 @@ def _fold(x, ndim):
 
 
 def _cpu_calls(name, case, fwd_types, bwd_types):
-    """Forward and backward through ``jax.pure_callback``; the callbacks get NumPy arrays
-    and call the backend chosen by name through the dispatcher."""
+    """Forward and backward as host callbacks that call the backend chosen by name through
+    the dispatcher. ``buffer_callback`` (jax >= 0.6.1) where JAX has it: it lends XLA's
+    buffers in place and costs about a tenth of ``pure_callback`` per call; else
+    ``pure_callback``."""
     opts = {"causal": case.causal, "scale": case.scale, "layout": case.layout}
+    plans = {}  # the checked host Case and backend, per (direction, shapes, dtype)
+
+    def plan(direction, q4, k4, v4, extra=None):
+        key = (direction, q4.shape, k4.shape, q4.dtype)
+        hit = plans.get(key)
+        if hit is None:
+            host = make_case(q4, k4, v4, direction=direction, need_lse=direction == "forward",
+                             explicit=case.explicit, extra=extra, **opts)
+            hit = plans[key] = (host, _dispatch.select(host, name))
+        return hit
 
     def fwd_host(q, k, v):
         q4, k4, v4 = (_fold(x, 4) for x in (q, k, v))
-        host = make_case(q4, k4, v4, need_lse=True, explicit=case.explicit, **opts)
-        o, lse = _dispatch.select(host, name).forward(q4, k4, v4, host)
+        host, impl = plan("forward", q4, k4, v4)
+        o, lse = impl.forward(q4, k4, v4, host)
         return (np.asarray(o, dtype=q4.dtype).reshape(np.shape(q)),
                 np.asarray(lse, dtype=np.float32).reshape(*np.shape(q)[:-3], *np.shape(lse)[1:]))
 
     def bwd_host(do, q, k, v, o, lse):
         do4, q4, k4, v4, o4 = (_fold(x, 4) for x in (do, q, k, v, o))
         lse3 = _fold(lse, 3)
-        host = make_case(q4, k4, v4, direction="backward", explicit=case.explicit,
-                         extra={"do": do4, "o": o4, "lse": lse3}, **opts)
-        grads = _dispatch.select(host, name).backward(do4, q4, k4, v4, o4, lse3, host)
+        host, impl = plan("backward", q4, k4, v4, {"do": do4, "o": o4, "lse": lse3})
+        grads = impl.backward(do4, q4, k4, v4, o4, lse3, host)
         return tuple(np.asarray(g, dtype=x4.dtype).reshape(np.shape(x))
                      for g, x4, x in zip(grads, (q4, k4, v4), (q, k, v)))
 
-    def fwd_call(q, k, v):
-        return jax.pure_callback(fwd_host, fwd_types, q, k, v, vmap_method="broadcast_all")
+    try:
+        buffer_callback = _buffer_callback()
+    except BackendUnavailableError:
+        buffer_callback = None
 
-    def bwd_call(do, q, k, v, o, lse):
-        return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse,
-                                 vmap_method="broadcast_all")
+    if buffer_callback is None:
+        def fwd_call(q, k, v):
+            return jax.pure_callback(fwd_host, fwd_types, q, k, v, vmap_method="broadcast_all")
 
-    return fwd_call, bwd_call
+        def bwd_call(do, q, k, v, o, lse):
+            return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse,
+                                     vmap_method="broadcast_all")
+
+        return fwd_call, bwd_call
+
+    def into(outs, results):
+        for out, r in zip(outs, results):
+            np.copyto(np.asarray(out), r)
+
+    def fwd_cb(ctx, outs, q, k, v):
+        into(outs, fwd_host(*(np.asarray(x) for x in (q, k, v))))
+
+    def bwd_cb(ctx, outs, do, q, k, v, o, lse):
+        into(outs, bwd_host(*(np.asarray(x) for x in (do, q, k, v, o, lse))))
+
+    fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
+    bwd = buffer_callback(bwd_cb, bwd_types, vmap_method="broadcast_all")
+    return fwd, bwd
 
 
 # --- GPU: buffer_callback on XLA's stream -------------------------------------------------

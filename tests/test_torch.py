@@ -269,6 +269,10 @@ def test_bad_input_raises_under_autograd():
         flashcore.attention(q, q, q, layout="nhbd")
     with pytest.raises(ValueError, match="scale"):
         flashcore.attention(q, q, q, scale=-1.0)
+    with pytest.raises(TypeError, match="causal"):
+        flashcore.attention(q, q, q, causal=[True])  # unhashable: past the plan cache
+    with pytest.raises(TypeError, match="causal"):
+        flashcore.attention(q, q, q, causal="yes")
 
 
 # --- CUDA (run on a GPU machine) ------------------------------------------------------------
