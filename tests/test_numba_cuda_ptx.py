@@ -75,7 +75,8 @@ def _check(cc, head_dim, dtype, causal, only=None):
             f"{name}: the raw launch packs 8-byte words; PTX has {set(params)}")
         assert "ld.local" not in ptx and "st.local" not in ptx, (
             f"{name} ({head_dim=}, {dtype}, {causal=}) spills register tiles to local memory")
-        assert smem_words * 4 <= 227 * 1024, f"{name}: {smem_words * 4} bytes of shared memory"
+        assert smem_words * 4 <= tiles.SMEM_LIMIT[cc], (
+            f"{name}: {smem_words * 4} bytes of shared memory, over {arch}'s")
         assert threads <= 1024
 
 

@@ -6,7 +6,7 @@ memory of a bf16 forward at N=16384 against SDPA flash; host overhead of a forwa
 a tiny input; and a few forward tilings of the float32 kernel. Times are medians of CUDA
 event timings after warm-up. Writes JSON to $OUT (or the current folder) and prints a table.
 
-Usage: python tools/gpu_bench.py [--quick]
+Usage: python tools/gpu_bench.py [--quick] [--no-sweep]
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from flashcore._checks import make_case
 
 OUT = os.environ.get("OUT", ".")
 QUICK = "--quick" in sys.argv
+SWEEP = "--no-sweep" not in sys.argv
 DEV = "cuda"
 
 
@@ -139,7 +140,7 @@ def main():
         "32x64/4x16": tiles.Tiles(32, 64, 4, 16),
     }
     tv = results["tilings"] = {}
-    for D in (64, 128):
+    for D in (64, 128) if SWEEP else ():
         q, k, v, do = inputs(B, H, N, D, torch.float32)
         case = make_case(q, k, v, causal=False, scale=None, layout="bhnd", need_lse=True)
         for name, t in variants.items():
@@ -172,7 +173,7 @@ def main():
         "128x32/16x16": tiles.Tiles(128, 32, 16, 16),
         "32x64/8x16": tiles.Tiles(32, 64, 8, 16),
     }
-    for D in (64, 128):
+    for D in (64, 128) if SWEEP else ():
         q, k, v, do = inputs(B, H, N, D, torch.float32)
         o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda")
         case = make_case(q, k, v, causal=False, scale=None, layout="bhnd",

@@ -10,4 +10,4 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 } 2>&1 | tee "$OUT/env.log"
 python3 tools/gpu_precompile.py 12 2>&1 | tee "$OUT/precompile.log" | tail -3
 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_numba_cuda_gpu.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-${SKIP_BENCH:+true} python3 tools/gpu_bench.py 2>&1 | tee "$OUT/bench.log" | tail -22
+${SKIP_BENCH:+true} python3 tools/gpu_bench.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -22

@@ -37,44 +37,27 @@ def load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult,
 
     Lanes read along d (coalesced). With an odd ``ld``, consecutive d land on distinct
     banks; with ``ld`` a multiple of 4, a warp takes 8 columns x 4 rows so that its stores
-    still cover all 32 banks (blocks smaller than a warp, as in the simulator, read along
-    d). Each thread walks its elements with incremental indices (no division in the loop)."""
-    if ld % 2 == 1 or NT < 32:  # (compile-time constants: one branch survives)
-        # element e = tid + it * NT is (j, d) = divmod(e, DP)
-        j = tid // DP
-        d = tid - j * DP
-        for it in range((rows * DP + NT - 1) // NT):
-            if j < rows:
-                val = float32(0.0)
-                if d < D and n0 + j < nvalid:
-                    val = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
-                smem[off + d * ld + j] = val
-            d += NT % DP
-            j += NT // DP
-            if d >= DP:
-                d -= DP
-                j += 1
+    still cover all 32 banks. (Walking incremental indices over a constant trip count
+    instead was slower on the GPU: notes/numba_cuda.md, v3.)"""
+    if ld % 2 == 1:  # (a compile-time constant: one branch survives)
+        for e in range(tid, rows * DP, NT):
+            j = e // DP
+            d = e - j * DP
+            if d < D and n0 + j < nvalid:
+                smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
+            else:
+                smem[off + d * ld + j] = float32(0.0)
     else:
-        # 32-element blocks (8 columns x 4 rows), row blocks fastest; warp w takes block
-        # b = w + it * (NT / 32)
-        RB = rows >> 2
-        NW = (NT + 31) >> 5
-        lane = tid & 31
-        jb = (tid >> 5) % RB
-        db = (tid >> 5) // RB
-        for it in range((RB * (DP >> 3) + NW - 1) // NW):
-            if db < (DP >> 3):
-                j = jb * 4 + (lane >> 3)
-                d = db * 8 + (lane & 7)
-                val = float32(0.0)
-                if d < D and n0 + j < nvalid:
-                    val = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
-                smem[off + d * ld + j] = val
-            jb += NW % RB
-            db += NW // RB
-            if jb >= RB:
-                jb -= RB
-                db += 1
+        for e in range(tid, rows * DP, NT):
+            blk = e >> 5
+            lane = e & 31
+            db = blk // (rows >> 2)
+            j = (blk - db * (rows >> 2)) * 4 + (lane >> 3)
+            d = db * 8 + (lane & 7)
+            if d < D and n0 + j < nvalid:
+                smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
+            else:
+                smem[off + d * ld + j] = float32(0.0)
 
 
 _CACHE = {}

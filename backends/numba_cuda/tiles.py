@@ -149,11 +149,16 @@ SIMULATOR = KernelTiles(
 )
 
 #: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ) tilings. Register
-#: tiles stay within about 100 words per thread (no spills at 255), shared memory within
-#: sm_80's 163 KiB. The forward tilings are the fastest of those timed on an H200 (see
-#: notes/numba_cuda.md); the backward ones are the first that fit.
-_TABLE = (
-    (64, Tiles(128, 128, 16, 16), Tiles(64, 64, 16, 16), Tiles(64, 64, 16, 16)),
+#: tiles stay within about 130 words per thread (no spills at 255). The sm_90 tilings are the
+#: fastest of those timed on an H200 (notes/numba_cuda.md) and use up to 186 KiB of shared
+#: memory; other GPUs get tilings within sm_80's 163 KiB.
+_TABLE_SM90 = (
+    (64, Tiles(128, 128, 16, 16), Tiles(128, 64, 16, 16), Tiles(128, 64, 16, 16)),
+    (128, Tiles(128, 64, 16, 16), Tiles(64, 64, 16, 16), Tiles(128, 32, 16, 16)),
+    (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
+)
+_TABLE_SM80 = (
+    (64, Tiles(128, 128, 16, 16), Tiles(64, 64, 16, 16), Tiles(128, 64, 16, 16)),
     (128, Tiles(128, 64, 16, 16), Tiles(64, 32, 16, 16), Tiles(64, 32, 16, 16)),
     (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
 )
@@ -167,7 +172,8 @@ def choose(head_dim: int, dtype: str, causal: bool, cc: tuple, simulator: bool =
         return override
     if simulator:
         return SIMULATOR
-    for limit, fwd, dkdv, dq in _TABLE:
+    table = _TABLE_SM90 if tuple(cc) >= (9, 0) else _TABLE_SM80
+    for limit, fwd, dkdv, dq in table:
         if head_dim <= limit:
             return KernelTiles(forward=fwd, dkdv=dkdv, dq=dq)
-    raise ValueError(f"{head_dim=} exceeds the largest tiled head dim {_TABLE[-1][0]}")
+    raise ValueError(f"{head_dim=} exceeds the largest tiled head dim {table[-1][0]}")
