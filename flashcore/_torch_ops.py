@@ -19,6 +19,7 @@ torch tensor, so ``import flashcore`` still imports no framework.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -114,23 +115,40 @@ _PLANS: dict = {}
 _MAX_PLANS = 512
 
 
-def _plan(q, k, v, causal, scale, layout, backend):
+def _plan(q, k, v, causal, scale, layout, backend, return_lse):
     key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-           q.device, k.device, v.device, causal, scale, layout, backend)
+           q.device, k.device, v.device, causal, scale, layout, backend, return_lse)
     try:
         hit = _PLANS.get(key)
     except TypeError:  # an unhashable option: make_case below says what is wrong with it
         hit = key = None
     if hit is None:
-        case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                         explicit=backend != "auto")
-        bcase = replace(case, direction="backward", need_lse=False)
-        hit = (case, _dispatch.select(case, backend), bcase, _dispatch.select(bcase, backend))
+        hit = _make_plan(q, k, v, causal, scale, layout, backend, return_lse)
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = hit
     return hit
+
+
+def _make_plan(q, k, v, causal, scale, layout, backend, return_lse):
+    """(forward case, its backend, backward case, its backend)."""
+    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
+                     explicit=backend != "auto")
+    try:
+        impl = _dispatch.select(case, backend)
+    except BackendUnavailableError:
+        if return_lse or backend != "auto":
+            raise
+        # lse is only a residual here: a backend that cannot return it (torch SDPA in
+        # float64 on CUDA) may serve the forward, and then the backward too, which it does
+        # without lse.
+        case = replace(case, need_lse=False)
+        impl = _dispatch.select(case, backend)
+        bcase = replace(case, direction="backward", explicit=True)
+        return case, impl, bcase, _dispatch.select(bcase, impl.NAME)
+    bcase = replace(case, direction="backward", need_lse=False)
+    return case, impl, bcase, _dispatch.select(bcase, backend)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -139,6 +157,9 @@ class _EagerAttention(torch.autograd.Function):
         case, impl, bcase, bimpl = plan
         with _on_device(q):
             o, lse = impl.forward(q, k, v, case)
+        if lse is None:  # a backend that computes no lse (see _make_plan); never returned
+            lse = o.new_full((case.batch, case.heads_q, case.seqlen_q), math.nan,
+                             dtype=torch.float32)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.backward_plan = (bcase, bimpl)
         ctx.mark_non_differentiable(lse)
@@ -189,5 +210,6 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
     if torch.compiler.is_compiling():
         o, lse = attention_forward_op(q, k, v, causal, scale, layout, backend)
     else:
-        o, lse = _EagerAttention.apply(q, k, v, _plan(q, k, v, causal, scale, layout, backend))
+        o, lse = _EagerAttention.apply(
+            q, k, v, _plan(q, k, v, causal, scale, layout, backend, return_lse))
     return (o, lse) if return_lse else o

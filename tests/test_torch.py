@@ -120,6 +120,28 @@ def test_empty_rows_get_zero_gradients():
     assert torch.all(q.grad[:, :, :7] == 0) and torch.isfinite(q.grad).all()
 
 
+@pytest.fixture
+def fresh_plans():
+    _torch_ops._PLANS.clear()
+    yield
+    _torch_ops._PLANS.clear()
+
+
+def test_autograd_falls_back_to_a_backend_without_lse(monkeypatch, fresh_plans):
+    """As torch SDPA in float64 on CUDA: no lse, but forward and backward all the same."""
+    from flashcore.backends import numba_cpu, torch_sdpa
+
+    from flashcore import reference
+
+    monkeypatch.setattr(numba_cpu, "supports", lambda case: "declined for this test")
+    monkeypatch.setattr(reference, "AUTO_MAX_SCORES", 0)  # auto declines it; named, it serves
+    monkeypatch.setattr(torch_sdpa, "_lse_unavailable", lambda case: "no lse in this test")
+    _check_grads(np.random.default_rng(19), "auto", "float32", "bnhd", True, SHAPES[1])
+    q, k, v = (t(x, grad=True) for x in qkv(np.random.default_rng(20)))
+    with pytest.raises(flashcore.BackendUnavailableError, match="no lse in this test"):
+        flashcore.attention(q, k, v, return_lse=True)
+
+
 # --- opcheck, compile -------------------------------------------------------------------------
 
 
