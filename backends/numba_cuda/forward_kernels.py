@@ -31,33 +31,51 @@ LN2 = 0.6931471805599453
 
 
 @device_function
+def _tile_element(src, base, n0, nvalid, sn, sd, ld, e, rows, D, DP, mult, EVEN):
+    """(shared-memory offset, fp32 value) of element ``e`` of a transposed tile load."""
+    if EVEN:  # 32-element blocks of 8 columns x 4 rows, row blocks fastest
+        blk = e >> 5
+        lane = e & 31
+        db = blk // (rows >> 2)
+        j = (blk - db * (rows >> 2)) * 4 + (lane >> 3)
+        d = db * 8 + (lane & 7)
+    else:  # along d
+        j = e // DP
+        d = e - j * DP
+    val = float32(0.0)
+    if d < D and n0 + j < nvalid:
+        val = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
+    return d * ld + j, val
+
+
+@device_function
 def load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult, tid, NT):
     """smem[off + d * ld + j] = src[row n0 + j, column d] * mult, transposed, in fp32; rows
     past ``nvalid`` and columns past ``D`` (up to ``DP``) are zero.
 
     Lanes read along d (coalesced). With an odd ``ld``, consecutive d land on distinct
     banks; with ``ld`` a multiple of 4, a warp takes 8 columns x 4 rows so that its stores
-    still cover all 32 banks. (Walking incremental indices over a constant trip count
-    instead was slower on the GPU: notes/numba_cuda.md, v3.)"""
-    if ld % 2 == 1:  # (a compile-time constant: one branch survives)
-        for e in range(tid, rows * DP, NT):
-            j = e // DP
-            d = e - j * DP
-            if d < D and n0 + j < nvalid:
-                smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
-            else:
-                smem[off + d * ld + j] = float32(0.0)
-    else:
-        for e in range(tid, rows * DP, NT):
-            blk = e >> 5
-            lane = e & 31
-            db = blk // (rows >> 2)
-            j = (blk - db * (rows >> 2)) * 4 + (lane >> 3)
-            d = db * 8 + (lane & 7)
-            if d < D and n0 + j < nvalid:
-                smem[off + d * ld + j] = load_f32(src[base + (n0 + j) * sn + d * sd]) * mult
-            else:
-                smem[off + d * ld + j] = float32(0.0)
+    still cover all 32 banks. Each thread issues four global loads before its four stores:
+    the compiler cannot move a load above a store through a generic pointer, so a loop of
+    load-then-store would wait out one memory latency per element. (Walking incremental
+    indices over a constant trip count was slower: notes/numba_cuda.md, v3.)"""
+    EVEN = ld % 2 == 0
+    total = rows * DP
+    last = total - 1
+    for e in range(tid, total, 4 * NT):
+        # past the end, repeat the last element (the same value to the same place)
+        i0, v0 = _tile_element(src, base, n0, nvalid, sn, sd, ld, e, rows, D, DP, mult,
+                               EVEN)
+        i1, v1 = _tile_element(src, base, n0, nvalid, sn, sd, ld, min(e + NT, last), rows,
+                               D, DP, mult, EVEN)
+        i2, v2 = _tile_element(src, base, n0, nvalid, sn, sd, ld, min(e + 2 * NT, last),
+                               rows, D, DP, mult, EVEN)
+        i3, v3 = _tile_element(src, base, n0, nvalid, sn, sd, ld, min(e + 3 * NT, last),
+                               rows, D, DP, mult, EVEN)
+        smem[off + i0] = v0
+        smem[off + i1] = v1
+        smem[off + i2] = v2
+        smem[off + i3] = v3
 
 
 _CACHE = {}
