@@ -69,9 +69,7 @@ def _case(q, k, v, *, causal, scale, layout, need_lse, backend, extra=None):
 def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=False,
               backend="auto"):
     """Differentiable, jit- and vmap-able :func:`flashcore.attention` for JAX arrays."""
-    case = _case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                 backend=backend)
-    impl = _dispatch.select(case, backend)
+    case, impl = _plan(q, k, v, causal, scale, layout, backend)
     if impl.NAME in _TRACEABLE:
         o, lse = impl.forward(q, k, v, replace(case, need_lse=return_lse))
         if lse is not None:
@@ -80,6 +78,34 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
         o, lse = _numba_attention(impl.NAME, case)(q, k, v)
         lse = jax.lax.stop_gradient(lse)
     return (o, lse) if return_lse else o
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 512
+
+
+def _plan(q, k, v, causal, scale, layout, backend):
+    """The checked Case and the backend for it, cached per (shapes, dtypes, devices,
+    options): the checks read nothing else, so a cache hit skips only repeated work."""
+    try:
+        devices = tuple(_device(x) for x in (q, k, v))
+    except ValueError:  # sharded: let _case say so
+        devices = None
+    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, devices,
+           causal, scale, layout, backend)
+    try:
+        hit = _PLANS.get(key) if devices is not None else None
+    except TypeError:  # an unhashable option: make_case says what is wrong with it
+        hit, key = None, None
+    if hit is None:
+        case = _case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
+                     backend=backend)
+        hit = (case, _dispatch.select(case, backend))
+        if key is not None and devices is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = hit
+    return hit
 
 
 # --- the custom_vjp around a Numba backend -----------------------------------------------
@@ -113,7 +139,8 @@ def _numba_attention(name: str, case):
         return tuple(bwd_call(do, q, k, v, o, lse))
 
     f.defvjp(f_fwd, f_bwd)
-    return f
+    # Eager calls then run one compiled executable; under an outer jit this is inlined.
+    return jax.jit(f)
 
 
 def _shape(case, which):
@@ -240,7 +267,7 @@ def _gpu_adapter(name):
             buf = x.buf
             try:
                 cai = buf.__cuda_array_interface__
-            except (AttributeError, TypeError, ValueError):  # no typestr (bf16): via DLPack
+            except (AttributeError, TypeError, ValueError, RuntimeError):  # bf16: via DLPack
                 ptr, strides = io._dlpack_raw(buf, keep)
             else:
                 ptr, strides = cai["data"][0], cai.get("strides")
