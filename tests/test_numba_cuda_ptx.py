@@ -29,7 +29,7 @@ def _toolkit_reason():
         from numba.cuda import types
 
         cuda.compile_ptx(probe, (types.float32[:],), cc=(9, 0))
-    except Exception as e:  # NVVM missing: the toolkit wheels are not installed
+    except Exception as e:  # noqa: BLE001  (NVVM missing: the toolkit wheels are not installed)
         return f"the CUDA toolkit (NVVM) is not importable: {type(e).__name__}: {e}"
     return None
 
@@ -37,7 +37,7 @@ def _toolkit_reason():
 _REASON = _toolkit_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
 
-from flashcore.backends.numba_cuda import launch, tiles  # noqa: E402
+from flashcore.backends.numba_cuda import launch, tiles
 
 #: One head dim per tiling class of tiles.choose, plus dims that are not a multiple of the
 #: thread columns (padded head-dim columns).
@@ -67,7 +67,7 @@ def _check(cc, head_dim, dtype, causal, only=None):
         ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH)
         arch = f"sm_{cc[0]}{cc[1]}"
         assert f".target {arch}" in ptx, f"{name}: not compiled for {arch}"
-        entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.S)
+        entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
         assert entry, f"{name}: no kernel entry in the PTX"
         params = re.findall(r"\.param\s+\.(\w+)", entry.group(1))
         assert len(params) == len(sig), f"{name}: {len(params)} PTX parameters for {len(sig)}"

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import TOL_BWD, TOL_FWD, oracle_backward, oracle_forward, qkv, rand, rel_err
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
@@ -40,6 +39,7 @@ if not SIM:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],
             cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=1800,
+            check=False,
         )
         tail = (proc.stdout + proc.stderr)[-6000:]
         assert proc.returncode == 0, f"simulator run failed:\n{tail}"
@@ -129,8 +129,8 @@ else:
         big = [rand(rng, (1, 2, 14, 10)) for _ in range(3)]
         q, k, v = (x[:, :, ::2, 1:7] for x in big)
         assert not q.flags.c_contiguous
-        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", causal=True)
-        ro, rl = oracle_forward(q, k, v, causal=True)
+        o, _ = flashcore.attention_forward(q, k, v, backend="numba_cuda", causal=True)
+        ro, _ = oracle_forward(q, k, v, causal=True)
         assert rel_err(o, ro) < TOL_FWD["float32"]
 
     def test_warp_sized_blocks(monkeypatch):
@@ -152,6 +152,7 @@ else:
 
     def test_auto_does_not_take_host_arrays():
         from flashcore.backends import numba_cuda
+
         from flashcore._checks import make_case
 
         rng = np.random.default_rng(0)

@@ -8,9 +8,11 @@ cannot be told about work on another stream). NumPy arrays are served only when 
 names ``backend="numba_cuda"``: they are copied to the GPU and back (under the CUDA
 simulator they are used in place).
 
-Kernels (forward_kernels.py, backward_kernels.py; not forward.py, whose import would
-shadow the contract function ``forward`` of this package), tilings (tiles.py) and the host side (launch.py) mirror
-the CPU backend's names. numba.cuda is imported on first use, not with this module.
+Kernels (forward_kernels.py, backward_kernels.py: a submodule named forward.py would
+replace the contract function ``forward`` of this package once imported), tilings
+(tiles.py) and the host side (launch.py) mirror the CPU backend's names; tile_product.py
+is the seam where tensor cores will replace the SIMT product (issue 4). numba.cuda is
+imported on first use, not with this module.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def unavailable_reason():
         return "numba-cuda is not installed: pip install 'flashcore[cuda]'"
     try:
         from numba import cuda
-    except Exception as e:  # a broken install (e.g. NumPy too new for numba-cuda)
+    except Exception as e:  # noqa: BLE001  (a broken install, e.g. NumPy too new for numba-cuda)
         return f"numba.cuda cannot be imported ({e}): pip install 'flashcore[cuda]'"
     if cuda.config.ENABLE_CUDASIM:
         return None
@@ -39,7 +41,7 @@ def unavailable_reason():
         if not cuda.is_available():
             return "no CUDA GPU found (numba.cuda.is_available() is False)"
         cc = cuda.get_current_device().compute_capability
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (any driver failure means: not usable here)
         return f"no usable CUDA GPU ({e})"
     if tuple(cc) < (7, 0):
         return f"the GPU has compute capability {cc}; numba_cuda needs 7.0 or newer"

@@ -149,7 +149,7 @@ class _Jax(_Adapter):
         x.block_until_ready()
         try:
             cai = x.__cuda_array_interface__
-        except Exception:  # a dtype without a typestr (bfloat16): read the DLPack capsule
+        except Exception:  # noqa: BLE001  (bfloat16 has no typestr: read the DLPack capsule)
             return _dlpack_raw(x, keep)
         strides = cai.get("strides")
         shape = tuple(x.shape)

@@ -21,8 +21,7 @@ from numba import cuda, float32
 
 from . import tiles as _tiles
 from .convert import load_f32, smem_pointer, store_f32
-from .forward_kernels import (LN2, LOG2E, NEG_INF, POS_INF, SMEM_ALIGN, load_tile_t,
-                              variant_tag)
+from .forward_kernels import LN2, LOG2E, NEG_INF, POS_INF, SMEM_ALIGN, load_tile_t, variant_tag
 from .tile_product import tile_product
 
 _CACHE = {}

@@ -11,6 +11,8 @@ Import this module only after that choice is fixed (it imports numba.cuda).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda
 
@@ -38,7 +40,7 @@ if SIMULATOR:
     def store_f32(ptr, i, v):
         if ptr.dtype == np.uint16:
             bits = int(np.array(v, dtype=np.float32).view(np.uint32))
-            if v != v:  # NaN stays NaN
+            if math.isnan(v):  # NaN stays NaN
                 ptr[i] = 0x7FC0
             else:
                 ptr[i] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
@@ -128,7 +130,7 @@ else:
         if ptr.dtype == types.uint16:
             def impl(ptr, i, v):
                 bits = _f32_to_bits(types.float32(v))
-                if v != v:
+                if math.isnan(v):
                     ptr[i] = types.uint16(0x7FC0)
                 else:
                     rounded = bits + types.uint32(0x7FFF) + ((bits >> types.uint32(16))

@@ -19,14 +19,13 @@ import struct
 import threading
 
 import numpy as np
+from numba import cuda
+from numba.cuda import types
 
 from . import backward_kernels as _bwd
 from . import forward_kernels as _fwd
 from . import tiles as _tiles
 from .convert import SIMULATOR
-
-from numba import cuda
-from numba.cuda import types
 
 #: stored dtype name -> numba element type of the kernel's pointers (bf16 as raw bits)
 _ELEM = {"float32": types.float32, "float16": types.float16, "bfloat16": types.uint16}
@@ -63,8 +62,19 @@ class Prepared:
     arguments are packed into a buffer made once (``struct.pack_into``) whose words a fixed
     pointer array addresses, then handed to ``cuLaunchKernel``, which copies them."""
 
-    __slots__ = ("name", "handle", "threads", "smem", "device", "kernel", "_dispatcher",
-                 "_fmt", "_buf", "_ptrs", "_lock")
+    __slots__ = (
+        "_buf",
+        "_dispatcher",
+        "_fmt",
+        "_lock",
+        "_ptrs",
+        "device",
+        "handle",
+        "kernel",
+        "name",
+        "smem",
+        "threads",
+    )
 
     def __init__(self, pyfunc, sig, threads, smem_words, device):
         self.name = pyfunc.__name__
