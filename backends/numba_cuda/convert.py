@@ -108,6 +108,16 @@ else:
 
         return sig, codegen
 
+    @device_function
+    def _bf16_bits(v):
+        """fp32 -> bf16 bits, round to nearest even, NaN kept. A select, not a branch:
+        straight-line code keeps the callers' store loops small enough for LLVM to unroll
+        (and their register tiles out of local memory)."""
+        bits = _f32_to_bits(v)
+        rounded = bits + types.uint32(0x7FFF) + ((bits >> types.uint32(16)) & types.uint32(1))
+        return types.uint16(0x7FC0) if math.isnan(v) else types.uint16(
+            rounded >> types.uint32(16))
+
     def load_f32(x):  # replaced by the overload below inside kernels
         raise NotImplementedError
 
@@ -129,13 +139,7 @@ else:
     def _store_f32(ptr, i, v):
         if ptr.dtype == types.uint16:
             def impl(ptr, i, v):
-                bits = _f32_to_bits(types.float32(v))
-                if math.isnan(v):
-                    ptr[i] = types.uint16(0x7FC0)
-                else:
-                    rounded = bits + types.uint32(0x7FFF) + ((bits >> types.uint32(16))
-                                                             & types.uint32(1))
-                    ptr[i] = types.uint16(rounded >> types.uint32(16))
+                ptr[i] = _bf16_bits(types.float32(v))
             return impl
         if ptr.dtype == types.float16:
             def impl(ptr, i, v):
