@@ -16,7 +16,9 @@ on tiny inputs (B=1, H=1, N=16, D=16) at most 15 µs per call. Medians of repeat
 On a loaded or small machine the kernels' own time is noisy (numba's thread pool on busy
 cores), which can swamp a difference of microseconds; ``--stub`` therefore also times the
 glue alone: the dispatcher is made to return a stub backend that only allocates its
-outputs, and wrapper and direct calls of that stub are compared.
+outputs, and wrapper and direct calls of that stub are compared. It also prints each
+framework's floor, the same call through a bare ``torch.autograd.Function`` or a jitted
+no-op ``buffer_callback``: what any glue costs before it does anything.
 
 Usage::
 
@@ -81,15 +83,19 @@ class _Stub:
 @contextlib.contextmanager
 def _stubbed(on):
     real = _dispatch.select
-    plans = getattr(sys.modules.get("flashcore._torch_ops"), "_PLANS", {})
+    # The glue caches the backend it chose per shape: forget it on the way in and out.
+    plans = [getattr(sys.modules.get(m), "_PLANS", {})
+             for m in ("flashcore._torch_ops", "flashcore._jax_ops")]
     if on:
         _dispatch.select = lambda case, backend: _Stub
-    plans.clear()  # the torch glue caches the backend it chose per shape
+    for p in plans:
+        p.clear()
     try:
         yield
     finally:
         _dispatch.select = real
-        plans.clear()
+        for p in plans:
+            p.clear()
 
 
 def _inner(size, device):
@@ -97,6 +103,46 @@ def _inner(size, device):
 
 
 # --- PyTorch ----------------------------------------------------------------------------------
+
+
+def bench_torch_floor(size, device, dtype, repeat):
+    """torch's own minimum: a bare autograd.Function around the stub (no flashcore code)."""
+    import torch
+
+    B, H, N, D = SIZES[size]
+    dev = "cuda" if device == "cuda" else "cpu"
+    q, k, v, do = (torch.randn(B, H, N, D, device=dev, dtype=getattr(torch, dtype))
+                   for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    lse_shape = (B, H, N)
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return torch.empty_like(q), torch.empty(lse_shape, device=q.device)
+
+        @staticmethod
+        def backward(ctx, do, _):
+            q, k, v = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def bare_fwd():
+        Bare.apply(qg, kg, vg)
+
+    def bare_fwd_bwd():
+        torch.autograd.grad(Bare.apply(qg, kg, vg)[0], (qg, kg, vg), do)
+
+    def direct_fwd():
+        torch.empty_like(q), torch.empty(lse_shape, device=q.device)
+
+    def direct_fwd_bwd():
+        direct_fwd()
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    return "floor", _rows(bare_fwd, bare_fwd_bwd, direct_fwd, direct_fwd_bwd, sync, repeat,
+                          _inner(size, device) * 5)
 
 
 def bench_torch(size, device, dtype, repeat, stub=False):
@@ -144,6 +190,48 @@ def _rows(wrapper_fwd, wrapper_fwd_bwd, direct_fwd, direct_fwd_bwd, sync, repeat
 
 
 # --- JAX ----------------------------------------------------------------------------------------
+
+
+def bench_jax_floor(size, device, dtype, repeat):
+    """JAX's own minimum: a jitted function of one (two for fwd+bwd) no-op buffer_callback
+    with the same operands and results (no flashcore code)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.buffer_callback import buffer_callback
+
+    B, H, N, D = SIZES[size]
+    dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    q = jax.device_put(jnp.zeros((B, H, N, D), dtype=dtype), dev)
+    o_t = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    lse_t = jax.ShapeDtypeStruct((B, H, N), jnp.float32)
+
+    def noop(ctx, outs, *args):
+        pass
+
+    fwd_cb = buffer_callback(noop, (o_t, lse_t))
+    bwd_cb = buffer_callback(noop, (o_t, o_t, o_t))
+    fwd = jax.jit(lambda a, b, c: fwd_cb(a, b, c))
+
+    @jax.jit
+    def fwd_bwd(a, b, c, g):
+        o, lse = fwd_cb(a, b, c)
+        return bwd_cb(g, a, b, c, o, lse)
+
+    def bare_fwd():
+        jax.block_until_ready(fwd(q, q, q))
+
+    def bare_fwd_bwd():
+        jax.block_until_ready(fwd_bwd(q, q, q, q))
+
+    def direct_fwd():
+        np.empty(q.shape, q.dtype), np.empty((B, H, N), np.float32)
+
+    def direct_fwd_bwd():
+        direct_fwd()
+        np.empty(q.shape, q.dtype), np.empty(q.shape, q.dtype), np.empty(q.shape, q.dtype)
+
+    return "floor", _rows(bare_fwd, bare_fwd_bwd, direct_fwd, direct_fwd_bwd, lambda: None,
+                          repeat, _inner(size, device) * 5)
 
 
 def bench_jax(size, device, dtype, repeat, stub=False):
@@ -196,9 +284,11 @@ def main(argv=None):
     p.add_argument("--sizes", default="tiny,4096")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--stub", action="store_true", help="also time the glue alone (stub kernels)")
+    p.add_argument("--stub", action="store_true",
+                   help="also time the glue alone (stub kernels) and the framework's floor")
     a = p.parse_args(argv)
     benches = {"torch": bench_torch, "jax": bench_jax}
+    floors = {"torch": bench_torch_floor, "jax": bench_jax_floor}
     print(f"{'framework':9} {'size':5} {'pass':8} {'backend':10} {'wrapper':>11} "
           f"{'direct':>11} {'overhead':>10} {'%':>7}  target")
     ok = True
@@ -224,6 +314,12 @@ def main(argv=None):
                     print(f"{fw:9} {size:5} {pass_:8} {name:10} {_fmt(w):>11} {_fmt(d):>11} "
                           f"{extra * 1e6:8.1f}us {pct:6.1f}%  {target} "
                           f"{'ok' if good else 'MISSED'}")
+            if a.stub and kernel:
+                # The framework's own floor, for reading the stub rows: no glue can be cheaper.
+                _, rows = floors[fw](size, a.device, a.dtype, a.repeat)
+                for pass_, w, d in rows:
+                    print(f"{fw:9} {size:5} {pass_:8} {'floor':10} {_fmt(w):>11} {_fmt(d):>11} "
+                          f"{(w - d) * 1e6:8.1f}us {'':>7}  (the framework's minimum)")
     return 0 if ok else 1
 
 
