@@ -6,12 +6,14 @@ kernel backend is chosen by :mod:`flashcore._dispatch` from a description of the
 - a backend written in JAX (``"jax"``; ``"reference"``, which is Array API code) is simply
   called: JAX traces, differentiates and batches it like any JAX code;
 - a Numba backend (``numba_cpu``, ``numba_cuda``) runs behind a ``jax.custom_vjp`` whose
-  residuals are ``(q, k, v, o, lse)`` and whose forward and backward are callbacks:
-  on the CPU ``jax.pure_callback`` (the callback sees NumPy views of XLA's buffers and
-  calls the backend through :mod:`flashcore._dispatch`); on the GPU
-  ``jax.experimental.buffer_callback`` (jax >= 0.6.1), which hands the kernels XLA's own
-  stream and output buffers, so nothing is copied and nothing waits. Under ``jax.vmap`` the
-  callbacks see the mapped axes in front of the batch axis and fold them into it.
+  residuals are ``(q, k, v, o, lse)`` and whose forward and backward are callbacks through
+  ``jax.experimental.buffer_callback`` (jax >= 0.6.1). On the GPU it hands the kernels
+  XLA's own stream and output buffers, so nothing is copied and nothing waits; on the CPU
+  the callback sees NumPy views of XLA's buffers, calls the backend through
+  :mod:`flashcore._dispatch` and writes the results into XLA's output buffers (an older
+  JAX uses ``jax.pure_callback`` there, at about ten times the cost per call; on the GPU it
+  gets a clear error). Under ``jax.vmap`` the callbacks see the mapped axes in front of the
+  batch axis and fold them into it.
 
 ``lse`` is returned through ``lax.stop_gradient``: autodiff treats it as a constant (as
 FlashAttention-2 does), so a gradient never silently misses its contribution.
