@@ -9,7 +9,7 @@ tile; neither writes where another job writes.
 import numpy as np
 from numba import njit, prange
 
-from .forward_kernels import FASTMATH, load_tile, mask_tile
+from .forward_kernels import FASTMATH, load_tile, load_tile_t, mask_tile
 from .scalar import LOG2E, exp2, load, store
 
 
@@ -27,14 +27,14 @@ def attn_backward_preprocess(do, o, delta, work_dtype):
             delta[b, h, i] = acc
 
 
-@njit(inline="always")
+@njit
 def load_rows(src, b, h, r0, n, out, mult):
     """out[:n] = src[b, h, r0:r0+n] * mult for per-row statistics (lse, delta)."""
     for r in range(n):
         out[r] = src[b, h, r0 + r] * mult
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH)
 def probabilities_tile(s, n_rows, n_cols, lse2):
     """s (scores in log2 units) -> P = exp2(s - lse2); rows with lse = -inf (they see no key)
     arrive with lse2 = +inf and get P = 0."""
@@ -44,7 +44,7 @@ def probabilities_tile(s, n_rows, n_cols, lse2):
             s[r, c] = exp2(s[r, c] - m)
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH)
 def dscores_tile(p, dp, n_rows, n_cols, delta):
     """dp <- P * (dP - D): the gradient of the scores."""
     for r in range(n_rows):
@@ -53,14 +53,14 @@ def dscores_tile(p, dp, n_rows, n_cols, delta):
             dp[r, c] = p[r, c] * (dp[r, c] - dr)
 
 
-@njit(inline="always")
+@njit
 def prepare_lse2(lse, b, h, i0, n, out):
     for r in range(n):
         x = lse[b, h, i0 + r]
         out[r] = np.inf if x == -np.inf else x * LOG2E
 
 
-@njit(inline="always")
+@njit
 def zero_tail(x, n_rows, n_cols):
     """Zero rows >= n_rows and columns >= n_cols of a tile (tails hold stale values)."""
     x[n_rows:, :] = 0.0
@@ -82,8 +82,8 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
         hk = (job // n_kt) % Hkv
         j0 = (job % n_kt) * block_k
         nk = min(block_k, Nk - j0)
-        kt = np.zeros((block_k, D), work_dtype)
-        vt = np.zeros((block_k, D), work_dtype)
+        kt_t = np.zeros((D, block_k), work_dtype)
+        vt_t = np.zeros((D, block_k), work_dtype)
         qt = np.zeros((block_q, D), work_dtype)
         dot = np.zeros((block_q, D), work_dtype)
         s = np.empty((block_q, block_k), work_dtype)
@@ -93,8 +93,8 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
         dk_acc = np.zeros((block_k, D), work_dtype)
         dv_acc = np.zeros((block_k, D), work_dtype)
         tmp = np.empty((block_k, D), work_dtype)
-        load_tile(k, b, hk, j0, nk, kt, one)
-        load_tile(v, b, hk, j0, nk, vt, one)
+        load_tile_t(k, b, hk, j0, nk, kt_t, one)
+        load_tile_t(v, b, hk, j0, nk, vt_t, one)
         # Causal: only query rows i with i + offset >= j0 see any key of this tile.
         i_start = 0 if not causal else max(0, j0 - offset)
         i_start = (i_start // block_q) * block_q
@@ -109,14 +109,14 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
                     dot[nq:, :] = 0.0
                 prepare_lse2(lse, b, h, i0, nq, lse2)
                 load_rows(delta, b, h, i0, nq, dlt, one)
-                np.dot(qt, kt.T, s)
+                np.dot(qt, kt_t, s)
                 if causal and j0 + nk - 1 > i0 + offset:
                     mask_tile(s, nq, nk, i0, j0, offset)
                 probabilities_tile(s, nq, nk, lse2)
                 zero_tail(s, nq, nk)
                 np.dot(s.T, dot, tmp)  # dV += P^T dO
                 dv_acc += tmp
-                np.dot(dot, vt.T, dp)  # dP = dO V^T
+                np.dot(dot, vt_t, dp)  # dP = dO V^T
                 dscores_tile(s, dp, nq, nk, dlt)
                 zero_tail(dp, nq, nk)
                 np.dot(dp.T, qt, tmp)  # dK += dS^T Q (qt carries scale*log2e)
@@ -146,7 +146,8 @@ def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_
         qt = np.zeros((block_q, D), work_dtype)
         dot = np.zeros((block_q, D), work_dtype)
         kt = np.zeros((block_k, D), work_dtype)
-        vt = np.zeros((block_k, D), work_dtype)
+        kt_t = np.zeros((D, block_k), work_dtype)
+        vt_t = np.zeros((D, block_k), work_dtype)
         s = np.empty((block_q, block_k), work_dtype)
         dp = np.empty((block_q, block_k), work_dtype)
         lse2 = np.empty(block_q, work_dtype)
@@ -161,15 +162,17 @@ def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
             load_tile(k, b, hk, j0, nk, kt, one)
-            load_tile(v, b, hk, j0, nk, vt, one)
+            load_tile_t(k, b, hk, j0, nk, kt_t, one)
+            load_tile_t(v, b, hk, j0, nk, vt_t, one)
             if nk < block_k:
                 kt[nk:, :] = 0.0
-                vt[nk:, :] = 0.0
-            np.dot(qt, kt.T, s)
+                kt_t[:, nk:] = 0.0
+                vt_t[:, nk:] = 0.0
+            np.dot(qt, kt_t, s)
             if causal and j0 + nk - 1 > i0 + offset:
                 mask_tile(s, nq, nk, i0, j0, offset)
             probabilities_tile(s, nq, nk, lse2)
-            np.dot(dot, vt.T, dp)
+            np.dot(dot, vt_t, dp)
             dscores_tile(s, dp, nq, nk, dlt)
             zero_tail(dp, nq, nk)
             np.dot(dp, kt, tmp)  # dQ += dS K

@@ -43,7 +43,7 @@ def bits_from_f32(typingctx, f):
     return types.uint32(f), codegen
 
 
-@register_jitable(inline="always")
+@register_jitable
 def exp2_f32(x):
     """2**x for float32 x <= 0 (scores minus their running max), relative error ~2e-7.
 
@@ -52,7 +52,7 @@ def exp2_f32(x):
     libm this vectorizes. exp2(-inf) and anything under 2**-126 give exactly 0; NaN stays NaN.
     """
     y = max(x, np.float32(-127.0))
-    yi = math.floor(y)
+    yi = np.floor(y)
     f = y - yi
     p = np.float32(2.1877505e-04)
     p = p * f + np.float32(1.2387822e-03)
@@ -69,19 +69,19 @@ def exp2(x):  # overloaded below: float32 -> exp2_f32, float64 -> math.exp2
     raise NotImplementedError
 
 
-@overload(exp2, inline="always")
+@overload(exp2)
 def _exp2(x):
     if x == types.float32:
         return lambda x: exp2_f32(x)
     return lambda x: math.exp2(x)
 
 
-@register_jitable(inline="always")
+@register_jitable
 def bf16_to_f32(u):
     return f32_from_bits(np.uint32(u) << np.uint32(16))
 
 
-@register_jitable(inline="always")
+@register_jitable
 def f16_to_f32(h):
     u = np.uint32(np.uint16(h))
     sign = (u & np.uint32(0x8000)) << np.uint32(16)
@@ -95,7 +95,7 @@ def f16_to_f32(h):
     return f32_from_bits(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
 
 
-@register_jitable(inline="always")
+@register_jitable
 def f32_to_bf16(f):
     """Round to nearest even; NaN stays a quiet NaN."""
     x = bits_from_f32(np.float32(f))
@@ -105,7 +105,7 @@ def f32_to_bf16(f):
     return np.uint16(x >> np.uint32(16))
 
 
-@register_jitable(inline="always")
+@register_jitable
 def f32_to_f16(f):
     """Round to nearest even, with subnormals, overflow to inf, and NaN kept."""
     f = np.float32(f)
@@ -129,7 +129,7 @@ def load(x):  # overloaded below: storage element -> compute value
     raise NotImplementedError
 
 
-@overload(load, inline="always")
+@overload(load)
 def _load(x):
     if x == types.uint16:
         return lambda x: bf16_to_f32(x)
@@ -142,7 +142,7 @@ def store(value, like):  # overloaded below: compute value -> storage element of
     raise NotImplementedError
 
 
-@overload(store, inline="always")
+@overload(store)
 def _store(value, like):
     if like == types.uint16:
         return lambda value, like: f32_to_bf16(value)
