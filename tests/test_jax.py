@@ -77,6 +77,8 @@ def test_auto_uses_a_numba_backend_through_callbacks():
     q, k, v = (j(x) for x in qkv(rng))
     jaxpr = str(jax.make_jaxpr(lambda a, b, c: flashcore.attention(a, b, c))(q, k, v))
     assert "custom_vjp" in jaxpr and "callback" in jaxpr
+    text = jax.jit(lambda a, b, c: flashcore.attention(a, b, c)).lower(q, k, v).as_text()
+    assert "xla_buffer_python_cpu_callback" in text  # buffer_callback, not pure_callback
 
 
 def test_custom_vjp_glue_with_reference_kernels():
@@ -236,7 +238,17 @@ def test_gpu_jit_uses_buffer_callback_and_numba_cuda():
                           backend="auto")
     assert case.on_gpu and _dispatch.select(case, "auto").NAME == "numba_cuda"
     text = jax.jit(lambda a, b, c: flashcore.attention(a, b, c)).lower(q, k, v).as_text()
-    assert "callback" in text.lower()
+    assert "xla_buffer_python_gpu_callback" in text
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mixed_devices_raise():
+    rng = np.random.default_rng(16)
+    q, k, v = qkv(rng)
+    cpu = jax.devices("cpu")[0]
+    with pytest.raises(ValueError, match="one device"):
+        flashcore.attention(j(q), j(k, cpu), j(v))
 
 
 @pytest.mark.gpu

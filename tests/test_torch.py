@@ -348,6 +348,19 @@ def test_zero_copy_by_data_pointer(monkeypatch, device):
 
 @pytest.mark.gpu
 @gpu
+def test_mixed_devices_raise():
+    rng = np.random.default_rng(21)
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match="one device"):
+        flashcore.attention(t(q, "cuda", grad=True), t(k), t(v, "cuda"))
+    tq, tk, tv = (t(x, "cuda") for x in (q, k, v))
+    o, lse = flashcore.attention_forward(tq, tk, tv)
+    with pytest.raises(ValueError, match="one device"):
+        flashcore.attention_backward(t(q), tq, tk, tv, o, lse)
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_backward_matches_reference():
     _check_grads(np.random.default_rng(16), "auto", "bfloat16", "bnhd", True, SHAPES[1], "cuda")
     _check_grads(np.random.default_rng(16), "torch", "float16", "bhnd", True, SHAPES[2], "cuda")
