@@ -43,18 +43,26 @@ SIZES = {"tiny": (1, 1, 16, 16), "4096": (1, 8, 4096, 64)}  # B, H, N, D
 TARGET_PCT, TARGET_US = 10.0, 15.0
 
 
-def _median_time(fn, sync, repeat, inner):
-    """Median over ``repeat`` blocks of the mean time of ``inner`` calls, in seconds."""
-    fn()
-    sync()  # warm-up: compiles, caches
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+def _block(fn, sync, inner):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / inner
+
+
+def _median_pair(wrapper, direct, sync, repeat, inner):
+    """Medians over ``repeat`` blocks of ``inner`` calls each, in seconds; the two are timed
+    in alternating blocks so that drift of a busy machine hits both alike."""
+    for fn in (wrapper, direct):  # warm-up: compiles, caches
+        fn()
+    sync()
+    tw, td = [], []
+    for i in range(repeat):
+        order = ((wrapper, tw), (direct, td)) if i % 2 == 0 else ((direct, td), (wrapper, tw))
+        for fn, times in order:
+            times.append(_block(fn, sync, inner))
+    return statistics.median(tw), statistics.median(td)
 
 
 class _Stub:
@@ -181,12 +189,8 @@ def bench_torch(size, device, dtype, repeat, stub=False):
 
 
 def _rows(wrapper_fwd, wrapper_fwd_bwd, direct_fwd, direct_fwd_bwd, sync, repeat, inner):
-    return [
-        ("fwd", _median_time(wrapper_fwd, sync, repeat, inner),
-         _median_time(direct_fwd, sync, repeat, inner)),
-        ("fwd+bwd", _median_time(wrapper_fwd_bwd, sync, repeat, inner),
-         _median_time(direct_fwd_bwd, sync, repeat, inner)),
-    ]
+    return [("fwd", *_median_pair(wrapper_fwd, direct_fwd, sync, repeat, inner)),
+            ("fwd+bwd", *_median_pair(wrapper_fwd_bwd, direct_fwd_bwd, sync, repeat, inner))]
 
 
 # --- JAX ----------------------------------------------------------------------------------------
