@@ -1,0 +1,104 @@
+"""Attention forward and forward+backward: flashcore's backends next to the peers.
+
+Each class is one direction on one kind of device; its parameters are the contender (see
+``flashcore._bench.contender_names()``), the sequence length, the head dim, the dtype and the
+causal mask, at batch 1 and 8 heads on the CPU, batch 4 and 16 heads on a GPU. ``setup``
+makes seeded inputs, runs once (compiling) and raises NotImplementedError for a combination
+that cannot run here (no GPU, library missing, no kernel for the case, too little memory for
+a contender that materializes the score matrix).
+
+- ``time_attention``: one call; GPU calls wait for the device (``torch.cuda.synchronize``
+  or ``block_until_ready``) before the clock stops.
+- ``peakmem_attention``: asv's peak resident memory of the process around one call.
+- ``track_extra_host_mib``: the growth of the resident set during one call, outputs
+  included, inputs excluded (see flashcore._bench: VmHWM reset per call on Linux).
+- ``track_gpu_peak_mib``: peak device memory above the baseline during one call.
+"""
+from .common import HAS_GPU, prepare, runner
+
+CPU_CONTENDERS = ["flashcore:numba_cpu", "torch_sdpa", "jax_xla", "numpy_naive"]
+GPU_CONTENDERS = ["flashcore:numba_cuda@gpu", "torch_sdpa_flash@gpu", "torch_sdpa_cudnn@gpu",
+                  "torch_sdpa_efficient@gpu", "torch_sdpa_math@gpu", "jax_cudnn@gpu",
+                  "jax_xla@gpu", "torch_naive@gpu"]
+
+
+class _Attention:
+    direction = "fwd"
+    batch, heads = 1, 8
+    param_names = ["contender", "seqlen", "head_dim", "dtype", "causal"]
+    # setup already ran the call once (compiling); each sample is one call
+    number = 1
+    warmup_time = 0.0
+    repeat = (1, 3, 10.0)
+    rounds = 1
+    timeout = 300
+
+    def setup(self, contender, seqlen, head_dim, dtype, causal):
+        self.config = runner.Config(self.batch, self.heads, seqlen, head_dim, dtype, causal)
+        self.prep = prepare(contender, self.config, self.direction)
+
+    def teardown(self, *params):
+        self.prep = None
+
+    def time_attention(self, *params):
+        self.prep.run()
+
+
+class _CPU(_Attention):
+    params = [CPU_CONTENDERS, [1024, 4096], [64, 128], ["float32"], [False, True]]
+
+    def peakmem_attention(self, *params):
+        self.prep.run()
+
+    def track_extra_host_mib(self, *params):
+        extra, _ = runner.peak_extra_host_bytes(self.prep.run)
+        return None if extra is None else extra / 2**20
+
+    track_extra_host_mib.unit = "MiB"
+
+
+class _GPU(_Attention):
+    batch, heads = 4, 16
+    params = [GPU_CONTENDERS, [1024, 4096, 16384], [64, 128], ["bfloat16", "float32"],
+              [False, True]]
+    if not HAS_GPU:
+        # asv starts a process per combination just to hear "skipped"; without a GPU, one
+        # combination stands for the grid, so a CPU machine's run is not spent on skipping
+        params = [GPU_CONTENDERS[:1], [1024], [64], ["bfloat16"], [False]]
+
+    def track_gpu_peak_mib(self, *params):
+        extra = runner.gpu_peak_extra_bytes(self.prep)
+        return None if extra is None else extra / 2**20
+
+    track_gpu_peak_mib.unit = "MiB"
+
+
+class ForwardCPU(_CPU):
+    direction = "fwd"
+
+
+class ForwardBackwardCPU(_CPU):
+    direction = "fwdbwd"
+
+
+class ForwardGPU(_GPU):
+    direction = "fwd"
+
+
+class ForwardBackwardGPU(_GPU):
+    direction = "fwdbwd"
+
+
+class LongSequenceMemoryCPU(_Attention):
+    """Peak extra memory of the forward pass at N=16384, where the score matrix alone would
+    take 8 GiB (issue 2 asks for under 64 MiB)."""
+
+    params = [["flashcore:numba_cpu", "torch_sdpa", "numpy_naive"], [16384], [64],
+              ["float32"], [False]]
+    timeout = 600
+
+    def track_extra_host_mib(self, *params):
+        extra, _ = runner.peak_extra_host_bytes(self.prep.run)
+        return None if extra is None else extra / 2**20
+
+    track_extra_host_mib.unit = "MiB"

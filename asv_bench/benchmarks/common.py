@@ -1,0 +1,69 @@
+"""What the benchmark classes share: the runner, seeded inputs cached per size, and the
+setup that turns "cannot run here" into asv's skip (NotImplementedError).
+
+The runner is ``flashcore/_bench.py`` of the tree these benchmarks live in, loaded by path:
+asv benchmarks older commits with today's benchmark code, and those commits' flashcore may
+not have the runner (or have an older one). The measured code is always the installed
+flashcore of the commit under test; the measuring code is the same for every commit.
+"""
+import importlib.util
+import os
+import sys
+
+
+def _load_runner():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                        "flashcore", "_bench.py")
+    if os.path.exists(path):
+        spec = importlib.util.spec_from_file_location("flashcore_bench_runner", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+    from flashcore import _bench  # a copy of the suite without the tree beside it
+
+    return _bench
+
+
+runner = _load_runner()
+
+#: Without a CUDA device node, GPU setups skip at once, without importing torch to ask.
+HAS_GPU = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+
+SEED = 0
+_INPUTS = {}
+
+
+def inputs(config):
+    """Seeded ``(q, k, v, do)`` NumPy arrays for ``config``, made once per size (one size is
+    kept at a time, so a sweep holds one set of inputs)."""
+    if config not in _INPUTS:
+        _INPUTS.clear()
+        _INPUTS[config] = runner.host_inputs(config, SEED)
+    return _INPUTS[config]
+
+
+def _declined(e):
+    """A contender saying it has no kernel for this case (not a bug to report as a failure)."""
+    text = f"{type(e).__name__}: {e}"
+    return (type(e).__name__ in ("BackendUnavailableError", "NotImplementedError")
+            or "No available kernel" in text or "not supported" in text.lower())
+
+
+def prepare(name, config, direction):
+    """The contender ``name`` ready to run ``config`` once per call, warmed up (compiled);
+    NotImplementedError where it cannot run here."""
+    contender = runner.get_contender(name)
+    if contender.device != "cpu" and not HAS_GPU:
+        raise NotImplementedError("no CUDA GPU on this machine")
+    why = contender.unavailable_reason(config)
+    if why is not None:
+        raise NotImplementedError(why)
+    prep = contender.prepare(config, direction, SEED, host=inputs(config))
+    try:
+        prep.run()
+    except Exception as e:
+        if _declined(e):
+            raise NotImplementedError(f"{name} declined: {e}") from e
+        raise
+    return prep
