@@ -19,6 +19,7 @@ torch tensor, so ``import flashcore`` still imports no framework.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 
@@ -31,11 +32,12 @@ from ._errors import BackendUnavailableError
 Tensor = torch.Tensor
 
 
+_NO_DEVICE = contextlib.nullcontext()
+
+
 def _on_device(t: Tensor):
     """Make ``t``'s device current, so kernels run on its current stream (not device 0's)."""
-    import contextlib
-
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else _NO_DEVICE
 
 
 def _dense(x: Tensor) -> Tensor:
@@ -191,10 +193,16 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
     """Differentiable, compilable :func:`flashcore.attention` for torch tensors."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name (str); got {backend=}")
-    if backend == "torch" and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        # The custom op: dynamo traces it as one node (make_case cannot be traced itself).
+        if scale is None:
+            d = q.shape[-1] if isinstance(q, Tensor) and q.ndim == 4 else 0
+            scale = check_options(causal=causal, scale=None, layout=layout, head_dim=int(d))
+        o, lse = attention_forward_op(q, k, v, causal, scale, layout, backend)
+        return (o, lse) if return_lse else o
+    if backend == "torch":
         # SDPA is differentiable as it is: eager autograd goes through torch's own backward
-        # kernels. (Under compile the custom op below serves it, as the checks in make_case
-        # cannot be traced by dynamo.)
+        # kernels.
         from .backends import torch_sdpa
 
         case = make_case(q, k, v, causal=causal, scale=scale, layout=layout,
@@ -204,12 +212,6 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
             raise BackendUnavailableError(f"backend 'torch' cannot serve this call: {why}")
         o, lse = torch_sdpa.forward(q, k, v, case)
         return (o, lse) if return_lse else o
-    if scale is None:
-        d = q.shape[-1] if isinstance(q, Tensor) and q.ndim == 4 else 0
-        scale = check_options(causal=causal, scale=None, layout=layout, head_dim=int(d))
-    if torch.compiler.is_compiling():
-        o, lse = attention_forward_op(q, k, v, causal, scale, layout, backend)
-    else:
-        o, lse = _EagerAttention.apply(
-            q, k, v, _plan(q, k, v, causal, scale, layout, backend, return_lse))
+    o, lse = _EagerAttention.apply(
+        q, k, v, _plan(q, k, v, causal, scale, layout, backend, return_lse))
     return (o, lse) if return_lse else o
