@@ -110,9 +110,11 @@ def grad_floor(do, q, k, v, causal=False, scale=None, layout="bhnd"):
     p = np.exp(s - np.where(np.isfinite(m), m, 0))
     tot = p.sum(-1, keepdims=True)
     p = np.divide(p, tot, out=np.zeros_like(p), where=tot > 0)
-    dp = do @ np.swapaxes(v, -1, -2)
-    delta = np.sum(dp * p, axis=-1, keepdims=True)
-    ads = p * (np.abs(dp) + np.abs(delta))
+    # dS = P * (dP - D) with dP = dO V^T and D = rowsum(dO * O): the terms summed are
+    # |dO| |V|^T and |dO| |O|, which bound the rounding of a cancelling difference.
+    o_abs = np.abs(p @ v)
+    ads = p * (np.abs(do) @ np.swapaxes(np.abs(v), -1, -2)
+               + np.sum(np.abs(do) * o_abs, axis=-1, keepdims=True))
     dq = scale * ads @ np.abs(k)
     dk = scale * np.swapaxes(ads, -1, -2) @ np.abs(q)
     dv = np.swapaxes(p, -1, -2) @ np.abs(do)

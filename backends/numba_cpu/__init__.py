@@ -9,7 +9,7 @@ import numpy as np
 
 from flashcore import _interop, _poison
 
-from .tiles import choose_tiles
+from .tiles import choose_tiles, q_tiles_per_job
 
 NAME = "numba_cpu"
 #: storage dtype the kernels see, and the dtype they compute in
@@ -83,8 +83,12 @@ def forward(q, k, v, case):
     o, ok = _out_like_q(case)
     lse = _empty((case.batch, case.heads_q, case.seqlen_q), np.float32)
     if o.size or lse.size:
+        import numba
+
+        n_tiles = case.batch * case.heads_q * -(-case.seqlen_q // tiles.block_q)
+        per_job = q_tiles_per_job(n_tiles, numba.get_num_threads())
         attn_forward(qk, kk, vk, ok, lse, case.scale, case.causal, tiles.block_q, tiles.block_k,
-                     _work(case))
+                     per_job, _work(case))
     return _give(o, case), _give(lse, case)
 
 

@@ -86,51 +86,62 @@ def online_softmax_tile(s, n_rows, n_cols, m_i, l_i, acc):
 
 
 @njit(parallel=True, cache=True)
-def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, work_dtype):
+def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_job,
+                 work_dtype):
     """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), any strides; writes o (like q) and lse
-    (B, Hq, Nq) float32. float16/bfloat16 arrive as int16/uint16 bits (see scalar.py)."""
+    (B, Hq, Nq) float32. float16/bfloat16 arrive as int16/uint16 bits (see scalar.py).
+
+    A job owns ``q_tiles_per_job`` query tiles of one (batch, head): each key/value tile it
+    loads (and transposes) once serves all of them, while every product stays one tile.
+    """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
     offset = Nk - Nq
-    n_qt = (Nq + block_q - 1) // block_q
+    rows_per_job = block_q * q_tiles_per_job
+    n_jobs = (Nq + rows_per_job - 1) // rows_per_job
     q_mult = work_dtype(scale * LOG2E)  # scores in log2 units: exp2 instead of exp
     one = work_dtype(1.0)
-    for job in prange(B * Hq * n_qt):
-        b = job // (Hq * n_qt)
-        h = (job // n_qt) % Hq
+    for job in prange(B * Hq * n_jobs):
+        b = job // (Hq * n_jobs)
+        h = (job // n_jobs) % Hq
         hk = h // group
-        i0 = (job % n_qt) * block_q
-        nq = min(block_q, Nq - i0)
-        qt = np.empty((block_q, D), work_dtype)
+        row0 = (job % n_jobs) * rows_per_job
+        rows = min(rows_per_job, Nq - row0)
+        qt = np.empty((rows_per_job, D), work_dtype)
         kt_t = np.empty((D, block_k), work_dtype)
         vt = np.empty((block_k, D), work_dtype)
         s = np.empty((block_q, block_k), work_dtype)
         pv = np.empty((block_q, D), work_dtype)
-        acc = np.zeros((block_q, D), work_dtype)
-        m_i = np.full(block_q, -np.inf, work_dtype)
-        l_i = np.zeros(block_q, work_dtype)
-        load_tile(q, b, h, i0, nq, qt, q_mult)
-        # Keys this tile can see: all, or (causal) up to the last row's diagonal.
-        k_end = Nk if not causal else max(0, min(Nk, i0 + nq + offset))
-        # Key tiles wholly at or before the first row's diagonal need no mask.
-        k_unmasked = k_end if not causal else max(0, min(k_end, i0 + offset + 1))
+        acc = np.zeros((rows_per_job, D), work_dtype)
+        m_i = np.full(rows_per_job, -np.inf, work_dtype)
+        l_i = np.zeros(rows_per_job, work_dtype)
+        load_tile(q, b, h, row0, rows, qt, q_mult)
+        # Keys these rows can see: all, or (causal) up to the last row's diagonal.
+        k_end = Nk if not causal else max(0, min(Nk, row0 + rows + offset))
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
             load_tile_t(k, b, hk, j0, nk, kt_t, one)
             load_tile(v, b, hk, j0, nk, vt, one)
-            np.dot(qt, kt_t, s)
-            if j0 + nk > k_unmasked:
-                mask_tile(s, nq, nk, i0, j0, offset)
-            online_softmax_tile(s, nq, nk, m_i, l_i, acc)
-            if nk < block_k:  # tail: columns past nk hold stale values, zero their weight
-                s[:, nk:] = 0.0
+            if nk < block_k:  # tail: zero weight for the stale columns past nk
                 vt[nk:, :] = 0.0
-            np.dot(s, vt, pv)
-            acc += pv
-        for r in range(nq):
+            for t0 in range(0, rows, block_q):
+                i0 = row0 + t0
+                nq = min(block_q, rows - t0)
+                if causal and j0 > i0 + nq - 1 + offset:
+                    continue  # the key tile lies after every diagonal of this query tile
+                np.dot(qt[t0:t0 + block_q], kt_t, s)
+                # Only tiles reaching past the first row's diagonal need the mask.
+                if causal and j0 + nk - 1 > i0 + offset:
+                    mask_tile(s, nq, nk, i0, j0, offset)
+                online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
+                if nk < block_k:
+                    s[:, nk:] = 0.0
+                np.dot(s, vt, pv)
+                acc[t0:t0 + block_q] += pv
+        for r in range(rows):
             empty = l_i[r] == 0.0
             inv = 0.0 if empty else 1.0 / l_i[r]
             for d in range(D):
-                o[b, h, i0 + r, d] = store(acc[r, d] * inv, o[0, 0, 0, 0])
-            lse[b, h, i0 + r] = -np.inf if empty else (m_i[r] + math.log2(l_i[r])) / LOG2E
+                o[b, h, row0 + r, d] = store(acc[r, d] * inv, o[0, 0, 0, 0])
+            lse[b, h, row0 + r] = -np.inf if empty else (m_i[r] + math.log2(l_i[r])) / LOG2E

@@ -37,3 +37,13 @@ def choose_tiles(head_dim: int, dtype: str, causal: bool) -> TileConfig:
         if bq * bk * head_dim <= BLAS_SINGLE_THREAD_MNK:
             return TileConfig(bq, bk)
     return TileConfig(*CANDIDATES[-1])
+
+
+#: Query tiles one forward job may own (each key/value tile it loads serves all of them).
+MAX_Q_TILES_PER_JOB = 4
+
+
+def q_tiles_per_job(n_tiles: int, threads: int) -> int:
+    """As many query tiles per job as keeps at least 4 jobs per thread (load balance)."""
+    per = n_tiles // (4 * max(threads, 1))
+    return max(1, min(MAX_Q_TILES_PER_JOB, per))
