@@ -108,16 +108,6 @@ else:
 
         return sig, codegen
 
-    @device_function
-    def _bf16_bits(v):
-        """fp32 -> bf16 bits, round to nearest even, NaN kept. A select, not a branch:
-        straight-line code keeps the callers' store loops small enough for LLVM to unroll
-        (and their register tiles out of local memory)."""
-        bits = _f32_to_bits(v)
-        rounded = bits + types.uint32(0x7FFF) + ((bits >> types.uint32(16)) & types.uint32(1))
-        return types.uint16(0x7FC0) if math.isnan(v) else types.uint16(
-            rounded >> types.uint32(16))
-
     def load_f32(x):  # replaced by the overload below inside kernels
         raise NotImplementedError
 
@@ -139,7 +129,15 @@ else:
     def _store_f32(ptr, i, v):
         if ptr.dtype == types.uint16:
             def impl(ptr, i, v):
-                ptr[i] = _bf16_bits(types.float32(v))
+                bits = _f32_to_bits(types.float32(v))
+                # (v != v, not math.isnan: isnan's libdevice call made LLVM stop unrolling
+                # the callers' store loops, which sent a register tile to local memory)
+                if v != v:  # noqa: PLR0124
+                    ptr[i] = types.uint16(0x7FC0)
+                else:
+                    rounded = bits + types.uint32(0x7FFF) + ((bits >> types.uint32(16))
+                                                             & types.uint32(1))
+                    ptr[i] = types.uint16(rounded >> types.uint32(16))
             return impl
         if ptr.dtype == types.float16:
             def impl(ptr, i, v):

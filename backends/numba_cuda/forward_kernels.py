@@ -92,13 +92,10 @@ def make_attn_forward(head_dim: int, t, causal: bool):
     RD = DP // TC
     NT = TR * TC
     lay = _tiles.forward_layout(t, D)
-    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q [d][i], K and V [d][j], P [j][i]
-    Q_OFF, K_OFF, V_OFF, P_OFF = lay["Q"], lay["K"], lay["V"], lay["P"]
-    RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row sums (simulator: maxima too)
+    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q [d][i], K or V [d][j], P [j][i]
+    Q_OFF, KV_OFF, P_OFF = lay["Q"], lay["KV"], lay["P"]
+    RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(causal)
-    # The TC threads of a row group are consecutive lanes of one warp: on the GPU their row
-    # maxima meet through warp shuffles; the simulator has none and uses shared memory.
-    SHUFFLE = (not SIMULATOR) and TC <= 32 and 32 % TC == 0 and NT % 32 == 0
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -129,7 +126,6 @@ def make_attn_forward(head_dim: int, t, causal: bool):
         xa = cuda.local.array(RM, float32)
         xb = cuda.local.array(RN, float32)
         xd = cuda.local.array(RD, float32)  # the V row slice in the P V product
-        rmax = cuda.local.array(RM, float32)
         for a in range(RM):
             m_i[a] = NEG_INF
             l_i[a] = float32(0.0)
@@ -146,15 +142,13 @@ def make_attn_forward(head_dim: int, t, causal: bool):
             n_full = min(Nk, q0 + 1 + causal_offset)
 
         for n0 in range(0, n_end, BN):
-            load_tile_t(smem, K_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
-                        float32(1.0), tid, NT)
-            load_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+            load_tile_t(smem, KV_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
                         float32(1.0), tid, NT)
             cuda.syncthreads()
             for a in range(RM):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, LDK, 1, DP, tr, tc,
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, KV_OFF, LDK, 1, DP, tr, tc,
                          RM, RN, TC)
             if n0 + BN > n_full:  # a diagonal or tail tile: mask
                 for a in range(RM):
@@ -167,31 +161,16 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                 mx = s[a, 0]
                 for bb in range(1, RN):
                     mx = max(mx, s[a, bb])
-                if SHUFFLE:  # (compile-time constants: no loop, no dead branch survives)
-                    if TC > 16:
-                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 16))
-                    if TC > 8:
-                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 8))
-                    if TC > 4:
-                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 4))
-                    if TC > 2:
-                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
-                    if TC > 1:
-                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
-                    rmax[a] = mx
-                else:
-                    smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
-            if not SHUFFLE:
-                cuda.syncthreads()
-                for a in range(RM):
-                    row = tr * RM + a
-                    mx = smem[RED_OFF + row * TC]
-                    for c in range(1, TC):
-                        mx = max(mx, smem[RED_OFF + row * TC + c])
-                    rmax[a] = mx
+                smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
+            cuda.syncthreads()
+            # K is consumed: V goes into the same buffer while the softmax runs.
+            load_tile_t(smem, KV_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                        float32(1.0), tid, NT)
             for a in range(RM):
                 row = tr * RM + a
-                mx = max(m_i[a], rmax[a])
+                mx = m_i[a]
+                for c in range(TC):
+                    mx = max(mx, smem[RED_OFF + row * TC + c])
                 # A row that has seen no key yet keeps m = -inf; subtract 0 instead.
                 m_use = mx if mx != NEG_INF else float32(0.0)
                 alpha = math.exp2(m_i[a] - m_use)
@@ -205,7 +184,7 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                     smem[P_OFF + (tc + TC * bb) * LDP + row] = p
                 l_i[a] = lsum
             cuda.syncthreads()
-            tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, 1, LDK, BN, tr, tc, RM, RD, TC)
+            tile_product(acc, xa, xd, smem, P_OFF, LDP, KV_OFF, 1, LDK, BN, tr, tc, RM, RD, TC)
             cuda.syncthreads()
 
         # Each thread summed its own columns; add up the row sums across the TC threads.

@@ -95,14 +95,13 @@ def _offsets(*sizes):
 
 def forward_layout(t: Tiles, head_dim: int):
     """Offsets and row strides (in fp32 words) of attn_forward's shared memory:
-    Q ``[d][i]`` (A operand of Q Kᵀ), K and V ``[d][j]`` (B operands; separate, so that
-    both tiles load in one phase), P ``[j][i]`` (A operand of P V), and the per-thread
-    partial row sums (and, in the simulator, maxima)."""
+    Q ``[d][i]`` (A operand of Q Kᵀ), K or V ``[d][j]`` (B operand of both products),
+    P ``[j][i]`` (A operand of P V), and the per-thread partial row maxima and sums."""
     dp = t.dpad(head_dim)
     ldq, ldk, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
-    (q, k, v, p, red), words = _offsets(dp * ldq, dp * ldk, dp * ldk, t.block_n * ldp,
-                                        t.block_m * t.cols)
-    return dict(Q=q, K=k, V=v, P=p, RED=red, LDQ=ldq, LDK=ldk, LDP=ldp, words=words)
+    (q, kv, p, red), words = _offsets(dp * ldq, dp * ldk, t.block_n * ldp,
+                                      t.block_m * t.cols)
+    return dict(Q=q, KV=kv, P=p, RED=red, LDQ=ldq, LDK=ldk, LDP=ldp, words=words)
 
 
 def dkdv_layout(t: Tiles, head_dim: int):
@@ -159,8 +158,8 @@ _TABLE_SM90 = (
     (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
 )
 _TABLE_SM80 = (
-    (64, Tiles(128, 64, 16, 16), Tiles(64, 64, 16, 16), Tiles(128, 64, 16, 16)),
-    (128, Tiles(64, 64, 8, 16), Tiles(64, 32, 16, 16), Tiles(64, 32, 16, 16)),
+    (64, Tiles(128, 128, 16, 16), Tiles(64, 64, 16, 16), Tiles(128, 64, 16, 16)),
+    (128, Tiles(128, 64, 16, 16), Tiles(64, 32, 16, 16), Tiles(64, 32, 16, 16)),
     (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
 )
 
