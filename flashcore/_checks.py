@@ -15,12 +15,12 @@ def _arrays(named: dict):
     """Check that every value is an array of one library on one device; return (library, device)."""
     libs = {}
     for name, x in named.items():
-        if not _interop.is_array(x):
+        libs[name] = _interop.library_of(x)
+        if libs[name] is None:
             raise TypeError(
                 f"{name} must be an array (NumPy, PyTorch, JAX, CuPy or another Array API "
                 f"library); got {type(x).__module__}.{type(x).__qualname__}"
             )
-        libs[name] = _interop.library_of(x)
     if len(set(libs.values())) > 1:
         raise TypeError(f"all arrays must come from one library; got {libs}")
     library = next(iter(libs.values()))
@@ -43,7 +43,7 @@ def _dtype(named: dict) -> str:
 
 
 def _shape4(name, x, layout):
-    shape = tuple(int(s) for s in x.shape)
+    shape = tuple(map(int, x.shape))
     if len(shape) != 4:
         dims = "(B, H, N, D)" if layout == "bhnd" else "(B, N, H, D)"
         raise ValueError(

@@ -11,8 +11,21 @@ import numpy as np
 _FLOAT_NAMES = {"float16", "bfloat16", "float32", "float64"}
 
 
-def library_of(x) -> str:
-    """Short name of the library that owns array ``x`` ("numpy", "torch", "jax", "cupy", ...)."""
+_LIBRARY_BY_TYPE: dict = {}
+_DTYPE_NAMES: dict = {}
+
+
+def library_of(x) -> str | None:
+    """Short name of the library that owns array ``x`` ("numpy", "torch", "jax", "cupy", ...),
+    or None if ``x`` is no array. Cached by type: this runs on every call's hot path."""
+    t = type(x)
+    lib = _LIBRARY_BY_TYPE.get(t, False)
+    if lib is False:
+        lib = _LIBRARY_BY_TYPE[t] = _library_of(x) if is_array(x) else None
+    return lib
+
+
+def _library_of(x) -> str:
     import array_api_compat as aac
 
     if aac.is_numpy_array(x):
@@ -56,7 +69,21 @@ def device_of(x, library: str) -> str:
 
 def dtype_name(x) -> str:
     """Name of ``x``'s dtype ("float32", "bfloat16", ...), whatever library owns it."""
-    name = str(x.dtype)
+    dt = x.dtype
+    try:
+        return _DTYPE_NAMES[dt]
+    except (KeyError, TypeError):
+        pass
+    name = _dtype_name(dt)
+    try:
+        _DTYPE_NAMES[dt] = name
+    except TypeError:  # an unhashable dtype object
+        pass
+    return name
+
+
+def _dtype_name(dt) -> str:
+    name = str(dt)
     for prefix in ("torch.", "dtype("):
         if name.startswith(prefix):
             name = name[len(prefix):]
