@@ -1,0 +1,353 @@
+"""Warp-level tensor-core primitives as Numba intrinsics (inline PTX), with plain-Python
+equivalents for the CUDA simulator.
+
+Numba has no tensor-core API; each primitive here is an ``@intrinsic`` that emits one PTX
+instruction through ``llvmlite.ir.InlineAsm``. Under ``NUMBA_ENABLE_CUDASIM=1`` the same
+names are plain Python functions that compute each lane's registers exactly as the
+hardware lays them out (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point
+type" and "ldmatrix"); lanes of a warp trade their operands through a rendezvous, since
+the simulator runs each thread as a Python thread and has no warp-level operations.
+
+Registers holding two 16-bit values are ``uint32`` with the lower-indexed element in the
+low half. Fragment layouts (``g = lane >> 2``, ``t = lane & 3``):
+
+- A (16 x 16, row-major), 4 registers: ``a0 = A[g, 2t:2t+2]``, ``a1 = A[g+8, 2t:2t+2]``,
+  ``a2 = A[g, 2t+8:2t+10]``, ``a3 = A[g+8, 2t+8:2t+10]``.
+- B (16 x 8, "col": stored as Bᵀ rows), 2 registers: ``b0 = B[2t:2t+2, g]``,
+  ``b1 = B[2t+8:2t+10, g]``.
+- C and D (16 x 8, fp32), 4 values: ``c0, c1 = C[g, 2t:2t+2]``, ``c2, c3 = C[g+8, 2t:2t+2]``.
+
+``ldmatrix_x4(smem, i)``: lanes ``8m .. 8m+7`` give the addresses (element offsets into a
+uint16 shared array) of the eight 16-byte rows of matrix ``m``; register ``m`` of lane
+``l`` receives row ``l >> 2``, elements ``2(l & 3)`` and ``2(l & 3) + 1`` of matrix ``m``.
+With ``.trans`` it receives elements ``(2(l & 3), l >> 2)`` and ``(2(l & 3) + 1, l >> 2)``
+(column ``l >> 2`` of the stored rows): this turns a row-major ``[k][n]`` tile into B
+fragments. Loading a row-major A tile with lanes pointing at row ``l % 16``, column
+``8 (l // 16)`` gives exactly ``a0..a3``.
+
+``cp_async16(smem, i, src, j, nbytes)`` copies 16 bytes global -> shared without going
+through registers (``cp.async.cg``; ``nbytes`` 0 zero-fills the destination: rows past the
+end); ``cp_async_commit()`` closes a group and ``cp_async_wait(n)`` (``n`` a literal) waits
+until at most ``n`` groups are in flight. A ``syncthreads`` must follow before other
+threads read the copied data. Under the simulator the copy is immediate.
+
+Pointers are the kernels' raw pointers (``convert.smem_pointer`` for shared memory, the
+launch's typed pointers for global memory); under the simulator they are NumPy arrays.
+Needs sm_80 or newer (cp.async, bf16 MMA, cvt to bf16x2).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import cuda
+
+SIMULATOR = bool(cuda.config.ENABLE_CUDASIM)
+
+__all__ = [
+    "SIMULATOR",
+    "cp_async16",
+    "cp_async_commit",
+    "cp_async_wait",
+    "ldmatrix_x4",
+    "ldmatrix_x4_trans",
+    "mma_bf16",
+    "mma_f16",
+    "pack_bf16x2",
+    "pack_f16x2",
+    "shfl_xor_f32",
+]
+
+
+# --- the layouts, as plain data (used by the simulator and the tests) ----------------------
+
+def a_coords(lane):
+    """``[(row, col), ...]`` of the 8 A elements lane ``lane`` holds, register by register
+    (two per register, low half first)."""
+    g, t = lane >> 2, lane & 3
+    out = []
+    for r in range(4):
+        row = g + 8 * (r & 1)
+        col = 2 * t + 8 * (r >> 1)
+        out += [(row, col), (row, col + 1)]
+    return out
+
+
+def b_coords(lane):
+    """``[(k, n), ...]`` of the 4 B elements of ``lane`` (b0 low, b0 high, b1 low, b1 high)."""
+    g, t = lane >> 2, lane & 3
+    return [(2 * t, g), (2 * t + 1, g), (2 * t + 8, g), (2 * t + 9, g)]
+
+
+def c_coords(lane):
+    """``[(row, col), ...]`` of the 4 C/D elements of ``lane`` (c0, c1, c2, c3)."""
+    g, t = lane >> 2, lane & 3
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+
+
+def bits_to_float(bits, kind):
+    """A 16-bit pattern as a float: ``kind`` "bf16" or "f16"."""
+    bits = int(bits) & 0xFFFF
+    if kind == "bf16":
+        return float(np.array(bits << 16, dtype=np.uint32).view(np.float32))
+    return float(np.array(bits, dtype=np.uint16).view(np.float16))
+
+
+def float_to_bits(x, kind):
+    """Round ``x`` (taken as fp32) to bf16 or fp16, nearest even; the 16-bit pattern."""
+    x = np.float32(x)
+    if kind == "f16":
+        return int(np.array(x, dtype=np.float16).view(np.uint16))
+    if x != x:  # noqa: PLR0124  (NaN stays a quiet NaN)
+        return 0x7FC0
+    b = int(np.array(x, dtype=np.float32).view(np.uint32))
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+if SIMULATOR:
+    from numba.cuda.simulator.kernel import BlockThread
+
+    _cond = threading.Condition()
+    _slots: dict = {}
+
+    def _warp_exchange(value):
+        """Every lane of the calling warp hands in ``value``; returns ``(lane, values of
+        the 32 lanes)``. All 32 lanes must call (as ``.sync.aligned`` instructions need)."""
+        me = threading.current_thread()
+        if not isinstance(me, BlockThread):
+            raise RuntimeError("warp primitives run only inside a simulated kernel")
+        lane = me.thread_id % 32
+        seq = getattr(me, "_flashcore_seq", 0)
+        me._flashcore_seq = seq + 1
+        key = (id(me._manager), tuple(me.blockIdx), me.thread_id // 32, seq)
+        with _cond:
+            slot = _slots.setdefault(key, [[None] * 32, 0, 0])
+            slot[0][lane] = value
+            slot[1] += 1
+            if slot[1] == 32:
+                _cond.notify_all()
+            while slot[1] < 32:
+                _cond.wait(timeout=0.5)
+                if me.abort:
+                    raise RuntimeError("another simulated thread failed")
+            values = slot[0]
+            slot[2] += 1
+            if slot[2] == 32:
+                del _slots[key]
+        return lane, values
+
+    def _u16(x):
+        return int(x) & 0xFFFF
+
+    def _ldmatrix(smem, idx, trans):
+        lane, addrs = _warp_exchange((smem, int(idx)))
+        g, t = lane >> 2, lane & 3
+        regs = []
+        for m in range(4):
+            if trans:
+                s0, i0 = addrs[8 * m + 2 * t]
+                s1, i1 = addrs[8 * m + 2 * t + 1]
+                lo, hi = _u16(s0[i0 + g]), _u16(s1[i1 + g])
+            else:
+                s, i = addrs[8 * m + g]
+                lo, hi = _u16(s[i + 2 * t]), _u16(s[i + 2 * t + 1])
+            regs.append(np.uint32(lo | (hi << 16)))
+        return tuple(regs)
+
+    def ldmatrix_x4(smem, idx):
+        """Four 8x8 b16 matrices from shared memory (``ldmatrix...x4.shared.b16``)."""
+        return _ldmatrix(smem, idx, False)
+
+    def ldmatrix_x4_trans(smem, idx):
+        """Four 8x8 b16 matrices, each transposed (``ldmatrix...x4.trans.shared.b16``)."""
+        return _ldmatrix(smem, idx, True)
+
+    def _mma(kind, a, b, c):
+        lane, ops = _warp_exchange((a, b, c))
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        C = np.zeros((16, 8))
+        for src in range(32):
+            ra, rb, rc = ops[src]
+            for e, (i, j) in enumerate(a_coords(src)):
+                A[i, j] = bits_to_float(int(ra[e >> 1]) >> (16 * (e & 1)), kind)
+            for e, (i, j) in enumerate(b_coords(src)):
+                B[i, j] = bits_to_float(int(rb[e >> 1]) >> (16 * (e & 1)), kind)
+            for e, (i, j) in enumerate(c_coords(src)):
+                C[i, j] = rc[e]
+        D = (A @ B + C).astype(np.float32)
+        return tuple(D[i, j] for i, j in c_coords(lane))
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """``D = A B + C``, m16n8k16, bf16 inputs, fp32 accumulators (``mma.sync``)."""
+        return _mma("bf16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """``D = A B + C``, m16n8k16, fp16 inputs, fp32 accumulators (``mma.sync``)."""
+        return _mma("f16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+
+    def pack_bf16x2(lo, hi):
+        """Two fp32 values rounded to bf16 (nearest even) in one register, ``lo`` low."""
+        return np.uint32(float_to_bits(lo, "bf16") | (float_to_bits(hi, "bf16") << 16))
+
+    def pack_f16x2(lo, hi):
+        """Two fp32 values rounded to fp16 (nearest even) in one register, ``lo`` low."""
+        return np.uint32(float_to_bits(lo, "f16") | (float_to_bits(hi, "f16") << 16))
+
+    def shfl_xor_f32(v, mask):
+        """``v`` of lane ``lane ^ mask`` (all 32 lanes take part)."""
+        lane, vals = _warp_exchange(np.float32(v))
+        return vals[lane ^ int(mask)]
+
+    def cp_async16(smem, sidx, src, gidx, nbytes):
+        """16 bytes (8 b16 elements) from ``src[gidx:]`` to ``smem[sidx:]``; zeros when
+        ``nbytes`` is 0."""
+        sidx = int(sidx)
+        if nbytes:
+            gidx = int(gidx)
+            smem[sidx:sidx + 8] = src[gidx:gidx + 8].view(np.uint16)
+        else:
+            smem[sidx:sidx + 8] = 0
+
+    def cp_async_commit():
+        """Close the current group of cp.async copies (a no-op in the simulator)."""
+
+    def cp_async_wait(n):
+        """Wait until at most ``n`` groups are in flight (a no-op in the simulator)."""
+
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+    _F32 = ir.FloatType()
+
+    def _asm(builder, ret, args, text, constraints):
+        fty = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fty, text, constraints, side_effect=True), args)
+
+    def _shared_u32(builder, ptr, idx):
+        """The 32-bit shared-state-space address of ``ptr + idx`` (a generic pointer into
+        shared memory)."""
+        p = builder.bitcast(builder.gep(ptr, [idx]), ir.IntType(8).as_pointer())
+        s = builder.addrspacecast(p, ir.PointerType(ir.IntType(8), 3))
+        return builder.ptrtoint(s, _I32)
+
+    def _generic_u64(builder, ptr, idx):
+        return builder.ptrtoint(builder.gep(ptr, [idx]), ir.IntType(64))
+
+    def _tuple(context, builder, rt, st, n):
+        vals = [builder.extract_value(st, i) for i in range(n)]
+        return context.make_tuple(builder, rt, vals)
+
+    def _ldmatrix_intrinsic(trans):
+        suffix = ".trans" if trans else ""
+        text = (f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 "
+                "{$0, $1, $2, $3}, [$4];")
+
+        @intrinsic
+        def ldm(typingctx, ptr, idx):
+            if not isinstance(ptr, types.CPointer) or not isinstance(idx, types.Integer):
+                return None
+            rt = types.UniTuple(types.uint32, 4)
+
+            def codegen(context, builder, sig, args):
+                addr = _shared_u32(builder, args[0], args[1])
+                st = _asm(builder, ir.LiteralStructType([_I32] * 4), [addr], text,
+                          "=r,=r,=r,=r,r,~{memory}")
+                return _tuple(context, builder, rt, st, 4)
+
+            return rt(ptr, idx), codegen
+
+        return ldm
+
+    ldmatrix_x4 = _ldmatrix_intrinsic(False)
+    ldmatrix_x4_trans = _ldmatrix_intrinsic(True)
+
+    def _mma_intrinsic(kind):
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+        u, f = types.uint32, types.float32
+
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            rt = types.UniTuple(f, 4)
+            sig = rt(u, u, u, u, u, u, f, f, f, f)
+
+            def codegen(context, builder, sig, args):
+                st = _asm(builder, ir.LiteralStructType([_F32] * 4), list(args), text,
+                          "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                return _tuple(context, builder, rt, st, 4)
+
+            return sig, codegen
+
+        return mma
+
+    mma_bf16 = _mma_intrinsic("bf16")
+    mma_f16 = _mma_intrinsic("f16")
+
+    def _pack_intrinsic(kind):
+        # cvt puts its first source in the upper half: pass (hi, lo)
+        text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"
+
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, sig, args):
+                lo_v, hi_v = args
+                return _asm(builder, _I32, [hi_v, lo_v], text, "=r,f,f")
+
+            return sig, codegen
+
+        return pack
+
+    pack_bf16x2 = _pack_intrinsic("bf16")
+    pack_f16x2 = _pack_intrinsic("f16")
+
+    @intrinsic
+    def cp_async16(typingctx, smem, sidx, src, gidx, nbytes):
+        if not (isinstance(smem, types.CPointer) and isinstance(src, types.CPointer)):
+            return None
+        sig = types.void(smem, sidx, src, gidx, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            s, si, g, gi, n = args
+            saddr = _shared_u32(builder, s, si)
+            gaddr = _generic_u64(builder, g, gi)
+            _asm(builder, ir.VoidType(), [saddr, gaddr, n],
+                 "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
+                 "cp.async.cg.shared.global [$0], [ga], 16, $2; }",
+                 "r,l,r,~{memory}")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        text = f"cp.async.wait_group {int(n.literal_value)};"
+        sig = types.void(n)
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], text, "~{memory}")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, forceinline=True)
+    def shfl_xor_f32(v, mask):
+        """``v`` of lane ``lane ^ mask`` (all 32 lanes take part)."""
+        return cuda.shfl_xor_sync(0xFFFFFFFF, v, mask)
