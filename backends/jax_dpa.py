@@ -11,6 +11,8 @@ semantics kept around it.
 - lse comes from ``return_residual=True`` (jax >= 0.6), which returns the log-sum-exp of
   the scaled scores, ``(B, Nq, Hq)``; lse is treated as a constant by autodiff.
 - The backward pass is JAX's autodiff of the same computation (``jax.vjp``).
+- float32 inputs are multiplied at float32 precision (``default_matmul_precision
+  ("highest")``; XLA's default on GPUs is TF32, about 1e-3 relative error).
 
 Everything here is JAX code: it runs eagerly, under ``jax.jit`` and under ``jax.vmap``, and
 is differentiable as it is. JAX is imported inside functions only.
@@ -61,11 +63,14 @@ def _attend(q, k, v, case, need_lse):
         kw["mask"] = (j <= i + (nk - nq))[None, None]
     elif case.causal:
         kw["is_causal"] = True
-    if need_lse:
-        o, lse = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
-        lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
-        return o, lse
-    return jax.nn.dot_product_attention(q, k, v, **kw), None
+    # float32 means float32 products: on GPUs XLA's default would round them to TF32.
+    precision = "highest" if q.dtype in (jnp.float32, jnp.float64) else None
+    with jax.default_matmul_precision(precision):
+        if need_lse:
+            o, lse = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
+            lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
+            return o, lse
+        return jax.nn.dot_product_attention(q, k, v, **kw), None
 
 
 def forward(q, k, v, case):

@@ -45,41 +45,56 @@ def _stand_in(x):
 
 
 def _device(x):
-    """``"cpu"``/``"cuda:N"`` of a concrete array; for a tracer, where jit will place it."""
+    """``"cpu"``/``"cuda:N"`` of a concrete array; None for a tracer (no device until run)."""
     try:
         devs = x.devices()
-    except jax.errors.ConcretizationTypeError:  # a tracer: no device until it runs
-        return "cpu" if jax.default_backend() == "cpu" else "cuda:0"
+    except jax.errors.ConcretizationTypeError:
+        return None
     if len(devs) != 1:
         raise ValueError(f"JAX arrays sharded over several devices are not supported: {devs=}")
     (d,) = devs
     return "cpu" if d.platform == "cpu" else f"cuda:{d.id}"
 
 
-def _case(q, k, v, *, causal, scale, layout, need_lse, backend, extra=None):
-    """The call's Case (library "jax"), checked on stand-ins; raises on bad arguments."""
+def _case(q, k, v, *, causal, scale, layout, need_lse, backend, extra=None, device=None):
+    """The call's Case (library "jax"), checked on stand-ins; raises on bad arguments.
+    ``device`` defaults to the arrays' own (where jit will run, for tracers)."""
     stand = {n: _stand_in(x) for n, x in (extra or {}).items()}
     case = make_case(_stand_in(q), _stand_in(k), _stand_in(v), causal=causal, scale=scale,
                      layout=layout, need_lse=need_lse, explicit=backend != "auto",
                      direction="backward" if extra else "forward", extra=stand or None)
-    devices = {n: _device(x) for n, x in {"q": q, "k": k, "v": v, **(extra or {})}.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all arrays must be on one device; got {devices}")
-    return replace(case, library="jax", device=devices["q"])
+    if device is None:
+        named = {"q": q, "k": k, "v": v, **(extra or {})}
+        devices = {n: d for n, d in ((n, _device(x)) for n, x in named.items()) if d}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"all arrays must be on one device; got {devices}")
+        device = next(iter(devices.values()), None) or (
+            "cpu" if jax.default_backend() == "cpu" else "cuda:0")
+    return replace(case, library="jax", device=device)
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=False,
               backend="auto"):
     """Differentiable, jit- and vmap-able :func:`flashcore.attention` for JAX arrays."""
-    case, impl = _plan(q, k, v, causal, scale, layout, backend)
-    if impl.NAME in _TRACEABLE:
-        o, lse = impl.forward(q, k, v, replace(case, need_lse=return_lse))
-        if lse is not None:
-            lse = jax.lax.stop_gradient(lse)
+    plan = _plan(q, k, v, causal, scale, layout, backend)
+    if len(plan) == 1:
+        _, case, impl = plan[0]
+        o, lse = _run(case, impl, q, k, v, need_lse=return_lse)
     else:
-        o, lse = _numba_attention(impl.NAME, case)(q, k, v)
+        # Traced arrays on a machine with a GPU: whether this runs on the CPU or the GPU is
+        # known only when jit lowers it, so each platform gets its own branch.
+        o, lse = jax.lax.platform_dependent(
+            q, k, v, **{p: functools.partial(_run, case, impl, need_lse=True)
+                        for p, case, impl in plan})
+    if lse is not None:
         lse = jax.lax.stop_gradient(lse)
     return (o, lse) if return_lse else o
+
+
+def _run(case, impl, q, k, v, *, need_lse):
+    if impl.NAME in _TRACEABLE:
+        return impl.forward(q, k, v, replace(case, need_lse=need_lse))
+    return _numba_attention(impl.NAME, case)(q, k, v)
 
 
 _PLANS: dict = {}
@@ -87,27 +102,48 @@ _MAX_PLANS = 512
 
 
 def _plan(q, k, v, causal, scale, layout, backend):
-    """The checked Case and the backend for it, cached per (shapes, dtypes, devices,
-    options): the checks read nothing else, so a cache hit skips only repeated work."""
+    """``((platform, case, backend), ...)``: one entry (platform None) for concrete arrays
+    or a CPU-only machine, one per platform for traced arrays on a machine with a GPU.
+    Cached per (shapes, dtypes, devices, options): the checks read nothing else, so a
+    cache hit skips only repeated work."""
     try:
         devices = tuple(_device(x) for x in (q, k, v))
     except ValueError:  # sharded: let _case say so
         devices = None
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, devices,
-           causal, scale, layout, backend)
+           causal, scale, layout, backend, jax.default_backend())
     try:
         hit = _PLANS.get(key) if devices is not None else None
     except TypeError:  # an unhashable option: make_case says what is wrong with it
         hit, key = None, None
     if hit is None:
-        case = _case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                     backend=backend)
-        hit = (case, _dispatch.select(case, backend))
+        traced = devices is not None and None in devices
+        hit = _make_plan(q, k, v, causal, scale, layout, backend, traced)
         if key is not None and devices is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = hit
     return hit
+
+
+def _make_plan(q, k, v, causal, scale, layout, backend, traced):
+    opts = {"causal": causal, "scale": scale, "layout": layout, "need_lse": True,
+            "backend": backend}
+    if not traced or jax.default_backend() == "cpu":
+        case = _case(q, k, v, **opts)
+        return ((None, case, _dispatch.select(case, backend)),)
+    entries, errors = [], []
+    for platform, device in (("cuda", "cuda:0"), ("cpu", "cpu")):
+        case = _case(q, k, v, device=device, **opts)
+        try:
+            entries.append((platform, case, _dispatch.select(case, backend)))
+        except BackendUnavailableError as e:
+            errors.append(e)
+    if not entries:
+        raise errors[0]  # the GPU's reasons: jit runs there unless the arrays say otherwise
+    if len(entries) == 1:
+        return ((None, *entries[0][1:]),)
+    return tuple(entries)
 
 
 # --- the custom_vjp around a Numba backend -----------------------------------------------
