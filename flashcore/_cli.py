@@ -267,13 +267,14 @@ def run_main(argv):
           f"(tolerance {chk['tolerance']:.0e}) {'ok' if chk['ok'] else 'FAILED'}")
     gpu = device != "cpu"
     print()
-    print(f"{'':<24}{'time (median)':>16}{'GFLOP/s':>10}{'peak extra memory':>20}")
+    unit, div = ("TFLOP/s", 1e3) if gpu else ("GFLOP/s", 1.0)
+    print(f"{'':<24}{'time (median)':>16}{unit:>10}{'peak extra memory':>20}")
     for label, r in rows:
         mem = r["peak_extra_gpu_bytes"] if gpu else r["peak_extra_host_bytes"]
         if r["median_s"] is None:
             print(f"{label:<24}  skipped: {r['skipped'] or r['error']}")
             continue
-        print(f"{label:<24}{r['median_s'] * 1e3:>13.1f} ms{r['gflops_per_s']:>10.1f}"
+        print(f"{label:<24}{r['median_s'] * 1e3:>13.1f} ms{r['gflops_per_s'] / div:>10.1f}"
               f"{_fmt_bytes(mem):>20}")
     if naive is not None and naive["median_s"]:
         speed = naive["median_s"] / rec["median_s"]
@@ -286,7 +287,7 @@ def run_main(argv):
                      f", {m1 / m2:.1f}x more extra memory")
         print(line)
     half = " (causal: half)" if config.causal else ""
-    print(f"(times: median of {len(rec['times_s'])} runs after a warm-up; GFLOP/s: "
+    print(f"(times: median of {len(rec['times_s'])} runs after a warm-up; {unit}: "
           f"{config.flops('fwd') / 1e9:.1f} GFLOP nominal{half}; memory: "
           f"{_memory_note(rec, gpu)}; wall {wall:.1f} s)")
     return 0 if chk["ok"] else 1

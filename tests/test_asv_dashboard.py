@@ -2,8 +2,11 @@
 a local server on 127.0.0.1 serves it, and headless Chromium renders it; the test checks that
 the benchmark graphs were drawn and leaves screenshots (PNG) for a person to look at.
 
-Skipped, with the reason, where asv or Chromium is missing (Debian: ``apt-get install -y
-chromium``) or no results are kept yet. Set FLASHCORE_DASHBOARD_OUT=DIR to keep the
+The published page loads jQuery, flot, bootstrap, stupidtable and md5 from CDNs; this test
+never leaves 127.0.0.1, so it points those URLs at Debian's packaged copies instead
+(``apt-get install -y chromium libjs-jquery libjs-jquery-flot libjs-bootstrap
+libjs-jquery-stupidtable node-blueimp-md5``) and skips, saying so, where they are missing, as
+it does without asv, Chromium or kept results. Set FLASHCORE_DASHBOARD_OUT=DIR to keep the
 screenshots there.
 """
 from __future__ import annotations
@@ -13,6 +16,7 @@ import glob
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +33,54 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run
                   "--virtual-time-budget=15000"]
 #: the graph page the test opens (one kept for the CPU machine)
 GRAPH = "bench_attention.ForwardCPU.time_attention"
+
+
+JS = Path("/usr/share/javascript")
+#: CDN file name in asv's page -> Debian's copy (None: served empty; orderBars only draws
+#: bar charts, which this suite does not use)
+LOCAL_COPIES = {
+    "jquery-3.3.1.min.js": JS / "jquery/jquery.min.js",
+    "jquery.flot.min.js": JS / "jquery-flot/jquery.flot.js",
+    "jquery.flot.time.min.js": JS / "jquery-flot/jquery.flot.time.js",
+    "jquery.flot.selection.min.js": JS / "jquery-flot/jquery.flot.selection.js",
+    "jquery.flot.categories.min.js": JS / "jquery-flot/jquery.flot.categories.js",
+    "jquery.flot.orderBars.js": None,
+    "stupidtable.min.js": JS / "jquery-stupidtable/stupidtable.min.js",
+    "md5.min.js": JS / "blueimp-md5/md5.min.js",
+    "bootstrap.min.js": JS / "bootstrap/js/bootstrap.min.js",
+    "bootstrap.min.css": JS / "bootstrap/css/bootstrap.min.css",
+}
+
+
+#: Debian's flot (4.x) draws the legend in SVG and leaves its background to the page's CSS
+LEGEND_CSS = ("<style>.legendLayer .background { fill: rgba(255, 255, 255, 0.85); "
+              "stroke: rgba(0, 0, 0, 0.85); stroke-width: 1; }</style>")
+
+
+def _missing_local_copies():
+    return [str(p) for p in LOCAL_COPIES.values() if p is not None and not p.exists()]
+
+
+def _use_local_copies(html_dir: Path):
+    """Point the CDN scripts and styles of every published page at local copies (links
+    that a person would click are left alone)."""
+    vendor = html_dir / "vendor"
+    vendor.mkdir(exist_ok=True)
+    for name, src in LOCAL_COPIES.items():
+        (vendor / name).write_bytes(src.read_bytes() if src is not None else b"")
+
+    def local(m):
+        name = m.group(2).rsplit("/", 1)[-1]
+        if name not in LOCAL_COPIES:
+            raise AssertionError(f"the page loads {m.group(2)}, which has no local copy")
+        return f'{m.group(1)}="vendor/{name}"'
+
+    for page in html_dir.glob("*.html"):
+        text = page.read_text()
+        text = re.sub(r'(<script[^>]*\ssrc|<link[^>]*\shref)="(https?://[^"]+)"', local, text)
+        text = re.sub(r'\s(integrity|crossorigin|referrerpolicy)="[^"]*"', "", text)
+        text = text.replace("</head>", LEGEND_CSS + "</head>", 1)
+        page.write_text(text)
 
 
 def _chromium():
@@ -48,6 +100,9 @@ pytestmark = [
     pytest.mark.skipif(not _result_files(), reason="no asv results kept in asv_bench/results"),
     pytest.mark.skipif(_chromium() is None,
                        reason="Chromium is not installed (Debian: apt-get install -y chromium)"),
+    pytest.mark.skipif(bool(_missing_local_copies()),
+                       reason="local copies of the dashboard's scripts are missing: "
+                              f"{_missing_local_copies()} (see the module docstring)"),
 ]
 
 
@@ -59,6 +114,7 @@ def html_dir(tmp_path_factory):
                        cwd=ASV_DIR, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert (out / "index.html").exists()
+    _use_local_copies(out)
     return out
 
 
