@@ -81,9 +81,9 @@ def _make_kernel(kind):
         cuda.syncthreads()
         a0, a1, a2, a3 = ldmatrix_x4(sm, (lane % 16) * 16 + 8 * (lane // 16))
         # Bᵀ rows are B's columns: matrix 0 = k 0..7, matrix 1 = k 8..15 (2 and 3 repeat)
-        r0, r1, r2, r3 = ldmatrix_x4(sm, 256 + (lane & 7) * 16 + 8 * ((lane >> 3) & 1))
+        r0, r1, _r2, _r3 = ldmatrix_x4(sm, 256 + (lane & 7) * 16 + 8 * ((lane >> 3) & 1))
         # B rows, transposed: matrix 0 = rows k 0..7, matrix 1 = rows 8..15
-        s0, s1, s2, s3 = ldmatrix_x4_trans(sm, 384 + ((lane & 7) + 8 * ((lane >> 3) & 1)) * 8)
+        s0, s1, _s2, _s3 = ldmatrix_x4_trans(sm, 384 + ((lane & 7) + 8 * ((lane >> 3) & 1)) * 8)
         g = lane >> 2
         t = lane & 3
         c0 = c[g * 8 + 2 * t]
@@ -167,9 +167,8 @@ else:
         assert " passed" in proc.stdout, tail
 
     def _ptx(kind, cc, monkeypatch):
-        from numba.cuda import types
-
         import numba.cuda.dispatcher as nd
+        from numba.cuda import types
 
         monkeypatch.setattr(nd, "get_current_device",
                             lambda: pytypes.SimpleNamespace(compute_capability=cc))
@@ -178,7 +177,7 @@ else:
             types.CPointer(types.uint32), types.CPointer(types.float32))
         try:
             ptx, _ = cuda.compile_ptx(_make_kernel(kind), sig, cc=cc)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if "NVVM" in str(e) or "libnvvm" in str(e).lower():
                 pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
             raise
@@ -202,9 +201,8 @@ else:
         from flashcore.backends import numba_cuda
 
         r = numba_cuda.unavailable_reason()
-        if r is None:
-            if tuple(cuda.get_current_device().compute_capability) < (8, 0):
-                r = "the primitives need sm_80 or newer"
+        if r is None and tuple(cuda.get_current_device().compute_capability) < (8, 0):
+            r = "the primitives need sm_80 or newer"
         return r
 
     @pytest.mark.gpu

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 NAME = "numba_cuda"
 #: Largest head dim the kernels are specialized for.
 MAX_HEAD_DIM = 256
 _DTYPES = ("float32", "float16", "bfloat16")
 _GPU_LIBRARIES = ("torch", "cupy", "jax")
+_TC_DTYPES = ("float16", "bfloat16")
 
 
 @functools.cache
@@ -71,8 +73,20 @@ def supports(case):
 
 
 def forward(q, k, v, case):
-    """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``."""
-    return _adapter(case.library).forward(q, k, v, case)
+    """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``.
+
+    fp16/bf16 at head dims 64 and 128 go to the tensor-core kernel (launch_tc.py) when
+    ``FLASHCORE_TENSOR_CORES=1``; every other case, and any the tensor-core kernel
+    declines (unaligned rows, GPUs older than sm_80), runs the SIMT kernels."""
+    adapter = _adapter(case.library)
+    if case.dtype in _TC_DTYPES and os.environ.get("FLASHCORE_TENSOR_CORES", "") == "1":
+        from . import launch_tc
+
+        if launch_tc.wanted(case):
+            out = launch_tc.try_forward(adapter, q, k, v, case)
+            if out is not None:
+                return out
+    return adapter.forward(q, k, v, case)
 
 
 def backward(do, q, k, v, o, lse, case):

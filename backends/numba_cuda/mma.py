@@ -110,31 +110,33 @@ if SIMULATOR:
     _cond = threading.Condition()
     _slots: dict = {}
 
-    def _warp_exchange(value):
-        """Every lane of the calling warp hands in ``value``; returns ``(lane, values of
-        the 32 lanes)``. All 32 lanes must call (as ``.sync.aligned`` instructions need)."""
+    def _warp_exchange(value, combine=None):
+        """Every lane of the calling warp hands in ``value``; returns ``(lane, the 32
+        values)``, or ``(lane, combine(the 32 values))`` computed once for the warp. All 32
+        lanes must call (as the ``.sync.aligned`` instructions require)."""
         me = threading.current_thread()
         if not isinstance(me, BlockThread):
-            raise RuntimeError("warp primitives run only inside a simulated kernel")
+            raise TypeError("warp primitives run only inside a simulated kernel thread")
         lane = me.thread_id % 32
         seq = getattr(me, "_flashcore_seq", 0)
         me._flashcore_seq = seq + 1
         key = (id(me._manager), tuple(me.blockIdx), me.thread_id // 32, seq)
         with _cond:
-            slot = _slots.setdefault(key, [[None] * 32, 0, 0])
+            slot = _slots.setdefault(key, [[None] * 32, 0, 0, None])
             slot[0][lane] = value
             slot[1] += 1
             if slot[1] == 32:
+                slot[3] = slot[0] if combine is None else combine(slot[0])
                 _cond.notify_all()
             while slot[1] < 32:
                 _cond.wait(timeout=0.5)
                 if me.abort:
                     raise RuntimeError("another simulated thread failed")
-            values = slot[0]
+            out = slot[3]
             slot[2] += 1
             if slot[2] == 32:
                 del _slots[key]
-        return lane, values
+        return lane, out
 
     def _u16(x):
         return int(x) & 0xFFFF
@@ -162,21 +164,40 @@ if SIMULATOR:
         """Four 8x8 b16 matrices, each transposed (``ldmatrix...x4.trans.shared.b16``)."""
         return _ldmatrix(smem, idx, True)
 
+    def _coord_index(coords, ncols):
+        """Flat tile index of element ``e`` of lane ``l``: array [32, n]."""
+        return np.array([[i * ncols + j for i, j in coords(ln)] for ln in range(32)])
+
+    _A_IDX = _coord_index(a_coords, 16)
+    _B_IDX = _coord_index(b_coords, 8)
+    _C_IDX = _coord_index(c_coords, 8)
+
+    def _decode(regs, kind):
+        """[32, n] uint32 registers -> [32, 2n] floats (low half first)."""
+        r = np.asarray(regs, dtype=np.uint32)
+        bits = np.stack([r & 0xFFFF, r >> 16], axis=-1).reshape(r.shape[0], -1)
+        if kind == "bf16":
+            return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+
+    def _mma_combine(kind):
+        def combine(ops):
+            A = np.zeros(256)
+            B = np.zeros(128)
+            C = np.zeros(128)
+            A[_A_IDX] = _decode([o[0] for o in ops], kind)
+            B[_B_IDX] = _decode([o[1] for o in ops], kind)
+            C[_C_IDX] = np.array([o[2] for o in ops], dtype=np.float64)
+            D = (A.reshape(16, 16) @ B.reshape(16, 8) + C.reshape(16, 8)).astype(np.float32)
+            return D.ravel()[_C_IDX]
+        return combine
+
+    _COMBINE = {"bf16": _mma_combine("bf16"), "f16": _mma_combine("f16")}
+
     def _mma(kind, a, b, c):
-        lane, ops = _warp_exchange((a, b, c))
-        A = np.zeros((16, 16))
-        B = np.zeros((16, 8))
-        C = np.zeros((16, 8))
-        for src in range(32):
-            ra, rb, rc = ops[src]
-            for e, (i, j) in enumerate(a_coords(src)):
-                A[i, j] = bits_to_float(int(ra[e >> 1]) >> (16 * (e & 1)), kind)
-            for e, (i, j) in enumerate(b_coords(src)):
-                B[i, j] = bits_to_float(int(rb[e >> 1]) >> (16 * (e & 1)), kind)
-            for e, (i, j) in enumerate(c_coords(src)):
-                C[i, j] = rc[e]
-        D = (A @ B + C).astype(np.float32)
-        return tuple(D[i, j] for i, j in c_coords(lane))
+        lane, d = _warp_exchange((tuple(int(x) for x in a), tuple(int(x) for x in b),
+                                  tuple(float(x) for x in c)), _COMBINE[kind])
+        return tuple(d[lane])
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """``D = A B + C``, m16n8k16, bf16 inputs, fp32 accumulators (``mma.sync``)."""

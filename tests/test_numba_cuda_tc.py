@@ -1,0 +1,211 @@
+"""The tensor-core forward kernel (forward_tc_kernels.py, routed by launch_tc.py).
+
+- Under the CUDA simulator (run in a subprocess from an ordinary pytest run, with
+  ``FLASHCORE_TENSOR_CORES=1``): fp16/bf16, head dims 64 and 128, causal, GQA/MQA, odd and
+  unequal lengths, both layouts, rows that see no key, against the float64 oracle; the
+  tensor-core path is checked to have run, and unaligned rows to fall back to SIMT.
+- Without a GPU: every variant compiles for sm_80/sm_90 with no local memory.
+- On a GPU (marked ``gpu``): torch inputs against the oracle, and bitwise determinism.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types as pytypes
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import TOL_FWD, oracle_forward, qkv, rel_err
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed")
+
+# (B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout); the simulator tiles are 16 query rows x
+# 16 keys, so these cover several tiles, ragged tails, diagonal tiles and Nq != Nk.
+CASES = [
+    dict(B=1, Hq=2, Hkv=1, Nq=20, Nk=37, D=64, dtype="bfloat16", causal=False, layout="bhnd"),
+    dict(B=1, Hq=1, Hkv=1, Nq=19, Nk=19, D=64, dtype="float16", causal=True, layout="bnhd"),
+    dict(B=1, Hq=2, Hkv=2, Nq=9, Nk=30, D=128, dtype="bfloat16", causal=True, layout="bhnd"),
+    dict(B=2, Hq=3, Hkv=1, Nq=17, Nk=16, D=128, dtype="float16", causal=False, layout="bnhd"),
+]
+
+
+def _case_id(c):
+    return "-".join(f"{k}{v}" for k, v in c.items())
+
+
+def _inputs(c):
+    rng = np.random.default_rng(zlib.crc32(_case_id(c).encode()))
+    return qkv(rng, B=c["B"], Hq=c["Hq"], Hkv=c["Hkv"], Nq=c["Nq"], Nk=c["Nk"], D=c["D"],
+               dtype=c["dtype"], layout=c["layout"])
+
+
+if SIM:
+    from flashcore.backends.numba_cuda import launch_tc
+
+    import flashcore
+
+    pytestmark = [pytestmark, pytest.mark.cudasim]
+
+    @pytest.fixture
+    def tc_calls(monkeypatch):
+        """Counts forwards that the tensor-core kernel served."""
+        calls = []
+        real = launch_tc.try_forward
+
+        def counted(*args):
+            out = real(*args)
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(launch_tc, "try_forward", counted)
+        monkeypatch.setenv(launch_tc.ENV, "1")
+        return calls
+
+    def _forward(q, k, v, c):
+        return flashcore.attention_forward(q, k, v, backend="numba_cuda", causal=c["causal"],
+                                           layout=c["layout"])
+
+    @pytest.mark.parametrize("c", CASES, ids=_case_id)
+    def test_forward_tc(c, tc_calls):
+        q, k, v = _inputs(c)
+        o, lse = _forward(q, k, v, c)
+        assert tc_calls == [True]
+        assert o.dtype == q.dtype and o.shape == q.shape
+        ro, rl = oracle_forward(q, k, v, causal=c["causal"], layout=c["layout"])
+        assert rel_err(o, ro) < TOL_FWD[c["dtype"]], rel_err(o, ro)
+        assert rel_err(lse, rl) < 1e-5, rel_err(lse, rl)
+
+    def test_rows_that_see_no_key(tc_calls):
+        # causal, Nq > Nk: the first Nq - Nk rows see no key: o = 0, lse = -inf
+        c = dict(B=1, Hq=1, Hkv=1, Nq=21, Nk=5, D=64, dtype="float16", causal=True,
+                 layout="bhnd")
+        q, k, v = _inputs(c)
+        o, lse = _forward(q, k, v, c)
+        assert tc_calls == [True]
+        assert np.all(o[0, 0, :16] == 0) and np.all(np.isneginf(lse[0, 0, :16]))
+        ro, rl = oracle_forward(q, k, v, causal=True)
+        assert rel_err(o, ro) < TOL_FWD["float16"]
+        assert rel_err(lse, rl) < 1e-5
+
+    def test_unaligned_rows_fall_back(tc_calls):
+        c = dict(B=1, Hq=1, Hkv=1, Nq=5, Nk=6, D=64, dtype="bfloat16", causal=False,
+                 layout="bhnd")
+        q, k, v = _inputs(c)
+        wide = np.zeros(q.shape[:-1] + (65,), q.dtype)
+        wide[..., :64] = q
+        q = wide[..., :64]  # rows 65 elements apart: not 16-byte aligned
+        o, _ = _forward(q, k, v, c)
+        assert tc_calls == [False]
+        ro, _ = oracle_forward(q, k, v)
+        assert rel_err(o, ro) < TOL_FWD["bfloat16"]
+
+else:
+
+    @pytest.mark.cudasim
+    def test_tc_in_simulator_subprocess():
+        """Runs this file again with the simulator on."""
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
+        here = Path(__file__).resolve()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],
+            cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=1200,
+            check=False,
+        )
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
+        assert " passed" in proc.stdout, tail
+
+    @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+    @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+    @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+    def test_tc_ptx(head_dim, causal, cc, monkeypatch):
+        import re
+
+        import numba.cuda.dispatcher as nd
+        from flashcore.backends.numba_cuda import forward_tc_kernels as tc
+        from flashcore.backends.numba_cuda import launch, tiles
+        from numba import cuda
+
+        monkeypatch.setattr(nd, "get_current_device",
+                            lambda: pytypes.SimpleNamespace(compute_capability=cc))
+        # the dtype changes only the mma and cvt suffixes: one per target keeps CI short
+        dtype = "bfloat16" if cc == (9, 0) else "float16"
+        kind = "bf16" if dtype == "bfloat16" else "f16"
+        t = tc.DEFAULT_TILES[head_dim]
+        sig = launch.signature("attn_forward", dtype)
+        try:
+            ptx, _ = cuda.compile_ptx(tc.make_attn_forward_tc(head_dim, t, causal, dtype), sig,
+                                      cc=cc, fastmath=launch._FASTMATH)
+        except Exception as e:
+            if "nvvm" in str(e).lower():
+                pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
+            raise
+        assert "ld.local" not in ptx and "st.local" not in ptx, "register fragments spilled"
+        # per key tile: Q Kᵀ and P V each take (16 x block_n x head_dim) / (16 x 8 x 16)
+        per_tile = 2 * t.block_n * head_dim // 128
+        assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") \
+            == per_tile
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+        assert "cp.async.wait_group 1" in ptx and "cp.async.wait_group 2" in ptx
+        entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
+        params = re.findall(r"\.param\s+\.(\w+)", entry.group(1))
+        assert len(params) == len(sig)
+        assert tc.smem_elements(t, head_dim) * 2 <= tiles.SMEM_LIMIT[cc]
+
+    def _gpu():
+        from flashcore.backends import numba_cuda
+
+        r = numba_cuda.unavailable_reason()
+        if r is not None:
+            pytest.skip(r)
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch sees no CUDA GPU")
+        if torch.cuda.get_device_capability() < (8, 0):
+            pytest.skip("the tensor-core kernel needs sm_80 or newer")
+        return torch
+
+    GPU_CASES = CASES + [
+        dict(B=2, Hq=8, Hkv=2, Nq=1000, Nk=1000, D=64, dtype="bfloat16", causal=True,
+             layout="bnhd"),
+        dict(B=1, Hq=4, Hkv=4, Nq=333, Nk=1111, D=128, dtype="bfloat16", causal=True,
+             layout="bhnd"),
+        dict(B=1, Hq=4, Hkv=1, Nq=1025, Nk=700, D=128, dtype="float16", causal=True,
+             layout="bnhd"),
+        dict(B=2, Hq=4, Hkv=4, Nq=513, Nk=513, D=64, dtype="float16", causal=False,
+             layout="bhnd"),
+    ]
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("c", GPU_CASES, ids=_case_id)
+    def test_forward_tc_on_gpu(c, monkeypatch):
+        torch = _gpu()
+        from flashcore.backends.numba_cuda import launch_tc
+
+        import flashcore
+
+        monkeypatch.setenv(launch_tc.ENV, "1")
+        served = []
+        real = launch_tc.try_forward
+        monkeypatch.setattr(launch_tc, "try_forward",
+                            lambda *a: served.append(1) or real(*a))
+        q, k, v = (torch.from_numpy(np.asarray(x, dtype=np.float32)).cuda().to(
+            getattr(torch, c["dtype"])) for x in _inputs(c))
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda",
+                                             causal=c["causal"], layout=c["layout"])
+        o2, lse2 = flashcore.attention_forward(q, k, v, backend="numba_cuda",
+                                               causal=c["causal"], layout=c["layout"])
+        torch.cuda.synchronize()
+        assert served and len(launch_tc._PREPARED) > 0
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), "not bitwise deterministic"
+        np64 = [x.float().cpu().numpy().astype(np.float64) for x in (q, k, v)]
+        ro, rl = oracle_forward(*np64, causal=c["causal"], layout=c["layout"])
+        err = rel_err(o.float().cpu().numpy(), ro)
+        assert err < TOL_FWD[c["dtype"]], err
+        assert rel_err(lse.cpu().numpy(), rl) < 1e-4
