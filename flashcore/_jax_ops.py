@@ -13,7 +13,9 @@ kernel backend is chosen by :mod:`flashcore._dispatch` from a description of the
   :mod:`flashcore._dispatch` and writes the results into XLA's output buffers (an older
   JAX uses ``jax.pure_callback`` there, at about ten times the cost per call; on the GPU it
   gets a clear error). Under ``jax.vmap`` the callbacks see the mapped axes in front of the
-  batch axis and fold them into it.
+  batch axis and fold them into it. Traced arrays carry no device: on a machine with a
+  GPU each platform gets its own branch (``jax.lax.platform_dependent``), and XLA keeps the
+  one it lowers for.
 
 ``lse`` is returned through ``lax.stop_gradient``: autodiff treats it as a constant (as
 FlashAttention-2 does), so a gradient never silently misses its contribution.
