@@ -106,6 +106,23 @@ def load_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT):
             cp_async16(smem, off + r * LDS + 8 * c, src, base, 0)
 
 
+@device_function
+def _mma(BF16, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """mma m16n8k16 in the input dtype (``BF16`` is a compile-time constant after
+    inlining). Kernels call this rather than capture the intrinsic in their closure: numba's
+    disk cache pickles closure contents into its index key."""
+    if BF16:
+        return mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    return mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+@device_function
+def _pack(BF16, lo, hi):
+    if BF16:
+        return pack_bf16x2(lo, hi)
+    return pack_f16x2(lo, hi)
+
+
 _CACHE: dict = {}
 
 
@@ -131,8 +148,7 @@ def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
     V_OFF = K_OFF + 2 * BN * LDS
     BUF = BN * LDS
     CAUSAL = bool(causal)
-    mma = mma_bf16 if dtype == "bfloat16" else mma_f16
-    pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
+    BF16 = dtype == "bfloat16"
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                         qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -226,10 +242,10 @@ def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
                     r0, r1, r2, r3 = ldmatrix_x4(smem, kb + (16 * jp + krow) * LDS
                                                  + 16 * kk + kcol)
                     j = 8 * jp
-                    s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
-                        a0, a1, a2, a3, r0, r1, s[j], s[j + 1], s[j + 2], s[j + 3])
-                    s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
-                        a0, a1, a2, a3, r2, r3, s[j + 4], s[j + 5], s[j + 6], s[j + 7])
+                    s[j], s[j + 1], s[j + 2], s[j + 3] = _mma(
+                        BF16, a0, a1, a2, a3, r0, r1, s[j], s[j + 1], s[j + 2], s[j + 3])
+                    s[j + 4], s[j + 5], s[j + 6], s[j + 7] = _mma(
+                        BF16, a0, a1, a2, a3, r2, r3, s[j + 4], s[j + 5], s[j + 6], s[j + 7])
 
             # online softmax, in the log2 domain
             for e in range(4 * NTILES):
@@ -287,18 +303,18 @@ def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
             # O += P V, P straight from the S fragments
             for kk in range(PSTEPS):
                 j = 8 * kk
-                a0 = pack(s[j], s[j + 1])
-                a1 = pack(s[j + 2], s[j + 3])
-                a2 = pack(s[j + 4], s[j + 5])
-                a3 = pack(s[j + 6], s[j + 7])
+                a0 = _pack(BF16, s[j], s[j + 1])
+                a1 = _pack(BF16, s[j + 2], s[j + 3])
+                a2 = _pack(BF16, s[j + 4], s[j + 5])
+                a3 = _pack(BF16, s[j + 6], s[j + 7])
                 for dp in range(DTILES // 2):
                     r0, r1, r2, r3 = ldmatrix_x4_trans(smem, vb + (16 * kk + vrow) * LDS
                                                        + 16 * dp + vcol)
                     c = 8 * dp
-                    acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
-                        a0, a1, a2, a3, r0, r1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
-                    acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
-                        a0, a1, a2, a3, r2, r3, acc[c + 4], acc[c + 5], acc[c + 6],
+                    acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = _mma(
+                        BF16, a0, a1, a2, a3, r0, r1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+                    acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = _mma(
+                        BF16, a0, a1, a2, a3, r2, r3, acc[c + 4], acc[c + 5], acc[c + 6],
                         acc[c + 7])
         cp_async_wait(0)
 
