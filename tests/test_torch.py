@@ -368,6 +368,39 @@ def test_cuda_backward_matches_reference():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("layout,causal,shape,D", [
+    ("bhnd", True, SHAPES[1], 20), ("bnhd", True, SHAPES[2], 64), ("bnhd", False, SHAPES[0], 8)])
+def test_cuda_torch_backend_with_lse(dtype, layout, causal, shape, D):
+    """The aten kernels that return lse on CUDA (flash for 16-bit, mem-efficient for fp32)."""
+    Nq, Nk, Hq, Hkv = shape
+    rng = np.random.default_rng(22)
+    q, k, v = qkv(rng, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, dtype=dtype, layout=layout)
+    do = rand(rng, q.shape, dtype)
+    opts = {"causal": causal, "layout": layout}
+    tq, tk, tv, tdo = (t(x, "cuda") for x in (q, k, v, do))
+    o, lse = flashcore.attention_forward(tq, tk, tv, backend="torch", **opts)
+    ro, rlse = oracle_forward(q, k, v, **opts)
+    assert rel_err(host(o), ro) <= TOL_FWD[dtype]
+    assert rel_err(host(lse), rlse) <= TOL_FWD["float32"]
+    grads = flashcore.attention_backward(tdo, tq, tk, tv, o, lse, backend="torch", **opts)
+    for g, r in zip(grads, oracle_backward(do, q, k, v, **opts)):
+        assert rel_err(host(g), r) <= TOL_BWD[dtype]
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_torch_backend_float64_lse_is_not_implemented():
+    q, k, v = (t(x, "cuda") for x in qkv(np.random.default_rng(23), dtype="float64"))
+    with pytest.raises(NotImplementedError, match="float64"):
+        flashcore.attention_forward(q, k, v, backend="torch")
+    o = flashcore.attention(q, k, v, backend="torch", causal=True)  # no lse needed: fine
+    assert rel_err(host(o), oracle_forward(*(host(x) for x in (q, k, v)), causal=True)[0]) \
+        <= TOL_FWD["float64"]
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_runs_on_the_current_stream():
     rng = np.random.default_rng(17)
     q, k, v = qkv(rng, B=4, Hq=8, Nq=1024, D=64)
