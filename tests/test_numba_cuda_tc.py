@@ -1,8 +1,8 @@
 """The tensor-core forward kernel (forward_tc_kernels.py, routed by launch_tc.py).
 
 - Under the CUDA simulator (run in a subprocess from an ordinary pytest run, with
-  ``FLASHCORE_TENSOR_CORES=1``): fp16/bf16, head dims 64 and 128, causal, GQA/MQA, odd and
-  unequal lengths, both layouts, rows that see no key, against the float64 oracle; the
+  ``FLASHCORE_TENSOR_CORES=1``): fp16/bf16, head dims 32, 64, 96 and 128, causal, GQA/MQA,
+  odd and unequal lengths, both layouts, rows that see no key, against the float64 oracle; the
   tensor-core path is checked to have run, and unaligned rows to fall back to SIMT.
 - Without a GPU: every variant compiles for sm_80/sm_90 with no local memory.
 - On a GPU (marked ``gpu``): torch inputs against the oracle, and bitwise determinism.
@@ -32,6 +32,8 @@ CASES = [
     dict(B=1, Hq=1, Hkv=1, Nq=19, Nk=19, D=64, dtype="float16", causal=True, layout="bnhd"),
     dict(B=1, Hq=2, Hkv=2, Nq=9, Nk=30, D=128, dtype="bfloat16", causal=True, layout="bhnd"),
     dict(B=2, Hq=3, Hkv=1, Nq=17, Nk=16, D=128, dtype="float16", causal=False, layout="bnhd"),
+    dict(B=1, Hq=1, Hkv=1, Nq=18, Nk=21, D=96, dtype="bfloat16", causal=True, layout="bnhd"),
+    dict(B=1, Hq=2, Hkv=1, Nq=16, Nk=33, D=32, dtype="float16", causal=False, layout="bhnd"),
 ]
 
 
@@ -123,7 +125,7 @@ else:
 
     @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-    @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+    @pytest.mark.parametrize("head_dim", [32, 64, 96, 128], ids=lambda d: f"D{d}")
     def test_tc_ptx(head_dim, causal, cc, monkeypatch):
         import re
 

@@ -75,7 +75,7 @@ def supports(case):
 def forward(q, k, v, case):
     """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``.
 
-    fp16/bf16 at head dims 64 and 128 go to the tensor-core kernel (launch_tc.py) when
+    fp16/bf16 at head dims 32, 64, 96 and 128 go to the tensor-core kernel (launch_tc.py) when
     ``FLASHCORE_TENSOR_CORES=1``; every other case, and any the tensor-core kernel
     declines (unaligned rows, GPUs older than sm_80), runs the SIMT kernels."""
     adapter = _adapter(case.library)

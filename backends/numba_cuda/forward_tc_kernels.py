@@ -18,7 +18,7 @@ copies one tile ahead (separate commit groups for K and V, so the ``S`` product 
 for K). Rows are padded by 8 elements (16 bytes): a row stride of an odd number of 16-byte
 units puts the 8 rows of each ldmatrix on distinct banks.
 
-Needs sm_80+, head dim a multiple of 16 (64 and 128 are routed here), unit stride along the
+Needs sm_80+, head dim a multiple of 16 (32, 64, 96 and 128 are routed here), unit stride along the
 head dim and 16-byte aligned rows; launch arguments are those of ``attn_forward``, so the
 host side (launch.signature, the argument packing of launch.run_forward) is shared.
 """
@@ -75,9 +75,12 @@ class TCTiles:
 #: The simulator runs each thread as a Python thread: one warp, small key tiles, so that
 #: the small test shapes still cover several tiles, tails and diagonal tiles.
 SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
-#: First tiling (not yet tuned on a GPU): 4 warps x 16 rows, 64 keys per step.
-DEFAULT_TILES = {64: TCTiles(warps=4, block_n=64), 128: TCTiles(warps=4, block_n=64)}
-HEAD_DIMS = (64, 128)
+#: First tiling (not yet tuned on a GPU): 4 warps x 16 rows, 64 keys per step. Head dims
+#: whose rows are an odd number of 16-byte units once padded (all multiples of 32 here)
+#: keep ldmatrix free of bank conflicts. 256 is left to the SIMT kernel: Q, S and O
+#: fragments would take about 224 registers per thread.
+DEFAULT_TILES = {d: TCTiles(warps=4, block_n=64) for d in (32, 64, 96, 128)}
+HEAD_DIMS = tuple(DEFAULT_TILES)
 
 
 def choose(head_dim: int, simulator: bool = SIMULATOR) -> TCTiles:

@@ -1,7 +1,7 @@
 """Host side of the tensor-core forward (forward_tc_kernels.py): which cases it serves, the
 prepared kernels, and the launch. Everything it does not serve goes to the SIMT kernels.
 
-Served: fp16/bf16, head dims 64 and 128, compute capability 8.0 or newer, arrays whose
+Served: fp16/bf16, head dims 32, 64, 96 and 128, compute capability 8.0 or newer, arrays whose
 rows are 16-byte aligned with unit stride along the head dim (cp.async copies 16 bytes),
 of torch, CuPy or JAX (NumPy only under the CUDA simulator, where it runs in place).
 The launch arguments are attn_forward's: the same signature and packing.
