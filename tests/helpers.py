@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import flashcore
 from flashcore import reference
 
 #: Norm-wise relative error ||x - ref|| / ||ref|| allowed per input dtype. The oracle works in

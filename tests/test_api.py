@@ -5,11 +5,10 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import qkv, rand
 
 import flashcore
 from flashcore import BackendUnavailableError
-
-from helpers import qkv, rand
 
 
 @pytest.fixture

@@ -1,13 +1,20 @@
 """The numba_cpu backend against the float64 reference, forward and backward."""
 import numpy as np
 import pytest
+from helpers import (
+    TOL_BWD,
+    TOL_FWD,
+    grad_floor,
+    oracle_backward,
+    oracle_forward,
+    qkv,
+    rand,
+    rel_err,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcore
-
-from helpers import (TOL_BWD, TOL_FWD, grad_floor, oracle_backward, oracle_forward, qkv, rand,
-                     rel_err)
 
 BACKEND = "numba_cpu"
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
