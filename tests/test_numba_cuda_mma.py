@@ -166,6 +166,30 @@ else:
         assert proc.returncode == 0, f"simulator run failed:\n{tail}"
         assert " passed" in proc.stdout, tail
 
+    def ptxas_report(ptx, cc):
+        """``ptxas -v`` on ``ptx`` for ``cc``: its report (None without ptxas). A PTX
+        ``.version`` newer than ptxas knows is lowered to the one it names."""
+        import re
+        import shutil
+        import tempfile
+
+        exe = shutil.which("ptxas")
+        if exe is None:
+            return None
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "k.ptx"
+            for _ in range(2):
+                src.write_text(ptx)
+                proc = subprocess.run([exe, f"-arch=sm_{cc[0]}{cc[1]}", "-v", "-o",
+                                       str(Path(d) / "k.cubin"), str(src)],
+                                      capture_output=True, text=True, check=False)
+                m = re.search(r"current version is '([0-9.]+)'", proc.stderr)
+                if proc.returncode == 0 or m is None:
+                    break
+                ptx = re.sub(r"^\.version \S+", f".version {m.group(1)}", ptx, flags=re.M)
+        assert proc.returncode == 0, f"ptxas failed:\n{proc.stderr[-3000:]}"
+        return proc.stderr
+
     def _ptx(kind, cc, monkeypatch):
         import numba.cuda.dispatcher as nd
         from numba.cuda import types
@@ -187,6 +211,7 @@ else:
     @pytest.mark.parametrize("kind", KINDS)
     def test_primitives_ptx(kind, cc, monkeypatch):
         ptx = _ptx(kind, cc, monkeypatch)
+        ptxas_report(ptx, cc)  # the inline PTX assembles (where ptxas is installed)
         assert f".target sm_{cc[0]}{cc[1]}" in ptx
         for instr in (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32",
                       "ldmatrix.sync.aligned.m8n8.x4.shared.b16",

@@ -159,6 +159,11 @@ else:
         params = re.findall(r"\.param\s+\.(\w+)", entry.group(1))
         assert len(params) == len(sig)
         assert tc.smem_elements(t, head_dim) * 2 <= tiles.SMEM_LIMIT[cc]
+        from test_numba_cuda_mma import ptxas_report
+
+        report = ptxas_report(ptx, cc)
+        if report is not None:
+            assert "0 bytes spill stores" in report, report
 
     def _gpu():
         from flashcore.backends import numba_cuda
