@@ -21,4 +21,10 @@ python3 -m flashcore bench --device cuda --batch 4 --heads 16 --seqlens 4096 \
     --head-dims 64,128 --dtypes float32,bfloat16 --causal both --repeat 5 --budget 0.5 \
     --no-progress --contenders "${BENCH_CONTENDERS:-flashcore:numba_cuda@gpu,torch_sdpa_flash@gpu,torch_sdpa_cudnn@gpu,torch_sdpa_efficient@gpu,jax_cudnn@gpu}" \
     --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | tail -60
+echo "== tensor cores (FLASHCORE_TENSOR_CORES=1), bf16 forward"
+FLASHCORE_TENSOR_CORES=1 python3 -m flashcore bench --device cuda --batch 4 --heads 16 \
+    --seqlens 4096 --head-dims 64,128 --dtypes bfloat16 --causal both --directions fwd \
+    --repeat 5 --budget 0.5 --no-progress --no-memory --no-ceilings \
+    --contenders flashcore:numba_cuda@gpu,torch_sdpa_flash@gpu,torch_sdpa_cudnn@gpu \
+    --json "$OUT/bench_tc.json" 2>&1 | tee "$OUT/bench_tc.log" | tail -30
 echo "== summary"; grep -E "passed|failed|error" "$log" | tail -3
