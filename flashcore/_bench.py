@@ -1124,7 +1124,9 @@ def write_json(report: dict, path):
 def _fmt_time(s):
     if s is None:
         return "-"
-    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
 
 
 def _fmt_mib(b):
