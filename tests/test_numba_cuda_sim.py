@@ -34,7 +34,10 @@ if not SIM:
 
     def test_kernels_under_simulator():
         """Runs the cases below in a subprocess with the simulator on."""
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
+        # The SIMT kernels: fp16/bf16 would otherwise go to the tensor-core kernel, whose
+        # simulator tests are tests/test_numba_cuda_tc.py.
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1",
+                   FLASHCORE_TENSOR_CORES="0")
         here = Path(__file__).resolve()
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 NAME = "numba_cuda"
 #: Largest head dim the kernels are specialized for.
@@ -75,14 +74,14 @@ def supports(case):
 def forward(q, k, v, case):
     """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``.
 
-    fp16/bf16 at head dims 32, 64, 96 and 128 go to the tensor-core kernel (launch_tc.py) when
-    ``FLASHCORE_TENSOR_CORES=1``; every other case, and any the tensor-core kernel
+    fp16/bf16 at head dims 32, 64, 96 and 128 go to the tensor-core kernel (launch_tc.py)
+    unless ``FLASHCORE_TENSOR_CORES=0``; every other case, and any the tensor-core kernel
     declines (unaligned rows, GPUs older than sm_80), runs the SIMT kernels."""
     adapter = _adapter(case.library)
-    if case.dtype in _TC_DTYPES and os.environ.get("FLASHCORE_TENSOR_CORES", "") == "1":
+    if case.dtype in _TC_DTYPES:
         from . import launch_tc
 
-        if launch_tc.wanted(case):
+        if launch_tc.enabled() and launch_tc.wanted(case):
             out = launch_tc.try_forward(adapter, q, k, v, case)
             if out is not None:
                 return out

@@ -16,14 +16,15 @@ from . import launch
 from ._io import _device_index
 from .convert import SIMULATOR
 
-#: Environment switch. The kernel has passed the simulator tests only; it becomes the
-#: default once it has passed the GPU tests (notes/tensor_cores.md).
+#: Environment switch: the tensor-core forward serves fp16/bf16 by default (it passed the
+#: whole numba_cuda GPU suite with it on, on an H200; notes/tensor_cores.md);
+#: ``FLASHCORE_TENSOR_CORES=0`` selects the SIMT kernels instead.
 ENV = "FLASHCORE_TENSOR_CORES"
 _DTYPES = ("float16", "bfloat16")
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "") == "1"
+    return os.environ.get(ENV, "1") != "0"
 
 
 def wanted(case) -> bool:

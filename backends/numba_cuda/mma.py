@@ -329,12 +329,16 @@ else:
 
     @intrinsic
     def cp_async16(typingctx, smem, sidx, src, gidx, nbytes):
-        if not (isinstance(smem, types.CPointer) and isinstance(src, types.CPointer)):
+        """``src`` is a raw pointer (the kernels) or a device array (its data pointer)."""
+        if not (isinstance(smem, types.CPointer)
+                and isinstance(src, (types.CPointer, types.Array))):
             return None
         sig = types.void(smem, sidx, src, gidx, types.uint32)
 
         def codegen(context, builder, sig, args):
             s, si, g, gi, n = args
+            if isinstance(sig.args[2], types.Array):
+                g = context.make_array(sig.args[2])(context, builder, g).data
             saddr = _shared_u32(builder, s, si)
             gaddr = _generic_u64(builder, g, gi)
             _asm(builder, ir.VoidType(), [saddr, gaddr, n],
