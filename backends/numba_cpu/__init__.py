@@ -86,7 +86,7 @@ def forward(q, k, v, case):
         import numba
 
         n_tiles = case.batch * case.heads_q * -(-case.seqlen_q // tiles.block_q)
-        per_job = q_tiles_per_job(n_tiles, numba.get_num_threads())
+        per_job = q_tiles_per_job(n_tiles, numba.get_num_threads(), tiles.block_q)
         attn_forward(qk, kk, vk, ok, lse, case.scale, case.causal, tiles.block_q, tiles.block_k,
                      per_job, _work(case))
     return _give(o, case), _give(lse, case)
@@ -103,5 +103,5 @@ def backward(do, q, k, v, o, lse, case):
     dk, dkk = _alloc(kv_shape, case)
     dv, dvk = _alloc(kv_shape, case)
     attn_backward(dok, qk, kk, vk, ok, lse_h, dqk, dkk, dvk, case.scale, case.causal,
-                  tiles.block_q, tiles.block_k, _work(case))
+                  tiles.bwd_block_q, tiles.bwd_block_k, _work(case))
     return _give(dq, case), _give(dk, case), _give(dv, case)

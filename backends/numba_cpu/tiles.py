@@ -16,34 +16,50 @@ from dataclasses import dataclass
 #: OpenBLAS's single-thread bound on M*N*K for one GEMM (SMP_THRESHOLD_MIN * 4).
 BLAS_SINGLE_THREAD_MNK = 65536 * 4
 
-#: Candidate (block_q, block_k) pairs, best first.
-CANDIDATES = ((128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
+#: Forward (block_q, block_k) candidates, best first: long key tiles first (longer softmax
+#: rows, a longer inner dimension for P @ V), then tall query tiles. At D=128, 32x64 ran
+#: 21% faster than 64x32; at D=64, 32x128 5% faster than 64x64 (notes/numba_cpu.md).
+FORWARD_CANDIDATES = ((128, 128), (64, 128), (32, 128), (64, 64), (32, 64), (32, 32),
+                      (16, 32), (16, 16))
+#: Backward candidates: square-ish tiles. The dK/dV pass loops over query tiles inside a
+#: key tile, and 32-row query tiles made forward+backward 15% slower at D=64.
+BACKWARD_CANDIDATES = ((128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (32, 16),
+                       (16, 16))
 
 
 @dataclass(frozen=True)
 class TileConfig:
+    """Tiles of the forward pass and of both backward passes (dK/dV and dQ share theirs)."""
+
     block_q: int
     block_k: int
+    bwd_block_q: int
+    bwd_block_k: int
 
     def __post_init__(self):
-        if self.block_q < 1 or self.block_k < 1:
+        if min(self.block_q, self.block_k, self.bwd_block_q, self.bwd_block_k) < 1:
             raise ValueError(f"tile sizes must be positive; got {self}")
+
+
+def _largest(candidates, head_dim):
+    """The first candidate whose products stay single-threaded in BLAS."""
+    for bq, bk in candidates:
+        if bq * bk * head_dim <= BLAS_SINGLE_THREAD_MNK:
+            return bq, bk
+    return candidates[-1]
 
 
 @functools.cache
 def choose_tiles(head_dim: int, dtype: str, causal: bool) -> TileConfig:
-    """The largest candidate tiles whose products stay single-threaded in BLAS."""
-    for bq, bk in CANDIDATES:
-        if bq * bk * head_dim <= BLAS_SINGLE_THREAD_MNK:
-            return TileConfig(bq, bk)
-    return TileConfig(*CANDIDATES[-1])
+    return TileConfig(*_largest(FORWARD_CANDIDATES, head_dim),
+                      *_largest(BACKWARD_CANDIDATES, head_dim))
 
 
-#: Query tiles one forward job may own (each key/value tile it loads serves all of them).
-MAX_Q_TILES_PER_JOB = 4
+#: Query rows one forward job may own (each key/value tile it loads serves all of them).
+MAX_ROWS_PER_JOB = 512
 
 
-def q_tiles_per_job(n_tiles: int, threads: int) -> int:
+def q_tiles_per_job(n_tiles: int, threads: int, block_q: int) -> int:
     """As many query tiles per job as keeps at least 4 jobs per thread (load balance)."""
     per = n_tiles // (4 * max(threads, 1))
-    return max(1, min(MAX_Q_TILES_PER_JOB, per))
+    return max(1, min(MAX_ROWS_PER_JOB // block_q, per))
