@@ -5,6 +5,33 @@ from . import _dispatch
 from ._checks import make_case
 
 
+def _framework(*arrays):
+    """"torch" or "jax" when every array belongs to that framework, else None.
+
+    A framework is looked for only if already imported (no array of it can exist otherwise);
+    mixed inputs give None and reach the checks, which name what was mixed."""
+    import sys
+
+    torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
+    if torch is not None and all(isinstance(x, torch.Tensor) for x in arrays):
+        return "torch"
+    if jax is not None and all(isinstance(x, jax.Array) for x in arrays):
+        return "jax"
+    return None
+
+
+def _torch_compiling():
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _jax_traced(*arrays):
+    import jax
+
+    return any(isinstance(x, jax.core.Tracer) for x in arrays)
+
+
 def attention_forward(q, k, v, *, causal=False, scale=None, layout="bhnd", backend="auto"):
     """Forward pass of exact attention; returns ``(o, lse)``.
 
@@ -31,6 +58,12 @@ def attention_forward(q, k, v, *, causal=False, scale=None, layout="bhnd", backe
     o : array of q's shape, dtype, library and device
     lse : float32 array ``(B, Hq, Nq)``, the log-sum-exp of each row's scaled scores
     """
+    fw = _framework(q, k, v)
+    if (fw == "torch" and _torch_compiling()) or (fw == "jax" and _jax_traced(q, k, v)):
+        # Under torch.compile or jax.jit the arrays cannot be inspected: the framework glue
+        # (a custom op, a JAX callback) carries the call.
+        return attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True,
+                         backend=backend)
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
                      explicit=backend != "auto")
     return _dispatch.select(case, backend).forward(q, k, v, case)
@@ -44,6 +77,21 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout=
     options. ``dq`` has q's shape and dtype, ``dk`` and ``dv`` k's. Two passes, no atomics:
     the same inputs give bitwise the same gradients.
     """
+    fw = _framework(do, q, k, v, o, lse)
+    if fw == "torch" and _torch_compiling():
+        from . import _torch_ops
+
+        scale = _torch_ops.static_scale(q, causal, scale, layout)
+        return _torch_ops.attention_backward_op(do, q, k, v, o, lse, causal, scale, layout,
+                                                backend)
+    if fw == "jax" and _jax_traced(do, q, k, v, o, lse):
+        # Traced: pull do back through the differentiable forward (it recomputes o and lse,
+        # which a traced call cannot check against the ones given).
+        import jax
+
+        _, pullback = jax.vjp(lambda q, k, v: attention(
+            q, k, v, causal=causal, scale=scale, layout=layout, backend=backend), q, k, v)
+        return pullback(do)
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, direction="backward",
                      explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse})
     return _dispatch.select(case, backend).backward(do, q, k, v, o, lse, case)
@@ -57,25 +105,19 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
     :func:`attention_forward` for shapes and options. Returns ``o``, or ``(o, lse)`` with
     ``return_lse=True``. Differentiable where the library has autodiff (PyTorch, JAX).
     """
-    # --- begin framework autodiff routing (issue 5; see flashcore._torch_ops, _jax_ops) ---
-    # A framework is looked for only if already imported (no array of it can exist
-    # otherwise) and only when q, k, v all belong to it; mixed inputs fall through to the
-    # checks below, which name what was mixed.
-    import sys
-
-    torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
-    if torch is not None and all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+    # Framework autodiff (issue 5; flashcore._torch_ops, flashcore._jax_ops).
+    fw = _framework(q, k, v)
+    if fw == "torch":
         from . import _torch_ops
 
         if _torch_ops.wants(q, k, v):
             return _torch_ops.attention(q, k, v, causal=causal, scale=scale, layout=layout,
                                         return_lse=return_lse, backend=backend)
-    elif jax is not None and all(isinstance(x, jax.Array) for x in (q, k, v)):
+    elif fw == "jax":
         from . import _jax_ops
 
         return _jax_ops.attention(q, k, v, causal=causal, scale=scale, layout=layout,
                                   return_lse=return_lse, backend=backend)
-    # --- end framework autodiff routing ---
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=return_lse,
                      explicit=backend != "auto")
     impl = _dispatch.select(case, backend)

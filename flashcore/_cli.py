@@ -189,8 +189,9 @@ def _slices(config):
 def check_against_reference(config, library, seed):
     """A ``check(outputs)`` for _bench.measure: the output and lse on the slices against the
     float64 reference computed on the same inputs."""
-    from . import _interop, reference  # noqa: F401  (reference: the oracle below)
     import flashcore
+
+    from . import _interop, reference  # noqa: F401  (reference: the oracle below)
 
     def check(outputs):
         o, lse = outputs
@@ -312,6 +313,7 @@ def run_info(argv):
     argparse.ArgumentParser(prog="python -m flashcore info",
                             description="List backends, devices and versions.").parse_args(argv)
     import flashcore
+
     from . import _dispatch
 
     m = _bench.machine_info()

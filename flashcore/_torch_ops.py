@@ -179,6 +179,12 @@ class _EagerAttention(torch.autograd.Function):
 # --- layer 3: what flashcore.attention calls ------------------------------------------------
 
 
+def static_scale(q, causal, scale, layout) -> float:
+    """The scale as the custom ops take it (a float), checked; under torch.compile."""
+    d = q.shape[-1] if isinstance(q, Tensor) and q.ndim == 4 else 0
+    return check_options(causal=causal, scale=scale, layout=layout, head_dim=int(d))
+
+
 def wants(q, k, v) -> bool:
     """True when torch tensors need this path: torch.compile is tracing, or autograd is
     recording and one of q, k, v requires grad."""
@@ -195,9 +201,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
         raise TypeError(f"backend must be a backend name (str); got {backend=}")
     if torch.compiler.is_compiling():
         # The custom op: dynamo traces it as one node (make_case cannot be traced itself).
-        if scale is None:
-            d = q.shape[-1] if isinstance(q, Tensor) and q.ndim == 4 else 0
-            scale = check_options(causal=causal, scale=None, layout=layout, head_dim=int(d))
+        scale = static_scale(q, causal, scale, layout)
         o, lse = attention_forward_op(q, k, v, causal, scale, layout, backend)
         return (o, lse) if return_lse else o
     if backend == "torch":

@@ -10,10 +10,10 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import qkv
 
 import flashcore
 from flashcore import _bench
-from helpers import qkv
 
 HAS_TORCH = _bench._has_module("torch")
 HAS_MPL = _bench._has_module("matplotlib")
