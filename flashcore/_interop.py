@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_FLOAT_NAMES = {"float16", "bfloat16", "float32", "float64"}
-
-
 _LIBRARY_BY_TYPE: dict = {}
 _DTYPE_NAMES: dict = {}
 
@@ -90,8 +87,13 @@ def _dtype_name(dt) -> str:
     return name.strip("')\"")
 
 
-def is_float_name(name: str) -> bool:
-    return name in _FLOAT_NAMES
+def np_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name; bfloat16 is ml_dtypes' (NumPy has none)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 def namespace(x):

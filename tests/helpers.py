@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashcore import reference
+from flashcore._interop import np_dtype
 
 #: Norm-wise relative error ||x - ref|| / ||ref|| allowed per input dtype. The oracle works in
 #: float64 on the same (already rounded) inputs, so the error is the kernel's own: rounding
@@ -19,12 +20,6 @@ TOL_BWD = {"float64": 1e-6, "float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 LAYOUT_AXES = {"bhnd": (0, 1, 2, 3), "bnhd": (0, 2, 1, 3)}
 
 
-def np_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def rand(rng, shape, dtype="float32", layout="bhnd", scale=1.0):

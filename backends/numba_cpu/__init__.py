@@ -30,41 +30,25 @@ def supports(case):
     return None
 
 
-def _bhnd(x, layout):
-    return x if layout == "bhnd" else x.transpose(0, 2, 1, 3)
+def _as_kernel_view(a, case):
+    """A host array as the kernels read it: bhnd order, 16-bit floats as raw integer bits
+    (a view: same memory, same strides)."""
+    a = a if case.layout == "bhnd" else a.transpose(0, 2, 1, 3)
+    return a.view(_KERNEL_VIEW[case.dtype][0])
 
 
 def _kernel_view(x, case):
-    """Host view of x in bhnd order, 16-bit floats as raw integer bits."""
-    a = _bhnd(_interop.host_view(x, case.library), case.layout)
-    return a.view(_KERNEL_VIEW[case.dtype][0]) if case.dtype in ("float16", "bfloat16") else a
+    return _as_kernel_view(_interop.host_view(x, case.library), case)
 
 
 def _empty(shape, dtype):
     return np.full(shape, np.nan, dtype) if _poison.ENABLED else np.empty(shape, dtype)
 
 
-def _out_like_q(case):
-    """Output buffer in q's layout and dtype (host), and its bhnd kernel view."""
-    B, H, N, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
-    shape = (B, H, N, D) if case.layout == "bhnd" else (B, N, H, D)
-    return _alloc(shape, case)
-
-
-def _alloc(shape, case):
-    a = _empty(shape, _interop_np_dtype(case.dtype))
-    view = _bhnd(a, case.layout)
-    if case.dtype in ("float16", "bfloat16"):
-        view = view.view(_KERNEL_VIEW[case.dtype][0])
-    return a, view
-
-
-def _interop_np_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
+def _alloc_like(x, case):
+    """A host result buffer of x's shape in the call's dtype, and its kernel view."""
+    a = _empty(tuple(map(int, x.shape)), _interop.np_dtype(case.dtype))
+    return a, _as_kernel_view(a, case)
 
 
 def _work(case):
@@ -80,7 +64,7 @@ def forward(q, k, v, case):
 
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
     qk, kk, vk = (_kernel_view(x, case) for x in (q, k, v))
-    o, ok = _out_like_q(case)
+    o, ok = _alloc_like(q, case)
     lse = _empty((case.batch, case.heads_q, case.seqlen_q), np.float32)
     if o.size or lse.size:
         import numba
@@ -98,10 +82,9 @@ def backward(do, q, k, v, o, lse, case):
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
     dok, qk, kk, vk, ok = (_kernel_view(x, case) for x in (do, q, k, v, o))
     lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library), dtype=np.float32)
-    dq, dqk = _out_like_q(case)
-    kv_shape = tuple(int(s) for s in k.shape)
-    dk, dkk = _alloc(kv_shape, case)
-    dv, dvk = _alloc(kv_shape, case)
+    dq, dqk = _alloc_like(q, case)
+    dk, dkk = _alloc_like(k, case)
+    dv, dvk = _alloc_like(v, case)
     attn_backward(dok, qk, kk, vk, ok, lse_h, dqk, dkk, dvk, case.scale, case.causal,
                   tiles.bwd_block_q, tiles.bwd_block_k, _work(case))
     return _give(dq, case), _give(dk, case), _give(dv, case)

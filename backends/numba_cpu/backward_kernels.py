@@ -28,10 +28,10 @@ def attn_backward_preprocess(do, o, delta, work_dtype):
 
 
 @njit
-def load_rows(src, b, h, r0, n, out, mult):
-    """out[:n] = src[b, h, r0:r0+n] * mult for per-row statistics (lse, delta)."""
+def load_rows(src, b, h, r0, n, out):
+    """out[:n] = src[b, h, r0:r0+n]: a tile's per-row statistic (delta)."""
     for r in range(n):
-        out[r] = src[b, h, r0 + r] * mult
+        out[r] = src[b, h, r0 + r]
 
 
 @njit(fastmath=FASTMATH)
@@ -108,7 +108,7 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
                     qt[nq:, :] = 0.0
                     dot[nq:, :] = 0.0
                 prepare_lse2(lse, b, h, i0, nq, lse2)
-                load_rows(delta, b, h, i0, nq, dlt, one)
+                load_rows(delta, b, h, i0, nq, dlt)
                 np.dot(qt, kt_t, s)
                 if causal and j0 + nk - 1 > i0 + offset:
                     mask_tile(s, nq, nk, i0, j0, offset)
@@ -157,7 +157,7 @@ def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_
         load_tile(q, b, h, i0, nq, qt, q_mult)
         load_tile(do, b, h, i0, nq, dot, one)
         prepare_lse2(lse, b, h, i0, nq, lse2)
-        load_rows(delta, b, h, i0, nq, dlt, one)
+        load_rows(delta, b, h, i0, nq, dlt)
         k_end = Nk if not causal else max(0, min(Nk, i0 + nq + offset))
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
