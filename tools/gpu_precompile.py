@@ -1,7 +1,8 @@
 """Compile the numba_cuda kernel variants in parallel processes, filling numba's disk cache
 (``cache=True``), so that test and benchmark processes load instead of compiling.
 
-One job per (head dim, causal) compiles every kernel for all three dtypes; each variant has
+One job per (head dim, causal) compiles every kernel for all three dtypes (SIMT, and the
+tensor-core kernels where fp16/bf16 has them); each variant has
 its own cache index file (see forward_kernels.variant_tag), so jobs never write one file
 concurrently. Prints the wall time per job and in all.
 
@@ -20,9 +21,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 def job(args):
     head_dim, causal = args
     t0 = time.perf_counter()
-    from flashcore.backends.numba_cuda import launch
+    from flashcore.backends.numba_cuda import launch, launch_tc, tile_product_tc
 
     for dtype in DTYPES:
+        if dtype != "float32" and head_dim in tile_product_tc.HEAD_DIMS:
+            for name in ("forward", "dkdv", "dq"):
+                launch_tc.kernel(name, head_dim, dtype, causal, 0)
         kt = launch.kernel_tiles(head_dim, dtype, causal, 0)
         launch.forward_kernel(head_dim, dtype, causal, 0, kt.forward)
         launch.dkdv_kernel(head_dim, dtype, causal, 0, kt.dkdv)

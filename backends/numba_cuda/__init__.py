@@ -11,7 +11,8 @@ simulator they are used in place).
 Kernels (forward_kernels.py, backward_kernels.py: a submodule named forward.py would
 replace the contract function ``forward`` of this package once imported), tilings
 (tiles.py) and the host side (launch.py) mirror the CPU backend's names; tile_product.py
-is the seam where tensor cores will replace the SIMT product (issue 4). numba.cuda is
+is the SIMT tile product; tile_product_tc.py, forward_tc_kernels.py, backward_tc_kernels.py
+and launch_tc.py are the tensor-core kernels for fp16/bf16. numba.cuda is
 imported on first use, not with this module.
 """
 from __future__ import annotations
@@ -24,7 +25,6 @@ NAME = "numba_cuda"
 MAX_HEAD_DIM = 256
 _DTYPES = ("float32", "float16", "bfloat16")
 _GPU_LIBRARIES = ("torch", "cupy", "jax")
-_TC_DTYPES = ("float16", "bfloat16")
 
 
 @functools.cache
@@ -74,22 +74,15 @@ def supports(case):
 def forward(q, k, v, case):
     """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``.
 
-    fp16/bf16 at head dims 32, 64, 96 and 128 go to the tensor-core kernel (launch_tc.py)
-    unless ``FLASHCORE_TENSOR_CORES=0``; every other case, and any the tensor-core kernel
-    declines (unaligned rows, GPUs older than sm_80), runs the SIMT kernels."""
-    adapter = _adapter(case.library)
-    if case.dtype in _TC_DTYPES:
-        from . import launch_tc
-
-        if launch_tc.enabled() and launch_tc.wanted(case):
-            out = launch_tc.try_forward(adapter, q, k, v, case)
-            if out is not None:
-                return out
-    return adapter.forward(q, k, v, case)
+    fp16/bf16 at head dims 32, 64, 96 and 128 run on tensor cores (launch_tc.py) unless
+    ``FLASHCORE_TENSOR_CORES=0``; every other case, and any the tensor-core kernels
+    decline (unaligned rows, GPUs older than sm_80), runs the SIMT kernels."""
+    return _adapter(case.library).forward(q, k, v, case)
 
 
 def backward(do, q, k, v, o, lse, case):
-    """``(dq, dk, dv)`` in the inputs' library, layout and dtype."""
+    """``(dq, dk, dv)`` in the inputs' library, layout and dtype (tensor cores as in
+    :func:`forward`)."""
     return _adapter(case.library).backward(do, q, k, v, o, lse, case)
 
 

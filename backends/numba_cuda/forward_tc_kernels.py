@@ -25,112 +25,26 @@ host side (launch.signature, the argument packing of launch.run_forward) is shar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from .convert import SIMULATOR, device_function, smem_pointer, store_f32
-from .mma import (
-    cp_async16,
-    cp_async_commit,
-    cp_async_wait,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
-    mma_bf16,
-    mma_f16,
-    pack_bf16x2,
-    pack_f16x2,
-    shfl_xor_f32,
-)
+from .convert import SIMULATOR, smem_pointer
+from .mma import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
+from .tile_product_tc import PAD, load_rows, mma, mma_frags_rows, store_frags
 
 SMEM_ALIGN = None if SIMULATOR else 16
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NEG_INF = np.float32(-np.inf)
-#: Row padding of the shared tiles, in elements (16 bytes).
-PAD = 8
-
-
-@dataclass(frozen=True)
-class TCTiles:
-    """Tiling of attn_forward_tc: ``warps`` x 16 query rows, ``block_n`` keys per step."""
-
-    warps: int
-    block_n: int
-
-    def __post_init__(self):
-        if self.warps < 1 or self.block_n % 16:
-            raise ValueError(f"block_n must be a multiple of 16 and warps >= 1: {self}")
-
-    @property
-    def block_m(self) -> int:
-        return 16 * self.warps
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-
-#: The simulator runs each thread as a Python thread: one warp, small key tiles, so that
-#: the small test shapes still cover several tiles, tails and diagonal tiles.
-SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
-#: First tiling (not yet tuned on a GPU): 4 warps x 16 rows, 64 keys per step. Head dims
-#: whose rows are an odd number of 16-byte units once padded (all multiples of 32 here)
-#: keep ldmatrix free of bank conflicts. 256 is left to the SIMT kernel: Q, S and O
-#: fragments would take about 224 registers per thread.
-DEFAULT_TILES = {d: TCTiles(warps=4, block_n=64) for d in (32, 64, 96, 128)}
-HEAD_DIMS = tuple(DEFAULT_TILES)
-
-
-def choose(head_dim: int, simulator: bool = SIMULATOR) -> TCTiles:
-    if simulator:
-        return SIMULATOR_TILES
-    return DEFAULT_TILES[head_dim]
-
-
-def smem_elements(t: TCTiles, head_dim: int) -> int:
-    """Q tile plus two K and two V buffers, 16-bit elements."""
-    return (t.block_m + 4 * t.block_n) * (head_dim + PAD)
-
-
-@device_function
-def load_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT):
-    """``smem[off + r * LDS + c] = src[base + (n0 + r) * sn + c]`` for ``r < ROWS``,
-    ``c < 8 * CH``, in 16-byte cp.async copies; rows at or past ``nvalid`` are zero-filled
-    (their source address stays at ``base``, which is never read)."""
-    for e in range(tid, ROWS * CH, NT):
-        r = e // CH
-        c = e - r * CH
-        row = n0 + r
-        if row < nvalid:
-            cp_async16(smem, off + r * LDS + 8 * c, src, base + row * sn + 8 * c, 16)
-        else:
-            cp_async16(smem, off + r * LDS + 8 * c, src, base, 0)
-
-
-@device_function
-def _mma(BF16, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    """mma m16n8k16 in the input dtype (``BF16`` is a compile-time constant after
-    inlining). Kernels call this rather than capture the intrinsic in their closure: numba's
-    disk cache pickles closure contents into its index key."""
-    if BF16:
-        return mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-    return mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-
-
-@device_function
-def _pack(BF16, lo, hi):
-    if BF16:
-        return pack_bf16x2(lo, hi)
-    return pack_f16x2(lo, hi)
 
 
 _CACHE: dict = {}
 
 
-def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
-    """The kernel for one head dim, tiling, causality and input dtype (fp16 or bf16)."""
+def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
+    """The kernel for one head dim, tiling (tile_product_tc.TCTiles), causality and input
+    dtype (fp16 or bf16)."""
     key = (head_dim, t, causal, dtype)
     if key in _CACHE:
         return _CACHE[key]
@@ -214,8 +128,6 @@ def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
         # lane-dependent parts of the ldmatrix addresses
         krow = (lane & 7) + 8 * (lane >> 4)
         kcol = 8 * ((lane >> 3) & 1)
-        vrow = (lane & 7) + 8 * ((lane >> 3) & 1)
-        vcol = 8 * (lane >> 4)
 
         for it in range(n_tiles):
             n0 = it * BN
@@ -245,9 +157,9 @@ def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
                     r0, r1, r2, r3 = ldmatrix_x4(smem, kb + (16 * jp + krow) * LDS
                                                  + 16 * kk + kcol)
                     j = 8 * jp
-                    s[j], s[j + 1], s[j + 2], s[j + 3] = _mma(
+                    s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
                         BF16, a0, a1, a2, a3, r0, r1, s[j], s[j + 1], s[j + 2], s[j + 3])
-                    s[j + 4], s[j + 5], s[j + 6], s[j + 7] = _mma(
+                    s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
                         BF16, a0, a1, a2, a3, r2, r3, s[j + 4], s[j + 5], s[j + 6], s[j + 7])
 
             # online softmax, in the log2 domain
@@ -304,21 +216,7 @@ def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
             cp_async_wait(2)  # V[it] (K and V of it+1 may still be in flight)
             cuda.syncthreads()
             # O += P V, P straight from the S fragments
-            for kk in range(PSTEPS):
-                j = 8 * kk
-                a0 = _pack(BF16, s[j], s[j + 1])
-                a1 = _pack(BF16, s[j + 2], s[j + 3])
-                a2 = _pack(BF16, s[j + 4], s[j + 5])
-                a3 = _pack(BF16, s[j + 6], s[j + 7])
-                for dp in range(DTILES // 2):
-                    r0, r1, r2, r3 = ldmatrix_x4_trans(smem, vb + (16 * kk + vrow) * LDS
-                                                       + 16 * dp + vcol)
-                    c = 8 * dp
-                    acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = _mma(
-                        BF16, a0, a1, a2, a3, r0, r1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
-                    acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = _mma(
-                        BF16, a0, a1, a2, a3, r2, r3, acc[c + 4], acc[c + 5], acc[c + 6],
-                        acc[c + 7])
+            mma_frags_rows(BF16, acc, s, smem, vb, LDS, PSTEPS, DTILES, lane)
         cp_async_wait(0)
 
         # each lane summed its own columns: add up the 4 lanes of a row
@@ -329,14 +227,7 @@ def make_attn_forward_tc(head_dim: int, t: TCTiles, causal: bool, dtype: str):
         obase = b * osb + h * osh
         inv0 = float32(1.0) / l0 if l0 > 0 else float32(0.0)
         inv1 = float32(1.0) / l1 if l1 > 0 else float32(0.0)
-        for dn in range(DTILES):
-            d = 8 * dn + 2 * tq
-            if i0 < Nq:
-                store_f32(o, obase + i0 * osn + d * osd, acc[4 * dn] * inv0)
-                store_f32(o, obase + i0 * osn + (d + 1) * osd, acc[4 * dn + 1] * inv0)
-            if i1 < Nq:
-                store_f32(o, obase + i1 * osn + d * osd, acc[4 * dn + 2] * inv1)
-                store_f32(o, obase + i1 * osn + (d + 1) * osd, acc[4 * dn + 3] * inv1)
+        store_frags(o, obase, i0, Nq, osn, osd, acc, inv0, inv1, DTILES, tq)
         if tq == 0:
             lrow = (b * Hq + h) * Nq
             if i0 < Nq:

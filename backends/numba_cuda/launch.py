@@ -233,6 +233,7 @@ def dq_kernel(head_dim, dtype, causal, device, t):
 
 _FWD_PLANS: dict = {}
 _BWD_PLANS: dict = {}
+_PRE_PLANS: dict = {}
 
 
 def _forward_plan(case, device, tiles):
@@ -253,18 +254,37 @@ def _backward_plan(case, device, tiles):
     if plan is None:
         kt = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles)
         args = (case.head_dim, case.dtype, case.causal, device)
-        plan = _BWD_PLANS[key] = (
-            preprocess_kernel(case.head_dim, case.dtype, device, kt.preprocess_threads),
-            kt.preprocess_threads,
-            dkdv_kernel(*args, kt.dkdv), kt.dkdv.block_m,
-            dq_kernel(*args, kt.dq), kt.dq.block_m)
+        plan = _BWD_PLANS[key] = (dkdv_kernel(*args, kt.dkdv), kt.dkdv.block_m,
+                                  dq_kernel(*args, kt.dq), kt.dq.block_m)
     return plan
 
 
+def _preprocess_plan(case, device, tiles):
+    key = (case.head_dim, case.dtype, device, tiles)
+    plan = _PRE_PLANS.get(key)
+    if plan is None:
+        kt = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles)
+        plan = _PRE_PLANS[key] = (
+            preprocess_kernel(case.head_dim, case.dtype, device, kt.preprocess_threads),
+            kt.preprocess_threads)
+    return plan
+
+
+def _tc():
+    from . import launch_tc
+
+    return launch_tc
+
+
 def run_forward(case, device, stream, q, k, v, o, lse, tiles=None):
-    """Launch attn_forward. q, k, v, o are (handle, strides4) pairs; lse is a handle of a
-    contiguous float32 (B, Hq, Nq) buffer."""
-    kern, bm = _forward_plan(case, device, tiles)
+    """Launch the forward: the tensor-core kernel where launch_tc serves the case, else the
+    SIMT kernel (always the SIMT kernel with an explicit ``tiles``). q, k, v, o are
+    (handle, strides4) pairs; lse is a handle of a contiguous float32 (B, Hq, Nq) buffer."""
+    tc = _tc()
+    if tiles is None and tc.serves(case, device, q, k, v):
+        kern, bm = tc.forward_plan(case, device)
+    else:
+        kern, bm = _forward_plan(case, device, tiles)
     kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
@@ -272,9 +292,15 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None):
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None):
-    """Launch the three backward kernels. Arrays are (handle, strides) pairs; lse has three
-    strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch buffer."""
-    pre, pt, dkdv, dkdv_bm, dqk, dq_bm = _backward_plan(case, device, tiles)
+    """Launch the preprocess kernel, then the dK/dV and dQ kernels (tensor-core ones where
+    launch_tc serves the case, as in run_forward). Arrays are (handle, strides) pairs; lse
+    has three strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch buffer."""
+    pre, pt = _preprocess_plan(case, device, tiles)
+    tc = _tc()
+    if tiles is None and tc.serves(case, device, q, k, v, do):
+        dkdv, dkdv_bm, dqk, dq_bm = tc.backward_plan(case, device)
+    else:
+        dkdv, dkdv_bm, dqk, dq_bm = _backward_plan(case, device, tiles)
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     scale = float(case.scale)
     group, off = Hq // Hkv, Nk - Nq

@@ -1,36 +1,33 @@
-"""Host side of the tensor-core forward (forward_tc_kernels.py): which cases it serves, the
-prepared kernels, and the launch. Everything it does not serve goes to the SIMT kernels.
+"""Host side of the tensor-core kernels (forward_tc_kernels.py, backward_tc_kernels.py):
+which launches they serve and the prepared kernels. launch.run_forward and
+launch.run_backward ask :func:`serves` and launch these kernels with the SIMT kernels'
+arguments, or else the SIMT kernels; so every caller (the array adapters, the JAX
+``buffer_callback`` path, the benchmarks) gets the same choice.
 
-Served: fp16/bf16, head dims 32, 64, 96 and 128, compute capability 8.0 or newer, arrays whose
-rows are 16-byte aligned with unit stride along the head dim (cp.async copies 16 bytes),
-of torch, CuPy or JAX (NumPy only under the CUDA simulator, where it runs in place).
-The launch arguments are attn_forward's: the same signature and packing.
+Served: fp16/bf16, head dims 32, 64, 96 and 128, compute capability 8.0 or newer, and
+buffers whose rows are 16-byte aligned with unit stride along the head dim (cp.async
+copies 16 bytes) for every input the kernels copy (q, k, v; and dO in the backward). The
+launch arguments are those of the SIMT kernels: the same signatures and packing.
 """
 from __future__ import annotations
 
 import os
-import threading
 
-from . import forward_tc_kernels as _tc
+from . import backward_tc_kernels as _bwd
+from . import forward_tc_kernels as _fwd
 from . import launch
-from ._io import _device_index
+from . import tile_product_tc as _tiles
 from .convert import SIMULATOR
 
-#: Environment switch: the tensor-core forward serves fp16/bf16 by default (it passed the
-#: whole numba_cuda GPU suite with it on, on an H200; notes/tensor_cores.md);
-#: ``FLASHCORE_TENSOR_CORES=0`` selects the SIMT kernels instead.
+#: Environment switch: the tensor-core kernels serve fp16/bf16 by default (they passed the
+#: numba_cuda GPU suite on an H100/H200, notes/tensor_cores.md); ``FLASHCORE_TENSOR_CORES=0``
+#: selects the SIMT kernels instead.
 ENV = "FLASHCORE_TENSOR_CORES"
 _DTYPES = ("float16", "bfloat16")
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
-
-
-def wanted(case) -> bool:
-    """Cheap checks on the case alone (no buffers looked at)."""
-    return (case.dtype in _DTYPES and case.head_dim in _tc.HEAD_DIMS
-            and (case.library != "numpy" or SIMULATOR))
 
 
 def _rows_aligned(view, sizes):
@@ -42,48 +39,71 @@ def _rows_aligned(view, sizes):
     return SIMULATOR or int(handle) % 16 == 0
 
 
-_lock = threading.Lock()
-_PREPARED: dict = {}
+def serves(case, device, q, k, v, do=None) -> bool:
+    """Whether the tensor-core kernels take this launch; ``q, k, v, do`` are the launch's
+    (handle, strides) views."""
+    if case.dtype not in _DTYPES or case.head_dim not in _tiles.HEAD_DIMS or not enabled():
+        return False
+    if not SIMULATOR and launch.device_cc(device) < (8, 0):
+        return False
+    sq = (case.batch, case.heads_q, case.seqlen_q)
+    skv = (case.batch, case.heads_kv, case.seqlen_k)
+    return (_rows_aligned(q, sq) and _rows_aligned(k, skv) and _rows_aligned(v, skv)
+            and (do is None or _rows_aligned(do, sq)))
 
 
-def forward_kernel(head_dim, dtype, causal, device, t):
-    key = (head_dim, dtype, causal, device, t)
-    p = _PREPARED.get(key)
-    if p is None:
-        with _lock:
-            p = _PREPARED.get(key)
-            if p is None:
-                fn = _tc.make_attn_forward_tc(head_dim, t, causal, dtype)
-                p = _PREPARED[key] = launch.Prepared(
-                    fn, launch.signature("attn_forward", dtype), t.threads,
-                    _tc.smem_elements(t, head_dim) // 2, device)
-    return p
+_MAKERS = {
+    "forward": (_fwd.make_attn_forward_tc, "attn_forward"),
+    "dkdv": (_bwd.make_attn_backward_dkdv_tc, "attn_backward_dkdv"),
+    "dq": (_bwd.make_attn_backward_dq_tc, "attn_backward_dq"),
+}
 
 
-def try_forward(adapter, q, k, v, case):
-    """``(o, lse)`` from the tensor-core kernel, or None when the case is not served here
-    (the caller then runs the SIMT kernel)."""
-    dev = _device_index(case)
-    if not SIMULATOR and launch.device_cc(dev) < (8, 0):
-        return None
-    B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    lay = case.layout
-    keep = []
-    vq, vk, vv = (adapter.view(x, lay, keep) for x in (q, k, v))
-    if not (_rows_aligned(vq, (B, Hq, Nq)) and _rows_aligned(vk, (B, Hkv, Nk))
-            and _rows_aligned(vv, (B, Hkv, Nk))):
-        return None
-    o = adapter.empty(q, tuple(q.shape), None, dev)
-    lse = adapter.empty(q, (B, Hq, Nq), "float32", dev)
-    if B * Hq * Nq == 0:
-        return o, lse
-    t = _tc.choose(case.head_dim)
-    kern = forward_kernel(case.head_dim, case.dtype, case.causal, dev, t)
-    stream = adapter.stream(q, dev)
-    vo = adapter.view(o, lay, keep)
-    vl = adapter.view(lse, None, keep)[0]
-    bm = t.block_m
-    kern(((Nq + bm - 1) // bm, B * Hq), stream,
-         (vq[0], vk[0], vv[0], vo[0], vl, Nq, Nk, Hq, Hq // Hkv, Nk - Nq, *vq[1], *vk[1],
-          *vv[1], *vo[1], float(case.scale)))
-    return adapter.finish(stream, keep, o, lse)
+def kernel(name, head_dim, dtype, causal, device, t=None):
+    """``(prepared kernel, block_m)`` of tensor-core kernel ``name`` ("forward", "dkdv",
+    "dq") for one case class and device; tiling ``t``, or by default the autotuner's cached
+    choice for this GPU, else the built-in table (tile_product_tc.choose)."""
+    def build():
+        tiles = t
+        if tiles is None:
+            tiles = _tiles.choose(name, head_dim, causal, dtype, *_gpu(device))
+        make, sig_name = _MAKERS[name]
+        return (launch.Prepared(make(head_dim, tiles, causal, dtype),
+                                launch.signature(sig_name, dtype), tiles.threads,
+                                _tiles.smem_elements(name, tiles, head_dim) // 2, device),
+                tiles.block_m)
+
+    return launch._prepared(("tc", name, head_dim, dtype, causal, device, t), build)
+
+
+def _gpu(device):
+    """(name, compute capability) of GPU ``device``; (None, None) in the simulator."""
+    if SIMULATOR:
+        return None, None
+    from numba import cuda
+
+    name = cuda.gpus[device].name
+    return (name.decode() if isinstance(name, bytes) else str(name)), launch.device_cc(device)
+
+
+def forward_plan(case, device):
+    """``(kernel, block_m)`` of the forward, as launch.run_forward launches it."""
+    return kernel("forward", case.head_dim, case.dtype, case.causal, device)
+
+
+def backward_plan(case, device):
+    """``(dkdv kernel, its block_m, dq kernel, its block_m)``, as launch.run_backward
+    launches them (after the SIMT preprocess kernel, whose delta they read)."""
+    args = (case.head_dim, case.dtype, case.causal, device)
+    return (*kernel("dkdv", *args), *kernel("dq", *args))
+
+
+def variants(head_dim: int, dtype: str, causal: bool):
+    """``(name, python function, signature, shared-memory bytes, threads)`` of the
+    tensor-core kernels of one case class; the PTX tests compile exactly these."""
+    out = []
+    for name, (make, sig_name) in _MAKERS.items():
+        t = _tiles.choose(name, head_dim, causal, dtype, simulator=False)
+        out.append((name, make(head_dim, t, causal, dtype), launch.signature(sig_name, dtype),
+                    2 * _tiles.smem_elements(name, t, head_dim), t.threads))
+    return out

@@ -1,0 +1,305 @@
+"""Tensor-core backward kernels for fp16/bf16: ``attn_backward_dkdv_tc`` (key tiles outer,
+query tiles inner) and ``attn_backward_dq_tc`` (query tiles outer, key tiles inner).
+
+The same two-kernel, atomic-free design as the SIMT kernels (backward_kernels.py), whose
+preprocess kernel (``delta = rowsum(dO * O)``) runs first and whose launch arguments these
+kernels take unchanged. Every tile product runs on mma m16n8k16 with fp32 accumulators
+(tile_product_tc.py), with the FlashAttention-2 partition: each warp owns 16 rows of the
+block's tile and no two warps add into the same element.
+
+dK/dV: one block per (key tile, batch * key/value head); warp ``w`` owns keys
+``k0 + 16 w .. + 16``. Per query tile of ``block_n`` queries (under GQA, for every query
+head of the group in turn; Q and dO double-buffered by ``cp.async``):
+
+- ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (A from the shared K, V rows; B from the Q, dO rows);
+- ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse · log2 e)`` with lse per query column (rows that see
+  no key have lse −inf, read as +inf: P = 0) and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``;
+- ``dV += Pᵀ dO`` and ``dK += dSᵀ Q``: the fp32 Pᵀ and dSᵀ fragments, rounded to the input
+  dtype, are the A operands as they stand (as P is in the forward); dO and Q are read as
+  row-major B operands through ``ldmatrix.trans``.
+
+dQ: one block per (query tile, batch * query head), warp ``w`` owns 16 query rows; per key
+tile (K and V double-buffered): ``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − delta)``,
+``dQ += dS K``.
+
+Each output element is summed by one lane in a fixed order: the gradients are bitwise
+deterministic. Rows past the ends are zero-filled in shared memory; queries past Nq read lse
+as +inf (P = 0); keys past Nk are masked in the dQ kernel (in the dK/dV kernel they only
+reach rows of dK and dV that are never stored); the causal mask applies on tiles that cross
+the diagonal only. Needs what the tensor-core forward needs (sm_80+, head dims 32/64/96/128,
+16-byte aligned rows of q, k, v and dO with unit stride along the head dim).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, uint16
+
+from .convert import SIMULATOR, smem_pointer
+from .mma import cp_async_commit, cp_async_wait
+from .tile_product_tc import PAD, load_rows, mma_frags_rows, mma_rows_rows, store_frags
+
+SMEM_ALIGN = None if SIMULATOR else 16
+LOG2E = 1.4426950408889634
+NEG_INF = np.float32(-np.inf)
+POS_INF = np.float32(np.inf)
+
+_CACHE: dict = {}
+
+
+def _sizes(head_dim, t):
+    if head_dim % 16:
+        raise ValueError(f"{head_dim=} must be a multiple of 16 for the tensor-core kernels")
+    D = head_dim
+    return dict(D=D, BM=t.block_m, BN=t.block_n, NT=t.threads, LDS=D + PAD, CH=D // 8,
+                KSTEPS=D // 16, NTILES=t.block_n // 8, PSTEPS=t.block_n // 16,
+                DTILES=D // 8)
+
+
+def _tag(kernel, head_dim, t, causal, dtype):
+    return (f"{kernel}_d{head_dim}_w{t.warps}_n{t.block_n}_"
+            f"{'causal' if causal else 'full'}_{dtype}")
+
+
+def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
+    """dK, dV for one key tile of ``t.block_m`` keys per block, query steps of
+    ``t.block_n`` (tile_product_tc.TCTiles)."""
+    key = ("dkdv", head_dim, t, causal, dtype)
+    if key in _CACHE:
+        return _CACHE[key]
+    z = _sizes(head_dim, t)
+    BM, BN, NT, LDS, CH = z["BM"], z["BN"], z["NT"], z["LDS"], z["CH"]
+    KSTEPS, NTILES, PSTEPS, DTILES = z["KSTEPS"], z["NTILES"], z["PSTEPS"], z["DTILES"]
+    NACC, NS = 4 * DTILES, 4 * NTILES  # register fragments per lane (local array sizes)
+    K_OFF = 0
+    V_OFF = BM * LDS
+    Q_OFF = 2 * BM * LDS
+    DO_OFF = Q_OFF + 2 * BN * LDS
+    BUF = BN * LDS
+    CAUSAL = bool(causal)
+    BF16 = dtype == "bfloat16"
+
+    def attn_backward_dkdv_tc(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
+                              causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
+                              vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
+                              dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
+                              lsb, lsh, lsn, scale):
+        smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        tq = lane & 3
+        k0 = cuda.blockIdx.x * BM
+        bh = cuda.blockIdx.y
+        b = bh // Hkv
+        hk = bh - b * Hkv
+        sl2 = float32(scale * LOG2E)
+        kbase = b * ksb + hk * ksh
+        vbase = b * vsb + hk * vsh
+
+        # Query i sees key j iff j <= i + causal_offset: earlier query tiles see none of ours;
+        # tiles from m_full on see all of them (no mask).
+        m_begin = 0
+        if CAUSAL:
+            m_begin = max(0, k0 - causal_offset) // BN * BN
+        m_full = k0 + BM - 1 - causal_offset
+        per_head = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
+        n_steps = group * per_head
+
+        load_rows(smem, K_OFF, k, kbase, k0, Nk, ksn, BM, LDS, CH, tid, NT)
+        load_rows(smem, V_OFF, v, vbase, k0, Nk, vsn, BM, LDS, CH, tid, NT)
+        if n_steps > 0:
+            h = hk * group
+            load_rows(smem, Q_OFF, q, b * qsb + h * qsh, m_begin, Nq, qsn, BN, LDS, CH,
+                      tid, NT)
+            load_rows(smem, DO_OFF, do, b * gsb + h * gsh, m_begin, Nq, gsn, BN, LDS, CH,
+                      tid, NT)
+        cp_async_commit()
+
+        dk_acc = cuda.local.array(NACC, float32)
+        dv_acc = cuda.local.array(NACC, float32)
+        for e in range(4 * DTILES):
+            dk_acc[e] = float32(0.0)
+            dv_acc[e] = float32(0.0)
+        s = cuda.local.array(NS, float32)
+        dp = cuda.local.array(NS, float32)
+        j0 = k0 + warp * 16 + g  # this lane's two keys: j0, j0 + 8
+        wrow = warp * 16 * LDS
+
+        for it in range(n_steps):
+            gi = it // per_head
+            m0 = m_begin + (it - gi * per_head) * BN
+            h = hk * group + gi
+            cp_async_wait(0)  # Q, dO of step it
+            cuda.syncthreads()
+            # Every warp is past step it-1: its buffers take step it+1.
+            if it + 1 < n_steps:
+                gn = (it + 1) // per_head
+                mn = m_begin + (it + 1 - gn * per_head) * BN
+                hn = hk * group + gn
+                nb = (1 - (it & 1)) * BUF
+                load_rows(smem, Q_OFF + nb, q, b * qsb + hn * qsh, mn, Nq, qsn, BN, LDS, CH,
+                          tid, NT)
+                load_rows(smem, DO_OFF + nb, do, b * gsb + hn * gsh, mn, Nq, gsn, BN, LDS,
+                          CH, tid, NT)
+            cp_async_commit()
+            qb = Q_OFF + (it & 1) * BUF
+            gb = DO_OFF + (it & 1) * BUF
+
+            mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
+            mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
+
+            masked = CAUSAL and m0 < m_full
+            lbase = b * lsb + h * lsh
+            dbase = (b * Hq + h) * Nq
+            for jn in range(NTILES):
+                for e in range(2):
+                    i = m0 + 8 * jn + 2 * tq + e  # this element's query
+                    ls = POS_INF
+                    dl = float32(0.0)
+                    if i < Nq:
+                        lv = lse[lbase + i * lsn]
+                        if lv != NEG_INF:
+                            ls = lv * float32(LOG2E)
+                        dl = delta[dbase + i]
+                    for r in range(2):  # keys j0 and j0 + 8
+                        x = 4 * jn + 2 * r + e
+                        p = math.exp2(s[x] * sl2 - ls)
+                        if masked and j0 + 8 * r > i + causal_offset:
+                            p = float32(0.0)
+                        s[x] = p
+                        dp[x] = p * (dp[x] - dl)
+
+            mma_frags_rows(BF16, dv_acc, s, smem, gb, LDS, PSTEPS, DTILES, lane)
+            mma_frags_rows(BF16, dk_acc, dp, smem, qb, LDS, PSTEPS, DTILES, lane)
+        cp_async_wait(0)
+
+        sc = float32(scale)
+        one = float32(1.0)
+        store_frags(dk, b * dksb + hk * dksh, j0, Nk, dksn, dksd, dk_acc, sc, sc, DTILES, tq)
+        store_frags(dv, b * dvsb + hk * dvsh, j0, Nk, dvsn, dvsd, dv_acc, one, one, DTILES,
+                    tq)
+
+    attn_backward_dkdv_tc.__qualname__ = _tag("attn_backward_dkdv_tc", head_dim, t, causal,
+                                              dtype)
+    _CACHE[key] = attn_backward_dkdv_tc
+    return attn_backward_dkdv_tc
+
+
+def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
+    """dQ for one query tile of ``t.block_m`` rows per block, key steps of ``t.block_n``."""
+    key = ("dq", head_dim, t, causal, dtype)
+    if key in _CACHE:
+        return _CACHE[key]
+    z = _sizes(head_dim, t)
+    BM, BN, NT, LDS, CH = z["BM"], z["BN"], z["NT"], z["LDS"], z["CH"]
+    KSTEPS, NTILES, PSTEPS, DTILES = z["KSTEPS"], z["NTILES"], z["PSTEPS"], z["DTILES"]
+    NACC, NS = 4 * DTILES, 4 * NTILES  # register fragments per lane (local array sizes)
+    Q_OFF = 0
+    DO_OFF = BM * LDS
+    K_OFF = 2 * BM * LDS
+    V_OFF = K_OFF + 2 * BN * LDS
+    BUF = BN * LDS
+    CAUSAL = bool(causal)
+    BF16 = dtype == "bfloat16"
+
+    def attn_backward_dq_tc(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
+                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
+                            gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale):
+        smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        tq = lane & 3
+        n_qtiles = cuda.gridDim.x
+        qt = n_qtiles - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        q0 = qt * BM
+        bh = cuda.blockIdx.y
+        b = bh // Hq
+        h = bh - b * Hq
+        hk = h // group
+        sl2 = float32(scale * LOG2E)
+        kbase = b * ksb + hk * ksh
+        vbase = b * vsb + hk * vsh
+
+        n_end = Nk
+        n_full = Nk
+        if CAUSAL:
+            n_end = max(0, min(Nk, q0 + BM + causal_offset))
+            n_full = min(Nk, q0 + 1 + causal_offset)
+        n_tiles = (n_end + BN - 1) // BN
+
+        load_rows(smem, Q_OFF, q, b * qsb + h * qsh, q0, Nq, qsn, BM, LDS, CH, tid, NT)
+        load_rows(smem, DO_OFF, do, b * gsb + h * gsh, q0, Nq, gsn, BM, LDS, CH, tid, NT)
+        if n_tiles > 0:
+            load_rows(smem, K_OFF, k, kbase, 0, Nk, ksn, BN, LDS, CH, tid, NT)
+            load_rows(smem, V_OFF, v, vbase, 0, Nk, vsn, BN, LDS, CH, tid, NT)
+        cp_async_commit()
+
+        i0 = q0 + warp * 16 + g  # this lane's two rows: i0, i0 + 8
+        i1 = i0 + 8
+        ls0 = POS_INF
+        ls1 = POS_INF
+        dl0 = float32(0.0)
+        dl1 = float32(0.0)
+        lbase = b * lsb + h * lsh
+        if i0 < Nq:
+            lv = lse[lbase + i0 * lsn]
+            if lv != NEG_INF:
+                ls0 = lv * float32(LOG2E)
+            dl0 = delta[bh * Nq + i0]
+        if i1 < Nq:
+            lv = lse[lbase + i1 * lsn]
+            if lv != NEG_INF:
+                ls1 = lv * float32(LOG2E)
+            dl1 = delta[bh * Nq + i1]
+
+        acc = cuda.local.array(NACC, float32)
+        for e in range(4 * DTILES):
+            acc[e] = float32(0.0)
+        s = cuda.local.array(NS, float32)
+        dp = cuda.local.array(NS, float32)
+        wrow = warp * 16 * LDS
+
+        for it in range(n_tiles):
+            n0 = it * BN
+            cp_async_wait(0)  # K, V of tile it
+            cuda.syncthreads()
+            if it + 1 < n_tiles:
+                nb = (1 - (it & 1)) * BUF
+                load_rows(smem, K_OFF + nb, k, kbase, n0 + BN, Nk, ksn, BN, LDS, CH, tid, NT)
+                load_rows(smem, V_OFF + nb, v, vbase, n0 + BN, Nk, vsn, BN, LDS, CH, tid, NT)
+            cp_async_commit()
+            kb = K_OFF + (it & 1) * BUF
+            vb = V_OFF + (it & 1) * BUF
+
+            mma_rows_rows(BF16, s, smem, Q_OFF + wrow, kb, LDS, KSTEPS, NTILES, lane)
+            mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
+
+            # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
+            masked = n0 + BN > n_full
+            for jn in range(NTILES):
+                for e in range(2):
+                    j = n0 + 8 * jn + 2 * tq + e  # this element's key
+                    x = 4 * jn + e
+                    p = math.exp2(s[x] * sl2 - ls0)
+                    if masked and (j >= Nk or (CAUSAL and j > i0 + causal_offset)):
+                        p = float32(0.0)
+                    dp[x] = p * (dp[x] - dl0)
+                    p = math.exp2(s[x + 2] * sl2 - ls1)
+                    if masked and (j >= Nk or (CAUSAL and j > i1 + causal_offset)):
+                        p = float32(0.0)
+                    dp[x + 2] = p * (dp[x + 2] - dl1)
+
+            mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane)
+        cp_async_wait(0)
+
+        sc = float32(scale)
+        store_frags(dq, b * dqsb + h * dqsh, i0, Nq, dqsn, dqsd, acc, sc, sc, DTILES, tq)
+
+    attn_backward_dq_tc.__qualname__ = _tag("attn_backward_dq_tc", head_dim, t, causal, dtype)
+    _CACHE[key] = attn_backward_dq_tc
+    return attn_backward_dq_tc

@@ -1,0 +1,221 @@
+"""Warp-level tile products on tensor cores, the building blocks of the tensor-core kernels
+(forward_tc_kernels.py, backward_tc_kernels.py), and their tilings as data.
+
+Shared tiles are 16-bit elements stored row by row (``[row][k]``) with rows padded by
+``PAD`` elements (16 bytes): a row stride of an odd number of 16-byte units puts the eight
+rows of each ``ldmatrix`` on distinct banks. Register tiles are fp32 C fragments of mma
+m16n8k16 (mma.py gives the layout), four values per lane per 8-column n-tile, kept in local
+arrays whose indices are constants after unrolling (so they stay in registers).
+
+- :func:`mma_rows_rows` computes ``A Bᵀ`` for one warp, both operands read from shared rows
+  (``S = Q Kᵀ``, ``dP = dO Vᵀ`` and their transposes in the backward).
+- :func:`mma_frags_rows` accumulates ``P B`` where ``P`` is a register tile (the C
+  fragments of two adjacent n-tiles are exactly the A fragment of one k-step, once rounded
+  to the input dtype and packed in pairs) and ``B`` is row-major in shared memory, read
+  through ``ldmatrix.trans`` (``O += P V``, ``dV += Pᵀ dO``, ``dK += dSᵀ Q``, ``dQ += dS K``).
+- :func:`load_rows` fills a shared tile from global memory with 16-byte ``cp.async`` copies;
+  :func:`store_frags` writes a register tile's rows to global memory in the output dtype.
+
+Sizes (``LDS``, ``KSTEPS``, ...) are arguments; the kernels pass their compile-time
+constants, and after inlining the loops unroll completely.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from numba import float32
+
+from .convert import SIMULATOR, device_function, store_f32
+from .mma import (
+    cp_async16,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_bf16,
+    mma_f16,
+    pack_bf16x2,
+    pack_f16x2,
+)
+
+#: Row padding of the shared tiles, in elements (16 bytes).
+PAD = 8
+#: Head dims with tensor-core kernels; others (and 256, whose fragments would not fit in
+#: registers at these tilings) run the SIMT kernels.
+HEAD_DIMS = (32, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class TCTiles:
+    """One tensor-core kernel's tiling: ``warps`` warps of 16 rows each own the block's
+    ``block_m = 16 * warps`` rows; the other side streams through in steps of ``block_n``
+    (keys in the forward and dQ kernels, queries in the dK/dV kernel)."""
+
+    warps: int
+    block_n: int
+
+    def __post_init__(self):
+        if self.warps < 1 or self.block_n < 16 or self.block_n % 16:
+            raise ValueError(f"block_n must be a positive multiple of 16 and warps >= 1: "
+                             f"{self}")
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+#: The simulator runs each thread as a Python thread: one warp, small steps, so that the
+#: small test shapes still cover several tiles, tails and diagonal tiles.
+SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
+
+#: Tilings per kernel and head dim (notes/tensor_cores.md has the measurements behind them).
+#: Registers per lane grow with the accumulators (4 * head_dim / 8 fp32 per output tile) and
+#: the score tiles (4 * block_n / 8 per score-sized tile): the dK/dV kernel holds two of
+#: each, hence its shorter query steps at the larger head dims.
+FORWARD = {d: TCTiles(warps=4, block_n=64) for d in HEAD_DIMS}
+DKDV = {32: TCTiles(4, 64), 64: TCTiles(4, 64), 96: TCTiles(4, 32), 128: TCTiles(4, 32)}
+DQ = {32: TCTiles(4, 64), 64: TCTiles(4, 64), 96: TCTiles(4, 64), 128: TCTiles(4, 64)}
+TABLES = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}
+
+
+_TUNED = None  # autotune.load_cache(), read once
+
+
+def forget_tuned():
+    """Drop the tuned tilings read so far (the autotuner calls this after writing)."""
+    global _TUNED
+    _TUNED = None
+
+
+def tuned(kernel, head_dim, causal, dtype, gpu, cc):
+    """The autotuner's choice for this GPU (autotune.py), or None."""
+    global _TUNED
+    from . import autotune
+
+    if _TUNED is None:
+        _TUNED = autotune.load_cache()
+    wn = _TUNED.get(autotune.cache_key(gpu, cc, kernel, head_dim, causal, dtype))
+    try:
+        return None if wn is None else TCTiles(*wn)
+    except (TypeError, ValueError):  # a hand-edited cache: ignore the entry
+        return None
+
+
+def choose(kernel: str, head_dim: int, causal: bool = False, dtype: str = "bfloat16",
+           gpu: str | None = None, cc=None, simulator: bool = SIMULATOR) -> TCTiles:
+    """The tiling of ``kernel`` ("forward", "dkdv", "dq") at ``head_dim``: the
+    autotuner's cached choice for GPU ``gpu`` of compute capability ``cc`` where there is
+    one, else the built-in table."""
+    if simulator:
+        return SIMULATOR_TILES
+    if gpu is not None:
+        t = tuned(kernel, head_dim, causal, dtype, gpu, cc)
+        if t is not None:
+            return t
+    return TABLES[kernel][head_dim]
+
+
+def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
+    """16-bit elements of shared memory: forward, Q plus double-buffered K and V; dK/dV, K
+    and V plus double-buffered Q and dO; dQ, Q and dO plus double-buffered K and V."""
+    rows = {"forward": t.block_m + 4 * t.block_n,
+            "dkdv": 2 * t.block_m + 4 * t.block_n,
+            "dq": 2 * t.block_m + 4 * t.block_n}[kernel]
+    return rows * (head_dim + PAD)
+
+
+@device_function
+def load_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT):
+    """``smem[off + r * LDS + c] = src[base + (n0 + r) * sn + c]`` for ``r < ROWS``,
+    ``c < 8 * CH``, in 16-byte cp.async copies; rows at or past ``nvalid`` are zero-filled
+    (their source address stays at ``base``, which is never read)."""
+    for e in range(tid, ROWS * CH, NT):
+        r = e // CH
+        c = e - r * CH
+        row = n0 + r
+        if row < nvalid:
+            cp_async16(smem, off + r * LDS + 8 * c, src, base + row * sn + 8 * c, 16)
+        else:
+            cp_async16(smem, off + r * LDS + 8 * c, src, base, 0)
+
+
+@device_function
+def mma(BF16, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """mma m16n8k16 in the input dtype (``BF16`` is a compile-time constant after
+    inlining). Kernels call this rather than capture the intrinsic in their closure: numba's
+    disk cache pickles closure contents into its index key."""
+    if BF16:
+        return mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    return mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+@device_function
+def pack(BF16, lo, hi):
+    """Two fp32 values rounded to the input dtype, in one register (``lo`` low)."""
+    if BF16:
+        return pack_bf16x2(lo, hi)
+    return pack_f16x2(lo, hi)
+
+
+@device_function
+def mma_rows_rows(BF16, out, smem, a_off, b_off, LDS, KSTEPS, NTILES, lane):
+    """``out = A Bᵀ`` for one warp: ``A`` is the 16 shared rows at ``a_off``, ``B`` the
+    ``8 * NTILES`` shared rows at ``b_off``, both ``16 * KSTEPS`` elements long; ``out``
+    holds ``4 * NTILES`` fp32 values (C fragments, n-tile by n-tile). ``NTILES`` is even."""
+    arow = a_off + (lane & 15) * LDS + 8 * (lane >> 4)
+    brow = b_off + ((lane & 7) + 8 * (lane >> 4)) * LDS + 8 * ((lane >> 3) & 1)
+    for e in range(4 * NTILES):
+        out[e] = float32(0.0)
+    for kk in range(KSTEPS):
+        a0, a1, a2, a3 = ldmatrix_x4(smem, arow + 16 * kk)
+        for jp in range(NTILES // 2):
+            # matrices 0, 1: k halves of n-tile 2jp; 2, 3: those of n-tile 2jp + 1
+            r0, r1, r2, r3 = ldmatrix_x4(smem, brow + 16 * jp * LDS + 16 * kk)
+            j = 8 * jp
+            out[j], out[j + 1], out[j + 2], out[j + 3] = mma(
+                BF16, a0, a1, a2, a3, r0, r1, out[j], out[j + 1], out[j + 2], out[j + 3])
+            out[j + 4], out[j + 5], out[j + 6], out[j + 7] = mma(
+                BF16, a0, a1, a2, a3, r2, r3, out[j + 4], out[j + 5], out[j + 6], out[j + 7])
+
+
+@device_function
+def mma_frags_rows(BF16, acc, p, smem, b_off, LDS, PSTEPS, DTILES, lane):
+    """``acc += P B`` for one warp: ``P`` is a 16 x ``16 * PSTEPS`` register tile (``p``:
+    C fragments of ``2 * PSTEPS`` n-tiles, rounded to the input dtype here), ``B`` the
+    ``16 * PSTEPS`` shared rows at ``b_off`` of ``8 * DTILES`` elements ([k][n], read
+    through ``ldmatrix.trans``); ``acc`` holds ``4 * DTILES`` fp32 values. ``DTILES`` is
+    even."""
+    brow = b_off + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4)
+    for kk in range(PSTEPS):
+        j = 8 * kk
+        a0 = pack(BF16, p[j], p[j + 1])
+        a1 = pack(BF16, p[j + 2], p[j + 3])
+        a2 = pack(BF16, p[j + 4], p[j + 5])
+        a3 = pack(BF16, p[j + 6], p[j + 7])
+        for dp in range(DTILES // 2):
+            # matrices 0, 1: k halves of n-tile 2dp; 2, 3: those of n-tile 2dp + 1
+            r0, r1, r2, r3 = ldmatrix_x4_trans(smem, brow + 16 * kk * LDS + 16 * dp)
+            c = 8 * dp
+            acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
+                BF16, a0, a1, a2, a3, r0, r1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+            acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
+                BF16, a0, a1, a2, a3, r2, r3, acc[c + 4], acc[c + 5], acc[c + 6],
+                acc[c + 7])
+
+
+@device_function
+def store_frags(dst, base, r0, nvalid, sn, sd, acc, mul0, mul1, DTILES, tq):
+    """Rows ``r0`` (scaled by ``mul0``) and ``r0 + 8`` (by ``mul1``) of a register tile of
+    ``DTILES`` n-tiles to ``dst[base + row * sn + col * sd]``, rows at or past ``nvalid``
+    skipped; each lane writes its own fragment elements (columns ``8 n + 2 tq``, ``+1``)."""
+    r1 = r0 + 8
+    for dn in range(DTILES):
+        d = 8 * dn + 2 * tq
+        if r0 < nvalid:
+            store_f32(dst, base + r0 * sn + d * sd, acc[4 * dn] * mul0)
+            store_f32(dst, base + r0 * sn + (d + 1) * sd, acc[4 * dn + 1] * mul0)
+        if r1 < nvalid:
+            store_f32(dst, base + r1 * sn + d * sd, acc[4 * dn + 2] * mul1)
+            store_f32(dst, base + r1 * sn + (d + 1) * sd, acc[4 * dn + 3] * mul1)
