@@ -42,23 +42,25 @@ def test_choose_prefers_the_tuned_tiling(tuner):
     assert got == tt.TCTiles(8, 32)
     # another GPU, causality or dtype: the built-in table
     assert tt.choose("dkdv", 64, False, "bfloat16", "other", cc, simulator=False) \
-        == tt.DKDV[64]
-    assert tt.choose("dkdv", 64, True, "bfloat16", gpu, cc, simulator=False) == tt.DKDV[64]
-    assert tt.choose("dq", 128, True, "bfloat16", gpu, cc, simulator=False) == tt.DQ[128]
-    assert tt.choose("forward", 96, simulator=False) == tt.FORWARD[96]
+        == tt.DKDV[64, False]
+    assert tt.choose("dkdv", 64, True, "bfloat16", gpu, cc, simulator=False) \
+        == tt.DKDV[64, True]
+    assert tt.choose("dq", 128, True, "bfloat16", gpu, cc, simulator=False) \
+        == tt.DQ[128, True]
+    assert tt.choose("forward", 96, simulator=False) == tt.FORWARD[96, False]
 
 
 def test_unreadable_cache_is_ignored(tuner):
     autotune, tt = tuner
     autotune.cache_path().write_text("{not json")
     assert autotune.load_cache() == {}
-    assert tt.choose("dq", 64, False, "bfloat16", "g", (9, 0), simulator=False) == tt.DQ[64]
+    assert tt.choose("dq", 64, False, "bfloat16", "g", (9, 0), simulator=False) == tt.DQ[64, False]
 
 
 def test_candidates_are_valid_and_fit(tuner):
     autotune, tt = tuner
     for kernel, cands in autotune.CANDIDATES.items():
-        assert tt.TABLES[kernel][64] in cands, kernel  # the defaults are among them
+        assert tt.TABLES[kernel][64, False] in cands, kernel  # the defaults are among them
         for d in tt.HEAD_DIMS:
             assert any(autotune._fits(kernel, t, d, (8, 0)) for t in cands)
 

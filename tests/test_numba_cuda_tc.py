@@ -161,6 +161,10 @@ else:
     #: Sᵀ, dPᵀ, dV and dK, the dQ kernel's S, dP and dQ, each (16 x block_n x head_dim) /
     #: (16 x 8 x 16) per warp.
     MMA_PRODUCTS = {"forward": 2, "dkdv": 4, "dq": 3}
+    #: Spills ptxas reports for a tiling the autotuner chose anyway: dK/dV at head dim 128
+    #: with 64-query steps spills 28-36 bytes and still ran 17% faster than 32-query steps
+    #: without spills (H200, notes/tensor_cores.md v2). Any other spill fails the test.
+    KNOWN_SPILL_BYTES = {("dkdv", 128): 64}
 
     @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -188,7 +192,7 @@ else:
                     pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
                 raise
             assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: spilled"
-            t = tt.choose(name, head_dim, simulator=False)
+            t = tt.choose(name, head_dim, causal, simulator=False)
             per_tile = MMA_PRODUCTS[name] * t.block_n * head_dim // 128
             assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") \
                 == per_tile, name
@@ -200,7 +204,9 @@ else:
             assert smem_bytes <= tiles.SMEM_LIMIT[cc]
             report = ptxas_report(ptx, cc)
             if report is not None:
-                assert "0 bytes spill stores" in report, f"{name}: {report}"
+                spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+                assert spilled <= KNOWN_SPILL_BYTES.get((name, head_dim), 0), \
+                    f"{name}: {report}"
 
     def _gpu():
         from flashcore.backends import numba_cuda

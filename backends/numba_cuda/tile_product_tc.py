@@ -70,13 +70,21 @@ class TCTiles:
 #: small test shapes still cover several tiles, tails and diagonal tiles.
 SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
 
-#: Tilings per kernel and head dim (notes/tensor_cores.md has the measurements behind them).
-#: Registers per lane grow with the accumulators (4 * head_dim / 8 fp32 per output tile) and
-#: the score tiles (4 * block_n / 8 per score-sized tile): the dK/dV kernel holds two of
-#: each, hence its shorter query steps at the larger head dims.
-FORWARD = {d: TCTiles(warps=4, block_n=64) for d in HEAD_DIMS}
-DKDV = {32: TCTiles(4, 64), 64: TCTiles(4, 64), 96: TCTiles(4, 32), 128: TCTiles(4, 32)}
-DQ = {32: TCTiles(4, 64), 64: TCTiles(4, 64), 96: TCTiles(4, 64), 128: TCTiles(4, 64)}
+#: Tilings per kernel and (head dim, causal): the autotuner's choices on an H200 at B=4,
+#: H=16, N=4096, bf16 (notes/tensor_cores.md, v2) for head dims 64 and 128; 32 and 96 take
+#: those of 64 and 128 (not tuned). Registers per lane grow with the accumulators
+#: (4 * head_dim / 8 fp32 per output tile) and the score tiles (4 * block_n / 8 each): the
+#: dK/dV kernel holds two of each (232-245 registers at these tilings, no spills).
+_T = TCTiles
+FORWARD = {(32, False): _T(8, 64), (32, True): _T(4, 32), (64, False): _T(8, 64),
+           (64, True): _T(4, 32), (96, False): _T(8, 64), (96, True): _T(8, 64),
+           (128, False): _T(8, 64), (128, True): _T(8, 64)}
+DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
+        (64, True): _T(4, 32), (96, False): _T(4, 64), (96, True): _T(4, 64),
+        (128, False): _T(4, 64), (128, True): _T(4, 64)}
+DQ = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
+      (64, True): _T(4, 64), (96, False): _T(4, 32), (96, True): _T(4, 64),
+      (128, False): _T(4, 32), (128, True): _T(4, 64)}
 TABLES = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}
 
 
@@ -114,7 +122,7 @@ def choose(kernel: str, head_dim: int, causal: bool = False, dtype: str = "bfloa
         t = tuned(kernel, head_dim, causal, dtype, gpu, cc)
         if t is not None:
             return t
-    return TABLES[kernel][head_dim]
+    return TABLES[kernel][head_dim, bool(causal)]
 
 
 def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
