@@ -332,3 +332,61 @@ def test_numpy_explicit_copies_to_gpu_and_back():
     refs = oracle_backward(do, q, k, v, causal=True)
     for g, r in zip((dq, dk, dv), refs):
         assert rel_err(g, r) < TOL_BWD["float32"]
+
+
+# --- a second GPU ---------------------------------------------------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_second_gpu_torch(dtype, monkeypatch):
+    """Inputs on cuda:1 while cuda:0 is current: kernels load and launch on device 1, on its
+    current stream, and the outputs live there (SIMT for float32, tensor cores for bf16)."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator(device="cuda:1").manual_seed(11)
+    shape = (2, 4, 200, 64)
+    q, k, v, do = (torch.randn(shape, device="cuda:1", generator=gen).to(TDT[dtype])
+                   for _ in range(4))
+    s1 = torch.cuda.Stream(device="cuda:1")
+    with torch.cuda.device(0), torch.cuda.stream(s1):
+        o, lse = flashcore.attention_forward(q, k, v, causal=True, backend="numba_cuda")
+        dq, dk, dv = flashcore.attention_backward(do, q, k, v, o, lse, causal=True,
+                                                  backend="numba_cuda")
+    s1.synchronize()
+    assert {x.device for x in (o, lse, dq, dk, dv)} == {torch.device("cuda:1")}
+    assert {c[1] for c in spy.calls} == {s1.cuda_stream}
+    ro, _ = oracle_forward(_np(q), _np(k), _np(v), causal=True)
+    assert rel_err(_np(o), ro) < TOL_FWD[dtype]
+    refs = oracle_backward(_np(do), _np(q), _np(k), _np(v), causal=True)
+    for g, r in zip((dq, dk, dv), refs):
+        assert rel_err(_np(g), r) < TOL_BWD[dtype]
+    # device 0 still works in the same process afterwards
+    o0, _ = flashcore.attention_forward(q.to("cuda:0"), k.to("cuda:0"), v.to("cuda:0"),
+                                        causal=True, backend="numba_cuda")
+    assert o0.device == torch.device("cuda:0")
+    assert rel_err(_np(o0), ro) < TOL_FWD[dtype]
+
+
+@two_gpus
+def test_second_gpu_cupy_and_jax():
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(12)
+    host = [rng.standard_normal((1, 2, 130, 64)).astype(np.float32) for _ in range(3)]
+    ro, _ = oracle_forward(*host)
+    with cupy.cuda.Device(1):
+        q, k, v = (cupy.asarray(x) for x in host)
+    o, _ = flashcore.attention_forward(q, k, v, backend="numba_cuda")  # device 0 current
+    assert o.device.id == 1
+    assert rel_err(o.get(), ro) < TOL_FWD["float32"]
+    jax = pytest.importorskip("jax")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        pytest.skip("JAX sees fewer than two GPUs")
+    jq, jk, jv = (jax.device_put(x, gpus[1]) for x in host)
+    jo = flashcore.attention(jq, jk, jv)
+    assert jo.devices() == {gpus[1]}
+    assert rel_err(np.asarray(jo), ro) < TOL_FWD["float32"]
+    jo2 = jax.jit(flashcore.attention)(jq, jk, jv)  # XLA's stream on device 1
+    assert rel_err(np.asarray(jo2), ro) < TOL_FWD["float32"]
