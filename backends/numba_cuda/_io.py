@@ -48,7 +48,7 @@ class _Adapter:
         launch.run_forward(case, dev, stream, self.view(q, lay, keep), self.view(k, lay, keep),
                            self.view(v, lay, keep), self.view(o, lay, keep),
                            self.view(lse, None, keep)[0])
-        return self.finish(stream, keep, o, lse)
+        return self.finish(stream, keep, o, lse, device=dev)
 
     def backward(self, do, q, k, v, o, lse, case):
         dev = _device_index(case)
@@ -68,11 +68,11 @@ class _Adapter:
                             self.view(o, lay, keep), self.view(lse, None, keep),
                             self.view(delta, None, keep)[0], self.view(dq, lay, keep),
                             self.view(dk, lay, keep), self.view(dv, lay, keep))
-        return self.finish(stream, keep, dq, dk, dv)
+        return self.finish(stream, keep, dq, dk, dv, device=dev)
 
-    def finish(self, stream, keep, *outs):
+    def finish(self, stream, keep, *outs, device=0):
         if self.synchronous:
-            launch.synchronize(stream)
+            launch.synchronize(stream, device)
         return outs
 
     def view(self, x, layout, keep):
@@ -253,7 +253,7 @@ class _NumPy(_Adapter):
         arrays = [a for a, _ in ins]
         dtype = ins[1][1] if direction == "backward" else ins[0][1]  # q's dtype
         outs = getattr(_Adapter, direction)(_NumbaDevice(), *arrays, case)
-        launch.synchronize(0)
+        launch.synchronize(0, _device_index(case))
         n = 1 if direction == "forward" else 3  # outputs in q's dtype (lse is float32)
         return tuple(x.copy_to_host().view(dtype) if i < n else x.copy_to_host()
                      for i, x in enumerate(outs))

@@ -116,7 +116,7 @@ def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seq
             b.record()
             b.synchronize()
             times.append(cuda.event_elapsed_time(a, b))
-        launch.synchronize(0)
+        launch.synchronize(0, device)
     return statistics.median(times)
 
 

@@ -37,7 +37,6 @@ _FASTMATH = {"contract", "arcp", "nsz"}  # no "ninf": the softmax relies on -inf
 # --- kernels compiled and prepared per device ---------------------------------------------
 
 _CUDA_SUCCESS = 0
-_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 _LAUNCH = None  # libcuda's cuLaunchKernel, once loaded
@@ -47,26 +46,76 @@ _LAUNCH = None  # libcuda's cuLaunchKernel, once loaded
 def _libcuda():
     global _LAUNCH
     lib = ctypes.CDLL("libcuda.so.1")
-    f = lib.cuLaunchKernel
-    f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    f.restype = ctypes.c_int
-    s = lib.cuStreamSynchronize
-    s.argtypes = [ctypes.c_void_p]
-    s.restype = ctypes.c_int
-    _LAUNCH = f
+    vp = ctypes.c_void_p
+    for name, args in [
+        ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp] * 3),
+        ("cuStreamSynchronize", [vp]),
+        ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+        ("cuCtxPushCurrent_v2", [vp]),
+        ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
+        ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+        ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
+    ]:
+        f = getattr(lib, name)
+        f.argtypes = args
+        f.restype = ctypes.c_int
+    _LAUNCH = lib.cuLaunchKernel
     return lib
+
+
+@functools.cache
+def _primary_context(device: int) -> int:
+    """The primary context of GPU ``device`` (the one numba, torch, CuPy and JAX use)."""
+    lib = _libcuda()
+    dev = ctypes.c_int()
+    ctx = ctypes.c_void_p()
+    for err in (lib.cuDeviceGet(ctypes.byref(dev), device),
+                lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"no primary context for GPU {device}: CUDA error {err}")
+    return ctx.value
+
+
+class _OnDevice:
+    """Makes GPU ``device``'s primary context current for a launch, and restores the
+    caller's afterwards. numba-cuda loads kernels context-independently (``CUkernel``), so a
+    launch runs in whatever context is current: without this, a call on device-1 buffers
+    while the thread's current context is device 0's would run on device 0."""
+
+    __slots__ = ("ctx", "pushed")
+
+    def __init__(self, device):
+        self.ctx = _primary_context(device)
+        self.pushed = False
+
+    def __enter__(self):
+        lib = _libcuda()
+        cur = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(cur))
+        self.pushed = cur.value != self.ctx
+        if self.pushed:
+            err = lib.cuCtxPushCurrent_v2(self.ctx)
+            if err != _CUDA_SUCCESS:
+                raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {err}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 class Prepared:
     """One kernel compiled for one signature and loaded on one device, launched raw: the
     arguments are packed into a buffer made once (``struct.pack_into``) whose words a fixed
-    pointer array addresses, then handed to ``cuLaunchKernel``, which copies them."""
+    pointer array addresses, then handed to ``cuLaunchKernel`` (in the device's primary
+    context), which copies them."""
 
     __slots__ = (
         "_buf",
         "_dispatcher",
         "_fmt",
         "_lock",
+        "_on",
         "_ptrs",
         "device",
         "handle",
@@ -92,6 +141,7 @@ class Prepared:
         base = ctypes.addressof(self._buf)
         self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
         self._lock = threading.Lock()
+        self._on = _OnDevice(device)
         self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=_FASTMATH)
         with cuda.gpus[device]:
             self.kernel = self._dispatcher.compile(sig)
@@ -104,29 +154,29 @@ class Prepared:
             self.handle = int(cufunc.handle)
 
     def __call__(self, grid, stream, args):
-        """Launch on ``grid`` (x, y) on raw stream handle ``stream``; ``args`` are ints
-        (addresses, sizes, strides) and, last, the float scale where the kernel takes one."""
+        """Launch on ``grid`` (x, y) on raw stream handle ``stream`` (of this kernel's
+        device); ``args`` are ints (addresses, sizes, strides) and, last, the float scale
+        where the kernel takes one."""
         if grid[0] == 0 or grid[1] == 0:
             return
         if SIMULATOR:
             self._dispatcher[grid, self.threads, 0, self.smem](*args)
             return
         launch = _LAUNCH or _libcuda().cuLaunchKernel
-        with self._lock:  # the buffer is shared; cuLaunchKernel copies it before returning
+        # (the buffer is shared; cuLaunchKernel copies it before returning)
+        with self._lock, self._on:
             struct.pack_into(self._fmt, self._buf, 0, *args)
             err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1, self.smem,
                          stream, self._ptrs, None)
-            if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched this GPU
-                with cuda.gpus[self.device]:
-                    err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1,
-                                 self.smem, stream, self._ptrs, None)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA error {err}")
 
 
-def synchronize(stream: int):
+def synchronize(stream: int, device: int = 0):
+    """Wait for ``stream`` of GPU ``device`` (0: that device's legacy default stream)."""
     if not SIMULATOR:
-        err = _libcuda().cuStreamSynchronize(stream)
+        with _OnDevice(device):
+            err = _libcuda().cuStreamSynchronize(stream)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuStreamSynchronize failed with CUDA error {err}")
 
