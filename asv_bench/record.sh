@@ -24,8 +24,8 @@ for commit in "${commits[@]}"; do
     "$python" -m pip install --quiet --no-deps --no-build-isolation --target "$work/site" \
         "$work/src"
     echo "== $hash: flashcore from $work/site"
-    PYTHONPATH="$work/site" ASV_PYTHONPATH="$work/site" \
-        asv run -E "existing:$python" --set-commit-hash "$hash" "${machine[@]}" "$@"
+    PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}" \
+        "$python" -m asv run -E "existing:$python" --set-commit-hash "$hash" "${machine[@]}" "$@"
     rm -rf "$work"
     trap - EXIT
 done

@@ -14,6 +14,8 @@ a contender that materializes the score matrix).
   included, inputs excluded (see flashcore._bench: VmHWM reset per call on Linux).
 - ``track_gpu_peak_mib``: peak device memory above the baseline during one call.
 """
+import os
+
 from .common import HAS_GPU, prepare, runner
 
 CPU_CONTENDERS = ["flashcore:numba_cpu", "torch_sdpa", "jax_xla", "numpy_naive"]
@@ -61,6 +63,11 @@ class _GPU(_Attention):
     batch, heads = 4, 16
     params = [GPU_CONTENDERS, [1024, 4096, 16384], [64, 128], ["bfloat16", "float32"],
               [False, True]]
+    if os.environ.get("FLASHCORE_ASV_GPU_GRID") == "history":
+        # the grid recorded over the repository's history on the H200 (record_gpu.sh):
+        # flashcore next to FA2 at the issues' benchmark size, small enough to replay commits
+        params = [["flashcore:numba_cuda@gpu", "torch_sdpa_flash@gpu"], [4096], [64, 128],
+                  ["bfloat16", "float32"], [False]]
     if not HAS_GPU:
         # asv starts a process per combination just to hear "skipped"; without a GPU, one
         # combination stands for the grid, so a CPU machine's run is not spent on skipping
