@@ -24,8 +24,10 @@ for commit in "${commits[@]}"; do
     "$python" -m pip install --quiet --no-deps --no-build-isolation --target "$work/site" \
         "$work/src"
     echo "== $hash: flashcore from $work/site"
-    PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}" \
-        "$python" -m asv run -E "existing:$python" --set-commit-hash "$hash" "${machine[@]}" "$@"
+    # (asv hands ASV_PYTHONPATH to the benchmark processes as their PYTHONPATH)
+    path="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+    PYTHONPATH="$path" ASV_PYTHONPATH="$path" "$python" -m asv run -E "existing:$python" \
+        --set-commit-hash "$hash" "${machine[@]}" "$@" || echo "== asv run failed for $hash"
     rm -rf "$work"
     trap - EXIT
 done
