@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Record the GPU benchmarks' history grid (FLASHCORE_ASV_GPU_GRID=history: flashcore's
+# Record the GPU benchmarks' history grid (bench_attention._GPU.params: flashcore's
 # numba_cuda next to SDPA flash, B=4 H=16 N=4096, D 64/128, bf16/fp32, forward and
 # forward+backward) for COMMITs on this machine, under asv machine name MACHINE.
 #   usage: asv_bench/record_gpu.sh MACHINE COMMIT...
@@ -10,4 +10,4 @@ machine=$1
 shift
 python=$(command -v "${PYTHON:-python}")
 "$python" -m asv machine --machine "$machine" --yes > /dev/null
-FLASHCORE_ASV_GPU_GRID=history bash record.sh -m "$machine" "$@" -- -b "GPU.time_attention"
+bash record.sh -m "$machine" "$@" -- -b "GPU.time_attention"

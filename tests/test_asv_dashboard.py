@@ -31,8 +31,9 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run
                   "--disable-background-networking", "--disable-component-update",
                   "--disable-sync", "--hide-scrollbars", "--window-size=1400,1000",
                   "--virtual-time-budget=15000"]
-#: the graph page the test opens (one kept for the CPU machine)
+#: the graph page the test opens (one kept for the CPU machine), and one kept for the H200
 GRAPH = "bench_attention.ForwardCPU.time_attention"
+GPU_GRAPH = "bench_attention.ForwardBackwardGPU.time_attention"
 
 
 JS = Path("/usr/share/javascript")
@@ -170,6 +171,14 @@ def test_published_dashboard_lists_the_benchmarks(html_dir):
     assert any(n.endswith("peakmem_attention") for n in names)
     assert any(n.endswith("track_extra_host_mib") for n in names)
     assert (html_dir / "graphs").is_dir()
+    # both machines have history: the 2-core CPU machine and the H200 (GPU benchmarks)
+    machines = {p.name for p in (html_dir / "graphs").rglob("machine-*")}
+    assert {"machine-cpu-2core", "machine-h200"} <= machines, machines
+    gpu = [p for p in (html_dir / "graphs").rglob(f"{GPU_GRAPH}.json")
+           if "machine-h200" in p.parts]
+    assert gpu, "no H200 graph for the GPU benchmarks"
+    series = json.loads(gpu[0].read_text())
+    assert len(series) >= 3, series  # one point per recorded commit
 
 
 def test_summary_page_renders_graphs(server, tmp_path):
@@ -179,8 +188,9 @@ def test_summary_page_renders_graphs(server, tmp_path):
     assert shot.stat().st_size > 10_000
 
 
-def test_benchmark_graph_renders(server, tmp_path):
-    dom, shot = _browse(f"{server}/#{GRAPH}", tmp_path, "asv-graph")
+@pytest.mark.parametrize("graph", [GRAPH, GPU_GRAPH], ids=["cpu", "h200"])
+def test_benchmark_graph_renders(server, tmp_path, graph):
+    dom, shot = _browse(f"{server}/#{graph}", tmp_path, f"asv-graph-{graph.split('.')[1]}")
     # flot draws each graph on canvases inside the plot container; no canvas, no graph
     assert 'class="flot-base"' in dom, dom[:2000]
     assert "flot-overlay" in dom
