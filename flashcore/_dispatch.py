@@ -10,6 +10,11 @@ Every backend is a module that answers one small contract:
 ``backward(do, q, k, v, o, lse, case) -> (dq, dk, dv)``
     Arrays in and out belong to the caller's library and device; ``o`` has q's layout
     and dtype, ``lse`` is float32 ``(B, Hq, Nq)``.
+``buffer_launcher(view, outputs, stream)`` (optional)
+    For a framework that owns the buffers and the stream (JAX's ``buffer_callback`` under
+    ``jit``): an object with the same ``forward``/``backward`` that reads arrays through
+    ``view(x, keep) -> (address, strides)`` and writes into ``outputs``. Backends without
+    it cannot run inside ``jax.jit`` on a GPU.
 
 Modules are imported only when first asked, so ``import flashcore`` pulls in no framework.
 """

@@ -6,6 +6,8 @@ The one place that copies between host and device is named for it (:func:`copy_t
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 _LIBRARY_BY_TYPE: dict = {}
@@ -160,3 +162,40 @@ def _torch():
     import torch
 
     return torch
+
+
+# --- raw buffers (for backends that launch on addresses) -----------------------------------
+
+
+def contiguous_strides(shape):
+    """Element strides of a dense row-major array of ``shape``."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+def dlpack_raw(x, keep):
+    """Address and strides from an unconsumed DLPack capsule (kept alive in ``keep`` until
+    the kernels are done, which the JAX path waits for)."""
+    capsule = x.__dlpack__(stream=None)
+    keep.append(capsule)
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    t = _DLTensor.from_address(get(capsule, b"dltensor"))
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    if t.strides:
+        strides = tuple(t.strides[i] for i in range(t.ndim))
+    else:
+        strides = contiguous_strides(shape)
+    return t.data + t.byte_offset, strides

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _dispatch
+from . import _dispatch, _interop
 from ._checks import make_case
 from ._errors import BackendUnavailableError
 
@@ -277,61 +277,38 @@ def _buffer_callback():
     return buffer_callback
 
 
-def _gpu_adapter(name):
-    """A launcher of the named backend's kernels that reads XLA's buffers and writes into
-    the output buffers XLA allocated, on XLA's stream. Needs the backend's adapter base
-    (``_io._Adapter`` of numba_cuda: buffers in, raw launches out)."""
-    impl = _dispatch.load(name)
-    io = getattr(impl, "_io", None)
-    if io is None:
-        import importlib
+def _xla_view(x, keep):
+    """(address, strides in elements) of an XLA buffer wrapped in :class:`_Folded`."""
+    buf = x.buf
+    try:
+        cai = buf.__cuda_array_interface__
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # bf16: via DLPack
+        ptr, strides = _interop.dlpack_raw(buf, keep)
+    else:
+        ptr, strides = cai["data"][0], cai.get("strides")
+        item = np.dtype(buf.dtype).itemsize
+        strides = (tuple(s // item for s in strides) if strides is not None
+                   else _interop.contiguous_strides(tuple(buf.shape)))
+    return ptr, tuple(strides[len(strides) - x.ndim_core:])
 
-        try:
-            io = importlib.import_module(f"{impl.__name__}._io")
-        except ImportError:
-            io = None
-    base = getattr(io, "_Adapter", None)
-    if base is None:
+
+def _gpu_launcher(name):
+    """``make(outputs, stream)``: the named backend's launcher on XLA's buffers (its
+    ``buffer_launcher`` contract hook), writing into the output buffers XLA allocated, on
+    XLA's stream."""
+    impl = _dispatch.load(name)
+    hook = getattr(impl, "buffer_launcher", None)
+    if hook is None:
         raise BackendUnavailableError(
             f"backend {name!r} cannot run inside jax.jit on a GPU (it has no raw-buffer "
             f"launcher); pass backend='jax' or backend='numba_cuda'")
-
-    class _XlaBuffers(base):
-        """Inputs and outputs are XLA buffers (wrapped in :class:`_Folded`)."""
-
-        def __init__(self, outs, stream):
-            self._outs = list(outs)
-            self._stream = stream
-
-        def raw(self, x, keep):
-            buf = x.buf
-            try:
-                cai = buf.__cuda_array_interface__
-            except (AttributeError, TypeError, ValueError, RuntimeError):  # bf16: via DLPack
-                ptr, strides = io._dlpack_raw(buf, keep)
-            else:
-                ptr, strides = cai["data"][0], cai.get("strides")
-                item = np.dtype(buf.dtype).itemsize
-                strides = (tuple(s // item for s in strides) if strides is not None
-                           else io._contiguous_strides(tuple(buf.shape)))
-            return ptr, tuple(strides[len(strides) - x.ndim_core:])
-
-        def empty(self, like, shape, dtype, dev, poison=True):
-            return self._outs.pop(0)
-
-        def stream(self, like, dev):
-            return self._stream
-
-        def as_float32(self, lse):
-            return lse
-
-    return _XlaBuffers
+    return lambda outs, stream: hook(_xla_view, outs, stream)
 
 
 def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
     """Forward and backward through ``buffer_callback`` (kernels on XLA's stream)."""
     buffer_callback = _buffer_callback()
-    adapter = _gpu_adapter(name)
+    launcher = _gpu_launcher(name)
 
     def host_case(q, direction):
         lead = int(np.prod(q.shape[:-4])) if len(q.shape) > 4 else 1
@@ -342,14 +319,14 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
     def fwd_cb(ctx, out, q, k, v):
         o, lse = out
         c = host_case(q, "forward")
-        run = adapter([_Folded(o, 4), _Folded(lse, 3)], ctx.stream)
+        run = launcher([_Folded(o, 4), _Folded(lse, 3)], ctx.stream)
         run.forward(_Folded(q, 4), _Folded(k, 4), _Folded(v, 4), c)
 
     def bwd_cb(ctx, out, do, q, k, v, o, lse):
         dq, dk, dv, delta = out
         c = host_case(q, "backward")
-        run = adapter([_Folded(dq, 4), _Folded(dk, 4), _Folded(dv, 4), _Folded(delta, 3)],
-                      ctx.stream)
+        run = launcher([_Folded(dq, 4), _Folded(dk, 4), _Folded(dv, 4), _Folded(delta, 3)],
+                       ctx.stream)
         run.backward(*(_Folded(x, 4) for x in (do, q, k, v, o)), _Folded(lse, 3), c)
 
     delta_type = lse_type  # scratch: D = rowsum(dO * O), float32 (B, Hq, Nq)

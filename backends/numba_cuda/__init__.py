@@ -86,6 +86,17 @@ def backward(do, q, k, v, o, lse, case):
     return _adapter(case.library).backward(do, q, k, v, o, lse, case)
 
 
+def buffer_launcher(view, outputs, stream):
+    """Optional contract hook for a framework that owns the buffers (JAX's
+    ``buffer_callback`` under ``jit``): an object whose ``forward(q, k, v, case)`` and
+    ``backward(do, q, k, v, o, lse, case)`` read their arrays through ``view(x, keep) ->
+    (address, strides in elements)``, write into ``outputs`` (o, lse; or dq, dk, dv and a
+    float32 (B, Hq, Nq) scratch buffer), and launch on raw stream ``stream``."""
+    from ._io import BufferLauncher
+
+    return BufferLauncher(view, outputs, stream)
+
+
 def _adapter(library):
     from ._io import ADAPTERS
 

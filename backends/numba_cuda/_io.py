@@ -6,12 +6,12 @@ framework (so it is already imported).
 """
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numpy as np
 
 from flashcore import _poison
+from flashcore._interop import contiguous_strides, dlpack_raw
 
 from . import launch
 from .convert import SIMULATOR
@@ -20,14 +20,6 @@ from .convert import SIMULATOR
 def _device_index(case) -> int:
     d = case.device
     return int(d.split(":")[1]) if ":" in d else 0
-
-
-def _contiguous_strides(shape):
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(strides))
 
 
 class _Adapter:
@@ -81,6 +73,29 @@ class _Adapter:
         if layout is not None:
             strides = launch.bhnd(strides, layout)
         return handle, strides
+
+
+class BufferLauncher(_Adapter):
+    """The passes on buffers a framework owns and lends (JAX's ``buffer_callback``): inputs
+    are read through ``view(x, keep) -> (address, strides)``, outputs are ``outputs`` taken
+    in order (o, lse; or dq, dk, dv, delta), kernels go on raw stream ``stream``."""
+
+    def __init__(self, view, outputs, stream):
+        self._view = view
+        self._outs = list(outputs)
+        self._stream = stream
+
+    def raw(self, x, keep):
+        return self._view(x, keep)
+
+    def empty(self, like, shape, dtype, dev, poison=True):
+        return self._outs.pop(0)
+
+    def stream(self, like, dev):
+        return self._stream
+
+    def as_float32(self, lse):
+        return lse
 
 
 class _Torch(_Adapter):
@@ -150,11 +165,11 @@ class _Jax(_Adapter):
         try:
             cai = x.__cuda_array_interface__
         except Exception:  # noqa: BLE001  (bfloat16 has no typestr: read the DLPack capsule)
-            return _dlpack_raw(x, keep)
+            return dlpack_raw(x, keep)
         strides = cai.get("strides")
         shape = tuple(x.shape)
         if strides is None:
-            strides = _contiguous_strides(shape)
+            strides = contiguous_strides(shape)
         else:
             strides = tuple(s // x.dtype.itemsize for s in strides)
         return cai["data"][0], strides
@@ -177,31 +192,6 @@ class _Jax(_Adapter):
         import jax.numpy as jnp
 
         return lse if lse.dtype == jnp.float32 else lse.astype(jnp.float32)
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
-                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
-                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
-                ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-def _dlpack_raw(x, keep):
-    """Address and strides from an unconsumed DLPack capsule (kept alive in ``keep`` until
-    the kernels are done, which the JAX path waits for)."""
-    capsule = x.__dlpack__(stream=None)
-    keep.append(capsule)
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype = ctypes.c_void_p
-    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    t = _DLTensor.from_address(get(capsule, b"dltensor"))
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    if t.strides:
-        strides = tuple(t.strides[i] for i in range(t.ndim))
-    else:
-        strides = _contiguous_strides(shape)
-    return t.data + t.byte_offset, strides
 
 
 class _NumPy(_Adapter):
