@@ -37,9 +37,12 @@ def test_choose_prefers_the_tuned_tiling(tuner):
     autotune, tt = tuner
     gpu, cc = "NVIDIA Fake GPU", (9, 0)
     _write(autotune, [((gpu, cc, "dkdv", 64, False, "bfloat16"), [8, 32]),
+                      ((gpu, cc, "forward", 64, True, "bfloat16"), [4, 32, 2]),
                       ((gpu, cc, "dq", 128, True, "bfloat16"), [3, 17])])  # invalid: ignored
     got = tt.choose("dkdv", 64, False, "bfloat16", gpu, cc, simulator=False)
     assert got == tt.TCTiles(8, 32)
+    assert tt.choose("forward", 64, True, "bfloat16", gpu, cc, simulator=False) \
+        == tt.TCTiles(4, 32, 2)
     # another GPU, causality or dtype: the built-in table
     assert tt.choose("dkdv", 64, False, "bfloat16", "other", cc, simulator=False) \
         == tt.DKDV[64, False]

@@ -109,6 +109,24 @@ if SIM:
             e = rel_err(g, r, f)
             assert e < TOL_BWD[c["dtype"]], f"{name}: {e}"
 
+    @pytest.mark.parametrize("c", [CASES[1], CASES[3]], ids=_case_id)
+    def test_forward_two_m_tiles_per_warp(c, tc_calls, monkeypatch):
+        """The forward with each warp owning two m-tiles (32 rows), as m_tiles=2 tilings
+        run on a GPU; the simulator's default tiling has one."""
+        from flashcore.backends.numba_cuda import launch
+        from flashcore.backends.numba_cuda import tile_product_tc as tt
+
+        real = tt.choose
+        monkeypatch.setattr(tt, "choose", lambda kernel, *a, **kw: tt.TCTiles(1, 16, 2)
+                            if kernel == "forward" else real(kernel, *a, **kw))
+        monkeypatch.setattr(launch, "_PREPARED", {})
+        q, k, v, _ = _inputs(c)
+        o, lse = _forward(q, k, v, c)
+        assert tc_calls == [True]
+        ro, rl = oracle_forward(q, k, v, **_opts(c))
+        assert rel_err(o, ro) < TOL_FWD[c["dtype"]], rel_err(o, ro)
+        assert rel_err(lse, rl) < 1e-5, rel_err(lse, rl)
+
     def test_rows_that_see_no_key(tc_calls):
         # causal, Nq > Nk: the first Nq - Nk rows see no key: o = 0, lse = -inf, dq = 0
         c = dict(B=1, Hq=1, Hkv=1, Nq=21, Nk=5, D=64, dtype="float16", causal=True,
@@ -193,7 +211,7 @@ else:
                 raise
             assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: spilled"
             t = tt.choose(name, head_dim, causal, simulator=False)
-            per_tile = MMA_PRODUCTS[name] * t.block_n * head_dim // 128
+            per_tile = MMA_PRODUCTS[name] * t.m_tiles * t.block_n * head_dim // 128
             assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") \
                 == per_tile, name
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx

@@ -68,6 +68,8 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
     key = ("dkdv", head_dim, t, causal, dtype)
     if key in _CACHE:
         return _CACHE[key]
+    if t.m_tiles != 1:
+        raise ValueError(f"the backward kernels take m_tiles=1, not {t}")
     z = _sizes(head_dim, t)
     BM, BN, NT, LDS, CH = z["BM"], z["BN"], z["NT"], z["LDS"], z["CH"]
     KSTEPS, NTILES, PSTEPS, DTILES = z["KSTEPS"], z["NTILES"], z["PSTEPS"], z["DTILES"]
@@ -172,15 +174,16 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
                         s[x] = p
                         dp[x] = p * (dp[x] - dl)
 
-            mma_frags_rows(BF16, dv_acc, s, smem, gb, LDS, PSTEPS, DTILES, lane)
-            mma_frags_rows(BF16, dk_acc, dp, smem, qb, LDS, PSTEPS, DTILES, lane)
+            mma_frags_rows(BF16, dv_acc, s, smem, gb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+            mma_frags_rows(BF16, dk_acc, dp, smem, qb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)
 
         sc = float32(scale)
         one = float32(1.0)
-        store_frags(dk, b * dksb + hk * dksh, j0, Nk, dksn, dksd, dk_acc, sc, sc, DTILES, tq)
-        store_frags(dv, b * dvsb + hk * dvsh, j0, Nk, dvsn, dvsd, dv_acc, one, one, DTILES,
+        store_frags(dk, b * dksb + hk * dksh, j0, Nk, dksn, dksd, dk_acc, 0, sc, sc, DTILES,
                     tq)
+        store_frags(dv, b * dvsb + hk * dvsh, j0, Nk, dvsn, dvsd, dv_acc, 0, one, one,
+                    DTILES, tq)
 
     attn_backward_dkdv_tc.__qualname__ = _tag("attn_backward_dkdv_tc", head_dim, t, causal,
                                               dtype)
@@ -193,6 +196,8 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
     key = ("dq", head_dim, t, causal, dtype)
     if key in _CACHE:
         return _CACHE[key]
+    if t.m_tiles != 1:
+        raise ValueError(f"the backward kernels take m_tiles=1, not {t}")
     z = _sizes(head_dim, t)
     BM, BN, NT, LDS, CH = z["BM"], z["BN"], z["NT"], z["LDS"], z["CH"]
     KSTEPS, NTILES, PSTEPS, DTILES = z["KSTEPS"], z["NTILES"], z["PSTEPS"], z["DTILES"]
@@ -294,11 +299,11 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
                         p = float32(0.0)
                     dp[x + 2] = p * (dp[x + 2] - dl1)
 
-            mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane)
+            mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)
 
         sc = float32(scale)
-        store_frags(dq, b * dqsb + h * dqsh, i0, Nq, dqsn, dqsd, acc, sc, sc, DTILES, tq)
+        store_frags(dq, b * dqsb + h * dqsh, i0, Nq, dqsn, dqsd, acc, 0, sc, sc, DTILES, tq)
 
     attn_backward_dq_tc.__qualname__ = _tag("attn_backward_dq_tc", head_dim, t, causal, dtype)
     _CACHE[key] = attn_backward_dq_tc

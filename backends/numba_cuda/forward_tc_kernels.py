@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from .convert import SIMULATOR, smem_pointer
+from .convert import SIMULATOR, device_function, smem_pointer
 from .mma import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
 from .tile_product_tc import PAD, load_rows, mma, mma_frags_rows, store_frags
 
@@ -37,6 +37,61 @@ SMEM_ALIGN = None if SIMULATOR else 16
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NEG_INF = np.float32(-np.inf)
+
+
+@device_function
+def softmax_row(s, base, m_old, sl2, masked, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
+    """One of this lane's rows of a score tile (``s[base + 4 jn + e]``): scale to the log2
+    domain, mask (on diagonal and tail tiles), new running max over the 4 lanes sharing the
+    row, ``P = exp2(S - max)`` in place. Returns ``(new max, rescale factor of the old
+    accumulators, this lane's sum of P)``."""
+    mx = m_old
+    for jn in range(NTILES):
+        for e in range(2):
+            x = base + 4 * jn + e
+            sv = s[x] * sl2
+            if masked:
+                j = n0 + 8 * jn + 2 * tq + e
+                if j >= Nk or (CAUSAL and j > i + causal_offset):
+                    sv = NEG_INF
+            s[x] = sv
+            mx = max(mx, sv)
+    mx = max(mx, shfl_xor_f32(mx, 1))
+    mx = max(mx, shfl_xor_f32(mx, 2))
+    # a row that has seen no key yet keeps m = -inf; subtract 0 instead
+    mu = mx if mx != NEG_INF else float32(0.0)
+    alpha = math.exp2(m_old - mu)
+    ps = float32(0.0)
+    for jn in range(NTILES):
+        for e in range(2):
+            x = base + 4 * jn + e
+            pv = math.exp2(s[x] - mu)
+            s[x] = pv
+            ps += pv
+    return mx, alpha, ps
+
+
+@device_function
+def rescale_row(acc, off, alpha, DTILES):
+    """Multiply one row's accumulators (``acc[off + 4 dn]``, ``+1``) by ``alpha``."""
+    for dn in range(DTILES):
+        acc[off + 4 * dn] *= alpha
+        acc[off + 4 * dn + 1] *= alpha
+
+
+@device_function
+def finish_row(lse, lrow, i, Nq, m, lsum, tq):
+    """The row's total (the 4 lanes' sums added), its lse written by lane ``tq`` 0, and
+    the factor that normalizes its output (0 for a row that saw no key)."""
+    lv = lsum
+    lv += shfl_xor_f32(lv, 1)
+    lv += shfl_xor_f32(lv, 2)
+    if tq == 0 and i < Nq:
+        val = NEG_INF
+        if lv > 0:
+            val = (m + math.log2(lv)) * float32(LN2)
+        lse[lrow + i] = val
+    return float32(1.0) / lv if lv > 0 else float32(0.0)
 
 
 _CACHE: dict = {}
@@ -51,7 +106,7 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
     if head_dim % 16:
         raise ValueError(f"{head_dim=} must be a multiple of 16 for the tensor-core kernel")
     D = head_dim
-    NW, BN = t.warps, t.block_n
+    NW, BN, MT = t.warps, t.block_n, t.m_tiles
     BM, NT = t.block_m, t.threads
     LDS = D + PAD
     CH = D // 8  # 16-byte chunks per row
@@ -59,7 +114,11 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
     NTILES = BN // 8  # 8-key n-tiles of S
     PSTEPS = BN // 16  # k-steps of P V
     DTILES = D // 8  # 8-column n-tiles of O
-    NQF, NACC, NS = 4 * KSTEPS, 4 * DTILES, 4 * NTILES  # register fragments per lane
+    NQF, NACC, NS = 4 * KSTEPS, 4 * DTILES, 4 * NTILES  # register fragments per m-tile
+    NQF_ALL, NACC_ALL, NS_ALL = MT * NQF, MT * NACC, MT * NS
+    # Q's A fragments stay in registers unless that would take more than 32 per lane (two
+    # m-tiles at head dim 128): then they are read from shared memory at each k-step.
+    QREG = MT * D <= 128
     Q_OFF = 0
     K_OFF = BM * LDS
     V_OFF = K_OFF + 2 * BN * LDS
@@ -106,25 +165,27 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         cp_async_wait(1)
         cuda.syncthreads()
 
-        qf = cuda.local.array(NQF, uint32)
-        qrow = Q_OFF + (warp * 16 + (lane & 15)) * LDS + 8 * (lane >> 4)
-        for kk in range(KSTEPS):
-            r0, r1, r2, r3 = ldmatrix_x4(smem, qrow + 16 * kk)
-            qf[4 * kk] = r0
-            qf[4 * kk + 1] = r1
-            qf[4 * kk + 2] = r2
-            qf[4 * kk + 3] = r3
+        # this warp's rows: m-tile mt holds rows r0 + 16 mt + g and + 8 (lane's two rows)
+        r0 = warp * 16 * MT
+        qf = cuda.local.array(NQF_ALL, uint32)
+        qrow = Q_OFF + (r0 + (lane & 15)) * LDS + 8 * (lane >> 4)  # + 16 * LDS * mt
+        if QREG:
+            for mt in range(MT):
+                for kk in range(KSTEPS):
+                    x0, x1, x2, x3 = ldmatrix_x4(smem, qrow + 16 * LDS * mt + 16 * kk)
+                    f = mt * NQF + 4 * kk
+                    qf[f] = x0
+                    qf[f + 1] = x1
+                    qf[f + 2] = x2
+                    qf[f + 3] = x3
 
-        acc = cuda.local.array(NACC, float32)
-        for e in range(4 * DTILES):
+        acc = cuda.local.array(NACC_ALL, float32)
+        for e in range(NACC_ALL):
             acc[e] = float32(0.0)
-        s = cuda.local.array(NS, float32)
-        m0 = NEG_INF
-        m1 = NEG_INF
-        l0 = float32(0.0)
-        l1 = float32(0.0)
-        i0 = q0 + warp * 16 + g  # this lane's two rows
-        i1 = i0 + 8
+        s = cuda.local.array(NS_ALL, float32)
+        # running max (log2 domain) and this lane's running sum of each of its rows
+        ma = mb = mc = md = NEG_INF
+        la = lb = lc = ld = float32(0.0)
         # lane-dependent parts of the ldmatrix addresses
         krow = (lane & 7) + 8 * (lane >> 4)
         kcol = 8 * ((lane >> 3) & 1)
@@ -145,103 +206,74 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
                 load_rows(smem, V_OFF + nb, v, vbase, n0 + BN, Nk, vsn, BN, LDS, CH, tid, NT)
             cp_async_commit()
 
-            # S = Q Kᵀ
-            for e in range(4 * NTILES):
+            # S = Q Kᵀ: each K fragment pair feeds every m-tile of the warp
+            for e in range(NS_ALL):
                 s[e] = float32(0.0)
             for kk in range(KSTEPS):
-                a0 = qf[4 * kk]
-                a1 = qf[4 * kk + 1]
-                a2 = qf[4 * kk + 2]
-                a3 = qf[4 * kk + 3]
+                if not QREG:
+                    for mt in range(MT):
+                        x0, x1, x2, x3 = ldmatrix_x4(smem, qrow + 16 * LDS * mt + 16 * kk)
+                        f = mt * NQF + 4 * kk
+                        qf[f] = x0
+                        qf[f + 1] = x1
+                        qf[f + 2] = x2
+                        qf[f + 3] = x3
                 for jp in range(NTILES // 2):
-                    r0, r1, r2, r3 = ldmatrix_x4(smem, kb + (16 * jp + krow) * LDS
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, kb + (16 * jp + krow) * LDS
                                                  + 16 * kk + kcol)
-                    j = 8 * jp
-                    s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
-                        BF16, a0, a1, a2, a3, r0, r1, s[j], s[j + 1], s[j + 2], s[j + 3])
-                    s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
-                        BF16, a0, a1, a2, a3, r2, r3, s[j + 4], s[j + 5], s[j + 6], s[j + 7])
+                    for mt in range(MT):
+                        f = mt * NQF + 4 * kk
+                        a0 = qf[f]
+                        a1 = qf[f + 1]
+                        a2 = qf[f + 2]
+                        a3 = qf[f + 3]
+                        j = mt * NS + 8 * jp
+                        s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
+                            BF16, a0, a1, a2, a3, b0, b1, s[j], s[j + 1], s[j + 2], s[j + 3])
+                        s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
+                            BF16, a0, a1, a2, a3, b2, b3, s[j + 4], s[j + 5], s[j + 6],
+                            s[j + 7])
 
-            # online softmax, in the log2 domain
-            for e in range(4 * NTILES):
-                s[e] *= sl2
-            if n0 + BN > n_full:  # a diagonal or tail tile: mask
-                for jn in range(NTILES):
-                    col = n0 + 8 * jn + 2 * tq
-                    for e in range(2):
-                        j = col + e
-                        if j >= Nk or (CAUSAL and j > i0 + causal_offset):
-                            s[4 * jn + e] = NEG_INF
-                        if j >= Nk or (CAUSAL and j > i1 + causal_offset):
-                            s[4 * jn + 2 + e] = NEG_INF
-            mx0 = m0
-            mx1 = m1
-            for jn in range(NTILES):
-                mx0 = max(mx0, max(s[4 * jn], s[4 * jn + 1]))
-                mx1 = max(mx1, max(s[4 * jn + 2], s[4 * jn + 3]))
-            mx0 = max(mx0, shfl_xor_f32(mx0, 1))
-            mx0 = max(mx0, shfl_xor_f32(mx0, 2))
-            mx1 = max(mx1, shfl_xor_f32(mx1, 1))
-            mx1 = max(mx1, shfl_xor_f32(mx1, 2))
-            # a row that has seen no key yet keeps m = -inf; subtract 0 instead
-            mu0 = mx0 if mx0 != NEG_INF else float32(0.0)
-            mu1 = mx1 if mx1 != NEG_INF else float32(0.0)
-            al0 = math.exp2(m0 - mu0)
-            al1 = math.exp2(m1 - mu1)
-            m0 = mx0
-            m1 = mx1
-            ps0 = float32(0.0)
-            ps1 = float32(0.0)
-            for jn in range(NTILES):
-                p = math.exp2(s[4 * jn] - mu0)
-                s[4 * jn] = p
-                ps0 += p
-                p = math.exp2(s[4 * jn + 1] - mu0)
-                s[4 * jn + 1] = p
-                ps0 += p
-                p = math.exp2(s[4 * jn + 2] - mu1)
-                s[4 * jn + 2] = p
-                ps1 += p
-                p = math.exp2(s[4 * jn + 3] - mu1)
-                s[4 * jn + 3] = p
-                ps1 += p
-            l0 = l0 * al0 + ps0
-            l1 = l1 * al1 + ps1
-            for dn in range(DTILES):
-                acc[4 * dn] *= al0
-                acc[4 * dn + 1] *= al0
-                acc[4 * dn + 2] *= al1
-                acc[4 * dn + 3] *= al1
+            # online softmax, in the log2 domain, row by row of this lane (rows written out
+            # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
+            masked = n0 + BN > n_full  # a diagonal or tail tile
+            i = q0 + r0 + g
+            ma, al, ps = softmax_row(s, 0, ma, sl2, masked, n0, i, Nk, causal_offset,
+                                     CAUSAL, NTILES, tq)
+            la = la * al + ps
+            rescale_row(acc, 0, al, DTILES)
+            mb, al, ps = softmax_row(s, 2, mb, sl2, masked, n0, i + 8, Nk, causal_offset,
+                                     CAUSAL, NTILES, tq)
+            lb = lb * al + ps
+            rescale_row(acc, 2, al, DTILES)
+            if MT > 1:
+                mc, al, ps = softmax_row(s, NS, mc, sl2, masked, n0, i + 16, Nk,
+                                         causal_offset, CAUSAL, NTILES, tq)
+                lc = lc * al + ps
+                rescale_row(acc, NACC, al, DTILES)
+                md, al, ps = softmax_row(s, NS + 2, md, sl2, masked, n0, i + 24, Nk,
+                                         causal_offset, CAUSAL, NTILES, tq)
+                ld = ld * al + ps
+                rescale_row(acc, NACC + 2, al, DTILES)
 
             cp_async_wait(2)  # V[it] (K and V of it+1 may still be in flight)
             cuda.syncthreads()
-            # O += P V, P straight from the S fragments
-            mma_frags_rows(BF16, acc, s, smem, vb, LDS, PSTEPS, DTILES, lane)
+            # O += P V, P straight from the S fragments; each V fragment feeds every m-tile
+            mma_frags_rows(BF16, acc, s, smem, vb, LDS, PSTEPS, DTILES, lane, MT, NS, NACC)
         cp_async_wait(0)
 
-        # each lane summed its own columns: add up the 4 lanes of a row
-        l0 += shfl_xor_f32(l0, 1)
-        l0 += shfl_xor_f32(l0, 2)
-        l1 += shfl_xor_f32(l1, 1)
-        l1 += shfl_xor_f32(l1, 2)
         obase = b * osb + h * osh
-        inv0 = float32(1.0) / l0 if l0 > 0 else float32(0.0)
-        inv1 = float32(1.0) / l1 if l1 > 0 else float32(0.0)
-        store_frags(o, obase, i0, Nq, osn, osd, acc, inv0, inv1, DTILES, tq)
-        if tq == 0:
-            lrow = (b * Hq + h) * Nq
-            if i0 < Nq:
-                val = NEG_INF
-                if l0 > 0:
-                    val = (m0 + math.log2(l0)) * float32(LN2)
-                lse[lrow + i0] = val
-            if i1 < Nq:
-                val = NEG_INF
-                if l1 > 0:
-                    val = (m1 + math.log2(l1)) * float32(LN2)
-                lse[lrow + i1] = val
+        lrow = (b * Hq + h) * Nq
+        i = q0 + r0 + g
+        inv0 = finish_row(lse, lrow, i, Nq, ma, la, tq)
+        inv1 = finish_row(lse, lrow, i + 8, Nq, mb, lb, tq)
+        store_frags(o, obase, i, Nq, osn, osd, acc, 0, inv0, inv1, DTILES, tq)
+        if MT > 1:
+            inv0 = finish_row(lse, lrow, i + 16, Nq, mc, lc, tq)
+            inv1 = finish_row(lse, lrow, i + 24, Nq, md, ld, tq)
+            store_frags(o, obase, i + 16, Nq, osn, osd, acc, NACC, inv0, inv1, DTILES, tq)
 
-    tag = f"d{D}_w{NW}_n{BN}_{'causal' if CAUSAL else 'full'}_{dtype}"
+    tag = f"d{D}_w{NW}_n{BN}_m{MT}_{'causal' if CAUSAL else 'full'}_{dtype}"
     attn_forward_tc.__qualname__ = f"attn_forward_tc_{tag}"
     _CACHE[key] = attn_forward_tc
     return attn_forward_tc

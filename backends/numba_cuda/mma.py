@@ -244,9 +244,12 @@ else:
     _I32 = ir.IntType(32)
     _F32 = ir.FloatType()
 
-    def _asm(builder, ret, args, text, constraints):
+    def _asm(builder, ret, args, text, constraints, side_effect=True):
+        """Inline PTX; ``side_effect=False`` for pure register arithmetic, which LLVM may
+        then merge where the same operands repeat (the packs of a reused P fragment)."""
         fty = ir.FunctionType(ret, [a.type for a in args])
-        return builder.call(ir.InlineAsm(fty, text, constraints, side_effect=True), args)
+        return builder.call(ir.InlineAsm(fty, text, constraints, side_effect=side_effect),
+                            args)
 
     def _shared_u32(builder, ptr, idx):
         """The 32-bit shared-state-space address of ``ptr + idx`` (a generic pointer into
@@ -318,7 +321,7 @@ else:
 
             def codegen(context, builder, sig, args):
                 lo_v, hi_v = args
-                return _asm(builder, _I32, [hi_v, lo_v], text, "=r,f,f")
+                return _asm(builder, _I32, [hi_v, lo_v], text, "=r,f,f", side_effect=False)
 
             return sig, codegen
 

@@ -45,21 +45,25 @@ HEAD_DIMS = (32, 64, 96, 128)
 
 @dataclass(frozen=True)
 class TCTiles:
-    """One tensor-core kernel's tiling: ``warps`` warps of 16 rows each own the block's
-    ``block_m = 16 * warps`` rows; the other side streams through in steps of ``block_n``
-    (keys in the forward and dQ kernels, queries in the dK/dV kernel)."""
+    """One tensor-core kernel's tiling: ``warps`` warps of ``16 * m_tiles`` rows each own
+    the block's ``block_m`` rows; the other side streams through in steps of ``block_n``
+    (keys in the forward and dQ kernels, queries in the dK/dV kernel). With ``m_tiles`` 2,
+    each B fragment read from shared memory feeds two MMAs (half the ldmatrix traffic per
+    MMA, twice the accumulator registers); only the forward takes ``m_tiles`` 2."""
 
     warps: int
     block_n: int
+    m_tiles: int = 1
 
     def __post_init__(self):
-        if self.warps < 1 or self.block_n < 16 or self.block_n % 16:
-            raise ValueError(f"block_n must be a positive multiple of 16 and warps >= 1: "
-                             f"{self}")
+        if (self.warps < 1 or self.block_n < 16 or self.block_n % 16
+                or self.m_tiles not in (1, 2)):
+            raise ValueError(f"block_n must be a positive multiple of 16, warps >= 1 and "
+                             f"m_tiles 1 or 2: {self}")
 
     @property
     def block_m(self) -> int:
-        return 16 * self.warps
+        return 16 * self.m_tiles * self.warps
 
     @property
     def threads(self) -> int:
@@ -189,12 +193,13 @@ def mma_rows_rows(BF16, out, smem, a_off, b_off, LDS, KSTEPS, NTILES, lane):
 
 
 @device_function
-def mma_frags_rows(BF16, acc, p, smem, b_off, LDS, PSTEPS, DTILES, lane):
-    """``acc += P B`` for one warp: ``P`` is a 16 x ``16 * PSTEPS`` register tile (``p``:
-    C fragments of ``2 * PSTEPS`` n-tiles, rounded to the input dtype here), ``B`` the
-    ``16 * PSTEPS`` shared rows at ``b_off`` of ``8 * DTILES`` elements ([k][n], read
-    through ``ldmatrix.trans``); ``acc`` holds ``4 * DTILES`` fp32 values. ``DTILES`` is
-    even."""
+def mma_frags_rows(BF16, acc, p, smem, b_off, LDS, PSTEPS, DTILES, lane, MT, PST, AST):
+    """``acc += P B`` for one warp and ``MT`` (1 or 2) m-tiles: P of m-tile ``mt`` is a 16 x
+    ``16 * PSTEPS`` register tile (``p[mt * PST:]``: C fragments of ``2 * PSTEPS``
+    n-tiles, rounded to the input dtype here), ``B`` the ``16 * PSTEPS`` shared rows at
+    ``b_off`` of ``8 * DTILES`` elements ([k][n], read through ``ldmatrix.trans`` once for
+    both m-tiles); m-tile ``mt`` accumulates into ``acc[mt * AST:]`` (``4 * DTILES`` fp32
+    values). ``DTILES`` is even."""
     brow = b_off + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4)
     for kk in range(PSTEPS):
         j = 8 * kk
@@ -202,6 +207,13 @@ def mma_frags_rows(BF16, acc, p, smem, b_off, LDS, PSTEPS, DTILES, lane):
         a1 = pack(BF16, p[j + 2], p[j + 3])
         a2 = pack(BF16, p[j + 4], p[j + 5])
         a3 = pack(BF16, p[j + 6], p[j + 7])
+        e0, e1, e2, e3 = a0, a1, a2, a3
+        if MT > 1:
+            x = PST + j
+            e0 = pack(BF16, p[x], p[x + 1])
+            e1 = pack(BF16, p[x + 2], p[x + 3])
+            e2 = pack(BF16, p[x + 4], p[x + 5])
+            e3 = pack(BF16, p[x + 6], p[x + 7])
         for dp in range(DTILES // 2):
             # matrices 0, 1: k halves of n-tile 2dp; 2, 3: those of n-tile 2dp + 1
             r0, r1, r2, r3 = ldmatrix_x4_trans(smem, brow + 16 * kk * LDS + 16 * dp)
@@ -211,19 +223,29 @@ def mma_frags_rows(BF16, acc, p, smem, b_off, LDS, PSTEPS, DTILES, lane):
             acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
                 BF16, a0, a1, a2, a3, r2, r3, acc[c + 4], acc[c + 5], acc[c + 6],
                 acc[c + 7])
+            if MT > 1:
+                c += AST
+                acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
+                    BF16, e0, e1, e2, e3, r0, r1, acc[c], acc[c + 1], acc[c + 2],
+                    acc[c + 3])
+                acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
+                    BF16, e0, e1, e2, e3, r2, r3, acc[c + 4], acc[c + 5], acc[c + 6],
+                    acc[c + 7])
 
 
 @device_function
-def store_frags(dst, base, r0, nvalid, sn, sd, acc, mul0, mul1, DTILES, tq):
-    """Rows ``r0`` (scaled by ``mul0``) and ``r0 + 8`` (by ``mul1``) of a register tile of
-    ``DTILES`` n-tiles to ``dst[base + row * sn + col * sd]``, rows at or past ``nvalid``
-    skipped; each lane writes its own fragment elements (columns ``8 n + 2 tq``, ``+1``)."""
+def store_frags(dst, base, r0, nvalid, sn, sd, acc, aoff, mul0, mul1, DTILES, tq):
+    """Rows ``r0`` (scaled by ``mul0``) and ``r0 + 8`` (by ``mul1``) of the register tile
+    at ``acc[aoff:]`` (``DTILES`` n-tiles) to ``dst[base + row * sn + col * sd]``, rows at
+    or past ``nvalid`` skipped; each lane writes its own fragment elements (columns
+    ``8 n + 2 tq``, ``+1``)."""
     r1 = r0 + 8
     for dn in range(DTILES):
         d = 8 * dn + 2 * tq
+        x = aoff + 4 * dn
         if r0 < nvalid:
-            store_f32(dst, base + r0 * sn + d * sd, acc[4 * dn] * mul0)
-            store_f32(dst, base + r0 * sn + (d + 1) * sd, acc[4 * dn + 1] * mul0)
+            store_f32(dst, base + r0 * sn + d * sd, acc[x] * mul0)
+            store_f32(dst, base + r0 * sn + (d + 1) * sd, acc[x + 1] * mul0)
         if r1 < nvalid:
-            store_f32(dst, base + r1 * sn + d * sd, acc[4 * dn + 2] * mul1)
-            store_f32(dst, base + r1 * sn + (d + 1) * sd, acc[4 * dn + 3] * mul1)
+            store_f32(dst, base + r1 * sn + d * sd, acc[x + 2] * mul1)
+            store_f32(dst, base + r1 * sn + (d + 1) * sd, acc[x + 3] * mul1)
