@@ -48,6 +48,7 @@ def _libcuda():
     lib = ctypes.CDLL("libcuda.so.1")
     vp = ctypes.c_void_p
     for name, args in [
+        ("cuInit", [ctypes.c_uint]),
         ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp] * 3),
         ("cuStreamSynchronize", [vp]),
         ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
@@ -59,6 +60,7 @@ def _libcuda():
         f = getattr(lib, name)
         f.argtypes = args
         f.restype = ctypes.c_int
+    lib.cuInit(0)  # (idempotent; a process may reach us before any library initialized CUDA)
     _LAUNCH = lib.cuLaunchKernel
     return lib
 
