@@ -165,10 +165,14 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.backward_plan = (bcase, bimpl)
         ctx.mark_non_differentiable(lse)
+        # lse never has a gradient: do not let autograd build a zero tensor for it (~3 µs)
+        ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
+        if do is None:  # no gradient reached o (grads are not materialized): none for q, k, v
+            return None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         bcase, bimpl = ctx.backward_plan
         with _on_device(q):
