@@ -48,13 +48,16 @@ POS_INF = np.float32(np.inf)
 _CACHE: dict = {}
 
 
-def _sizes(head_dim, t):
+def _sizes(head_dim, t, causal, dtype):
+    """The compile-time constants both kernels share."""
     if head_dim % 16:
         raise ValueError(f"{head_dim=} must be a multiple of 16 for the tensor-core kernels")
+    if t.m_tiles != 1:
+        raise ValueError(f"the backward kernels take m_tiles=1, not {t}")
     D = head_dim
-    return dict(D=D, BM=t.block_m, BN=t.block_n, NT=t.threads, LDS=D + PAD, CH=D // 8,
-                KSTEPS=D // 16, NTILES=t.block_n // 8, PSTEPS=t.block_n // 16,
-                DTILES=D // 8)
+    return (t.block_m, t.block_n, t.threads, D + PAD, D // 8, D // 16, t.block_n // 8,
+            t.block_n // 16, D // 8, 4 * (D // 8), 4 * (t.block_n // 8), bool(causal),
+            dtype == "bfloat16")
 
 
 def _tag(kernel, head_dim, t, causal, dtype):
@@ -68,19 +71,15 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
     key = ("dkdv", head_dim, t, causal, dtype)
     if key in _CACHE:
         return _CACHE[key]
-    if t.m_tiles != 1:
-        raise ValueError(f"the backward kernels take m_tiles=1, not {t}")
-    z = _sizes(head_dim, t)
-    BM, BN, NT, LDS, CH = z["BM"], z["BN"], z["NT"], z["LDS"], z["CH"]
-    KSTEPS, NTILES, PSTEPS, DTILES = z["KSTEPS"], z["NTILES"], z["PSTEPS"], z["DTILES"]
-    NACC, NS = 4 * DTILES, 4 * NTILES  # register fragments per lane (local array sizes)
+    # (rows per block, steps, threads, row stride, 16-byte chunks, k-steps, n-tiles of the
+    # scores, k-steps of the second product, n-tiles of the output, register fragments)
+    (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
+     BF16) = _sizes(head_dim, t, causal, dtype)
     K_OFF = 0
     V_OFF = BM * LDS
     Q_OFF = 2 * BM * LDS
     DO_OFF = Q_OFF + 2 * BN * LDS
     BUF = BN * LDS
-    CAUSAL = bool(causal)
-    BF16 = dtype == "bfloat16"
 
     def attn_backward_dkdv_tc(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                               causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -196,19 +195,15 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
     key = ("dq", head_dim, t, causal, dtype)
     if key in _CACHE:
         return _CACHE[key]
-    if t.m_tiles != 1:
-        raise ValueError(f"the backward kernels take m_tiles=1, not {t}")
-    z = _sizes(head_dim, t)
-    BM, BN, NT, LDS, CH = z["BM"], z["BN"], z["NT"], z["LDS"], z["CH"]
-    KSTEPS, NTILES, PSTEPS, DTILES = z["KSTEPS"], z["NTILES"], z["PSTEPS"], z["DTILES"]
-    NACC, NS = 4 * DTILES, 4 * NTILES  # register fragments per lane (local array sizes)
+    # (rows per block, steps, threads, row stride, 16-byte chunks, k-steps, n-tiles of the
+    # scores, k-steps of the second product, n-tiles of the output, register fragments)
+    (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
+     BF16) = _sizes(head_dim, t, causal, dtype)
     Q_OFF = 0
     DO_OFF = BM * LDS
     K_OFF = 2 * BM * LDS
     V_OFF = K_OFF + 2 * BN * LDS
     BUF = BN * LDS
-    CAUSAL = bool(causal)
-    BF16 = dtype == "bfloat16"
 
     def attn_backward_dq_tc(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                             qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,

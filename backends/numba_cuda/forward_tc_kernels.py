@@ -94,6 +94,17 @@ def finish_row(lse, lrow, i, Nq, m, lsum, tq):
     return float32(1.0) / lv if lv > 0 else float32(0.0)
 
 
+@device_function
+def load_q_frags(qf, smem, qrow, LDS, mt, kk, NQF):
+    """Q's A fragments of m-tile ``mt`` at k-step ``kk`` into ``qf[mt * NQF + 4 kk:]``."""
+    x0, x1, x2, x3 = ldmatrix_x4(smem, qrow + 16 * LDS * mt + 16 * kk)
+    f = mt * NQF + 4 * kk
+    qf[f] = x0
+    qf[f + 1] = x1
+    qf[f + 2] = x2
+    qf[f + 3] = x3
+
+
 _CACHE: dict = {}
 
 
@@ -172,12 +183,7 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         if QREG:
             for mt in range(MT):
                 for kk in range(KSTEPS):
-                    x0, x1, x2, x3 = ldmatrix_x4(smem, qrow + 16 * LDS * mt + 16 * kk)
-                    f = mt * NQF + 4 * kk
-                    qf[f] = x0
-                    qf[f + 1] = x1
-                    qf[f + 2] = x2
-                    qf[f + 3] = x3
+                    load_q_frags(qf, smem, qrow, LDS, mt, kk, NQF)
 
         acc = cuda.local.array(NACC_ALL, float32)
         for e in range(NACC_ALL):
@@ -212,12 +218,7 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
             for kk in range(KSTEPS):
                 if not QREG:
                     for mt in range(MT):
-                        x0, x1, x2, x3 = ldmatrix_x4(smem, qrow + 16 * LDS * mt + 16 * kk)
-                        f = mt * NQF + 4 * kk
-                        qf[f] = x0
-                        qf[f + 1] = x1
-                        qf[f + 2] = x2
-                        qf[f + 3] = x3
+                        load_q_frags(qf, smem, qrow, LDS, mt, kk, NQF)
                 for jp in range(NTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, kb + (16 * jp + krow) * LDS
                                                  + 16 * kk + kcol)
