@@ -176,6 +176,20 @@ def contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+def cuda_raw(x, keep):
+    """(address, strides in elements) of a GPU array: from ``__cuda_array_interface__``, or
+    where the array has none for its dtype (bfloat16 in JAX), from its DLPack capsule."""
+    try:
+        cai = x.__cuda_array_interface__
+    except Exception:  # noqa: BLE001  (no typestr for bf16: each library raises its own)
+        return dlpack_raw(x, keep)
+    strides = cai.get("strides")
+    if strides is None:
+        return cai["data"][0], contiguous_strides(tuple(x.shape))
+    item = np.dtype(x.dtype).itemsize
+    return cai["data"][0], tuple(s // item for s in strides)
+
+
 class _DLTensor(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
                 ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),

@@ -279,16 +279,7 @@ def _buffer_callback():
 
 def _xla_view(x, keep):
     """(address, strides in elements) of an XLA buffer wrapped in :class:`_Folded`."""
-    buf = x.buf
-    try:
-        cai = buf.__cuda_array_interface__
-    except (AttributeError, TypeError, ValueError, RuntimeError):  # bf16: via DLPack
-        ptr, strides = _interop.dlpack_raw(buf, keep)
-    else:
-        ptr, strides = cai["data"][0], cai.get("strides")
-        item = np.dtype(buf.dtype).itemsize
-        strides = (tuple(s // item for s in strides) if strides is not None
-                   else _interop.contiguous_strides(tuple(buf.shape)))
+    ptr, strides = _interop.cuda_raw(x.buf, keep)
     return ptr, tuple(strides[len(strides) - x.ndim_core:])
 
 

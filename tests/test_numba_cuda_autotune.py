@@ -78,3 +78,54 @@ def test_cli_rejects_bad_arguments(tuner, argv, needle, capsys):
         autotune.main(argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
+def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
+    """time_candidate launches through launch.launch_forward/dkdv/dq: the grid and the
+    packed arguments are those of the kernel's signature for a (B, H, N, D) bhnd case (no
+    GPU: numba.cuda's allocation and events are replaced by fakes)."""
+    import contextlib
+    import types
+
+    from flashcore.backends.numba_cuda import launch, launch_tc
+    from numba import cuda
+
+    autotune, tt = tuner
+    B, H, N, D = 2, 3, 100, 64
+    bufs = []
+
+    def to_device(a):
+        bufs.append(a)
+        return types.SimpleNamespace(__cuda_array_interface__={"data": (1000 * len(bufs),
+                                                                          False)})
+
+    calls = []
+    monkeypatch.setattr(cuda, "gpus", {0: contextlib.nullcontext()}, raising=False)
+    monkeypatch.setattr(cuda, "to_device", to_device)
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "event", lambda timing: types.SimpleNamespace(
+        record=lambda: None, synchronize=lambda: None))
+    monkeypatch.setattr(cuda, "event_elapsed_time", lambda a, b: 1.0)
+    monkeypatch.setattr(launch, "synchronize", lambda stream, device=0: None)
+    monkeypatch.setattr(launch_tc, "kernel", lambda *a: (
+        lambda grid, stream, args: calls.append((grid, stream, args)), 32))
+    assert autotune.time_candidate(kernel, tt.TCTiles(2, 32), D, True, "bfloat16", 0, B, H, N,
+                                   reps=2) == 1.0
+    grid, stream, args = calls[0]
+    assert all(c == calls[0] for c in calls) and len(calls) == 5 and stream == 0
+    assert grid == ((N + 31) // 32, B * H)
+    q, k, v, do, o, dq, dk, dv, lse, delta = (1000 * (i + 1) for i in range(10))
+    st = (N * D * H, N * D, D, 1)
+    lst = (N * H, N, 1)
+    scale = D ** -0.5
+    expected = {
+        "forward": (q, k, v, o, lse, N, N, H, 1, 0, *st, *st, *st, *st, scale),
+        "dkdv": (q, k, v, do, lse, delta, dk, dv, N, N, H, H, 1, 0, *st, *st, *st, *st, *st,
+                 *st, *lst, scale),
+        "dq": (q, k, v, do, lse, delta, dq, N, N, H, 1, 0, *st, *st, *st, *st, *st, *lst,
+               scale),
+    }[kernel]
+    assert args == expected
+    assert len(args) == len(launch.signature(f"attn_{'backward_' if kernel != 'forward' else ''}"
+                                             f"{kernel}", "bfloat16"))

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from flashcore import _poison
-from flashcore._interop import contiguous_strides, dlpack_raw
+from flashcore._interop import cuda_raw
 
 from . import launch
 from .convert import SIMULATOR
@@ -162,17 +162,7 @@ class _Jax(_Adapter):
 
     def raw(self, x, keep):
         x.block_until_ready()
-        try:
-            cai = x.__cuda_array_interface__
-        except Exception:  # noqa: BLE001  (bfloat16 has no typestr: read the DLPack capsule)
-            return dlpack_raw(x, keep)
-        strides = cai.get("strides")
-        shape = tuple(x.shape)
-        if strides is None:
-            strides = contiguous_strides(shape)
-        else:
-            strides = tuple(s // x.dtype.itemsize for s in strides)
-        return cai["data"][0], strides
+        return cuda_raw(x, keep)
 
     def empty(self, like, shape, dtype, dev, poison=True):
         import jax.numpy as jnp

@@ -24,6 +24,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from flashcore._case import Case
+
 from . import tile_product_tc as _tiles
 from .tile_product_tc import TCTiles
 
@@ -91,29 +93,26 @@ def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seq
         delta = cuda.to_device(np.zeros((batch, heads, seqlen), np.float32))
         ptr = lambda a: a.__cuda_array_interface__["data"][0]  # noqa: E731
         st = (seqlen * head_dim * heads, seqlen * head_dim, head_dim, 1)
+        vq, vk, vv, vdo, vo, vdq, vdk, vdv = ((ptr(x), st) for x in (q, k, v, do, o, dq, dk, dv))
+        vl = (ptr(lse), (seqlen * heads, seqlen, 1))
+        dl = ptr(delta)
+        case = Case("numba", f"cuda:{device}", dtype, batch, heads, heads, seqlen, seqlen,
+                    head_dim, bool(causal), head_dim ** -0.5, "bhnd")
         kern, bm = launch_tc.kernel(kernel, head_dim, dtype, causal, device, t)
-        nq = (seqlen + bm - 1) // bm
-        scale = head_dim ** -0.5
-        if kernel == "forward":
-            args = (ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse), seqlen, seqlen, heads, 1, 0,
-                    *st, *st, *st, *st, scale)
-        elif kernel == "dkdv":
-            args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(delta), ptr(dk), ptr(dv),
-                    seqlen, seqlen, heads, heads, 1, 0, *st, *st, *st, *st, *st, *st,
-                    seqlen * heads, seqlen, 1, scale)
-        else:
-            args = (ptr(q), ptr(k), ptr(v), ptr(do), ptr(lse), ptr(delta), ptr(dq), seqlen,
-                    seqlen, heads, 1, 0, *st, *st, *st, *st, *st, seqlen * heads, seqlen, 1,
-                    scale)
-        grid = (nq, batch * heads)
+        run = {  # the launches of launch.run_forward / run_backward, with this kernel
+            "forward": lambda: launch.launch_forward(kern, bm, case, 0, vq, vk, vv, vo, vl[0]),
+            "dkdv": lambda: launch.launch_dkdv(kern, bm, case, 0, vq, vk, vv, vdo, vl, dl, vdk,
+                                               vdv),
+            "dq": lambda: launch.launch_dq(kern, bm, case, 0, vq, vk, vv, vdo, vl, dl, vdq),
+        }[kernel]
         for _ in range(3):
-            kern(grid, 0, args)
+            run()
         cuda.synchronize()
         times = []
         for _ in range(reps):
             a, b = cuda.event(timing=True), cuda.event(timing=True)
             a.record()
-            kern(grid, 0, args)
+            run()
             b.record()
             b.synchronize()
             times.append(cuda.event_elapsed_time(a, b))
@@ -147,12 +146,9 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
          log=print):
     """Times every candidate, writes the winners to the cache and returns all timings as
     ``{key: {"tiles": [w, n, m], "ms": {"w4n64": ms, "w4n64m2": ms, ...}}}``."""
-    from numba import cuda
+    from . import launch
 
-    gpu = cuda.gpus[device]
-    with gpu:
-        name = gpu.name.decode() if isinstance(gpu.name, bytes) else str(gpu.name)
-        cc = tuple(gpu.compute_capability)
+    name, cc = launch.device_name(device), launch.device_cc(device)
     path = cache_path() if path is None else Path(path)
     try:
         stored = json.loads(path.read_text())
@@ -162,12 +158,13 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
         for d in head_dims:
             for causal in causals:
                 for dtype in dtypes:
-                    ms = {}
+                    ms, tried = {}, {}
                     for t in CANDIDATES[kernel]:
                         if not _fits(kernel, t, d, cc):
                             continue
                         tag = f"w{t.warps}n{t.block_n}" + (f"m{t.m_tiles}" if t.m_tiles > 1
                                                             else "")
+                        tried[tag] = t
                         try:
                             ms[tag] = time_candidate(kernel, t, d, causal, dtype, device,
                                                      batch, heads, seqlen)
@@ -176,10 +173,9 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
                     if not ms:
                         continue
                     best = min(ms, key=ms.get)
-                    w, n = best[1:].split("n")
-                    n, _, mt = n.partition("m")
+                    t = tried[best]
                     key = cache_key(name, cc, kernel, d, causal, dtype)
-                    stored[key] = {"tiles": [int(w), int(n), int(mt or 1)], "ms": ms,
+                    stored[key] = {"tiles": [t.warps, t.block_n, t.m_tiles], "ms": ms,
                                    "size": [batch, heads, seqlen]}
                     log(f"{kernel:>7} D={d:<3} {'causal' if causal else 'full':>6} {dtype}: "
                         + "  ".join(f"{k} {v:.3f}" for k, v in ms.items()) + f"  -> {best}")

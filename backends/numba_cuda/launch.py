@@ -212,6 +212,13 @@ def _cc(device):
     return tuple(cuda.gpus[device].compute_capability)
 
 
+@functools.cache
+def device_name(device: int) -> str:
+    """The GPU's name (keys the autotuner's cache)."""
+    name = cuda.gpus[device].name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def kernel_tiles(head_dim, dtype, causal, device, override=None):
     return _tiles.choose(head_dim, dtype, causal, device_cc(device), simulator=SIMULATOR,
                          override=override)
@@ -328,19 +335,42 @@ def _tc():
     return launch_tc
 
 
+def launch_forward(kern, bm, case, stream, q, k, v, o, lse):
+    """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
+    tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
+    lse is a handle of a contiguous float32 (B, Hq, Nq) buffer."""
+    kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
+         (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
+          case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
+          *o[1], float(case.scale)))
+
+
+def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv):
+    """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
+    B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
+    kern(((Nk + bm - 1) // bm, B * Hkv), stream,
+         (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
+          Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale)))
+
+
+def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq):
+    """One dQ launch (``bm`` queries per block)."""
+    B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
+    kern(((Nq + bm - 1) // bm, B * Hq), stream,
+         (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
+          *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale)))
+
+
 def run_forward(case, device, stream, q, k, v, o, lse, tiles=None):
     """Launch the forward: the tensor-core kernel where launch_tc serves the case, else the
-    SIMT kernel (always the SIMT kernel with an explicit ``tiles``). q, k, v, o are
-    (handle, strides4) pairs; lse is a handle of a contiguous float32 (B, Hq, Nq) buffer."""
+    SIMT kernel (always the SIMT kernel with an explicit ``tiles``); arguments as in
+    :func:`launch_forward`."""
     tc = _tc()
     if tiles is None and tc.serves(case, device, q, k, v):
         kern, bm = tc.forward_plan(case, device)
     else:
         kern, bm = _forward_plan(case, device, tiles)
-    kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
-         (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
-          case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
-          *o[1], float(case.scale)))
+    launch_forward(kern, bm, case, stream, q, k, v, o, lse)
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None):
@@ -353,16 +383,11 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
         dkdv, dkdv_bm, dqk, dq_bm = tc.backward_plan(case, device)
     else:
         dkdv, dkdv_bm, dqk, dq_bm = _backward_plan(case, device, tiles)
-    B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    scale = float(case.scale)
-    group, off = Hq // Hkv, Nk - Nq
-    pre(((Nq + pt - 1) // pt, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
-    dkdv(((Nk + dkdv_bm - 1) // dkdv_bm, B * Hkv), stream,
-         (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, group, off,
-          *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], scale))
-    dqk(((Nq + dq_bm - 1) // dq_bm, B * Hq), stream,
-        (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, group, off,
-         *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], scale))
+    Nq, Hq = case.seqlen_q, case.heads_q
+    pre(((Nq + pt - 1) // pt, case.batch * Hq), stream,
+        (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv)
+    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq)
 
 
 def bhnd(strides, layout):

@@ -80,10 +80,7 @@ def _gpu(device):
     """(name, compute capability) of GPU ``device``; (None, None) in the simulator."""
     if SIMULATOR:
         return None, None
-    from numba import cuda
-
-    name = cuda.gpus[device].name
-    return (name.decode() if isinstance(name, bytes) else str(name)), launch.device_cc(device)
+    return launch.device_name(device), launch.device_cc(device)
 
 
 def forward_plan(case, device):
