@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Device runs that check the whole project on a real GPU, in stages (each fits one device
 # call of at most 10 minutes; logs, JSON and the tuned tilings under $OUT, summary last):
-#   check: precompile the CUDA kernels, tune the tensor-core tilings (autotune.py, cache in
-#          $FLASHCORE_CACHE_DIR,
-#          default /tmp/flashcore_cache, copied to $OUT), every test marked gpu, the main job
+#   tune:  precompile the CUDA kernels, tune the tensor-core tilings (autotune.py, cache in
+#          $FLASHCORE_CACHE_DIR, default /tmp/flashcore_cache, copied to $OUT)
+#   test:  every test marked gpu, the main job (with the tuned tilings where tune ran)
+#   check: tune, then test (may not fit one 10-minute device call: run them separately)
 #   bench: the side-by-side benchmark with the peers (B=4 H=16 N=4096; bf16 B=1 N=16384)
 # Usage (on the device, after the NumPy 2.4 wheel install and flashcore/backends symlink
-# described in notes/numba_cuda.md): bash tools/gpu_final.sh [check] [bench]
+# described in notes/numba_cuda.md): bash tools/gpu_final.sh [tune] [test] [check] [bench]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -15,15 +16,19 @@ stages=${*:-check bench}
 log="$OUT/gpu_final.log"
 for stage in $stages; do
 case $stage in
-check)
+tune|check)
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
   python3 -c "import numpy, numba, numba_cuda, torch, jax; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'torch', torch.__version__, 'jax', jax.__version__)"
   echo "== precompile"; python3 tools/gpu_precompile.py 14 2>&1 | tail -2
   echo "== autotune (tensor-core tilings)"
-  timeout 240 python3 -m flashcore.backends.numba_cuda.autotune --head-dims 64,128 --jobs 14 2>&1 | tail -16
+  timeout 300 python3 -m flashcore.backends.numba_cuda.autotune --head-dims 64,128 --jobs 14 2>&1 | tail -16
+} 2>&1 | tee -a "$log"
+;;&
+test|check)
+{
   echo "== pytest -m gpu"
-  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/ 2>&1 | tail -25
+  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/ 2>&1 | tail -25
   echo "== main job"; python3 -m flashcore 2>&1 | tail -12
   echo "== main job bf16"; python3 -m flashcore --dtype bfloat16 --batch 4 --heads 16 2>&1 | tail -8
 } 2>&1 | tee -a "$log"
@@ -41,7 +46,8 @@ python3 -m flashcore bench --device cuda --batch 1 --heads 16 --seqlens 16384 \
     --contenders flashcore:numba_cuda@gpu,torch_sdpa_flash@gpu,torch_sdpa_cudnn@gpu \
     --json "$OUT/bench_long.json" 2>&1 | tee "$OUT/bench_long.log" | tail -30
 ;;
-*) echo "unknown stage $stage (check, bench)"; exit 2;;
+tune) ;;
+*) echo "unknown stage $stage (tune, test, check, bench)"; exit 2;;
 esac
 done
 cp "$FLASHCORE_CACHE_DIR/tc_tiles.json" "$OUT/" 2>/dev/null

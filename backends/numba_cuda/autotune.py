@@ -33,10 +33,10 @@ from .tile_product_tc import TCTiles
 #: streamed tiles among more rows; longer steps halve the number of barriers but double the
 #: score registers; two m-tiles per warp halve the shared-memory reads per MMA.
 CANDIDATES = {
-    "forward": [TCTiles(4, 64), TCTiles(8, 64), TCTiles(4, 32), TCTiles(4, 64, 2),
-                TCTiles(4, 32, 2), TCTiles(2, 64, 2)],
+    "forward": [TCTiles(4, 64), TCTiles(8, 64), TCTiles(4, 64, 2), TCTiles(4, 32, 2),
+                TCTiles(8, 64, 2)],
     "dkdv": [TCTiles(4, 32), TCTiles(4, 64), TCTiles(8, 32), TCTiles(2, 64)],
-    "dq": [TCTiles(4, 64), TCTiles(4, 32), TCTiles(8, 64), TCTiles(4, 128)],
+    "dq": [TCTiles(4, 64), TCTiles(4, 32), TCTiles(8, 64), TCTiles(8, 32)],
 }
 FILE = "tc_tiles.json"
 

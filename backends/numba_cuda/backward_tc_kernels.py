@@ -36,7 +36,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16
 
-from .convert import SIMULATOR, smem_pointer
+from .convert import SIMULATOR, device_function, smem_pointer
 from .mma import cp_async_commit, cp_async_wait
 from .tile_product_tc import PAD, load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
@@ -44,6 +44,74 @@ SMEM_ALIGN = None if SIMULATOR else 16
 LOG2E = 1.4426950408889634
 NEG_INF = np.float32(-np.inf)
 POS_INF = np.float32(np.inf)
+
+
+@device_function
+def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
+    """``Pᵀ`` into ``s`` and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` for a query step
+    that needs no mask (every query of it exists, none is above the diagonal): element
+    ``(4 jn + 2 r + e)`` of this lane is query column ``8 jn + e`` past ``lofs`` (lse,
+    stride ``lsn``) and ``dofs`` (delta)."""
+    for jn in range(NTILES):
+        for e in range(2):
+            lv = lse[lofs + (8 * jn + e) * lsn]
+            ls = lv * float32(LOG2E) if lv != NEG_INF else POS_INF
+            dl = delta[dofs + 8 * jn + e]
+            for r in range(2):
+                x = 4 * jn + 2 * r + e
+                p = math.exp2(s[x] * sl2 - ls)
+                s[x] = p
+                dp[x] = p * (dp[x] - dl)
+
+
+@device_function
+def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
+                       sl2, CAUSAL, NTILES, tq):
+    """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
+    +inf (P = 0); keys ``j0``, ``j0 + 8`` above query ``i + causal_offset`` get P = 0."""
+    for jn in range(NTILES):
+        for e in range(2):
+            i = m0 + 8 * jn + 2 * tq + e  # this element's query
+            ls = POS_INF
+            dl = float32(0.0)
+            if i < Nq:
+                lv = lse[lbase + i * lsn]
+                if lv != NEG_INF:
+                    ls = lv * float32(LOG2E)
+                dl = delta[dbase + i]
+            for r in range(2):  # keys j0 and j0 + 8
+                x = 4 * jn + 2 * r + e
+                p = math.exp2(s[x] * sl2 - ls)
+                if CAUSAL and j0 + 8 * r > i + causal_offset:
+                    p = float32(0.0)
+                s[x] = p
+                dp[x] = p * (dp[x] - dl)
+
+
+@device_function
+def dq_scores(s, dp, base, ls, dl, sl2, NTILES):
+    """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this lane's rows (``base`` 0 or 2;
+    its lse ``ls`` in the log2 domain and its ``dl``) on a tile that needs no mask."""
+    for jn in range(NTILES):
+        for e in range(2):
+            x = base + 4 * jn + e
+            dp[x] = math.exp2(s[x] * sl2 - ls) * (dp[x] - dl)
+
+
+@device_function
+def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, NTILES,
+                     tq):
+    """:func:`dq_scores` on a diagonal or tail tile: keys past ``Nk`` or above row ``i``'s
+    diagonal get P = 0."""
+    for jn in range(NTILES):
+        for e in range(2):
+            j = n0 + 8 * jn + 2 * tq + e  # this element's key
+            x = base + 4 * jn + e
+            p = math.exp2(s[x] * sl2 - ls)
+            if j >= Nk or (CAUSAL and j > i + causal_offset):
+                p = float32(0.0)
+            dp[x] = p * (dp[x] - dl)
+
 
 _CACHE: dict = {}
 
@@ -152,26 +220,14 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
             mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
             mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
 
-            masked = CAUSAL and m0 < m_full
             lbase = b * lsb + h * lsh
             dbase = (b * Hq + h) * Nq
-            for jn in range(NTILES):
-                for e in range(2):
-                    i = m0 + 8 * jn + 2 * tq + e  # this element's query
-                    ls = POS_INF
-                    dl = float32(0.0)
-                    if i < Nq:
-                        lv = lse[lbase + i * lsn]
-                        if lv != NEG_INF:
-                            ls = lv * float32(LOG2E)
-                        dl = delta[dbase + i]
-                    for r in range(2):  # keys j0 and j0 + 8
-                        x = 4 * jn + 2 * r + e
-                        p = math.exp2(s[x] * sl2 - ls)
-                        if masked and j0 + 8 * r > i + causal_offset:
-                            p = float32(0.0)
-                        s[x] = p
-                        dp[x] = p * (dp[x] - dl)
+            if (CAUSAL and m0 < m_full) or m0 + BN > Nq:  # a diagonal or tail step
+                dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
+                                   causal_offset, sl2, CAUSAL, NTILES, tq)
+            else:
+                dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
+                            dbase + m0 + 2 * tq, sl2, NTILES)
 
             mma_frags_rows(BF16, dv_acc, s, smem, gb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
             mma_frags_rows(BF16, dk_acc, dp, smem, qb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
@@ -280,19 +336,14 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
             mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            masked = n0 + BN > n_full
-            for jn in range(NTILES):
-                for e in range(2):
-                    j = n0 + 8 * jn + 2 * tq + e  # this element's key
-                    x = 4 * jn + e
-                    p = math.exp2(s[x] * sl2 - ls0)
-                    if masked and (j >= Nk or (CAUSAL and j > i0 + causal_offset)):
-                        p = float32(0.0)
-                    dp[x] = p * (dp[x] - dl0)
-                    p = math.exp2(s[x + 2] * sl2 - ls1)
-                    if masked and (j >= Nk or (CAUSAL and j > i1 + causal_offset)):
-                        p = float32(0.0)
-                    dp[x + 2] = p * (dp[x + 2] - dl1)
+            if n0 + BN > n_full:  # a diagonal or tail tile
+                dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
+                                 CAUSAL, NTILES, tq)
+                dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
+                                 CAUSAL, NTILES, tq)
+            else:
+                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES)
+                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES)
 
             mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)

@@ -37,35 +37,40 @@ SMEM_ALIGN = None if SIMULATOR else 16
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NEG_INF = np.float32(-np.inf)
+FLT_MIN = 1.1754943508222875e-38  # smallest normal float32
 
 
 @device_function
-def softmax_row(s, base, m_old, sl2, masked, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
-    """One of this lane's rows of a score tile (``s[base + 4 jn + e]``): scale to the log2
-    domain, mask (on diagonal and tail tiles), new running max over the 4 lanes sharing the
-    row, ``P = exp2(S - max)`` in place. Returns ``(new max, rescale factor of the old
-    accumulators, this lane's sum of P)``."""
-    mx = m_old
+def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
+    """Scores of one of this lane's rows (``s[base + 4 jn + e]``) at keys past ``Nk`` or,
+    causal, past ``i + causal_offset`` set to -inf (diagonal and tail tiles only)."""
     for jn in range(NTILES):
         for e in range(2):
-            x = base + 4 * jn + e
-            sv = s[x] * sl2
-            if masked:
-                j = n0 + 8 * jn + 2 * tq + e
-                if j >= Nk or (CAUSAL and j > i + causal_offset):
-                    sv = NEG_INF
-            s[x] = sv
-            mx = max(mx, sv)
+            j = n0 + 8 * jn + 2 * tq + e
+            if j >= Nk or (CAUSAL and j > i + causal_offset):
+                s[base + 4 * jn + e] = NEG_INF
+
+
+@device_function
+def softmax_row(s, base, m_old, sl2, NTILES):
+    """One of this lane's rows of a score tile (``s[base + 4 jn + e]``, masked already):
+    new running max (of the raw scores) over the 4 lanes sharing the row, then
+    ``P = exp2(S * sl2 - max * sl2)`` in place, one FFMA and one ex2 per score. Returns
+    ``(new max, rescale factor of the old accumulators, this lane's sum of P)``."""
+    mx = m_old
+    for jn in range(NTILES):
+        mx = max(mx, s[base + 4 * jn])
+        mx = max(mx, s[base + 4 * jn + 1])
     mx = max(mx, shfl_xor_f32(mx, 1))
     mx = max(mx, shfl_xor_f32(mx, 2))
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead
-    mu = mx if mx != NEG_INF else float32(0.0)
-    alpha = math.exp2(m_old - mu)
+    mu = mx * sl2 if mx != NEG_INF else float32(0.0)
+    alpha = math.exp2(m_old * sl2 - mu)
     ps = float32(0.0)
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            pv = math.exp2(s[x] - mu)
+            pv = math.exp2(s[x] * sl2 - mu)
             s[x] = pv
             ps += pv
     return mx, alpha, ps
@@ -80,7 +85,7 @@ def rescale_row(acc, off, alpha, DTILES):
 
 
 @device_function
-def finish_row(lse, lrow, i, Nq, m, lsum, tq):
+def finish_row(lse, lrow, i, Nq, m, sl2, lsum, tq):
     """The row's total (the 4 lanes' sums added), its lse written by lane ``tq`` 0, and
     the factor that normalizes its output (0 for a row that saw no key)."""
     lv = lsum
@@ -89,7 +94,7 @@ def finish_row(lse, lrow, i, Nq, m, lsum, tq):
     if tq == 0 and i < Nq:
         val = NEG_INF
         if lv > 0:
-            val = (m + math.log2(lv)) * float32(LN2)
+            val = (m * sl2 + math.log2(lv)) * float32(LN2)
         lse[lrow + i] = val
     return float32(1.0) / lv if lv > 0 else float32(0.0)
 
@@ -156,7 +161,8 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         qbase = b * qsb + h * qsh
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
-        sl2 = float32(scale * LOG2E)
+        # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
+        sl2 = float32(max(scale * LOG2E, FLT_MIN))
 
         n_end = Nk
         n_full = Nk
@@ -237,23 +243,24 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
 
             # online softmax, in the log2 domain, row by row of this lane (rows written out
             # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
-            masked = n0 + BN > n_full  # a diagonal or tail tile
             i = q0 + r0 + g
-            ma, al, ps = softmax_row(s, 0, ma, sl2, masked, n0, i, Nk, causal_offset,
-                                     CAUSAL, NTILES, tq)
+            if n0 + BN > n_full:  # a diagonal or tail tile
+                mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
+                mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
+                if MT > 1:
+                    mask_row(s, NS, n0, i + 16, Nk, causal_offset, CAUSAL, NTILES, tq)
+                    mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, NTILES, tq)
+            ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES)
             la = la * al + ps
             rescale_row(acc, 0, al, DTILES)
-            mb, al, ps = softmax_row(s, 2, mb, sl2, masked, n0, i + 8, Nk, causal_offset,
-                                     CAUSAL, NTILES, tq)
+            mb, al, ps = softmax_row(s, 2, mb, sl2, NTILES)
             lb = lb * al + ps
             rescale_row(acc, 2, al, DTILES)
             if MT > 1:
-                mc, al, ps = softmax_row(s, NS, mc, sl2, masked, n0, i + 16, Nk,
-                                         causal_offset, CAUSAL, NTILES, tq)
+                mc, al, ps = softmax_row(s, NS, mc, sl2, NTILES)
                 lc = lc * al + ps
                 rescale_row(acc, NACC, al, DTILES)
-                md, al, ps = softmax_row(s, NS + 2, md, sl2, masked, n0, i + 24, Nk,
-                                         causal_offset, CAUSAL, NTILES, tq)
+                md, al, ps = softmax_row(s, NS + 2, md, sl2, NTILES)
                 ld = ld * al + ps
                 rescale_row(acc, NACC + 2, al, DTILES)
 
@@ -266,12 +273,12 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         obase = b * osb + h * osh
         lrow = (b * Hq + h) * Nq
         i = q0 + r0 + g
-        inv0 = finish_row(lse, lrow, i, Nq, ma, la, tq)
-        inv1 = finish_row(lse, lrow, i + 8, Nq, mb, lb, tq)
+        inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
+        inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
         store_frags(o, obase, i, Nq, osn, osd, acc, 0, inv0, inv1, DTILES, tq)
         if MT > 1:
-            inv0 = finish_row(lse, lrow, i + 16, Nq, mc, lc, tq)
-            inv1 = finish_row(lse, lrow, i + 24, Nq, md, ld, tq)
+            inv0 = finish_row(lse, lrow, i + 16, Nq, mc, sl2, lc, tq)
+            inv1 = finish_row(lse, lrow, i + 24, Nq, md, sl2, ld, tq)
             store_frags(o, obase, i + 16, Nq, osn, osd, acc, NACC, inv0, inv1, DTILES, tq)
 
     tag = f"d{D}_w{NW}_n{BN}_m{MT}_{'causal' if CAUSAL else 'full'}_{dtype}"

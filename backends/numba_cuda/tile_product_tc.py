@@ -84,7 +84,7 @@ FORWARD = {(32, False): _T(8, 64), (32, True): _T(4, 32), (64, False): _T(4, 64,
            (64, True): _T(4, 64, 2), (96, False): _T(8, 64), (96, True): _T(8, 64),
            (128, False): _T(4, 64, 2), (128, True): _T(4, 64, 2)}
 DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
-        (64, True): _T(4, 32), (96, False): _T(4, 64), (96, True): _T(4, 64),
+        (64, True): _T(4, 32), (96, False): _T(4, 64), (96, True): _T(4, 32),
         (128, False): _T(4, 64), (128, True): _T(4, 64)}
 DQ = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
       (64, True): _T(4, 64), (96, False): _T(4, 32), (96, True): _T(4, 64),
@@ -142,15 +142,34 @@ def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
 def load_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT):
     """``smem[off + r * LDS + c] = src[base + (n0 + r) * sn + c]`` for ``r < ROWS``,
     ``c < 8 * CH``, in 16-byte cp.async copies; rows at or past ``nvalid`` are zero-filled
-    (their source address stays at ``base``, which is never read)."""
-    for e in range(tid, ROWS * CH, NT):
-        r = e // CH
-        c = e - r * CH
+    (their source address stays at ``base``, which is never read).
+
+    Thread ``tid`` copies one fixed 16-byte column (``tid % CH``) of every ``NT // CH``-th
+    row from row ``tid // CH`` on (threads past the last whole row of the block's pass
+    idle): its addresses are set up once and then stepped, one add per copy, and a tile
+    wholly inside ``nvalid`` whose rows the passes cover exactly skips the row tests."""
+    RS = NT // CH  # rows per pass
+    r = tid // CH
+    if r < RS:
+        c8 = 8 * (tid - r * CH)
+        so = off + r * LDS + c8
         row = n0 + r
-        if row < nvalid:
-            cp_async16(smem, off + r * LDS + 8 * c, src, base + row * sn + 8 * c, 16)
+        go = base + row * sn + c8
+        if ROWS % RS == 0 and n0 + ROWS <= nvalid:
+            for _ in range(ROWS // RS):
+                cp_async16(smem, so, src, go, 16)
+                so += RS * LDS
+                go += RS * sn
         else:
-            cp_async16(smem, off + r * LDS + 8 * c, src, base, 0)
+            for p in range((ROWS + RS - 1) // RS):
+                if r + p * RS < ROWS:
+                    if row < nvalid:
+                        cp_async16(smem, so, src, go, 16)
+                    else:
+                        cp_async16(smem, so, src, base, 0)
+                so += RS * LDS
+                go += RS * sn
+                row += RS
 
 
 @device_function
