@@ -32,10 +32,9 @@ def _tool(name):
 
 def compile_ptx(kernel, head_dim, causal, dtype, tiles, cc):
     import numba.cuda.dispatcher as nd
-    from numba import cuda
-
     from flashcore.backends.numba_cuda import launch, launch_tc
     from flashcore.backends.numba_cuda import tile_product_tc as tt
+    from numba import cuda
 
     nd.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
     if kernel.startswith("attn_"):  # a SIMT kernel (launch.kernel_variants names)
