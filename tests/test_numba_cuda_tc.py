@@ -179,12 +179,12 @@ else:
     #: Sᵀ, dPᵀ, dV and dK, the dQ kernel's S, dP and dQ, each (16 x block_n x head_dim) /
     #: (16 x 8 x 16) per warp.
     MMA_PRODUCTS = {"forward": 2, "dkdv": 4, "dq": 3}
-    #: Spills ptxas reports for tilings the autotuner chose anyway (H200,
-    #: notes/tensor_cores.md): dK/dV at head dim 128 with 64-query steps spills 28-36 bytes
-    #: and ran 17% faster than 32-query steps without spills; the forward at head dim 128
-    #: with two m-tiles per warp spills 120 bytes and ran 17% faster than 8 warps of one
-    #: m-tile without spills. Any other spill fails the test.
-    KNOWN_SPILL_BYTES = {("dkdv", 128): 64, ("forward", 128): 160}
+    #: Spills ptxas 13.0 reports for tilings the autotuner chose anyway (H200,
+    #: notes/tensor_cores.md): dK/dV at head dim 128 with 64-query steps spills up to 28 bytes
+    #: (causal) and ran faster than 32-query steps without spills; the forward at head dim
+    #: 128 with two m-tiles per warp spills up to 96 bytes and ran faster than every tiling
+    #: without spills. Any other spill, or more spill, fails the test.
+    KNOWN_SPILL_BYTES = {("dkdv", 128): 28, ("forward", 128): 96}
 
     @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

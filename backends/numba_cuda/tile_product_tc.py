@@ -75,8 +75,9 @@ class TCTiles:
 SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
 
 #: Tilings per kernel and (head dim, causal): the autotuner's choices on an H200 at B=4,
-#: H=16, N=4096, bf16 (notes/tensor_cores.md, v2 and v3) for head dims 64 and 128; 32 and 96
-#: keep tilings that passed the GPU suite but were not tuned. Registers per lane grow with
+#: H=16, N=4096, bf16 (notes/tensor_cores.md, v4) for head dims 64 and 128 (dK/dV at D=64
+#: full keeps w4 n64: 3% behind w4 n32, within the run-to-run spread); 32 and 96 keep tilings
+#: that passed the GPU suite but were not tuned (96 causal dK/dV: n32, as n64 spills). Registers per lane grow with
 #: the accumulators (4 * head_dim / 8 fp32 per output tile and m-tile) and the score tiles
 #: (4 * block_n / 8 each): the dK/dV kernel holds two of each (232-255 registers).
 _T = TCTiles
@@ -84,11 +85,11 @@ FORWARD = {(32, False): _T(8, 64), (32, True): _T(4, 32), (64, False): _T(4, 64,
            (64, True): _T(4, 64, 2), (96, False): _T(8, 64), (96, True): _T(8, 64),
            (128, False): _T(4, 64, 2), (128, True): _T(4, 64, 2)}
 DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
-        (64, True): _T(4, 32), (96, False): _T(4, 64), (96, True): _T(4, 32),
+        (64, True): _T(4, 64), (96, False): _T(4, 64), (96, True): _T(4, 32),
         (128, False): _T(4, 64), (128, True): _T(4, 64)}
 DQ = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
-      (64, True): _T(4, 64), (96, False): _T(4, 32), (96, True): _T(4, 64),
-      (128, False): _T(4, 32), (128, True): _T(4, 64)}
+      (64, True): _T(4, 32), (96, False): _T(4, 32), (96, True): _T(4, 64),
+      (128, False): _T(4, 32), (128, True): _T(4, 32)}
 TABLES = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}
 
 
