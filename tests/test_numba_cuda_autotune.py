@@ -129,3 +129,21 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
     assert args == expected
     assert len(args) == len(launch.signature(f"attn_{'backward_' if kernel != 'forward' else ''}"
                                              f"{kernel}", "bfloat16"))
+
+
+def test_tables_fall_back_where_shared_memory_is_smaller(tuner):
+    """The built-in tables are the H200's choices; on a GPU with less shared memory the
+    largest candidate that fits is taken, and none at all leaves the case to SIMT."""
+    autotune, tt = tuner
+    for cc in [(8, 0), (8, 6), (9, 0)]:
+        for kernel, table in tt.TABLES.items():
+            for (d, causal), t in table.items():
+                got = tt.choose(kernel, d, causal, "bfloat16", cc=cc, simulator=False)
+                if tt.fits(kernel, t, d, cc):
+                    assert got == t
+                elif got is not None:
+                    assert tt.fits(kernel, got, d, cc) and got in autotune.CANDIDATES[kernel]
+    assert tt.choose("forward", 256, False, cc=(9, 0), simulator=False) == tt.FORWARD[256, False]
+    assert tt.choose("forward", 256, False, cc=(8, 0), simulator=False) == tt.TCTiles(4, 32)
+    assert tt.choose("dkdv", 256, True, cc=(8, 0), simulator=False) == tt.TCTiles(4, 32, 1, 2)
+    assert tt.choose("dkdv", 256, True, cc=(8, 6), simulator=False) is None

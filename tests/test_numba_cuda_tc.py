@@ -2,7 +2,8 @@
 (backward_tc_kernels.py), routed by launch_tc.py.
 
 - Under the CUDA simulator (run in a subprocess from an ordinary pytest run, with outputs
-  poisoned): fp16/bf16, head dims 32, 64, 96 and 128, causal, GQA/MQA, odd and unequal
+  poisoned): fp16/bf16, head dims 32, 64, 96, 128 and 256 (dK/dV in two column passes),
+  causal, GQA/MQA, odd and unequal
   lengths, both layouts, rows that see no key, forward and backward against the float64
   oracle; the tensor-core kernels are checked to have served, and unaligned rows to fall back
   to SIMT.
@@ -47,6 +48,7 @@ CASES = [
     dict(B=2, Hq=3, Hkv=1, Nq=17, Nk=16, D=128, dtype="float16", causal=False, layout="bnhd"),
     dict(B=1, Hq=1, Hkv=1, Nq=18, Nk=21, D=96, dtype="bfloat16", causal=True, layout="bnhd"),
     dict(B=1, Hq=2, Hkv=1, Nq=16, Nk=33, D=32, dtype="float16", causal=False, layout="bhnd"),
+    dict(B=1, Hq=2, Hkv=1, Nq=17, Nk=20, D=256, dtype="bfloat16", causal=True, layout="bhnd"),
 ]
 
 
@@ -179,16 +181,27 @@ else:
     #: Sᵀ, dPᵀ, dV and dK, the dQ kernel's S, dP and dQ, each (16 x block_n x head_dim) /
     #: (16 x 8 x 16) per warp.
     MMA_PRODUCTS = {"forward": 2, "dkdv": 4, "dq": 3}
+
+    def _mma_per_tile(name, t, head_dim):
+        """mma instructions per streamed tile; the dK/dV kernel's column passes (head dim
+        256, written out one after the other) each compute Sᵀ and dPᵀ over the whole head
+        dim and dV, dK over their columns."""
+        if name == "dkdv":
+            return (t.d_splits * t.block_n * (2 * head_dim + 2 * head_dim // t.d_splits)
+                    // 128)
+        return MMA_PRODUCTS[name] * t.m_tiles * t.block_n * head_dim // 128
     #: Spills ptxas 13.0 reports for tilings the autotuner chose anyway (H200,
-    #: notes/tensor_cores.md): dK/dV at head dim 128 with 64-query steps spills up to 28 bytes
+    #: notes/tensor_cores.md): dK/dV at head dim 128 with 64-query steps spills up to 40 bytes
     #: (causal) and ran faster than 32-query steps without spills; the forward at head dim
     #: 128 with two m-tiles per warp spills up to 96 bytes and ran faster than every tiling
-    #: without spills. Any other spill, or more spill, fails the test.
-    KNOWN_SPILL_BYTES = {("dkdv", 128): 28, ("forward", 128): 96}
+    #: without spills; dK/dV at head dim 256 (two column passes) spills up to 32 bytes at
+    #: 255 registers. ptxas's counts vary by a few words between compiles (numba's IR order
+    #: follows the hash seed). Any other spill, or more spill, fails the test.
+    KNOWN_SPILL_BYTES = {("dkdv", 128): 40, ("forward", 128): 96, ("dkdv", 256): 32}
 
     @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-    @pytest.mark.parametrize("head_dim", [32, 64, 96, 128], ids=lambda d: f"D{d}")
+    @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256], ids=lambda d: f"D{d}")
     def test_tc_ptx(head_dim, causal, cc, monkeypatch):
         import re
 
@@ -204,7 +217,7 @@ else:
         kind = "bf16" if dtype == "bfloat16" else "f16"
         from test_numba_cuda_mma import ptxas_report
 
-        for name, fn, sig, smem_bytes, _threads in launch_tc.variants(head_dim, dtype, causal):
+        for name, fn, sig, smem_bytes, _threads in launch_tc.variants(head_dim, dtype, causal, cc):
             try:
                 ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH)
             except Exception as e:
@@ -212,8 +225,8 @@ else:
                     pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
                 raise
             assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: spilled"
-            t = tt.choose(name, head_dim, causal, simulator=False)
-            per_tile = MMA_PRODUCTS[name] * t.m_tiles * t.block_n * head_dim // 128
+            t = tt.choose(name, head_dim, causal, cc=cc, simulator=False)
+            per_tile = _mma_per_tile(name, t, head_dim)
             assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") \
                 == per_tile, name
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
@@ -250,6 +263,10 @@ else:
         dict(B=1, Hq=4, Hkv=1, Nq=1025, Nk=700, D=128, dtype="float16", causal=True,
              layout="bnhd"),
         dict(B=2, Hq=4, Hkv=4, Nq=513, Nk=513, D=64, dtype="float16", causal=False,
+             layout="bhnd"),
+        dict(B=1, Hq=4, Hkv=2, Nq=700, Nk=901, D=256, dtype="bfloat16", causal=True,
+             layout="bnhd"),
+        dict(B=2, Hq=2, Hkv=2, Nq=257, Nk=257, D=256, dtype="float16", causal=False,
              layout="bhnd"),
     ]
 

@@ -46,7 +46,7 @@ def compile_ptx(kernel, head_dim, causal, dtype, tiles, cc):
             if name == kernel:
                 return cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH)[0], kt
         raise SystemExit(f"no SIMT kernel {kernel}")
-    t = tiles or tt.choose(kernel, head_dim, causal, dtype, simulator=False)
+    t = tiles or tt.choose(kernel, head_dim, causal, dtype, cc=cc, simulator=False)
     make, sig_name = launch_tc._MAKERS[kernel]
     fn = make(head_dim, t, causal, dtype)
     ptx, _ = cuda.compile_ptx(fn, launch.signature(sig_name, dtype), cc=cc,

@@ -74,7 +74,7 @@ def supports(case):
 def forward(q, k, v, case):
     """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``.
 
-    fp16/bf16 at head dims 32, 64, 96 and 128 run on tensor cores (launch_tc.py) unless
+    fp16/bf16 at head dims 32, 64, 96, 128 and 256 run on tensor cores (launch_tc.py) unless
     ``FLASHCORE_TENSOR_CORES=0``; every other case, and any the tensor-core kernels
     decline (unaligned rows, GPUs older than sm_80), runs the SIMT kernels."""
     return _adapter(case.library).forward(q, k, v, case)

@@ -29,14 +29,16 @@ from flashcore._case import Case
 from . import tile_product_tc as _tiles
 from .tile_product_tc import TCTiles
 
-#: Tilings tried per kernel: (warps, block_n[, m_tiles]). More warps per block share the
+#: Tilings tried per kernel: (warps, block_n[, m_tiles[, d_splits]]); those that do not fit
+#: a head dim's registers or shared memory are skipped (_fits). More warps per block share the
 #: streamed tiles among more rows; longer steps halve the number of barriers but double the
 #: score registers; two m-tiles per warp halve the shared-memory reads per MMA.
 CANDIDATES = {
-    "forward": [TCTiles(4, 64), TCTiles(8, 64), TCTiles(4, 64, 2), TCTiles(4, 32, 2),
-                TCTiles(8, 64, 2)],
-    "dkdv": [TCTiles(4, 32), TCTiles(4, 64), TCTiles(8, 32), TCTiles(2, 64)],
-    "dq": [TCTiles(4, 64), TCTiles(4, 32), TCTiles(8, 64), TCTiles(8, 32)],
+    "forward": [TCTiles(4, 64), TCTiles(8, 64), TCTiles(4, 32), TCTiles(4, 64, 2),
+                TCTiles(4, 32, 2), TCTiles(8, 64, 2)],
+    "dkdv": [TCTiles(4, 32), TCTiles(4, 64), TCTiles(8, 32), TCTiles(2, 64),
+             TCTiles(4, 32, 1, 2), TCTiles(4, 64, 1, 2), TCTiles(8, 32, 1, 2)],
+    "dq": [TCTiles(4, 64), TCTiles(4, 32), TCTiles(8, 64), TCTiles(8, 32), TCTiles(4, 16)],
 }
 FILE = "tc_tiles.json"
 
@@ -51,21 +53,19 @@ def cache_key(gpu: str, cc, kernel: str, head_dim: int, causal: bool, dtype: str
 
 
 def load_cache(path=None) -> dict:
-    """``{key: (warps, block_n[, m_tiles])}`` from the cache file (empty if missing or unreadable)."""
+    """``{key: (warps, block_n[, m_tiles[, d_splits]])}`` from the cache file (empty if
+    missing or unreadable)."""
     path = cache_path() if path is None else Path(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return {k: tuple(v["tiles"]) for k, v in data.items()
-            if isinstance(v, dict) and len(v.get("tiles", ())) in (2, 3)}
+            if isinstance(v, dict) and len(v.get("tiles", ())) in (2, 3, 4)}
 
 
 def _fits(kernel, t, head_dim, cc):
-    from . import tiles
-
-    limit = tiles.SMEM_LIMIT.get(tuple(cc), tiles.SMEM_LIMIT[(8, 0)])
-    return 2 * _tiles.smem_elements(kernel, t, head_dim) <= limit
+    return _tiles.fits(kernel, t, head_dim, cc)
 
 
 def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seqlen,
@@ -123,8 +123,8 @@ def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seq
 def _compile_one(job):
     from . import launch_tc
 
-    kernel, d, dtype, causal, w, n, m = job
-    launch_tc.kernel(kernel, d, dtype, causal, 0, TCTiles(w, n, m))
+    kernel, d, dtype, causal, tiles = job
+    launch_tc.kernel(kernel, d, dtype, causal, 0, TCTiles(*tiles))
     return job
 
 
@@ -133,7 +133,7 @@ def precompile(kernels, head_dims, dtypes, causals=(False, True), jobs=8, log=pr
     that tuning then spends its time timing."""
     from concurrent.futures import ProcessPoolExecutor
 
-    work = [(k, d, dt, c, t.warps, t.block_n, t.m_tiles) for k in kernels for d in head_dims
+    work = [(k, d, dt, c, t.as_list()) for k in kernels for d in head_dims
             for dt in dtypes for c in causals for t in CANDIDATES[k]
             if _fits(k, t, d, (9, 0))]
     with ProcessPoolExecutor(jobs) as ex:
@@ -145,7 +145,7 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
          causals=(False, True), device=0, batch=4, heads=16, seqlen=4096, path=None,
          log=print):
     """Times every candidate, writes the winners to the cache and returns all timings as
-    ``{key: {"tiles": [w, n, m], "ms": {"w4n64": ms, "w4n64m2": ms, ...}}}``."""
+    ``{key: {"tiles": [w, n, m, s], "ms": {"w4n64": ms, "w4n64m2": ms, ...}}}``."""
     from . import launch
 
     name, cc = launch.device_name(device), launch.device_cc(device)
@@ -162,8 +162,7 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
                     for t in CANDIDATES[kernel]:
                         if not _fits(kernel, t, d, cc):
                             continue
-                        tag = f"w{t.warps}n{t.block_n}" + (f"m{t.m_tiles}" if t.m_tiles > 1
-                                                            else "")
+                        tag = t.tag
                         tried[tag] = t
                         try:
                             ms[tag] = time_candidate(kernel, t, d, causal, dtype, device,
@@ -175,7 +174,7 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
                     best = min(ms, key=ms.get)
                     t = tried[best]
                     key = cache_key(name, cc, kernel, d, causal, dtype)
-                    stored[key] = {"tiles": [t.warps, t.block_n, t.m_tiles], "ms": ms,
+                    stored[key] = {"tiles": t.as_list(), "ms": ms,
                                    "size": [batch, heads, seqlen]}
                     log(f"{kernel:>7} D={d:<3} {'causal' if causal else 'full':>6} {dtype}: "
                         + "  ".join(f"{k} {v:.3f}" for k, v in ms.items()) + f"  -> {best}")

@@ -18,6 +18,11 @@ head of the group in turn; Q and dO double-buffered by ``cp.async``):
   dtype, are the A operands as they stand (as P is in the forward); dO and Q are read as
   row-major B operands through ``ldmatrix.trans``.
 
+At head dim 256, dK and dV (128 fp32 registers per lane each) do not both fit registers: the
+kernel makes ``d_splits`` passes over the query steps, accumulating columns ``d0 .. d0 + D /
+d_splits`` of dK and dV in each and recomputing Sᵀ and dPᵀ (6 products per tile pair
+instead of 4 over two passes, still on tensor cores).
+
 dQ: one block per (query tile, batch * query head), warp ``w`` owns 16 query rows; per key
 tile (K and V double-buffered): ``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − delta)``,
 ``dQ += dS K``.
@@ -26,7 +31,7 @@ Each output element is summed by one lane in a fixed order: the gradients are bi
 deterministic. Rows past the ends are zero-filled in shared memory; queries past Nq read lse
 as +inf (P = 0); keys past Nk are masked in the dQ kernel (in the dK/dV kernel they only
 reach rows of dK and dV that are never stored); the causal mask applies on tiles that cross
-the diagonal only. Needs what the tensor-core forward needs (sm_80+, head dims 32/64/96/128,
+the diagonal only. Needs what the tensor-core forward needs (sm_80+, head dims 32/64/96/128/256,
 16-byte aligned rows of q, k, v and dO with unit stride along the head dim).
 """
 from __future__ import annotations
@@ -113,6 +118,71 @@ def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL,
             dp[x] = p * (dp[x] - dl)
 
 
+@device_function
+def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk, group,
+              per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb, qsh, qsn,
+              gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
+              j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
+              DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16):
+    """One pass of the dK/dV kernel over every query step of its key tile (K and V are in
+    shared memory or in flight; their copies complete with the first step's Q and dO,
+    committed here): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
+    ``dv_acc`` (``NACC`` fp32 each; ``s``, ``dp`` hold a step's score tiles) and stores them."""
+    if n_steps > 0:
+        h = hk * group
+        load_rows(smem, Q_OFF, q, b * qsb + h * qsh, m_begin, Nq, qsn, BN, LDS, CH, tid, NT)
+        load_rows(smem, DO_OFF, do, b * gsb + h * gsh, m_begin, Nq, gsn, BN, LDS, CH, tid,
+                  NT)
+    cp_async_commit()
+    for e in range(NACC):
+        dk_acc[e] = float32(0.0)
+        dv_acc[e] = float32(0.0)
+    wrow = warp * 16 * LDS
+
+    for it in range(n_steps):
+        gi = it // per_head
+        m0 = m_begin + (it - gi * per_head) * BN
+        h = hk * group + gi
+        cp_async_wait(0)  # Q, dO of step it
+        cuda.syncthreads()
+        # Every warp is past step it-1: its buffers take step it+1.
+        if it + 1 < n_steps:
+            gn = (it + 1) // per_head
+            mn = m_begin + (it + 1 - gn * per_head) * BN
+            hn = hk * group + gn
+            nb = (1 - (it & 1)) * BUF
+            load_rows(smem, Q_OFF + nb, q, b * qsb + hn * qsh, mn, Nq, qsn, BN, LDS, CH, tid,
+                      NT)
+            load_rows(smem, DO_OFF + nb, do, b * gsb + hn * gsh, mn, Nq, gsn, BN, LDS, CH,
+                      tid, NT)
+        cp_async_commit()
+        qb = Q_OFF + (it & 1) * BUF
+        gb = DO_OFF + (it & 1) * BUF
+
+        mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
+        mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
+
+        lbase = b * lsb + h * lsh
+        dbase = (b * Hq + h) * Nq
+        if (CAUSAL and m0 < m_full) or m0 + BN > Nq:  # a diagonal or tail step
+            dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
+                               causal_offset, sl2, CAUSAL, NTILES, tq)
+        else:
+            dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
+                        dbase + m0 + 2 * tq, sl2, NTILES)
+
+        mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+        mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+    cp_async_wait(0)
+
+    sc = float32(scale)
+    one = float32(1.0)
+    store_frags(dk, b * dksb + hk * dksh + d0 * dksd, j0, Nk, dksn, dksd, dk_acc, 0, sc, sc,
+                DTILES, tq)
+    store_frags(dv, b * dvsb + hk * dvsh + d0 * dvsd, j0, Nk, dvsn, dvsd, dv_acc, 0, one, one,
+                DTILES, tq)
+
+
 _CACHE: dict = {}
 
 
@@ -122,6 +192,9 @@ def _sizes(head_dim, t, causal, dtype):
         raise ValueError(f"{head_dim=} must be a multiple of 16 for the tensor-core kernels")
     if t.m_tiles != 1:
         raise ValueError(f"the backward kernels take m_tiles=1, not {t}")
+    if head_dim % (16 * t.d_splits):
+        raise ValueError(f"{head_dim=} does not split into {t.d_splits} passes of whole "
+                         "16-column steps")
     D = head_dim
     return (t.block_m, t.block_n, t.threads, D + PAD, D // 8, D // 16, t.block_n // 8,
             t.block_n // 16, D // 8, 4 * (D // 8), 4 * (t.block_n // 8), bool(causal),
@@ -129,8 +202,7 @@ def _sizes(head_dim, t, causal, dtype):
 
 
 def _tag(kernel, head_dim, t, causal, dtype):
-    return (f"{kernel}_d{head_dim}_w{t.warps}_n{t.block_n}_"
-            f"{'causal' if causal else 'full'}_{dtype}")
+    return f"{kernel}_d{head_dim}_{t.tag}_{'causal' if causal else 'full'}_{dtype}"
 
 
 def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
@@ -143,6 +215,10 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
     # scores, k-steps of the second product, n-tiles of the output, register fragments)
     (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
      BF16) = _sizes(head_dim, t, causal, dtype)
+    SPLITS = t.d_splits
+    DOUT = head_dim // SPLITS  # dK, dV columns per pass
+    DTILES = DOUT // 8
+    NACC = 4 * DTILES
     K_OFF = 0
     V_OFF = BM * LDS
     Q_OFF = 2 * BM * LDS
@@ -179,66 +255,25 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
 
         load_rows(smem, K_OFF, k, kbase, k0, Nk, ksn, BM, LDS, CH, tid, NT)
         load_rows(smem, V_OFF, v, vbase, k0, Nk, vsn, BM, LDS, CH, tid, NT)
-        if n_steps > 0:
-            h = hk * group
-            load_rows(smem, Q_OFF, q, b * qsb + h * qsh, m_begin, Nq, qsn, BN, LDS, CH,
-                      tid, NT)
-            load_rows(smem, DO_OFF, do, b * gsb + h * gsh, m_begin, Nq, gsn, BN, LDS, CH,
-                      tid, NT)
-        cp_async_commit()
 
+        j0 = k0 + warp * 16 + g  # this lane's two keys: j0, j0 + 8
         dk_acc = cuda.local.array(NACC, float32)
         dv_acc = cuda.local.array(NACC, float32)
-        for e in range(4 * DTILES):
-            dk_acc[e] = float32(0.0)
-            dv_acc[e] = float32(0.0)
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
-        j0 = k0 + warp * 16 + g  # this lane's two keys: j0, j0 + 8
-        wrow = warp * 16 * LDS
-
-        for it in range(n_steps):
-            gi = it // per_head
-            m0 = m_begin + (it - gi * per_head) * BN
-            h = hk * group + gi
-            cp_async_wait(0)  # Q, dO of step it
-            cuda.syncthreads()
-            # Every warp is past step it-1: its buffers take step it+1.
-            if it + 1 < n_steps:
-                gn = (it + 1) // per_head
-                mn = m_begin + (it + 1 - gn * per_head) * BN
-                hn = hk * group + gn
-                nb = (1 - (it & 1)) * BUF
-                load_rows(smem, Q_OFF + nb, q, b * qsb + hn * qsh, mn, Nq, qsn, BN, LDS, CH,
-                          tid, NT)
-                load_rows(smem, DO_OFF + nb, do, b * gsb + hn * gsh, mn, Nq, gsn, BN, LDS,
-                          CH, tid, NT)
-            cp_async_commit()
-            qb = Q_OFF + (it & 1) * BUF
-            gb = DO_OFF + (it & 1) * BUF
-
-            mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
-            mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
-
-            lbase = b * lsb + h * lsh
-            dbase = (b * Hq + h) * Nq
-            if (CAUSAL and m0 < m_full) or m0 + BN > Nq:  # a diagonal or tail step
-                dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
-                                   causal_offset, sl2, CAUSAL, NTILES, tq)
-            else:
-                dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
-                            dbase + m0 + 2 * tq, sl2, NTILES)
-
-            mma_frags_rows(BF16, dv_acc, s, smem, gb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
-            mma_frags_rows(BF16, dk_acc, dp, smem, qb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
-        cp_async_wait(0)
-
-        sc = float32(scale)
-        one = float32(1.0)
-        store_frags(dk, b * dksb + hk * dksh, j0, Nk, dksn, dksd, dk_acc, 0, sc, sc, DTILES,
-                    tq)
-        store_frags(dv, b * dvsb + hk * dvsh, j0, Nk, dvsn, dvsd, dv_acc, 0, one, one,
-                    DTILES, tq)
+        # dK, dV columns 0 .. DOUT; at head dim 256 a second pass takes DOUT .. 2 DOUT
+        # (written out, not as a loop: a loop around the pass, even of one trip, costs the
+        # single-pass kernels registers and spills)
+        dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, 0, b, hk, group, per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb,
+                  qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb,
+                  lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS,
+                  NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16)
+        if SPLITS > 1:
+            cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
+            dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk, group, per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb,
+                  qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb,
+                  lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS,
+                  NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16)
 
     attn_backward_dkdv_tc.__qualname__ = _tag("attn_backward_dkdv_tc", head_dim, t, causal,
                                               dtype)
@@ -255,6 +290,8 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
     # scores, k-steps of the second product, n-tiles of the output, register fragments)
     (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
      BF16) = _sizes(head_dim, t, causal, dtype)
+    if t.d_splits != 1:
+        raise ValueError(f"the dQ kernel takes d_splits=1, not {t}")
     Q_OFF = 0
     DO_OFF = BM * LDS
     K_OFF = 2 * BM * LDS

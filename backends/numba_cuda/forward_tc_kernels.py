@@ -18,7 +18,7 @@ copies one tile ahead (separate commit groups for K and V, so the ``S`` product 
 for K). Rows are padded by 8 elements (16 bytes): a row stride of an odd number of 16-byte
 units puts the 8 rows of each ldmatrix on distinct banks.
 
-Needs sm_80+, head dim a multiple of 16 (32, 64, 96 and 128 are routed here), unit stride along the
+Needs sm_80+, head dim a multiple of 16 (32, 64, 96, 128 and 256 are routed here), unit stride along the
 head dim and 16-byte aligned rows; launch arguments are those of ``attn_forward``, so the
 host side (launch.signature, the argument packing of launch.run_forward) is shared.
 """
@@ -121,6 +121,8 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         return _CACHE[key]
     if head_dim % 16:
         raise ValueError(f"{head_dim=} must be a multiple of 16 for the tensor-core kernel")
+    if t.d_splits != 1:
+        raise ValueError(f"the forward takes d_splits=1, not {t}")
     D = head_dim
     NW, BN, MT = t.warps, t.block_n, t.m_tiles
     BM, NT = t.block_m, t.threads

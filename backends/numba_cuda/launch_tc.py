@@ -4,13 +4,14 @@ launch.run_backward ask :func:`serves` and launch these kernels with the SIMT ke
 arguments, or else the SIMT kernels; so every caller (the array adapters, the JAX
 ``buffer_callback`` path, the benchmarks) gets the same choice.
 
-Served: fp16/bf16, head dims 32, 64, 96 and 128, compute capability 8.0 or newer, and
+Served: fp16/bf16, head dims 32, 64, 96, 128 and 256, compute capability 8.0 or newer, and
 buffers whose rows are 16-byte aligned with unit stride along the head dim (cp.async
 copies 16 bytes) for every input the kernels copy (q, k, v; and dO in the backward). The
 launch arguments are those of the SIMT kernels: the same signatures and packing.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from . import backward_tc_kernels as _bwd
@@ -46,10 +47,20 @@ def serves(case, device, q, k, v, do=None) -> bool:
         return False
     if not SIMULATOR and launch.device_cc(device) < (8, 0):
         return False
+    if not _has_tiles(do is not None, case.head_dim, case.dtype, case.causal, device):
+        return False
     sq = (case.batch, case.heads_q, case.seqlen_q)
     skv = (case.batch, case.heads_kv, case.seqlen_k)
     return (_rows_aligned(q, sq) and _rows_aligned(k, skv) and _rows_aligned(v, skv)
             and (do is None or _rows_aligned(do, sq)))
+
+
+@functools.cache
+def _has_tiles(backward, head_dim, dtype, causal, device) -> bool:
+    """Whether this GPU's shared memory holds a tiling of every kernel of the pass."""
+    names = ("dkdv", "dq") if backward else ("forward",)
+    return all(_tiles.choose(n, head_dim, causal, dtype, *_gpu(device)) is not None
+               for n in names)
 
 
 _MAKERS = {
@@ -95,12 +106,15 @@ def backward_plan(case, device):
     return (*kernel("dkdv", *args), *kernel("dq", *args))
 
 
-def variants(head_dim: int, dtype: str, causal: bool):
+def variants(head_dim: int, dtype: str, causal: bool, cc=None):
     """``(name, python function, signature, shared-memory bytes, threads)`` of the
-    tensor-core kernels of one case class; the PTX tests compile exactly these."""
+    tensor-core kernels of one case class, with the tilings chosen for compute capability
+    ``cc`` (the built-in tables if None); the PTX tests compile exactly these."""
     out = []
     for name, (make, sig_name) in _MAKERS.items():
-        t = _tiles.choose(name, head_dim, causal, dtype, simulator=False)
+        t = _tiles.choose(name, head_dim, causal, dtype, cc=cc, simulator=False)
+        if t is None:
+            continue
         out.append((name, make(head_dim, t, causal, dtype), launch.signature(sig_name, dtype),
                     2 * _tiles.smem_elements(name, t, head_dim), t.threads))
     return out

@@ -21,7 +21,7 @@ constants, and after inlining the loops unroll completely.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from numba import float32
 
@@ -38,10 +38,12 @@ from .mma import (
 
 #: Row padding of the shared tiles, in elements (16 bytes).
 PAD = 8
-#: Head dims with tensor-core kernels; others (and 256, whose fragments would not fit in
-#: registers at these tilings) run the SIMT kernels.
-HEAD_DIMS = (32, 64, 96, 128)
-
+#: Head dims with tensor-core kernels; others run the SIMT kernels.
+HEAD_DIMS = (32, 64, 96, 128, 256)
+#: The most fp32 accumulator columns a warp holds per 16 rows of output (256 columns = 128
+#: registers per lane): two m-tiles of head dim 128 in the forward, dK and dV of 128
+#: columns each in the dK/dV kernel.
+MAX_ACC_COLS = 256
 
 @dataclass(frozen=True)
 class TCTiles:
@@ -49,17 +51,30 @@ class TCTiles:
     the block's ``block_m`` rows; the other side streams through in steps of ``block_n``
     (keys in the forward and dQ kernels, queries in the dK/dV kernel). With ``m_tiles`` 2,
     each B fragment read from shared memory feeds two MMAs (half the ldmatrix traffic per
-    MMA, twice the accumulator registers); only the forward takes ``m_tiles`` 2."""
+    MMA, twice the accumulator registers); only the forward takes ``m_tiles`` 2. The dK/dV
+    kernel accumulates the head dim's columns in ``d_splits`` passes over the query steps
+    (S and dP recomputed in each), so that dK and dV fit registers at head dim 256."""
 
     warps: int
     block_n: int
     m_tiles: int = 1
+    d_splits: int = 1
 
     def __post_init__(self):
         if (self.warps < 1 or self.block_n < 16 or self.block_n % 16
-                or self.m_tiles not in (1, 2)):
-            raise ValueError(f"block_n must be a positive multiple of 16, warps >= 1 and "
-                             f"m_tiles 1 or 2: {self}")
+                or self.m_tiles not in (1, 2) or self.d_splits not in (1, 2)):
+            raise ValueError(f"block_n must be a positive multiple of 16, warps >= 1, "
+                             f"m_tiles and d_splits 1 or 2: {self}")
+
+    @property
+    def tag(self) -> str:
+        """``w4n64``, ``w4n64m2``, ``w4n32s2``: names the tiling in logs and timings."""
+        return (f"w{self.warps}n{self.block_n}" + (f"m{self.m_tiles}" if self.m_tiles > 1
+                                                    else "")
+                + (f"s{self.d_splits}" if self.d_splits > 1 else ""))
+
+    def as_list(self) -> list:
+        return [self.warps, self.block_n, self.m_tiles, self.d_splits]
 
     @property
     def block_m(self) -> int:
@@ -77,19 +92,24 @@ SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
 #: Tilings per kernel and (head dim, causal): the autotuner's choices on an H200 at B=4,
 #: H=16, N=4096, bf16 (notes/tensor_cores.md, v4) for head dims 64 and 128 (dK/dV at D=64
 #: full keeps w4 n64: 3% behind w4 n32, within the run-to-run spread); 32 and 96 keep tilings
-#: that passed the GPU suite but were not tuned (96 causal dK/dV: n32, as n64 spills). Registers per lane grow with
+#: that passed the GPU suite but were not tuned (96 causal dK/dV: n32, as n64 spills); 256
+#: (tuned, v5) has one m-tile per warp (its Q fragments are read from shared memory at each
+#: k-step) and two column passes in dK/dV. Registers per lane grow with
 #: the accumulators (4 * head_dim / 8 fp32 per output tile and m-tile) and the score tiles
 #: (4 * block_n / 8 each): the dK/dV kernel holds two of each (232-255 registers).
 _T = TCTiles
 FORWARD = {(32, False): _T(8, 64), (32, True): _T(4, 32), (64, False): _T(4, 64, 2),
            (64, True): _T(4, 64, 2), (96, False): _T(8, 64), (96, True): _T(8, 64),
-           (128, False): _T(4, 64, 2), (128, True): _T(4, 64, 2)}
+           (128, False): _T(4, 64, 2), (128, True): _T(4, 64, 2),
+           (256, False): _T(8, 64), (256, True): _T(8, 64)}
 DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
         (64, True): _T(4, 64), (96, False): _T(4, 64), (96, True): _T(4, 32),
-        (128, False): _T(4, 64), (128, True): _T(4, 64)}
+        (128, False): _T(4, 64), (128, True): _T(4, 64),
+        (256, False): _T(8, 32, 1, 2), (256, True): _T(8, 32, 1, 2)}
 DQ = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
       (64, True): _T(4, 32), (96, False): _T(4, 32), (96, True): _T(4, 64),
-      (128, False): _T(4, 32), (128, True): _T(4, 32)}
+      (128, False): _T(4, 32), (128, True): _T(4, 32),
+      (256, False): _T(8, 32), (256, True): _T(8, 32)}
 TABLES = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}
 
 
@@ -117,17 +137,63 @@ def tuned(kernel, head_dim, causal, dtype, gpu, cc):
 
 
 def choose(kernel: str, head_dim: int, causal: bool = False, dtype: str = "bfloat16",
-           gpu: str | None = None, cc=None, simulator: bool = SIMULATOR) -> TCTiles:
+           gpu: str | None = None, cc=None, simulator: bool = SIMULATOR) -> TCTiles | None:
     """The tiling of ``kernel`` ("forward", "dkdv", "dq") at ``head_dim``: the
     autotuner's cached choice for GPU ``gpu`` of compute capability ``cc`` where there is
-    one, else the built-in table."""
+    one, else the built-in table (tuned on an H200). Where the table's tiling needs more
+    shared memory than ``cc`` has, the largest of the autotuner's candidates that fits
+    (None if none does: the SIMT kernels serve)."""
     if simulator:
+        if kernel == "dkdv" and dkdv_splits(head_dim) > 1:
+            return replace(SIMULATOR_TILES, d_splits=dkdv_splits(head_dim))
         return SIMULATOR_TILES
     if gpu is not None:
         t = tuned(kernel, head_dim, causal, dtype, gpu, cc)
         if t is not None:
             return t
-    return TABLES[kernel][head_dim, bool(causal)]
+    t = TABLES[kernel][head_dim, bool(causal)]
+    if cc is None or fits(kernel, t, head_dim, cc):
+        return t
+    from .autotune import CANDIDATES
+
+    fitting = [c for c in CANDIDATES[kernel] if fits(kernel, c, head_dim, cc)]
+    return max(fitting, key=lambda c: smem_elements(kernel, c, head_dim), default=None)
+
+
+def smem_limit(cc) -> int:
+    """Bytes of shared memory one block may opt in to: 227 KiB on sm_90, 163 KiB on sm_80
+    and sm_87, 99 KiB on the other sm_8x and newer consumer parts."""
+    from .tiles import SMEM_LIMIT
+
+    cc = tuple(cc)
+    if cc in SMEM_LIMIT:
+        return SMEM_LIMIT[cc]
+    return 163 * 1024 if cc == (8, 7) else 227 * 1024 if cc[0] == 9 else 99 * 1024
+
+
+def fits(kernel: str, t: TCTiles, head_dim: int, cc) -> bool:
+    """Whether tiling ``t`` fits the registers (:func:`fits_registers`) and the shared
+    memory of compute capability ``cc``."""
+    return (fits_registers(kernel, t, head_dim)
+            and 2 * smem_elements(kernel, t, head_dim) <= smem_limit(cc))
+
+
+def dkdv_splits(head_dim: int) -> int:
+    """The fewest column passes that keep the dK/dV kernel's two accumulators within
+    :data:`MAX_ACC_COLS`: 1 up to head dim 128, 2 at 256."""
+    return max(1, -(-2 * head_dim // MAX_ACC_COLS))
+
+
+def fits_registers(kernel: str, t: TCTiles, head_dim: int) -> bool:
+    """Whether a warp's accumulators stay within :data:`MAX_ACC_COLS` (forward:
+    ``m_tiles * head_dim``; dK/dV: ``2 * head_dim / d_splits``, with the fewest passes that
+    fit; dQ: ``head_dim``); past it ptxas spills heavily."""
+    if kernel == "dkdv":
+        need = dkdv_splits(head_dim)
+        return t.m_tiles == 1 and t.d_splits == need and head_dim % (16 * need) == 0
+    if kernel == "dq":
+        return t.m_tiles == 1 and t.d_splits == 1 and head_dim <= MAX_ACC_COLS
+    return t.d_splits == 1 and t.m_tiles * head_dim <= MAX_ACC_COLS
 
 
 def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
@@ -219,7 +285,21 @@ def mma_frags_rows(BF16, acc, p, smem, b_off, LDS, PSTEPS, DTILES, lane, MT, PST
     n-tiles, rounded to the input dtype here), ``B`` the ``16 * PSTEPS`` shared rows at
     ``b_off`` of ``8 * DTILES`` elements ([k][n], read through ``ldmatrix.trans`` once for
     both m-tiles); m-tile ``mt`` accumulates into ``acc[mt * AST:]`` (``4 * DTILES`` fp32
-    values). ``DTILES`` is even."""
+    values). ``DTILES`` is even. Past 16 n-tiles (128 columns) the columns go in two
+    blocks: NVVM leaves longer loops rolled, which would put ``acc`` in local memory."""
+    if DTILES > 16:
+        _mma_frags_cols(BF16, acc, 0, p, smem, b_off, LDS, PSTEPS, 16, lane, MT, PST, AST)
+        _mma_frags_cols(BF16, acc, 64, p, smem, b_off + 128, LDS, PSTEPS, DTILES - 16,
+                        lane, MT, PST, AST)
+    else:
+        _mma_frags_cols(BF16, acc, 0, p, smem, b_off, LDS, PSTEPS, DTILES, lane, MT, PST,
+                        AST)
+
+
+@device_function
+def _mma_frags_cols(BF16, acc, AOFF, p, smem, b_off, LDS, PSTEPS, DTILES, lane, MT, PST,
+                    AST):
+    """:func:`mma_frags_rows` for ``DTILES`` n-tiles accumulated at ``acc[AOFF:]``."""
     brow = b_off + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4)
     for kk in range(PSTEPS):
         j = 8 * kk
@@ -237,7 +317,7 @@ def mma_frags_rows(BF16, acc, p, smem, b_off, LDS, PSTEPS, DTILES, lane, MT, PST
         for dp in range(DTILES // 2):
             # matrices 0, 1: k halves of n-tile 2dp; 2, 3: those of n-tile 2dp + 1
             r0, r1, r2, r3 = ldmatrix_x4_trans(smem, brow + 16 * kk * LDS + 16 * dp)
-            c = 8 * dp
+            c = AOFF + 8 * dp
             acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
                 BF16, a0, a1, a2, a3, r0, r1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
             acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
@@ -258,7 +338,17 @@ def store_frags(dst, base, r0, nvalid, sn, sd, acc, aoff, mul0, mul1, DTILES, tq
     """Rows ``r0`` (scaled by ``mul0``) and ``r0 + 8`` (by ``mul1``) of the register tile
     at ``acc[aoff:]`` (``DTILES`` n-tiles) to ``dst[base + row * sn + col * sd]``, rows at
     or past ``nvalid`` skipped; each lane writes its own fragment elements (columns
-    ``8 n + 2 tq``, ``+1``)."""
+    ``8 n + 2 tq``, ``+1``). In blocks of at most 16 n-tiles, as in :func:`mma_frags_rows`."""
+    if DTILES > 16:
+        _store_cols(dst, base, r0, nvalid, sn, sd, acc, aoff, mul0, mul1, 16, tq)
+        _store_cols(dst, base + 128 * sd, r0, nvalid, sn, sd, acc, aoff + 64, mul0, mul1,
+                    DTILES - 16, tq)
+    else:
+        _store_cols(dst, base, r0, nvalid, sn, sd, acc, aoff, mul0, mul1, DTILES, tq)
+
+
+@device_function
+def _store_cols(dst, base, r0, nvalid, sn, sd, acc, aoff, mul0, mul1, DTILES, tq):
     r1 = r0 + 8
     for dn in range(DTILES):
         d = 8 * dn + 2 * tq
