@@ -20,9 +20,26 @@ import math
 from numba import cuda, float32
 
 from . import tiles as _tiles
-from .convert import load_f32, smem_pointer, store_f32
+from .convert import device_function, load_f32, smem_pointer, store_f32
 from .forward_kernels import LN2, LOG2E, NEG_INF, POS_INF, SMEM_ALIGN, load_tile_t, variant_tag
 from .tile_product import tile_product
+
+
+@device_function
+def query_stats(lse, delta, lidx, didx, valid):
+    """``(lse · log2 e, delta)`` of one query row, as both passes use them in
+    ``P = exp2(S · scale · log2 e − lse · log2 e)`` and ``dS = P (dP − delta)``: a row that
+    sees no key (lse −inf) reads +inf, so that its P is 0; a row past the end (``valid``
+    false; ``lidx``, ``didx`` are not read) reads ``(+inf, 0)``."""
+    ls = POS_INF
+    dl = float32(0.0)
+    if valid:
+        lv = lse[lidx]
+        if lv != NEG_INF:
+            ls = lv * float32(LOG2E)
+        dl = delta[didx]
+    return ls, dl
+
 
 _CACHE = {}
 
@@ -122,13 +139,8 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
                             float32(1.0), tid, NT)
                 for e in range(tid, BN, NT):
                     i = m0 + e
-                    ls = POS_INF
-                    dl = float32(0.0)
-                    if i < Nq:
-                        lv = lse[lbase + i * lsn]
-                        if lv != NEG_INF:
-                            ls = lv * float32(LOG2E)
-                        dl = delta[(b * Hq + h) * Nq + i]
+                    ls, dl = query_stats(lse, delta, lbase + i * lsn, (b * Hq + h) * Nq + i,
+                                         i < Nq)
                     smem[LS_OFF + e] = ls
                     smem[DL_OFF + e] = dl
                 cuda.syncthreads()
@@ -225,13 +237,8 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
         xd = cuda.local.array(RD, float32)
         for a in range(RM):
             i = q0 + tr * RM + a
-            ls[a] = POS_INF
-            dl[a] = float32(0.0)
-            if i < Nq:
-                lv = lse[b * lsb + h * lsh + i * lsn]
-                if lv != NEG_INF:
-                    ls[a] = lv * float32(LOG2E)
-                dl[a] = delta[bh * Nq + i]
+            ls[a], dl[a] = query_stats(lse, delta, b * lsb + h * lsh + i * lsn, bh * Nq + i,
+                                       i < Nq)
             for dd in range(RD):
                 dq_acc[a, dd] = float32(0.0)
 

@@ -41,6 +41,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16
 
+from .backward_kernels import query_stats
 from .convert import SIMULATOR, device_function, smem_pointer
 from .mma import cp_async_commit, cp_async_wait
 from .tile_product_tc import PAD, load_rows, mma_frags_rows, mma_rows_rows, store_frags
@@ -59,9 +60,8 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
     stride ``lsn``) and ``dofs`` (delta)."""
     for jn in range(NTILES):
         for e in range(2):
-            lv = lse[lofs + (8 * jn + e) * lsn]
-            ls = lv * float32(LOG2E) if lv != NEG_INF else POS_INF
-            dl = delta[dofs + 8 * jn + e]
+            ls, dl = query_stats(lse, delta, lofs + (8 * jn + e) * lsn, dofs + 8 * jn + e,
+                                 True)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
                 p = math.exp2(s[x] * sl2 - ls)
@@ -77,13 +77,7 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
     for jn in range(NTILES):
         for e in range(2):
             i = m0 + 8 * jn + 2 * tq + e  # this element's query
-            ls = POS_INF
-            dl = float32(0.0)
-            if i < Nq:
-                lv = lse[lbase + i * lsn]
-                if lv != NEG_INF:
-                    ls = lv * float32(LOG2E)
-                dl = delta[dbase + i]
+            ls, dl = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):  # keys j0 and j0 + 8
                 x = 4 * jn + 2 * r + e
                 p = math.exp2(s[x] * sl2 - ls)
@@ -334,21 +328,9 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
 
         i0 = q0 + warp * 16 + g  # this lane's two rows: i0, i0 + 8
         i1 = i0 + 8
-        ls0 = POS_INF
-        ls1 = POS_INF
-        dl0 = float32(0.0)
-        dl1 = float32(0.0)
         lbase = b * lsb + h * lsh
-        if i0 < Nq:
-            lv = lse[lbase + i0 * lsn]
-            if lv != NEG_INF:
-                ls0 = lv * float32(LOG2E)
-            dl0 = delta[bh * Nq + i0]
-        if i1 < Nq:
-            lv = lse[lbase + i1 * lsn]
-            if lv != NEG_INF:
-                ls1 = lv * float32(LOG2E)
-            dl1 = delta[bh * Nq + i1]
+        ls0, dl0 = query_stats(lse, delta, lbase + i0 * lsn, bh * Nq + i0, i0 < Nq)
+        ls1, dl1 = query_stats(lse, delta, lbase + i1 * lsn, bh * Nq + i1, i1 < Nq)
 
         acc = cuda.local.array(NACC, float32)
         for e in range(4 * DTILES):
