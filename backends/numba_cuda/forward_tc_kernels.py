@@ -4,10 +4,13 @@ One thread block per (query tile, batch * query head); the block's ``warps`` war
 query rows each (no inter-warp reduction). Per key tile of ``block_n`` keys:
 
 - ``S = Q Kᵀ`` with mma m16n8k16 (fp32 accumulators). Q's A fragments are loaded once with
-  ldmatrix and stay in registers; K rows give B fragments through plain ldmatrix.
-- Online softmax in fp32 on the accumulator fragments: scores scaled by
-  ``scale * log2(e)`` (exp2), row maxima over the 4 lanes sharing a row by two xor
-  shuffles, running max ``m`` and sum ``l`` per row (each lane owns rows ``g`` and ``g+8``).
+  ldmatrix and stay in registers where they fit (else they are re-read at each k-step); K
+  rows give B fragments through plain ldmatrix. With ``m_tiles`` 2 a warp owns 32 rows and
+  each K fragment feeds two MMAs.
+- Online softmax in fp32 on the accumulator fragments: only diagonal and tail tiles are
+  masked; row maxima of the raw scores over the 4 lanes sharing a row by two xor shuffles,
+  ``P = exp2(S c - m c)`` with ``c = scale * log2(e)`` (one FFMA and one ex2 per score),
+  running max ``m`` and sum ``l`` per row (each lane owns rows ``g`` and ``g+8``).
 - ``O += P V``: the fp32 P fragments, rounded to the input dtype and packed in pairs, are
   exactly the A fragments of the next MMA (the C layout of two adjacent n-tiles is the A
   layout of one k-step), so P never leaves registers; V rows give B fragments through
@@ -18,8 +21,8 @@ copies one tile ahead (separate commit groups for K and V, so the ``S`` product 
 for K). Rows are padded by 8 elements (16 bytes): a row stride of an odd number of 16-byte
 units puts the 8 rows of each ldmatrix on distinct banks.
 
-Needs sm_80+, head dim a multiple of 16 (32, 64, 96, 128 and 256 are routed here), unit stride along the
-head dim and 16-byte aligned rows; launch arguments are those of ``attn_forward``, so the
+Needs sm_80+, head dim a multiple of 16 (32, 64, 96, 128 and 256 are routed here), unit
+stride along the head dim and 16-byte aligned rows; launch arguments are those of ``attn_forward``, so the
 host side (launch.signature, the argument packing of launch.run_forward) is shared.
 """
 from __future__ import annotations
@@ -197,7 +200,7 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         for e in range(NACC_ALL):
             acc[e] = float32(0.0)
         s = cuda.local.array(NS_ALL, float32)
-        # running max (log2 domain) and this lane's running sum of each of its rows
+        # running max (of the raw scores) and this lane's running sum of each of its rows
         ma = mb = mc = md = NEG_INF
         la = lb = lc = ld = float32(0.0)
         # lane-dependent parts of the ldmatrix addresses
