@@ -190,14 +190,17 @@ else:
             return (t.d_splits * t.block_n * (2 * head_dim + 2 * head_dim // t.d_splits)
                     // 128)
         return MMA_PRODUCTS[name] * t.m_tiles * t.block_n * head_dim // 128
+
     #: Spills ptxas 13.0 reports for tilings the autotuner chose anyway (H200,
     #: notes/tensor_cores.md): dK/dV at head dim 128 with 64-query steps spills up to 40 bytes
     #: (causal) and ran faster than 32-query steps without spills; the forward at head dim
     #: 128 with two m-tiles per warp spills up to 96 bytes and ran faster than every tiling
-    #: without spills; dK/dV at head dim 256 (two column passes) spills up to 32 bytes at
-    #: 255 registers. ptxas's counts vary by a few words between compiles (numba's IR order
-    #: follows the hash seed). Any other spill, or more spill, fails the test.
-    KNOWN_SPILL_BYTES = {("dkdv", 128): 40, ("forward", 128): 96, ("dkdv", 256): 32}
+    #: without spills; dK/dV at head dim 96 causal with 64-query steps spills 12 bytes and ran
+    #: 18% faster than 32-query steps; dK/dV at head dim 256 (two column passes) spills up to
+    #: 32 bytes at 255 registers. ptxas's counts move by a few words with small edits of the
+    #: kernels. Any other spill, or more spill, fails the test.
+    KNOWN_SPILL_BYTES = {("dkdv", 96): 16, ("dkdv", 128): 40, ("forward", 128): 96,
+                         ("dkdv", 256): 32}
 
     @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -90,24 +90,23 @@ class TCTiles:
 SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
 
 #: Tilings per kernel and (head dim, causal): the autotuner's choices on an H200 at B=4,
-#: H=16, N=4096, bf16 (notes/tensor_cores.md, v4) for head dims 64 and 128 (dK/dV at D=64
-#: full keeps w4 n64: 3% behind w4 n32, within the run-to-run spread); 32 and 96 keep tilings
-#: that passed the GPU suite but were not tuned (96 causal dK/dV: n32, as n64 spills); 256
-#: (tuned, v5) has one m-tile per warp (its Q fragments are read from shared memory at each
-#: k-step) and two column passes in dK/dV. Registers per lane grow with
-#: the accumulators (4 * head_dim / 8 fp32 per output tile and m-tile) and the score tiles
-#: (4 * block_n / 8 each): the dK/dV kernel holds two of each (232-255 registers).
+#: H=16, N=4096, bf16 (notes/tensor_cores.md: v4 for head dims 64 and 128, where dK/dV at
+#: D=64 full keeps w4 n64, 3% behind w4 n32, within the run-to-run spread; v5 for 256; the
+#: session-3 tuning of 32 and 96). 256 has one m-tile per warp (its Q fragments are read
+#: from shared memory at each k-step) and two column passes in dK/dV. Registers per lane
+#: grow with the accumulators (4 * head_dim / 8 fp32 per output tile and m-tile) and the
+#: score tiles (4 * block_n / 8 each): the dK/dV kernel holds two of each (up to 255).
 _T = TCTiles
-FORWARD = {(32, False): _T(8, 64), (32, True): _T(4, 32), (64, False): _T(4, 64, 2),
-           (64, True): _T(4, 64, 2), (96, False): _T(8, 64), (96, True): _T(8, 64),
+FORWARD = {(32, False): _T(4, 64, 2), (32, True): _T(4, 64), (64, False): _T(4, 64, 2),
+           (64, True): _T(4, 64, 2), (96, False): _T(8, 64, 2), (96, True): _T(4, 64, 2),
            (128, False): _T(4, 64, 2), (128, True): _T(4, 64, 2),
            (256, False): _T(8, 64), (256, True): _T(8, 64)}
-DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
-        (64, True): _T(4, 64), (96, False): _T(4, 64), (96, True): _T(4, 32),
+DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
+        (64, True): _T(4, 64), (96, False): _T(4, 64), (96, True): _T(4, 64),
         (128, False): _T(4, 64), (128, True): _T(4, 64),
         (256, False): _T(8, 32, 1, 2), (256, True): _T(8, 32, 1, 2)}
-DQ = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
-      (64, True): _T(4, 32), (96, False): _T(4, 32), (96, True): _T(4, 64),
+DQ = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
+      (64, True): _T(4, 32), (96, False): _T(8, 32), (96, True): _T(4, 64),
       (128, False): _T(4, 32), (128, True): _T(4, 32),
       (256, False): _T(8, 32), (256, True): _T(8, 32)}
 TABLES = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}
