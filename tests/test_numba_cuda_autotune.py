@@ -65,7 +65,7 @@ def test_candidates_are_valid_and_fit(tuner):
     for kernel, cands in autotune.CANDIDATES.items():
         assert tt.TABLES[kernel][64, False] in cands, kernel  # the defaults are among them
         for d in tt.HEAD_DIMS:
-            assert any(autotune._fits(kernel, t, d, (8, 0)) for t in cands)
+            assert any(tt.fits(kernel, t, d, (8, 0)) for t in cands)
 
 
 @pytest.mark.parametrize("argv, needle", [

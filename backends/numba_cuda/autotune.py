@@ -30,9 +30,10 @@ from . import tile_product_tc as _tiles
 from .tile_product_tc import TCTiles
 
 #: Tilings tried per kernel: (warps, block_n[, m_tiles[, d_splits]]); those that do not fit
-#: a head dim's registers or shared memory are skipped (_fits). More warps per block share the
-#: streamed tiles among more rows; longer steps halve the number of barriers but double the
-#: score registers; two m-tiles per warp halve the shared-memory reads per MMA.
+#: a head dim's registers or shared memory are skipped (tile_product_tc.fits). More warps
+#: per block share the streamed tiles among more rows; longer steps halve the number of
+#: barriers but double the score registers; two m-tiles per warp halve the shared-memory
+#: reads per MMA.
 CANDIDATES = {
     "forward": [TCTiles(4, 64), TCTiles(8, 64), TCTiles(4, 32), TCTiles(4, 64, 2),
                 TCTiles(4, 32, 2), TCTiles(8, 64, 2)],
@@ -62,10 +63,6 @@ def load_cache(path=None) -> dict:
         return {}
     return {k: tuple(v["tiles"]) for k, v in data.items()
             if isinstance(v, dict) and len(v.get("tiles", ())) in (2, 3, 4)}
-
-
-def _fits(kernel, t, head_dim, cc):
-    return _tiles.fits(kernel, t, head_dim, cc)
 
 
 def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seqlen,
@@ -135,7 +132,7 @@ def precompile(kernels, head_dims, dtypes, causals=(False, True), jobs=8, log=pr
 
     work = [(k, d, dt, c, t.as_list()) for k in kernels for d in head_dims
             for dt in dtypes for c in causals for t in CANDIDATES[k]
-            if _fits(k, t, d, (9, 0))]
+            if _tiles.fits(k, t, d, (9, 0))]
     with ProcessPoolExecutor(jobs) as ex:
         list(ex.map(_compile_one, work))
     log(f"compiled {len(work)} candidates")
@@ -160,7 +157,7 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
                 for dtype in dtypes:
                     ms, tried = {}, {}
                     for t in CANDIDATES[kernel]:
-                        if not _fits(kernel, t, d, cc):
+                        if not _tiles.fits(kernel, t, d, cc):
                             continue
                         tag = t.tag
                         tried[tag] = t

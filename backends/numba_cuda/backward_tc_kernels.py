@@ -190,8 +190,9 @@ def _sizes(head_dim, t, causal, dtype):
         raise ValueError(f"{head_dim=} does not split into {t.d_splits} passes of whole "
                          "16-column steps")
     D = head_dim
+    DOUT = D // t.d_splits  # output columns per pass (dK/dV: per column pass)
     return (t.block_m, t.block_n, t.threads, D + PAD, D // 8, D // 16, t.block_n // 8,
-            t.block_n // 16, D // 8, 4 * (D // 8), 4 * (t.block_n // 8), bool(causal),
+            t.block_n // 16, DOUT // 8, 4 * (DOUT // 8), 4 * (t.block_n // 8), bool(causal),
             dtype == "bfloat16")
 
 
@@ -210,9 +211,7 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
     (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
      BF16) = _sizes(head_dim, t, causal, dtype)
     SPLITS = t.d_splits
-    DOUT = head_dim // SPLITS  # dK, dV columns per pass
-    DTILES = DOUT // 8
-    NACC = 4 * DTILES
+    DOUT = head_dim // SPLITS  # dK, dV columns per pass (DTILES, NACC count these)
     K_OFF = 0
     V_OFF = BM * LDS
     Q_OFF = 2 * BM * LDS

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from numba import float32
 
+from . import tiles
 from .convert import SIMULATOR, device_function, store_f32
 from .mma import (
     cp_async16,
@@ -159,22 +160,11 @@ def choose(kernel: str, head_dim: int, causal: bool = False, dtype: str = "bfloa
     return max(fitting, key=lambda c: smem_elements(kernel, c, head_dim), default=None)
 
 
-def smem_limit(cc) -> int:
-    """Bytes of shared memory one block may opt in to: 227 KiB on sm_90, 163 KiB on sm_80
-    and sm_87, 99 KiB on the other sm_8x and newer consumer parts."""
-    from .tiles import SMEM_LIMIT
-
-    cc = tuple(cc)
-    if cc in SMEM_LIMIT:
-        return SMEM_LIMIT[cc]
-    return 163 * 1024 if cc == (8, 7) else 227 * 1024 if cc[0] == 9 else 99 * 1024
-
-
 def fits(kernel: str, t: TCTiles, head_dim: int, cc) -> bool:
     """Whether tiling ``t`` fits the registers (:func:`fits_registers`) and the shared
     memory of compute capability ``cc``."""
     return (fits_registers(kernel, t, head_dim)
-            and 2 * smem_elements(kernel, t, head_dim) <= smem_limit(cc))
+            and 2 * smem_elements(kernel, t, head_dim) <= tiles.smem_limit(cc))
 
 
 def dkdv_splits(head_dim: int) -> int:

@@ -23,6 +23,16 @@ STATIC_SMEM_LIMIT = 48 * 1024
 SMEM_LIMIT = {(8, 0): 163 * 1024, (9, 0): 227 * 1024}
 
 
+def smem_limit(cc) -> int:
+    """Bytes of shared memory one block may opt in to on compute capability ``cc``:
+    :data:`SMEM_LIMIT` where listed, else 227 KiB on sm_9x, 163 KiB on sm_87 and 99 KiB on
+    the other sm_8x and newer consumer parts."""
+    cc = tuple(cc)
+    if cc in SMEM_LIMIT:
+        return SMEM_LIMIT[cc]
+    return 163 * 1024 if cc == (8, 7) else 227 * 1024 if cc[0] == 9 else 99 * 1024
+
+
 def a_ld(n: int) -> int:
     """Row stride of a tile read as an A operand (vector loads: a multiple of 4 words)."""
     return n + 4
