@@ -61,10 +61,12 @@ def target_cc(monkeypatch, request):
 
 def _check(cc, head_dim, dtype, causal, only=None):
     kt = tiles.choose(head_dim, dtype, causal, cc)
-    for name, fn, sig, smem_words, threads in launch.kernel_variants(head_dim, dtype, causal, kt):
+    for name, fn, sig, smem_words, threads, bounds in launch.kernel_variants(head_dim, dtype,
+                                                                            causal, kt):
         if only is not None and name not in only:
             continue
-        ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH)
+        ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH,
+                                  **launch.jit_options(bounds))
         arch = f"sm_{cc[0]}{cc[1]}"
         assert f".target {arch}" in ptx, f"{name}: not compiled for {arch}"
         entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
@@ -78,6 +80,10 @@ def _check(cc, head_dim, dtype, causal, only=None):
         assert smem_words * 4 <= tiles.SMEM_LIMIT[cc], (
             f"{name}: {smem_words * 4} bytes of shared memory, over {arch}'s")
         assert threads <= 1024
+        if bounds:  # compiled for several blocks per SM: they must fit side by side
+            assert re.search(rf"\.minnctapersm\s+{bounds[1]}\b", ptx), f"{name}: no bounds"
+            assert tiles.blocks_fit(smem_words, bounds[1], cc), (
+                f"{name}: {bounds[1]} blocks of {smem_words * 4} bytes do not fit an SM")
 
 
 @pytest.mark.parametrize("target_cc", [(9, 0)], indirect=True, ids=["sm90"])

@@ -41,10 +41,13 @@ def compile_ptx(kernel, head_dim, causal, dtype, tiles, cc):
         from flashcore.backends.numba_cuda import tiles as st
 
         kt = st.choose(head_dim, dtype, causal, cc, simulator=False)
-        for name, fn, sig, _smem, _threads in launch.kernel_variants(head_dim, dtype,
-                                                                     causal, kt):
+        if tiles is not None:  # the same tiling for every SIMT pass
+            kt = st.KernelTiles(forward=tiles, dkdv=tiles, dq=tiles)
+        for name, fn, sig, _smem, _threads, bounds in launch.kernel_variants(
+                head_dim, dtype, causal, kt):
             if name == kernel:
-                return cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH)[0], kt
+                return cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH,
+                                        **launch.jit_options(bounds))[0], kt
         raise SystemExit(f"no SIMT kernel {kernel}")
     t = tiles or tt.choose(kernel, head_dim, causal, dtype, cc=cc, simulator=False)
     make, sig_name = launch_tc._MAKERS[kernel]
@@ -54,12 +57,12 @@ def compile_ptx(kernel, head_dim, causal, dtype, tiles, cc):
     return ptx, t
 
 
-def assemble(ptx, cc, workdir):
+def assemble(ptx, cc, workdir, extra=()):
     src = Path(workdir) / "k.ptx"
     cubin = Path(workdir) / "k.cubin"
     for _ in range(2):
         src.write_text(ptx)
-        proc = subprocess.run([_tool("ptxas"), f"-arch=sm_{cc[0]}{cc[1]}", "-v", "-o",
+        proc = subprocess.run([_tool("ptxas"), f"-arch=sm_{cc[0]}{cc[1]}", "-v", *extra, "-o",
                                str(cubin), str(src)], capture_output=True, text=True)
         m = re.search(r"current version is '([0-9.]+)'", proc.stderr)
         if proc.returncode == 0 or m is None:
@@ -87,17 +90,26 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tiles", help="warps,block_n[,m_tiles]")
+    ap.add_argument("--tiles", help="tensor cores: warps,block_n[,m_tiles[,d_splits]]; "
+                    "SIMT: block_m,block_n,rows,cols (all passes)")
+    ap.add_argument("--ptxas", default="", help="extra ptxas options, e.g. -maxrregcount=128")
     ap.add_argument("--cc", default="9.0")
     ap.add_argument("--dump", help="write the SASS here")
     a = ap.parse_args(argv)
     from flashcore.backends.numba_cuda.tile_product_tc import TCTiles
 
     cc = tuple(int(x) for x in a.cc.split("."))
-    tiles = TCTiles(*(int(x) for x in a.tiles.split(","))) if a.tiles else None
+    tiles = None
+    if a.tiles:
+        nums = [int(x) for x in a.tiles.split(",")]
+        if a.kernel.startswith("attn_"):
+            from flashcore.backends.numba_cuda.tiles import Tiles
+            tiles = Tiles(*nums)
+        else:
+            tiles = TCTiles(*nums)
     ptx, t = compile_ptx(a.kernel, a.head_dim, a.causal, a.dtype, tiles, cc)
     with tempfile.TemporaryDirectory() as d:
-        cubin, report = assemble(ptx, cc, d)
+        cubin, report = assemble(ptx, cc, d, a.ptxas.split())
         sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True,
                               text=True, check=True).stdout
     if a.dump:

@@ -220,5 +220,7 @@ def variant_tag(head_dim, t, causal=None) -> str:
     name, so variants compiled by different processes never overwrite each other's entry,
     and profiles name the variant."""
     tag = f"d{head_dim}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}"
+    if t.min_blocks > 1:
+        tag += f"_b{t.min_blocks}"
     return tag if causal is None else tag + ("_causal" if causal else "_full")
 

@@ -127,7 +127,7 @@ class Prepared:
         "threads",
     )
 
-    def __init__(self, pyfunc, sig, threads, smem_words, device):
+    def __init__(self, pyfunc, sig, threads, smem_words, device, launch_bounds=None):
         self.name = pyfunc.__name__
         self.threads = threads
         self.smem = 4 * smem_words
@@ -144,15 +144,22 @@ class Prepared:
         self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
         self._lock = threading.Lock()
         self._on = _OnDevice(device)
-        self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=_FASTMATH)
+        self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=_FASTMATH,
+                                    **jit_options(launch_bounds))
         with cuda.gpus[device]:
             self.kernel = self._dispatcher.compile(sig)
             cufunc = self.kernel._codelibrary.get_cufunc()
-            if self.smem > _tiles.STATIC_SMEM_LIMIT:
-                from numba.cuda.cudadrv.driver import binding, driver
+            from numba.cuda.cudadrv.driver import binding, driver
 
-                attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                driver.cuKernelSetAttribute(attr, self.smem, cufunc.handle, device)
+            attrs = binding.CUfunction_attribute
+            if self.smem > _tiles.STATIC_SMEM_LIMIT:
+                driver.cuKernelSetAttribute(
+                    attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem,
+                    cufunc.handle, device)
+            if launch_bounds:  # several blocks per SM: all the carveout to shared memory
+                driver.cuKernelSetAttribute(
+                    attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
+                    cufunc.handle, device)
             self.handle = int(cufunc.handle)
 
     def __call__(self, grid, stream, args):
@@ -172,6 +179,11 @@ class Prepared:
                          stream, self._ptrs, None)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA error {err}")
+
+
+def jit_options(launch_bounds):
+    """``cuda.jit`` options of a kernel compiled for ``launch_bounds`` (None: none)."""
+    return {"launch_bounds": launch_bounds} if launch_bounds else {}
 
 
 def synchronize(stream: int, device: int = 0):
@@ -238,21 +250,21 @@ def signature(kernel: str, dtype: str) -> tuple:
 
 
 def kernel_variants(head_dim: int, dtype: str, causal: bool, kt):
-    """``(name, python function, signature, shared-memory words, threads)`` of every kernel
-    one case launches; the PTX tests compile exactly these."""
+    """``(name, python function, signature, shared-memory words, threads, launch bounds)``
+    of every kernel one case launches; the PTX tests compile exactly these."""
     return [
         ("attn_forward", _fwd.make_attn_forward(head_dim, kt.forward, causal),
          signature("attn_forward", dtype), _tiles.forward_smem_words(kt.forward, head_dim),
-         kt.forward.threads),
+         kt.forward.threads, kt.forward.launch_bounds),
         ("attn_backward_preprocess",
          _bwd.make_attn_backward_preprocess(head_dim, kt.preprocess_threads),
-         signature("attn_backward_preprocess", dtype), 0, kt.preprocess_threads),
+         signature("attn_backward_preprocess", dtype), 0, kt.preprocess_threads, None),
         ("attn_backward_dkdv", _bwd.make_attn_backward_dkdv(head_dim, kt.dkdv, causal),
          signature("attn_backward_dkdv", dtype), _tiles.dkdv_smem_words(kt.dkdv, head_dim),
-         kt.dkdv.threads),
+         kt.dkdv.threads, kt.dkdv.launch_bounds),
         ("attn_backward_dq", _bwd.make_attn_backward_dq(head_dim, kt.dq, causal),
          signature("attn_backward_dq", dtype), _tiles.dq_smem_words(kt.dq, head_dim),
-         kt.dq.threads),
+         kt.dq.threads, kt.dq.launch_bounds),
     ]
 
 
@@ -260,7 +272,7 @@ def forward_kernel(head_dim, dtype, causal, device, t):
     def build():
         fn = _fwd.make_attn_forward(head_dim, t, causal)
         return Prepared(fn, signature("attn_forward", dtype), t.threads,
-                        _tiles.forward_smem_words(t, head_dim), device)
+                        _tiles.forward_smem_words(t, head_dim), device, t.launch_bounds)
     return _prepared(("fwd", head_dim, dtype, causal, device, t), build)
 
 
@@ -275,7 +287,7 @@ def dkdv_kernel(head_dim, dtype, causal, device, t):
     def build():
         fn = _bwd.make_attn_backward_dkdv(head_dim, t, causal)
         return Prepared(fn, signature("attn_backward_dkdv", dtype), t.threads,
-                        _tiles.dkdv_smem_words(t, head_dim), device)
+                        _tiles.dkdv_smem_words(t, head_dim), device, t.launch_bounds)
     return _prepared(("dkdv", head_dim, dtype, causal, device, t), build)
 
 
@@ -283,7 +295,7 @@ def dq_kernel(head_dim, dtype, causal, device, t):
     def build():
         fn = _bwd.make_attn_backward_dq(head_dim, t, causal)
         return Prepared(fn, signature("attn_backward_dq", dtype), t.threads,
-                        _tiles.dq_smem_words(t, head_dim), device)
+                        _tiles.dq_smem_words(t, head_dim), device, t.launch_bounds)
     return _prepared(("dq", head_dim, dtype, causal, device, t), build)
 
 

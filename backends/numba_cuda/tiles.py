@@ -33,6 +33,12 @@ def smem_limit(cc) -> int:
     return 163 * 1024 if cc == (8, 7) else 227 * 1024 if cc[0] == 9 else 99 * 1024
 
 
+def blocks_fit(smem_words: int, blocks: int, cc) -> bool:
+    """Whether ``blocks`` blocks of ``smem_words`` fp32 words each fit one SM side by side
+    (the driver reserves 1 KiB per block; an SM has 1 KiB more than one block may take)."""
+    return blocks * (4 * smem_words + 1024) <= smem_limit(cc) + 1024
+
+
 def a_ld(n: int) -> int:
     """Row stride of a tile read as an A operand (vector loads: a multiple of 4 words)."""
     return n + 4
@@ -51,8 +57,14 @@ class Tiles:
     block_n: int
     rows: int  # thread rows
     cols: int  # thread columns
+    #: blocks per multiprocessor the kernel is compiled for: above 1, ptxas caps registers
+    #: at 65536 / (threads * min_blocks) and the kernel asks for the largest shared-memory
+    #: carveout, so that that many blocks fit side by side
+    min_blocks: int = 1
 
     def __post_init__(self):
+        if self.min_blocks < 1:
+            raise ValueError(f"min_blocks must be at least 1: {self}")
         if self.block_m % self.rows or self.block_n % self.cols:
             raise ValueError(f"tiles must divide among threads: {self}")
         if self.block_m % 4 or self.block_n % 4:
@@ -61,6 +73,11 @@ class Tiles:
     @property
     def threads(self) -> int:
         return self.rows * self.cols
+
+    @property
+    def launch_bounds(self):
+        """numba's ``launch_bounds`` for this tiling: None, or (threads, min_blocks)."""
+        return (self.threads, self.min_blocks) if self.min_blocks > 1 else None
 
     @property
     def rm(self) -> int:
