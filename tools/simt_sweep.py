@@ -29,18 +29,20 @@ DEV = "cuda"
 T = tiles.Tiles
 
 FORWARD = {
-    64: [T(128, 128, 16, 16), T(128, 128, 16, 32), T(128, 64, 16, 16, 2),
-         T(64, 64, 8, 16, 4), T(64, 128, 8, 16, 2)],
-    128: [T(128, 64, 16, 16), T(128, 128, 16, 32), T(64, 64, 8, 16, 2),
-          T(128, 64, 16, 32), T(64, 32, 8, 16, 3)],
+    64: [T(128, 128, 16, 16), T(128, 64, 16, 16, 2), T(128, 64, 16, 16, 2, True),
+         T(128, 128, 16, 32, 1, True), T(64, 64, 8, 16, 3, True),
+         T(128, 64, 16, 32, 1, True)],
+    128: [T(128, 64, 16, 16), T(128, 64, 16, 32), T(128, 64, 16, 32, 1, True),
+          T(128, 32, 16, 16, 1, True), T(64, 64, 16, 16, 1, True),
+          T(128, 128, 16, 32)],
 }
 DKDV = {
-    64: [T(128, 64, 16, 16), T(64, 64, 16, 16, 2), T(128, 64, 16, 32), T(64, 32, 16, 16, 3)],
-    128: [T(64, 64, 16, 16), T(64, 32, 16, 16, 2), T(32, 64, 8, 16, 2)],
+    64: [T(128, 64, 16, 16)],
+    128: [T(64, 64, 16, 16)],
 }
 DQ = {
-    64: [T(128, 64, 16, 16), T(128, 64, 16, 32), T(64, 64, 16, 16, 2), T(64, 32, 16, 16, 3)],
-    128: [T(128, 32, 16, 16), T(64, 32, 16, 16, 2), T(64, 64, 16, 16), T(128, 64, 16, 32)],
+    64: [T(128, 64, 16, 16)],
+    128: [T(128, 32, 16, 16)],
 }
 
 
@@ -66,7 +68,7 @@ def randn(*shape, seed):
 
 def name(t):
     return f"{t.block_m}x{t.block_n}/{t.rows}x{t.cols}" + (
-        f"/b{t.min_blocks}" if t.min_blocks > 1 else "")
+        f"/b{t.min_blocks}" if t.min_blocks > 1 else "") + ("/cpa" if t.async_copy else "")
 
 
 def fits(t, words):
@@ -161,7 +163,7 @@ def main():
             ref = sdpa_eff(p, False)
             rows.append(dict(D=D, causal=causal, pass_="fwd", tiling="sdpa_eff", ms=ref))
             for t in FORWARD[D]:
-                if not fits(t, tiles.forward_smem_words(t, D)):
+                if not fits(t, tiles.forward_smem_words(t, D, "float32")):
                     continue
                 kt = tiles.KernelTiles(forward=t, dkdv=base.dkdv, dq=base.dq)
                 try:

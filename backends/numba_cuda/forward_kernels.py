@@ -18,6 +18,7 @@ from numba import cuda, float32
 
 from . import tiles as _tiles
 from .convert import SIMULATOR, device_function, load_f32, smem_pointer, store_f32
+from .mma import cp_async4, cp_async_commit, cp_async_wait
 from .tile_product import tile_product
 
 #: Dynamic shared memory starts 16-byte aligned (vector loads); the simulator takes no
@@ -78,12 +79,47 @@ def load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult,
         smem[off + i3] = v3
 
 
+@device_function
+def copy_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, tid, NT):
+    """``load_tile_t`` for fp32 tiles with an odd ``ld``, without scaling, by ``cp.async``
+    (4-byte copies, zero-filled past ``nvalid`` rows and ``D`` columns): the copies are in
+    flight until ``cp_async_wait``, so the caller computes meanwhile. Lanes walk along d
+    (coalesced reads; an odd ``ld`` puts them on distinct banks); where the threads divide
+    the tile evenly, each keeps one column and steps its addresses by a constant."""
+    if NT % DP == 0 and rows % (NT // DP) == 0:  # (compile-time constants)
+        RS = NT // DP
+        j = tid // DP
+        d = tid - j * DP
+        g = base + (n0 + j) * sn + d * sd
+        at = off + d * ld + j
+        for r in range(rows // RS):
+            ok = d < D and n0 + j + r * RS < nvalid
+            cp_async4(smem, at + r * RS, src, g if ok else base, 4 if ok else 0)
+            g += RS * sn
+    elif DP % NT == 0:
+        for c in range(DP // NT):
+            d = tid + c * NT
+            g = base + n0 * sn + d * sd
+            for j in range(rows):
+                ok = d < D and n0 + j < nvalid
+                cp_async4(smem, off + d * ld + j, src, g if ok else base, 4 if ok else 0)
+                g += sn
+    else:
+        for e in range(tid, rows * DP, NT):
+            j = e // DP
+            d = e - j * DP
+            ok = d < D and n0 + j < nvalid
+            cp_async4(smem, off + d * ld + j, src, base + (n0 + j) * sn + d * sd if ok
+                      else base, 4 if ok else 0)
+
+
 _CACHE = {}
 
 
-def make_attn_forward(head_dim: int, t, causal: bool):
-    """The forward kernel specialized for one head dim, tiling ``t`` and causality."""
-    key = (head_dim, t, causal)
+def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
+    """The forward kernel specialized for one head dim, tiling ``t`` and causality;
+    ``streamed``: K and V (fp32) arrive by cp.async, K one tile ahead (tiles.streams)."""
+    key = (head_dim, t, causal, streamed)
     if key in _CACHE:
         return _CACHE[key]
     D = head_dim
@@ -91,9 +127,10 @@ def make_attn_forward(head_dim: int, t, causal: bool):
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
-    lay = _tiles.forward_layout(t, D)
-    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q [d][i], K or V [d][j], P [j][i]
-    Q_OFF, KV_OFF, P_OFF = lay["Q"], lay["KV"], lay["P"]
+    ASYNC = bool(streamed)
+    lay = _tiles.forward_layout(t, D, ASYNC)
+    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q [d][i], K and V [d][j], P [j][i]
+    Q_OFF, K_OFF, V_OFF, P_OFF = lay["Q"], lay["K"], lay["V"], lay["P"]
     RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(causal)
 
@@ -141,14 +178,22 @@ def make_attn_forward(head_dim: int, t, causal: bool):
         if CAUSAL:
             n_full = min(Nk, q0 + 1 + causal_offset)
 
+        if ASYNC:
+            copy_tile_t(smem, K_OFF, LDK, k, kbase, 0, Nk, ksn, ksd, BN, D, DP, tid, NT)
+            cp_async_commit()
         for n0 in range(0, n_end, BN):
-            load_tile_t(smem, KV_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
-                        float32(1.0), tid, NT)
+            if ASYNC:  # V of this tile in flight during S = Q Kᵀ
+                copy_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP, tid, NT)
+                cp_async_commit()
+                cp_async_wait(1)  # this tile's K
+            else:
+                load_tile_t(smem, K_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
+                            float32(1.0), tid, NT)
             cuda.syncthreads()
             for a in range(RM):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, KV_OFF, LDK, 1, DP, tr, tc,
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, LDK, 1, DP, tr, tc,
                          RM, RN, TC)
             if n0 + BN > n_full:  # a diagonal or tail tile: mask
                 for a in range(RM):
@@ -163,9 +208,15 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                     mx = max(mx, s[a, bb])
                 smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
             cuda.syncthreads()
-            # K is consumed: V goes into the same buffer while the softmax runs.
-            load_tile_t(smem, KV_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
-                        float32(1.0), tid, NT)
+            # K is consumed: the next K (async) or this V goes in while the softmax runs.
+            if ASYNC:
+                if n0 + BN < n_end:
+                    copy_tile_t(smem, K_OFF, LDK, k, kbase, n0 + BN, Nk, ksn, ksd, BN, D, DP,
+                                tid, NT)
+                cp_async_commit()
+            else:
+                load_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                            float32(1.0), tid, NT)
             for a in range(RM):
                 row = tr * RM + a
                 mx = m_i[a]
@@ -183,9 +234,13 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                     lsum += p
                     smem[P_OFF + (tc + TC * bb) * LDP + row] = p
                 l_i[a] = lsum
+            if ASYNC:
+                cp_async_wait(1)  # this tile's V (the next K may be in flight)
             cuda.syncthreads()
-            tile_product(acc, xa, xd, smem, P_OFF, LDP, KV_OFF, 1, LDK, BN, tr, tc, RM, RD, TC)
+            tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, 1, LDK, BN, tr, tc, RM, RD, TC)
             cuda.syncthreads()
+        if ASYNC:
+            cp_async_wait(0)
 
         # Each thread summed its own columns; add up the row sums across the TC threads.
         for a in range(RM):
@@ -210,17 +265,19 @@ def make_attn_forward(head_dim: int, t, causal: bool):
                         val = (m_i[a] + math.log2(lsum)) * float32(LN2)
                     lse[(b * Hq + h) * Nq + i] = val
 
-    attn_forward.__qualname__ = f"attn_forward_{variant_tag(D, t, CAUSAL)}"
+    attn_forward.__qualname__ = f"attn_forward_{variant_tag(D, t, CAUSAL, ASYNC)}"
     _CACHE[key] = attn_forward
     return attn_forward
 
 
-def variant_tag(head_dim, t, causal=None) -> str:
+def variant_tag(head_dim, t, causal=None, streamed=False) -> str:
     """A name per compiled variant: numba's disk cache keeps one index file per qualified
     name, so variants compiled by different processes never overwrite each other's entry,
     and profiles name the variant."""
     tag = f"d{head_dim}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}"
     if t.min_blocks > 1:
         tag += f"_b{t.min_blocks}"
+    if streamed:
+        tag += "_cpa"
     return tag if causal is None else tag + ("_causal" if causal else "_full")
 

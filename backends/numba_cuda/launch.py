@@ -253,9 +253,11 @@ def kernel_variants(head_dim: int, dtype: str, causal: bool, kt):
     """``(name, python function, signature, shared-memory words, threads, launch bounds)``
     of every kernel one case launches; the PTX tests compile exactly these."""
     return [
-        ("attn_forward", _fwd.make_attn_forward(head_dim, kt.forward, causal),
-         signature("attn_forward", dtype), _tiles.forward_smem_words(kt.forward, head_dim),
-         kt.forward.threads, kt.forward.launch_bounds),
+        ("attn_forward", _fwd.make_attn_forward(head_dim, kt.forward, causal,
+                                                _tiles.streams(kt.forward, dtype)),
+         signature("attn_forward", dtype),
+         _tiles.forward_smem_words(kt.forward, head_dim, dtype), kt.forward.threads,
+         kt.forward.launch_bounds),
         ("attn_backward_preprocess",
          _bwd.make_attn_backward_preprocess(head_dim, kt.preprocess_threads),
          signature("attn_backward_preprocess", dtype), 0, kt.preprocess_threads, None),
@@ -270,9 +272,10 @@ def kernel_variants(head_dim: int, dtype: str, causal: bool, kt):
 
 def forward_kernel(head_dim, dtype, causal, device, t):
     def build():
-        fn = _fwd.make_attn_forward(head_dim, t, causal)
+        fn = _fwd.make_attn_forward(head_dim, t, causal, _tiles.streams(t, dtype))
         return Prepared(fn, signature("attn_forward", dtype), t.threads,
-                        _tiles.forward_smem_words(t, head_dim), device, t.launch_bounds)
+                        _tiles.forward_smem_words(t, head_dim, dtype), device,
+                        t.launch_bounds)
     return _prepared(("fwd", head_dim, dtype, causal, device, t), build)
 
 

@@ -27,7 +27,8 @@ fragments. Loading a row-major A tile with lanes pointing at row ``l % 16``, col
 
 ``cp_async16(smem, i, src, j, nbytes)`` copies 16 bytes global -> shared without going
 through registers (``cp.async.cg``; ``nbytes`` 0 zero-fills the destination: rows past the
-end); ``cp_async_commit()`` closes a group and ``cp_async_wait(n)`` (``n`` a literal) waits
+end); ``cp_async4`` copies one 4-byte word (``cp.async.ca``: the SIMT kernels' fp32 tiles,
+which it can transpose, one element at a time); ``cp_async_commit()`` closes a group and ``cp_async_wait(n)`` (``n`` a literal) waits
 until at most ``n`` groups are in flight. A ``syncthreads`` must follow before other
 threads read the copied data. Under the simulator the copy is immediate.
 
@@ -46,6 +47,7 @@ SIMULATOR = bool(cuda.config.ENABLE_CUDASIM)
 
 __all__ = [
     "SIMULATOR",
+    "cp_async4",
     "cp_async16",
     "cp_async_commit",
     "cp_async_wait",
@@ -230,6 +232,10 @@ if SIMULATOR:
         else:
             smem[sidx:sidx + 8] = 0
 
+    def cp_async4(smem, sidx, src, gidx, nbytes):
+        """One fp32 word ``src[gidx]`` to ``smem[sidx]``; zero when ``nbytes`` is 0."""
+        smem[int(sidx)] = src[int(gidx)] if nbytes else np.float32(0.0)
+
     def cp_async_commit():
         """Close the current group of cp.async copies (a no-op in the simulator)."""
 
@@ -330,27 +336,33 @@ else:
     pack_bf16x2 = _pack_intrinsic("bf16")
     pack_f16x2 = _pack_intrinsic("f16")
 
-    @intrinsic
-    def cp_async16(typingctx, smem, sidx, src, gidx, nbytes):
-        """``src`` is a raw pointer (the kernels) or a device array (its data pointer)."""
-        if not (isinstance(smem, types.CPointer)
-                and isinstance(src, (types.CPointer, types.Array))):
-            return None
-        sig = types.void(smem, sidx, src, gidx, types.uint32)
+    def _cp_async_intrinsic(nbytes, cache):
+        text = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
+                f"cp.async.{cache}.shared.global [$0], [ga], {nbytes}, $2; }}")
 
-        def codegen(context, builder, sig, args):
-            s, si, g, gi, n = args
-            if isinstance(sig.args[2], types.Array):
-                g = context.make_array(sig.args[2])(context, builder, g).data
-            saddr = _shared_u32(builder, s, si)
-            gaddr = _generic_u64(builder, g, gi)
-            _asm(builder, ir.VoidType(), [saddr, gaddr, n],
-                 "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
-                 "cp.async.cg.shared.global [$0], [ga], 16, $2; }",
-                 "r,l,r,~{memory}")
-            return context.get_dummy_value()
+        @intrinsic
+        def cp_async(typingctx, smem, sidx, src, gidx, nbytes):
+            """``src`` is a raw pointer (the kernels) or a device array (its data pointer)."""
+            if not (isinstance(smem, types.CPointer)
+                    and isinstance(src, (types.CPointer, types.Array))):
+                return None
+            sig = types.void(smem, sidx, src, gidx, types.uint32)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                s, si, g, gi, n = args
+                if isinstance(sig.args[2], types.Array):
+                    g = context.make_array(sig.args[2])(context, builder, g).data
+                saddr = _shared_u32(builder, s, si)
+                gaddr = _generic_u64(builder, g, gi)
+                _asm(builder, ir.VoidType(), [saddr, gaddr, n], text, "r,l,r,~{memory}")
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return cp_async
+
+    cp_async16 = _cp_async_intrinsic(16, "cg")
+    cp_async4 = _cp_async_intrinsic(4, "ca")
 
     @intrinsic
     def cp_async_commit(typingctx):

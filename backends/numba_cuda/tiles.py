@@ -61,6 +61,9 @@ class Tiles:
     #: at 65536 / (threads * min_blocks) and the kernel asks for the largest shared-memory
     #: carveout, so that that many blocks fit side by side
     min_blocks: int = 1
+    #: float32 tiles that stream through shared memory (K, V in the forward and dQ; Q, dO
+    #: in dK/dV) are copied with ``cp.async`` (sm_80+) one tile ahead, into a second buffer
+    async_copy: bool = False
 
     def __post_init__(self):
         if self.min_blocks < 1:
@@ -76,8 +79,12 @@ class Tiles:
 
     @property
     def launch_bounds(self):
-        """numba's ``launch_bounds`` for this tiling: None, or (threads, min_blocks)."""
-        return (self.threads, self.min_blocks) if self.min_blocks > 1 else None
+        """numba's ``launch_bounds`` for this tiling: (threads, min_blocks) where the
+        registers must be capped (several blocks per SM, or more than 256 threads, which
+        cannot launch with more than 128 registers each), else None."""
+        if self.min_blocks > 1 or self.threads > 256:
+            return (self.threads, self.min_blocks)
+        return None
 
     @property
     def rm(self) -> int:
@@ -120,15 +127,18 @@ def _offsets(*sizes):
     return out, at
 
 
-def forward_layout(t: Tiles, head_dim: int):
+def forward_layout(t: Tiles, head_dim: int, streamed: bool = False):
     """Offsets and row strides (in fp32 words) of attn_forward's shared memory:
-    Q ``[d][i]`` (A operand of Q Kᵀ), K or V ``[d][j]`` (B operand of both products),
-    P ``[j][i]`` (A operand of P V), and the per-thread partial row maxima and sums."""
+    Q ``[d][i]`` (A operand of Q Kᵀ), K and V ``[d][j]`` (B operand of both products; one
+    buffer taken in turn, or with ``streamed`` copies one each, so that the next K arrives
+    during the current tile's P V), P ``[j][i]`` (A operand of P V), and the per-thread
+    partial row maxima and sums."""
     dp = t.dpad(head_dim)
     ldq, ldk, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
-    (q, kv, p, red), words = _offsets(dp * ldq, dp * ldk, t.block_n * ldp,
-                                      t.block_m * t.cols)
-    return dict(Q=q, KV=kv, P=p, RED=red, LDQ=ldq, LDK=ldk, LDP=ldp, words=words)
+    (q, k, v, p, red), words = _offsets(dp * ldq, dp * ldk, dp * ldk if streamed else 0,
+                                        t.block_n * ldp, t.block_m * t.cols)
+    return dict(Q=q, K=k, V=v if streamed else k, P=p, RED=red, LDQ=ldq, LDK=ldk, LDP=ldp,
+                words=words)
 
 
 def dkdv_layout(t: Tiles, head_dim: int):
@@ -153,8 +163,14 @@ def dq_layout(t: Tiles, head_dim: int):
     return dict(Q=q, DO=do, K=k, V=v, DS=ds, LDQ=ldq, LDK=ldk, LDP=ldp, words=words)
 
 
-def forward_smem_words(t: Tiles, head_dim: int) -> int:
-    return forward_layout(t, head_dim)["words"]
+def streams(t: Tiles, dtype: str) -> bool:
+    """Whether the kernels of tiling ``t`` copy streamed tiles of ``dtype`` with cp.async
+    (fp32 only: the copy cannot widen fp16/bf16)."""
+    return t.async_copy and dtype == "float32"
+
+
+def forward_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
+    return forward_layout(t, head_dim, streams(t, dtype))["words"]
 
 
 def dkdv_smem_words(t: Tiles, head_dim: int) -> int:
@@ -169,7 +185,7 @@ def dq_smem_words(t: Tiles, head_dim: int) -> int:
 #: several tiles, tails and diagonal tiles in play on the small shapes the tests use, and
 #: four rows per thread so that the vector loads run too.
 SIMULATOR = KernelTiles(
-    forward=Tiles(block_m=8, block_n=8, rows=2, cols=4),
+    forward=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
     dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2),
     dq=Tiles(block_m=8, block_n=8, rows=2, cols=4),
     preprocess_threads=8,
@@ -180,8 +196,8 @@ SIMULATOR = KernelTiles(
 #: fastest of those timed on an H200 (notes/numba_cuda.md) and use up to 186 KiB of shared
 #: memory; other GPUs get tilings within sm_80's 163 KiB.
 _TABLE_SM90 = (
-    (64, Tiles(128, 128, 16, 16), Tiles(128, 64, 16, 16), Tiles(128, 64, 16, 16)),
-    (128, Tiles(128, 64, 16, 16), Tiles(64, 64, 16, 16), Tiles(128, 32, 16, 16)),
+    (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16), Tiles(128, 64, 16, 16)),
+    (128, Tiles(128, 64, 16, 32, 1, True), Tiles(64, 64, 16, 16), Tiles(128, 32, 16, 16)),
     (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
 )
 _TABLE_SM80 = (
