@@ -37,12 +37,16 @@ FORWARD = {
           T(128, 128, 16, 32)],
 }
 DKDV = {
-    64: [T(128, 64, 16, 16)],
-    128: [T(64, 64, 16, 16)],
+    64: [T(128, 64, 16, 16), T(128, 64, 16, 16, 1, True), T(128, 64, 16, 32, 1, True),
+         T(64, 32, 16, 16, 2, True), T(64, 64, 16, 16, 1, True)],
+    128: [T(64, 64, 16, 16), T(64, 32, 16, 16, 1, True), T(64, 32, 16, 32, 1, True),
+          T(32, 64, 8, 16, 1, True)],
 }
 DQ = {
-    64: [T(128, 64, 16, 16)],
-    128: [T(128, 32, 16, 16)],
+    64: [T(128, 64, 16, 16), T(128, 64, 16, 16, 1, True), T(128, 64, 16, 32, 1, True),
+         T(64, 32, 16, 16, 3, True), T(64, 64, 16, 16, 1, True)],
+    128: [T(128, 32, 16, 16), T(128, 32, 16, 16, 1, True), T(64, 32, 16, 16, 1, True),
+          T(128, 32, 16, 32, 1, True)],
 }
 
 
@@ -185,7 +189,7 @@ def main():
         for which, cands, words in (("dkdv", DKDV[D], tiles.dkdv_smem_words),
                                     ("dq", DQ[D], tiles.dq_smem_words)):
             for t in cands:
-                if not fits(t, words(t, D)):
+                if not fits(t, words(t, D, "float32")):
                     continue
                 kt = tiles.KernelTiles(forward=base.forward,
                                        dkdv=t if which == "dkdv" else base.dkdv,

@@ -2,8 +2,11 @@
 ``attn_backward_dkdv`` (key tiles outer, query tiles inner) and ``attn_backward_dq``
 (query tiles outer, key tiles inner).
 
-Both passes recompute ``P = exp(S - lse)`` tile by tile (in base 2: Q is pre-multiplied by
-``scale * log2(e)`` and lse by ``log2(e)``) and use ``dS = P * (dP - delta)``. Each output
+Both passes recompute ``P = exp(S - lse)`` tile by tile (in base 2: the resident operand of
+``S``, K in the dK/dV pass and Q in the dQ pass, is pre-multiplied by ``scale * log2(e)``,
+and lse by ``log2(e)``) and use ``dS = P * (dP - delta)``. With a streaming tiling
+(``tiles.streams``: fp32 inputs on sm_80+), the streamed tiles (Q and dO, or K and V) arrive
+by ``cp.async`` one tile ahead into a second stage of shared memory. Each output
 element is owned by exactly one thread of one block, which sums its terms in a fixed order:
 no atomics, so the gradients are bitwise deterministic. Under GQA a dK/dV block loops over
 all query heads of its key/value head.
@@ -21,7 +24,16 @@ from numba import cuda, float32
 
 from . import tiles as _tiles
 from .convert import device_function, load_f32, smem_pointer, store_f32
-from .forward_kernels import LN2, LOG2E, NEG_INF, POS_INF, SMEM_ALIGN, load_tile_t, variant_tag
+from .forward_kernels import (
+    LOG2E,
+    NEG_INF,
+    POS_INF,
+    SMEM_ALIGN,
+    copy_tile_t,
+    load_tile_t,
+    variant_tag,
+)
+from .mma import cp_async_commit, cp_async_wait
 from .tile_product import tile_product
 
 
@@ -71,9 +83,10 @@ def make_attn_backward_preprocess(head_dim: int, threads: int):
     return attn_backward_preprocess
 
 
-def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
-    """dK, dV for one key tile of ``t.block_m`` keys per block; query tiles of ``t.block_n``."""
-    key = ("dkdv", head_dim, t, causal)
+def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = False):
+    """dK, dV for one key tile of ``t.block_m`` keys per block; query tiles of ``t.block_n``
+    (``streamed``: Q and dO by cp.async, one tile ahead)."""
+    key = ("dkdv", head_dim, t, causal, streamed)
     if key in _CACHE:
         return _CACHE[key]
     D = head_dim
@@ -81,10 +94,12 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
-    lay = _tiles.dkdv_layout(t, D)
+    ASYNC = bool(streamed)
+    lay = _tiles.dkdv_layout(t, D, ASYNC)
     LDK, LDQ, LDP = lay["LDK"], lay["LDQ"], lay["LDP"]  # K, V [d][key]; Q, dO [d][query]
     K_OFF, V_OFF, Q_OFF, DO_OFF = lay["K"], lay["V"], lay["Q"], lay["DO"]
     P_OFF, DS_OFF, LS_OFF, DL_OFF = lay["P"], lay["DS"], lay["LS"], lay["DL"]  # [query][key]
+    STAGE = lay["STAGE"]
     CAUSAL = bool(causal)
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
@@ -103,8 +118,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
         sl2 = float32(scale * LOG2E)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
-        load_tile_t(smem, K_OFF, LDK, k, kbase, k0, Nk, ksn, ksd, BM, D, DP, float32(1.0),
-                    tid, NT)
+        load_tile_t(smem, K_OFF, LDK, k, kbase, k0, Nk, ksn, ksd, BM, D, DP, sl2, tid, NT)
         load_tile_t(smem, V_OFF, LDK, v, vbase, k0, Nk, vsn, vsd, BM, D, DP, float32(1.0),
                     tid, NT)
 
@@ -126,50 +140,79 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
             m_begin = max(0, k0 - causal_offset) // BN * BN
         # Query tiles from m_full on see every key of ours: no mask.
         m_full = k0 + BM - 1 - causal_offset
+        # One step per (query head of the group, query tile), in that order.
+        n_m = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
+        steps = group * n_m
+        if ASYNC and steps > 0:
+            h = hk * group
+            copy_tile_t(smem, Q_OFF, LDQ, q, b * qsb + h * qsh, m_begin, Nq, qsn, qsd, BN,
+                        D, DP, tid, NT)
+            copy_tile_t(smem, DO_OFF, LDQ, do, b * gsb + h * gsh, m_begin, Nq, gsn, gsd, BN,
+                        D, DP, tid, NT)
+            cp_async_commit()
 
-        for g in range(group):
+        for it in range(steps):
+            g = it // n_m
+            m0 = m_begin + (it - g * n_m) * BN
             h = hk * group + g
             qbase = b * qsb + h * qsh
             gbase = b * gsb + h * gsh
             lbase = b * lsb + h * lsh
-            for m0 in range(m_begin, Nq, BN):
-                load_tile_t(smem, Q_OFF, LDQ, q, qbase, m0, Nq, qsn, qsd, BN, D, DP, sl2,
-                            tid, NT)
+            q_off = Q_OFF
+            do_off = DO_OFF
+            if ASYNC:
+                stage = it & 1
+                q_off += stage * STAGE
+                do_off += stage * STAGE
+                if it + 1 < steps:  # the next step's Q and dO into the other stage
+                    g2 = (it + 1) // n_m
+                    m2 = m_begin + (it + 1 - g2 * n_m) * BN
+                    h2 = hk * group + g2
+                    copy_tile_t(smem, q_off + STAGE - 2 * stage * STAGE, LDQ, q,
+                                b * qsb + h2 * qsh, m2, Nq, qsn, qsd, BN, D, DP, tid, NT)
+                    copy_tile_t(smem, do_off + STAGE - 2 * stage * STAGE, LDQ, do,
+                                b * gsb + h2 * gsh, m2, Nq, gsn, gsd, BN, D, DP, tid, NT)
+                cp_async_commit()
+                cp_async_wait(1)  # this step's Q and dO
+            else:
+                load_tile_t(smem, Q_OFF, LDQ, q, qbase, m0, Nq, qsn, qsd, BN, D, DP,
+                            float32(1.0), tid, NT)
                 load_tile_t(smem, DO_OFF, LDQ, do, gbase, m0, Nq, gsn, gsd, BN, D, DP,
                             float32(1.0), tid, NT)
-                for e in range(tid, BN, NT):
-                    i = m0 + e
-                    ls, dl = query_stats(lse, delta, lbase + i * lsn, (b * Hq + h) * Nq + i,
-                                         i < Nq)
-                    smem[LS_OFF + e] = ls
-                    smem[DL_OFF + e] = dl
-                cuda.syncthreads()
-                for a in range(RM):
-                    for bb in range(RN):
-                        s[a, bb] = float32(0.0)
-                        dp[a, bb] = float32(0.0)
-                tile_product(s, xa, xb, smem, K_OFF, LDK, Q_OFF, LDQ, 1, DP, tr, tc, RM, RN, TC)
-                tile_product(dp, xa, xb, smem, V_OFF, LDK, DO_OFF, LDQ, 1, DP, tr, tc,
-                             RM, RN, TC)
-                masked = CAUSAL and m0 < m_full
+            for e in range(tid, BN, NT):
+                i = m0 + e
+                ls, dl = query_stats(lse, delta, lbase + i * lsn, (b * Hq + h) * Nq + i,
+                                     i < Nq)
+                smem[LS_OFF + e] = ls
+                smem[DL_OFF + e] = dl
+            cuda.syncthreads()
+            for a in range(RM):
                 for bb in range(RN):
-                    col = tc + TC * bb
-                    ls = smem[LS_OFF + col]
-                    dl = smem[DL_OFF + col]
-                    i = m0 + col
-                    for a in range(RM):
-                        row = tr * RM + a
-                        p = math.exp2(s[a, bb] - ls)
-                        if masked and k0 + row > i + causal_offset:
-                            p = float32(0.0)
-                        smem[P_OFF + col * LDP + row] = p
-                        smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
-                cuda.syncthreads()
-                tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, DO_OFF, 1, LDQ, BN, tr, tc,
-                             RM, RD, TC)
-                tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, Q_OFF, 1, LDQ, BN, tr, tc,
-                             RM, RD, TC)
-                cuda.syncthreads()
+                    s[a, bb] = float32(0.0)
+                    dp[a, bb] = float32(0.0)
+            tile_product(s, xa, xb, smem, K_OFF, LDK, q_off, LDQ, 1, DP, tr, tc, RM, RN, TC)
+            tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, LDQ, 1, DP, tr, tc, RM, RN, TC)
+            masked = CAUSAL and m0 < m_full
+            for bb in range(RN):
+                col = tc + TC * bb
+                ls = smem[LS_OFF + col]
+                dl = smem[DL_OFF + col]
+                i = m0 + col
+                for a in range(RM):
+                    row = tr * RM + a
+                    p = math.exp2(s[a, bb] - ls)
+                    if masked and k0 + row > i + causal_offset:
+                        p = float32(0.0)
+                    smem[P_OFF + col * LDP + row] = p
+                    smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
+            cuda.syncthreads()
+            tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, 1, LDQ, BN, tr, tc,
+                         RM, RD, TC)
+            tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, q_off, 1, LDQ, BN, tr, tc,
+                         RM, RD, TC)
+            cuda.syncthreads()
+        if ASYNC:
+            cp_async_wait(0)
 
         dkbase = b * dksb + hk * dksh
         dvbase = b * dvsb + hk * dvsh
@@ -179,19 +222,20 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool):
                 for dd in range(RD):
                     d = tc + TC * dd
                     if d < D:
-                        # Q was scaled by scale * log2(e): dK = scale * dS Q = ln2 * dS Qs.
                         store_f32(dk, dkbase + j * dksn + d * dksd,
-                                  dk_acc[a, dd] * float32(LN2))
+                                  dk_acc[a, dd] * float32(scale))
                         store_f32(dv, dvbase + j * dvsn + d * dvsd, dv_acc[a, dd])
 
-    attn_backward_dkdv.__qualname__ = f"attn_backward_dkdv_{variant_tag(D, t, CAUSAL)}"
+    attn_backward_dkdv.__qualname__ = (
+        f"attn_backward_dkdv_{variant_tag(D, t, CAUSAL, ASYNC)}")
     _CACHE[key] = attn_backward_dkdv
     return attn_backward_dkdv
 
 
-def make_attn_backward_dq(head_dim: int, t, causal: bool):
-    """dQ for one query tile of ``t.block_m`` rows per block; key tiles of ``t.block_n``."""
-    key = ("dq", head_dim, t, causal)
+def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False):
+    """dQ for one query tile of ``t.block_m`` rows per block; key tiles of ``t.block_n``
+    (``streamed``: K and V by cp.async, one tile ahead)."""
+    key = ("dq", head_dim, t, causal, streamed)
     if key in _CACHE:
         return _CACHE[key]
     D = head_dim
@@ -199,9 +243,11 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
-    lay = _tiles.dq_layout(t, D)
+    ASYNC = bool(streamed)
+    lay = _tiles.dq_layout(t, D, ASYNC)
     LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q, dO [d][query]; K, V [d][key]
     Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF = lay["Q"], lay["DO"], lay["K"], lay["V"], lay["DS"]
+    STAGE = lay["STAGE"]
     CAUSAL = bool(causal)
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
@@ -247,18 +293,37 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
             n_end = min(Nk, q0 + BM + causal_offset)
         n_full = q0 + 1 + causal_offset
 
+        if ASYNC:
+            copy_tile_t(smem, K_OFF, LDK, k, kbase, 0, Nk, ksn, ksd, BN, D, DP, tid, NT)
+            copy_tile_t(smem, V_OFF, LDK, v, vbase, 0, Nk, vsn, vsd, BN, D, DP, tid, NT)
+            cp_async_commit()
         for n0 in range(0, n_end, BN):
-            load_tile_t(smem, K_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
-                        float32(1.0), tid, NT)
-            load_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
-                        float32(1.0), tid, NT)
+            k_off = K_OFF
+            v_off = V_OFF
+            if ASYNC:
+                stage = (n0 // BN) & 1
+                k_off += stage * STAGE
+                v_off += stage * STAGE
+                if n0 + BN < n_end:  # the next K and V into the other stage
+                    other = STAGE - 2 * stage * STAGE
+                    copy_tile_t(smem, k_off + other, LDK, k, kbase, n0 + BN, Nk, ksn, ksd,
+                                BN, D, DP, tid, NT)
+                    copy_tile_t(smem, v_off + other, LDK, v, vbase, n0 + BN, Nk, vsn, vsd,
+                                BN, D, DP, tid, NT)
+                cp_async_commit()
+                cp_async_wait(1)  # this tile's K and V
+            else:
+                load_tile_t(smem, K_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
+                            float32(1.0), tid, NT)
+                load_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                            float32(1.0), tid, NT)
             cuda.syncthreads()
             for a in range(RM):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, LDK, 1, DP, tr, tc, RM, RN, TC)
-            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, V_OFF, LDK, 1, DP, tr, tc, RM, RN, TC)
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, k_off, LDK, 1, DP, tr, tc, RM, RN, TC)
+            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, LDK, 1, DP, tr, tc, RM, RN, TC)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             masked = n0 + BN > Nk or (CAUSAL and n0 + BN > n_full)
             for a in range(RM):
@@ -271,9 +336,11 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
                         p = float32(0.0)
                     smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
             cuda.syncthreads()
-            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, K_OFF, 1, LDK, BN, tr, tc,
+            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, 1, LDK, BN, tr, tc,
                          RM, RD, TC)
             cuda.syncthreads()
+        if ASYNC:
+            cp_async_wait(0)
 
         dqbase = b * dqsb + h * dqsh
         sc = float32(scale)
@@ -285,6 +352,6 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool):
                     if d < D:
                         store_f32(dq, dqbase + i * dqsn + d * dqsd, dq_acc[a, dd] * sc)
 
-    attn_backward_dq.__qualname__ = f"attn_backward_dq_{variant_tag(D, t, CAUSAL)}"
+    attn_backward_dq.__qualname__ = f"attn_backward_dq_{variant_tag(D, t, CAUSAL, ASYNC)}"
     _CACHE[key] = attn_backward_dq
     return attn_backward_dq

@@ -261,11 +261,14 @@ def kernel_variants(head_dim: int, dtype: str, causal: bool, kt):
         ("attn_backward_preprocess",
          _bwd.make_attn_backward_preprocess(head_dim, kt.preprocess_threads),
          signature("attn_backward_preprocess", dtype), 0, kt.preprocess_threads, None),
-        ("attn_backward_dkdv", _bwd.make_attn_backward_dkdv(head_dim, kt.dkdv, causal),
-         signature("attn_backward_dkdv", dtype), _tiles.dkdv_smem_words(kt.dkdv, head_dim),
-         kt.dkdv.threads, kt.dkdv.launch_bounds),
-        ("attn_backward_dq", _bwd.make_attn_backward_dq(head_dim, kt.dq, causal),
-         signature("attn_backward_dq", dtype), _tiles.dq_smem_words(kt.dq, head_dim),
+        ("attn_backward_dkdv", _bwd.make_attn_backward_dkdv(head_dim, kt.dkdv, causal,
+                                                            _tiles.streams(kt.dkdv, dtype)),
+         signature("attn_backward_dkdv", dtype),
+         _tiles.dkdv_smem_words(kt.dkdv, head_dim, dtype), kt.dkdv.threads,
+         kt.dkdv.launch_bounds),
+        ("attn_backward_dq", _bwd.make_attn_backward_dq(head_dim, kt.dq, causal,
+                                                        _tiles.streams(kt.dq, dtype)),
+         signature("attn_backward_dq", dtype), _tiles.dq_smem_words(kt.dq, head_dim, dtype),
          kt.dq.threads, kt.dq.launch_bounds),
     ]
 
@@ -288,17 +291,17 @@ def preprocess_kernel(head_dim, dtype, device, threads):
 
 def dkdv_kernel(head_dim, dtype, causal, device, t):
     def build():
-        fn = _bwd.make_attn_backward_dkdv(head_dim, t, causal)
+        fn = _bwd.make_attn_backward_dkdv(head_dim, t, causal, _tiles.streams(t, dtype))
         return Prepared(fn, signature("attn_backward_dkdv", dtype), t.threads,
-                        _tiles.dkdv_smem_words(t, head_dim), device, t.launch_bounds)
+                        _tiles.dkdv_smem_words(t, head_dim, dtype), device, t.launch_bounds)
     return _prepared(("dkdv", head_dim, dtype, causal, device, t), build)
 
 
 def dq_kernel(head_dim, dtype, causal, device, t):
     def build():
-        fn = _bwd.make_attn_backward_dq(head_dim, t, causal)
+        fn = _bwd.make_attn_backward_dq(head_dim, t, causal, _tiles.streams(t, dtype))
         return Prepared(fn, signature("attn_backward_dq", dtype), t.threads,
-                        _tiles.dq_smem_words(t, head_dim), device, t.launch_bounds)
+                        _tiles.dq_smem_words(t, head_dim, dtype), device, t.launch_bounds)
     return _prepared(("dq", head_dim, dtype, causal, device, t), build)
 
 

@@ -141,26 +141,33 @@ def forward_layout(t: Tiles, head_dim: int, streamed: bool = False):
                 words=words)
 
 
-def dkdv_layout(t: Tiles, head_dim: int):
+def dkdv_layout(t: Tiles, head_dim: int, streamed: bool = False):
     """attn_backward_dkdv: K, V ``[d][key]`` (resident, A operands), Q, dO ``[d][query]``
-    (streamed, B operands), P and dS ``[query][key]`` (A operands), lse and delta."""
+    (streamed, B operands; with ``streamed`` two stages, ``STAGE`` words apart, the next
+    query tile's copies landing in one while the other is read), P and dS
+    ``[query][key]`` (A operands), lse and delta."""
     dp = t.dpad(head_dim)
     ldk, ldq, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
+    stage = 2 * dp * ldq
     (k, v, q, do, p, ds, ls, dl), words = _offsets(
-        dp * ldk, dp * ldk, dp * ldq, dp * ldq, t.block_n * ldp, t.block_n * ldp,
-        t.block_n, t.block_n)
+        dp * ldk, dp * ldk, dp * ldq, dp * ldq + (stage if streamed else 0),
+        t.block_n * ldp, t.block_n * ldp, t.block_n, t.block_n)
     return dict(K=k, V=v, Q=q, DO=do, P=p, DS=ds, LS=ls, DL=dl, LDK=ldk, LDQ=ldq, LDP=ldp,
-                words=words)
+                STAGE=stage, words=words)
 
 
-def dq_layout(t: Tiles, head_dim: int):
+def dq_layout(t: Tiles, head_dim: int, streamed: bool = False):
     """attn_backward_dq: Q, dO ``[d][query]`` (resident, A operands), K, V ``[d][key]``
-    (streamed, B operands), dS ``[key][query]`` (A operand of dS K)."""
+    (streamed, B operands; two stages ``STAGE`` words apart with ``streamed``), dS
+    ``[key][query]`` (A operand of dS K)."""
     dp = t.dpad(head_dim)
     ldq, ldk, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
-    (q, do, k, v, ds), words = _offsets(dp * ldq, dp * ldq, dp * ldk, dp * ldk,
+    stage = 2 * dp * ldk
+    (q, do, k, v, ds), words = _offsets(dp * ldq, dp * ldq, dp * ldk,
+                                        dp * ldk + (stage if streamed else 0),
                                         t.block_n * ldp)
-    return dict(Q=q, DO=do, K=k, V=v, DS=ds, LDQ=ldq, LDK=ldk, LDP=ldp, words=words)
+    return dict(Q=q, DO=do, K=k, V=v, DS=ds, LDQ=ldq, LDK=ldk, LDP=ldp, STAGE=stage,
+                words=words)
 
 
 def streams(t: Tiles, dtype: str) -> bool:
@@ -173,12 +180,12 @@ def forward_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
     return forward_layout(t, head_dim, streams(t, dtype))["words"]
 
 
-def dkdv_smem_words(t: Tiles, head_dim: int) -> int:
-    return dkdv_layout(t, head_dim)["words"]
+def dkdv_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
+    return dkdv_layout(t, head_dim, streams(t, dtype))["words"]
 
 
-def dq_smem_words(t: Tiles, head_dim: int) -> int:
-    return dq_layout(t, head_dim)["words"]
+def dq_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
+    return dq_layout(t, head_dim, streams(t, dtype))["words"]
 
 
 #: Tiny tiles for the CUDA simulator, which runs every thread as a Python thread: they keep
@@ -186,8 +193,8 @@ def dq_smem_words(t: Tiles, head_dim: int) -> int:
 #: four rows per thread so that the vector loads run too.
 SIMULATOR = KernelTiles(
     forward=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
-    dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2),
-    dq=Tiles(block_m=8, block_n=8, rows=2, cols=4),
+    dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2, async_copy=True),
+    dq=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
     preprocess_threads=8,
 )
 
@@ -196,8 +203,10 @@ SIMULATOR = KernelTiles(
 #: fastest of those timed on an H200 (notes/numba_cuda.md) and use up to 186 KiB of shared
 #: memory; other GPUs get tilings within sm_80's 163 KiB.
 _TABLE_SM90 = (
-    (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16), Tiles(128, 64, 16, 16)),
-    (128, Tiles(128, 64, 16, 32, 1, True), Tiles(64, 64, 16, 16), Tiles(128, 32, 16, 16)),
+    (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16, 1, True),
+     Tiles(128, 64, 16, 16, 1, True)),
+    (128, Tiles(128, 64, 16, 32, 1, True), Tiles(64, 32, 16, 16, 1, True),
+     Tiles(128, 32, 16, 16, 1, True)),
     (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
 )
 _TABLE_SM80 = (
