@@ -198,34 +198,38 @@ SIMULATOR = KernelTiles(
     preprocess_threads=8,
 )
 
-#: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ) tilings. Register
-#: tiles stay within about 130 words per thread (no spills at 255). The sm_90 tilings are the
-#: fastest of those timed on an H200 (notes/numba_cuda.md) and use up to 186 KiB of shared
-#: memory; other GPUs get tilings within sm_80's 163 KiB.
+#: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ, causal forward or
+#: None) tilings. The sm_90 tilings are the fastest of those timed on an H100/H200
+#: (notes/numba_cuda.md, session 4): fp32 tiles stream by cp.async, the D<=64 forward runs
+#: two 256-thread blocks per SM (registers capped at 128) and the D<=128 forward one
+#: 512-thread block; up to 215 KiB of shared memory. Other GPUs get tilings within sm_80's
+#: 163 KiB, loaded through registers (not re-timed since session 1).
 _TABLE_SM90 = (
     (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16, 1, True),
-     Tiles(128, 64, 16, 16, 1, True)),
+     Tiles(128, 64, 16, 16, 1, True), Tiles(64, 64, 8, 16, 3, True)),
     (128, Tiles(128, 64, 16, 32, 1, True), Tiles(64, 32, 16, 16, 1, True),
-     Tiles(128, 32, 16, 16, 1, True)),
-    (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
+     Tiles(128, 32, 16, 16, 1, True), None),
+    (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16), None),
 )
 _TABLE_SM80 = (
-    (64, Tiles(128, 128, 16, 16), Tiles(64, 64, 16, 16), Tiles(128, 64, 16, 16)),
-    (128, Tiles(128, 64, 16, 16), Tiles(64, 32, 16, 16), Tiles(64, 32, 16, 16)),
-    (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16)),
+    (64, Tiles(128, 128, 16, 16), Tiles(64, 64, 16, 16), Tiles(128, 64, 16, 16), None),
+    (128, Tiles(128, 64, 16, 16), Tiles(64, 32, 16, 16), Tiles(64, 32, 16, 16), None),
+    (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16), None),
 )
 
 
 def choose(head_dim: int, dtype: str, causal: bool, cc: tuple, simulator: bool = False,
            override: KernelTiles | None = None) -> KernelTiles:
-    """The tilings for one case. fp16/bf16 inputs are converted to fp32 when tiles are loaded,
-    so the dtype does not change the shared-memory footprint; the head dim does."""
+    """The tilings for one case. fp16/bf16 inputs are converted to fp32 when tiles are loaded
+    (through registers); fp32 inputs on a streaming tiling take a second stage of shared
+    memory for the cp.async copies (``streams``)."""
     if override is not None:
         return override
     if simulator:
         return SIMULATOR
     table = _TABLE_SM90 if tuple(cc) >= (9, 0) else _TABLE_SM80
-    for limit, fwd, dkdv, dq in table:
+    for limit, fwd, dkdv, dq, fwd_causal in table:
         if head_dim <= limit:
-            return KernelTiles(forward=fwd, dkdv=dkdv, dq=dq)
+            return KernelTiles(forward=fwd_causal if causal and fwd_causal else fwd,
+                               dkdv=dkdv, dq=dq)
     raise ValueError(f"{head_dim=} exceeds the largest tiled head dim {table[-1][0]}")
