@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda, float32
 
 from . import tiles as _tiles
-from .convert import SIMULATOR, device_function, load_f32, smem_pointer, store_f32
+from .convert import SIMULATOR, device_function, ld4, load_f32, smem_pointer, store_f32
 from .mma import cp_async4, cp_async_commit, cp_async_wait
 from .tile_product import tile_product
 
@@ -220,8 +220,13 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
             for a in range(RM):
                 row = tr * RM + a
                 mx = m_i[a]
-                for c in range(TC):
-                    mx = max(mx, smem[RED_OFF + row * TC + c])
+                if TC % 4 == 0:  # (compile-time) the row's partial maxima in 16-byte loads
+                    for c4 in range(TC // 4):
+                        w = ld4(smem, RED_OFF + row * TC + 4 * c4)
+                        mx = max(mx, max(max(w[0], w[1]), max(w[2], w[3])))
+                else:
+                    for c in range(TC):
+                        mx = max(mx, smem[RED_OFF + row * TC + c])
                 # A row that has seen no key yet keeps m = -inf; subtract 0 instead.
                 m_use = mx if mx != NEG_INF else float32(0.0)
                 alpha = math.exp2(m_i[a] - m_use)

@@ -42,14 +42,28 @@ def _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC):
 @device_function
 def tile_product(acc, xa, xb, smem, a_off, a_ks, b_off, b_ks, b_js, depth, tr, tc,
                  RM, RN, TC):
-    """``depth`` must be a multiple of 4: the k loop is unrolled by 4 by hand (LLVM leaves
-    numba's range loops rolled, and each trip carries 64-bit bookkeeping)."""
+    """``depth`` must be a multiple of 4: the k loop is unrolled by hand (LLVM leaves
+    numba's range loops rolled, and each trip carries 64-bit bookkeeping), by 8 where the
+    thread's tile is small (RM * RN <= 32) and ``depth`` allows, else by 4."""
     ra = a_off + tr * RM
     cb = b_off + tc * b_js
-    for k in range(0, depth, 4):
-        ak = ra + k * a_ks
-        bk = cb + k * b_ks
-        _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC)
-        _rank1_step(acc, xa, xb, smem, ak + a_ks, bk + b_ks, b_js, RM, RN, TC)
-        _rank1_step(acc, xa, xb, smem, ak + 2 * a_ks, bk + 2 * b_ks, b_js, RM, RN, TC)
-        _rank1_step(acc, xa, xb, smem, ak + 3 * a_ks, bk + 3 * b_ks, b_js, RM, RN, TC)
+    if RM * RN <= 32 and depth % 8 == 0:  # (compile-time constants)
+        for k in range(0, depth, 8):
+            ak = ra + k * a_ks
+            bk = cb + k * b_ks
+            _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + a_ks, bk + b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 2 * a_ks, bk + 2 * b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 3 * a_ks, bk + 3 * b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 4 * a_ks, bk + 4 * b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 5 * a_ks, bk + 5 * b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 6 * a_ks, bk + 6 * b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 7 * a_ks, bk + 7 * b_ks, b_js, RM, RN, TC)
+    else:
+        for k in range(0, depth, 4):
+            ak = ra + k * a_ks
+            bk = cb + k * b_ks
+            _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + a_ks, bk + b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 2 * a_ks, bk + 2 * b_ks, b_js, RM, RN, TC)
+            _rank1_step(acc, xa, xb, smem, ak + 3 * a_ks, bk + 3 * b_ks, b_js, RM, RN, TC)
