@@ -1,0 +1,79 @@
+"""Host time of one numba_cuda forward call on a tiny torch CUDA input, and of each step it
+takes, timed separately (median over blocks of calls; the GPU is synchronized once per
+block, so queued kernels never stall the host). A diagnostic for issue 3's host-overhead
+bar: the parts add up to about the whole, and show which step to cut.
+
+Usage: python tools/host_breakdown.py [--calls 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import struct
+import time
+
+
+def per_call_us(fn, calls, blocks=7, sync=None):
+    out = []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if sync is not None:
+            sync()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    a = ap.parse_args(argv)
+    import torch
+    from flashcore.backends import numba_cuda
+    from flashcore.backends.numba_cuda import launch
+
+    from flashcore._checks import make_case
+
+    q, k, v = (torch.randn(1, 1, 16, 16, device="cuda") for _ in range(3))
+    case = make_case(q, k, v, causal=False, scale=None, layout="bhnd", need_lse=True)
+    sync = torch.cuda.synchronize
+    numba_cuda.forward(q, k, v, case)  # compile / load, plans
+    sync()
+    kern, bm = launch._forward_plan(case, 0, None)
+    o = torch.empty_like(q)
+    lse = torch.empty(1, 1, 16, device="cuda")
+    views = [(x.data_ptr(), x.stride()) for x in (q, k, v, o)]
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    lib = launch._libcuda()
+    cur = ctypes.c_void_p()
+    args = (views[0][0], views[1][0], views[2][0], views[3][0], lse.data_ptr(), 16, 16, 1, 1,
+            0, *views[0][1], *views[1][1], *views[2][1], *views[3][1], 0.25)
+    buf = (ctypes.c_int64 * len(args))()
+    fmt = "<" + "q" * (len(args) - 1) + "d"
+    adapter = numba_cuda._adapter("torch")
+    rows = [
+        ("numba_cuda.forward (whole call)", lambda: numba_cuda.forward(q, k, v, case)),
+        ("torch.empty_like(q)", lambda: torch.empty_like(q)),
+        ("torch.empty lse", lambda: torch.empty((1, 1, 16), dtype=torch.float32,
+                                                 device=q.device)),
+        ("current raw stream", lambda: torch._C._cuda_getCurrentRawStream(0)),
+        ("4 views (data_ptr, stride, bhnd)", lambda: [adapter.view(x, "bhnd", []) for x in
+                                                     (q, k, v, o)]),
+        ("run_forward (plan, args, launch)", lambda: launch.run_forward(
+            case, 0, stream, *views, lse.data_ptr())),
+        ("Prepared.__call__ (pack, context, launch)", lambda: kern(
+            (1, 1), stream, args)),
+        ("struct.pack_into", lambda: struct.pack_into(fmt, buf, 0, *args)),
+        ("cuCtxGetCurrent (ctypes)", lambda: lib.cuCtxGetCurrent(ctypes.byref(cur))),
+        ("torch SDPA forward (reference)", lambda: torch.nn.functional
+         .scaled_dot_product_attention(q, k, v)),
+    ]
+    print(f"{'step':44s} {'us/call':>8s}")
+    for name, fn in rows:
+        print(f"{name:44s} {per_call_us(fn, a.calls, sync=sync):8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
