@@ -206,7 +206,7 @@ SIMULATOR = KernelTiles(
 _TABLE_SM90 = (
     (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16, 1, True),
      Tiles(128, 64, 16, 16, 1, True), Tiles(64, 64, 8, 16, 3, True)),
-    (128, Tiles(128, 64, 16, 16, 1, True), Tiles(64, 32, 16, 16, 1, True),
+    (128, Tiles(128, 64, 16, 16, 1, True), Tiles(64, 48, 16, 16, 1, True),
      Tiles(128, 32, 16, 16, 1, True), None),
     (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16), None),
 )
