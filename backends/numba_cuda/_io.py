@@ -107,9 +107,9 @@ class _Torch(_Adapter):
 
         if dtype is None and tuple(like.shape) == shape:
             out = torch.empty_like(like)  # (the fastest allocation; strides come with it)
-        else:
-            dt = like.dtype if dtype is None else getattr(torch, dtype)
-            out = torch.empty(shape, dtype=dt, device=like.device)
+        else:  # (new_empty: same device, no device argument to parse)
+            out = like.new_empty(shape, dtype=like.dtype if dtype is None else
+                                 getattr(torch, dtype))
         if poison and _poison.ENABLED:
             out.fill_(math.nan)
         return out

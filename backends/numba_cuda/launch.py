@@ -347,10 +347,18 @@ def _preprocess_plan(case, device, tiles):
     return plan
 
 
-def _tc():
-    from . import launch_tc
+_LAUNCH_TC = None
 
-    return launch_tc
+
+def _tc():
+    """launch_tc (imported on first use: it imports this module), kept in a global so that
+    a launch pays no import statement."""
+    global _LAUNCH_TC
+    if _LAUNCH_TC is None:
+        from . import launch_tc
+
+        _LAUNCH_TC = launch_tc
+    return _LAUNCH_TC
 
 
 def launch_forward(kern, bm, case, stream, q, k, v, o, lse):
