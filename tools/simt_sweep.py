@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from flashcore.backends.numba_cuda import launch, tiles
+from gpu_bench import bench  # (tools/ is on sys.path when this script runs)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashcore._checks import make_case
@@ -41,21 +41,6 @@ DQ = {
     64: [T(128, 64, 16, 16, 1, True)],
     128: [T(128, 32, 16, 16, 1, True), T(64, 64, 16, 16, 1, True)],
 }
-
-
-def bench(fn, warmup=3, reps=15):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def randn(*shape, seed):

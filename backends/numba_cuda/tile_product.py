@@ -40,6 +40,15 @@ def _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC):
 
 
 @device_function
+def _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC):
+    """Rank-1 steps k .. k+3 (A's words from ``smem[ak:]``, B's from ``smem[bk:]``)."""
+    _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC)
+    _rank1_step(acc, xa, xb, smem, ak + a_ks, bk + b_ks, b_js, RM, RN, TC)
+    _rank1_step(acc, xa, xb, smem, ak + 2 * a_ks, bk + 2 * b_ks, b_js, RM, RN, TC)
+    _rank1_step(acc, xa, xb, smem, ak + 3 * a_ks, bk + 3 * b_ks, b_js, RM, RN, TC)
+
+
+@device_function
 def tile_product(acc, xa, xb, smem, a_off, a_ks, b_off, b_ks, b_js, depth, tr, tc,
                  RM, RN, TC):
     """``depth`` must be a multiple of 4: the k loop is unrolled by hand (LLVM leaves
@@ -51,19 +60,10 @@ def tile_product(acc, xa, xb, smem, a_off, a_ks, b_off, b_ks, b_js, depth, tr, t
         for k in range(0, depth, 8):
             ak = ra + k * a_ks
             bk = cb + k * b_ks
-            _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + a_ks, bk + b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 2 * a_ks, bk + 2 * b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 3 * a_ks, bk + 3 * b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 4 * a_ks, bk + 4 * b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 5 * a_ks, bk + 5 * b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 6 * a_ks, bk + 6 * b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 7 * a_ks, bk + 7 * b_ks, b_js, RM, RN, TC)
+            _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC)
+            _four_steps(acc, xa, xb, smem, ak + 4 * a_ks, bk + 4 * b_ks, a_ks, b_ks, b_js,
+                        RM, RN, TC)
     else:
         for k in range(0, depth, 4):
-            ak = ra + k * a_ks
-            bk = cb + k * b_ks
-            _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + a_ks, bk + b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 2 * a_ks, bk + 2 * b_ks, b_js, RM, RN, TC)
-            _rank1_step(acc, xa, xb, smem, ak + 3 * a_ks, bk + 3 * b_ks, b_js, RM, RN, TC)
+            _four_steps(acc, xa, xb, smem, ra + k * a_ks, cb + k * b_ks, a_ks, b_ks, b_js,
+                        RM, RN, TC)
