@@ -136,11 +136,14 @@ else:
         ro, _ = oracle_forward(q, k, v, causal=True)
         assert rel_err(o, ro) < TOL_FWD["float32"]
 
-    def test_warp_sized_blocks(monkeypatch):
-        # blocks of 32 threads take the loaders' 8 x 4 path (the GPU tilings' one)
+    @pytest.mark.parametrize("streamed", [False, True], ids=["registers", "cp_async"])
+    def test_warp_sized_blocks(monkeypatch, streamed):
+        # blocks of 32 threads take the loaders' 8 x 4 path (the GPU tilings' one); with
+        # streamed tiles, the copies' stepped path and separate P and dS buffers in dK/dV
+        # (the default simulator tiling streams and shares one P/dS buffer)
         from flashcore.backends.numba_cuda import tiles
 
-        t = tiles.Tiles(block_m=8, block_n=16, rows=2, cols=16)
+        t = tiles.Tiles(block_m=8, block_n=16, rows=2, cols=16, async_copy=streamed)
         monkeypatch.setattr(tiles, "SIMULATOR", tiles.KernelTiles(t, t, t, 32))
         c = dict(B=1, Hq=2, Hkv=1, Nq=11, Nk=19, D=12, dtype="float32", causal=True,
                  layout="bnhd")

@@ -29,17 +29,17 @@ DEV = "cuda"
 T = tiles.Tiles
 
 FORWARD = {
-    64: [T(128, 64, 16, 16, 2, True)],
-    128: [T(128, 64, 16, 16, 1, True), T(128, 48, 16, 16, 1, True),
-          T(128, 96, 16, 16, 1, True)],
+    64: [],
+    128: [T(128, 64, 16, 16, 1, True)],
 }
 DKDV = {
-    64: [T(128, 64, 16, 16, 1, True)],
-    128: [T(64, 32, 16, 16, 1, True), T(64, 48, 16, 16, 1, True)],
+    64: [],
+    128: [T(64, 48, 16, 16, 1, True), T(64, 64, 8, 32, 1, True, True),
+          T(64, 64, 16, 16, 1, True, True), T(128, 32, 16, 32, 1, True, True)],
 }
 DQ = {
-    64: [T(128, 64, 16, 16, 1, True)],
-    128: [T(128, 32, 16, 16, 1, True), T(64, 64, 16, 16, 1, True)],
+    64: [],
+    128: [T(128, 32, 16, 16, 1, True)],
 }
 
 
@@ -50,7 +50,8 @@ def randn(*shape, seed):
 
 def name(t):
     return f"{t.block_m}x{t.block_n}/{t.rows}x{t.cols}" + (
-        f"/b{t.min_blocks}" if t.min_blocks > 1 else "") + ("/cpa" if t.async_copy else "")
+        f"/b{t.min_blocks}" if t.min_blocks > 1 else "") + ("/cpa" if t.async_copy else "") + (
+        "/ps1" if t.one_ps_buffer else "")
 
 
 def fits(t, words):
@@ -138,7 +139,7 @@ def main():
     B, H, N = 4, 16, 4096
     do_fwd = "--bwd-only" not in sys.argv
     do_bwd = "--fwd-only" not in sys.argv
-    for D in (64, 128):
+    for D in [int(x) for x in os.environ.get("SWEEP_DIMS", "64,128").split(",")]:
         base = tiles.choose(D, "float32", False, (9, 0))
         for causal in (False, True) if do_fwd else ():
             p = Problem(B, H, N, D, causal, seed=1)

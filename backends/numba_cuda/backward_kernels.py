@@ -100,6 +100,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
     K_OFF, V_OFF, Q_OFF, DO_OFF = lay["K"], lay["V"], lay["Q"], lay["DO"]
     P_OFF, DS_OFF, LS_OFF, DL_OFF = lay["P"], lay["DS"], lay["LS"], lay["DL"]  # [query][key]
     STAGE = lay["STAGE"]
+    ONE_PS = DS_OFF == P_OFF  # (t.one_ps_buffer) P and dS take turns in one buffer
     CAUSAL = bool(causal)
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
@@ -204,10 +205,19 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                     if masked and k0 + row > i + causal_offset:
                         p = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
-                    smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
+                    if ONE_PS:  # dS waits in registers until P V has been read
+                        dp[a, bb] = p * (dp[a, bb] - dl)
+                    else:
+                        smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
             cuda.syncthreads()
             tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, 1, LDQ, BN, tr, tc,
                          RM, RD, TC)
+            if ONE_PS:
+                cuda.syncthreads()
+                for bb in range(RN):
+                    for a in range(RM):
+                        smem[DS_OFF + (tc + TC * bb) * LDP + tr * RM + a] = dp[a, bb]
+                cuda.syncthreads()
             tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, q_off, 1, LDQ, BN, tr, tc,
                          RM, RD, TC)
             cuda.syncthreads()

@@ -284,5 +284,7 @@ def variant_tag(head_dim, t, causal=None, streamed=False) -> str:
         tag += f"_b{t.min_blocks}"
     if streamed:
         tag += "_cpa"
+    if t.one_ps_buffer:
+        tag += "_ps1"
     return tag if causal is None else tag + ("_causal" if causal else "_full")
 

@@ -64,6 +64,9 @@ class Tiles:
     #: float32 tiles that stream through shared memory (K, V in the forward and dQ; Q, dO
     #: in dK/dV) are copied with ``cp.async`` (sm_80+) one tile ahead, into a second buffer
     async_copy: bool = False
+    #: (dK/dV) P and dS take turns in one shared buffer: a tile of shared memory less, two
+    #: barriers more per step
+    one_ps_buffer: bool = False
 
     def __post_init__(self):
         if self.min_blocks < 1:
@@ -145,13 +148,15 @@ def dkdv_layout(t: Tiles, head_dim: int, streamed: bool = False):
     """attn_backward_dkdv: K, V ``[d][key]`` (resident, A operands), Q, dO ``[d][query]``
     (streamed, B operands; with ``streamed`` two stages, ``STAGE`` words apart, the next
     query tile's copies landing in one while the other is read), P and dS
-    ``[query][key]`` (A operands), lse and delta."""
+    ``[query][key]`` (A operands; one buffer with ``t.one_ps_buffer``), lse and delta."""
     dp = t.dpad(head_dim)
     ldk, ldq, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
     stage = 2 * dp * ldq
     (k, v, q, do, p, ds, ls, dl), words = _offsets(
         dp * ldk, dp * ldk, dp * ldq, dp * ldq + (stage if streamed else 0),
-        t.block_n * ldp, t.block_n * ldp, t.block_n, t.block_n)
+        t.block_n * ldp, 0 if t.one_ps_buffer else t.block_n * ldp, t.block_n, t.block_n)
+    if t.one_ps_buffer:
+        ds = p
     return dict(K=k, V=v, Q=q, DO=do, P=p, DS=ds, LS=ls, DL=dl, LDK=ldk, LDQ=ldq, LDP=ldp,
                 STAGE=stage, words=words)
 
@@ -190,10 +195,11 @@ def dq_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
 
 #: Tiny tiles for the CUDA simulator, which runs every thread as a Python thread: they keep
 #: several tiles, tails and diagonal tiles in play on the small shapes the tests use, and
-#: four rows per thread so that the vector loads run too.
+#: four rows per thread so that the vector loads run too; fp32 tiles stream (the cp.async
+#: paths) and dK/dV shares one P/dS buffer (tests/test_numba_cuda_sim.py covers the others).
 SIMULATOR = KernelTiles(
     forward=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
-    dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2, async_copy=True),
+    dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2, async_copy=True, one_ps_buffer=True),
     dq=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
     preprocess_threads=8,
 )
@@ -206,7 +212,7 @@ SIMULATOR = KernelTiles(
 _TABLE_SM90 = (
     (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16, 1, True),
      Tiles(128, 64, 16, 16, 1, True), Tiles(64, 64, 8, 16, 3, True)),
-    (128, Tiles(128, 64, 16, 16, 1, True), Tiles(64, 48, 16, 16, 1, True),
+    (128, Tiles(128, 64, 16, 16, 1, True), Tiles(64, 64, 8, 32, 1, True, True),
      Tiles(128, 32, 16, 16, 1, True), None),
     (256, Tiles(32, 32, 8, 16), Tiles(16, 32, 4, 32), Tiles(32, 32, 8, 16), None),
 )
