@@ -6,6 +6,7 @@
 #   test:  every test marked gpu, the main job (with the tuned tilings where tune ran)
 #   check: tune, then test (may not fit one 10-minute device call: run them separately)
 #   bench: the side-by-side benchmark with the peers (B=4 H=16 N=4096; bf16 B=1 N=16384)
+#          and the host time of a tiny forward
 # Usage (on the device, after the NumPy 2.4 wheel install and flashcore/backends symlink
 # described in notes/numba_cuda.md): bash tools/gpu_final.sh [tune] [test] [check] [bench]
 set -u
@@ -39,6 +40,8 @@ python3 -m flashcore bench --device cuda --batch 4 --heads 16 --seqlens 4096 \
     --head-dims 64,128 --dtypes float32,bfloat16 --causal both --repeat 5 --budget 0.5 \
     --no-progress --contenders "${BENCH_CONTENDERS:-flashcore:numba_cuda@gpu,torch_sdpa_flash@gpu,torch_sdpa_cudnn@gpu,torch_sdpa_efficient@gpu,jax_cudnn@gpu}" \
     --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | tail -60
+echo "== host time of a tiny forward (tools/host_breakdown.py)"
+python3 tools/host_breakdown.py 2>&1 | tee "$OUT/host_breakdown.log" | tail -12
 echo "== bf16, B=1 H=16 N=16384 D=128 (tensor cores)"
 python3 -m flashcore bench --device cuda --batch 1 --heads 16 --seqlens 16384 \
     --head-dims 128 --dtypes bfloat16 --causal both --repeat 5 --budget 0.5 --no-progress \
