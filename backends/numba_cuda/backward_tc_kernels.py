@@ -257,16 +257,19 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
         # dK, dV columns 0 .. DOUT; at head dim 256 a second pass takes DOUT .. 2 DOUT
         # (written out, not as a loop: a loop around the pass, even of one trip, costs the
         # single-pass kernels registers and spills)
-        dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, 0, b, hk, group, per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb,
-                  qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb,
-                  lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS,
-                  NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16)
+        dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, 0, b, hk, group,
+                  per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb, qsh, qsn,
+                  gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
+                  j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
+                  DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16)
         if SPLITS > 1:
             cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
-            dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk, group, per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb,
-                  qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb,
-                  lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS,
-                  NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16)
+            dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk,
+                      group, per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset,
+                      qsb, qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn,
+                      dvsd, lsb, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
+                      NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
+                      BUF, CAUSAL, BF16)
 
     attn_backward_dkdv_tc.__qualname__ = _tag("attn_backward_dkdv_tc", head_dim, t, causal,
                                               dtype)

@@ -22,8 +22,9 @@ for K). Rows are padded by 8 elements (16 bytes): a row stride of an odd number 
 units puts the 8 rows of each ldmatrix on distinct banks.
 
 Needs sm_80+, head dim a multiple of 16 (32, 64, 96, 128 and 256 are routed here), unit
-stride along the head dim and 16-byte aligned rows; launch arguments are those of ``attn_forward``, so the
-host side (launch.signature, the argument packing of launch.run_forward) is shared.
+stride along the head dim and 16-byte aligned rows; launch arguments are those of
+``attn_forward``, so the host side (launch.signature, the argument packing of
+launch.run_forward) is shared.
 """
 from __future__ import annotations
 

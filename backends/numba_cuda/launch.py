@@ -156,7 +156,8 @@ class Prepared:
                 driver.cuKernelSetAttribute(
                     attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem,
                     cufunc.handle, device)
-            if launch_bounds:  # several blocks per SM: all the carveout to shared memory
+            if launch_bounds:  # registers capped (several blocks per SM, or 512 threads):
+                # all the carveout to shared memory, so that the blocks it allows fit
                 driver.cuKernelSetAttribute(
                     attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
                     cufunc.handle, device)

@@ -28,9 +28,10 @@ fragments. Loading a row-major A tile with lanes pointing at row ``l % 16``, col
 ``cp_async16(smem, i, src, j, nbytes)`` copies 16 bytes global -> shared without going
 through registers (``cp.async.cg``; ``nbytes`` 0 zero-fills the destination: rows past the
 end); ``cp_async4`` copies one 4-byte word (``cp.async.ca``: the SIMT kernels' fp32 tiles,
-which it can transpose, one element at a time); ``cp_async_commit()`` closes a group and ``cp_async_wait(n)`` (``n`` a literal) waits
-until at most ``n`` groups are in flight. A ``syncthreads`` must follow before other
-threads read the copied data. Under the simulator the copy is immediate.
+which it can transpose, one element at a time); ``cp_async_commit()`` closes a group and
+``cp_async_wait(n)`` (``n`` a literal) waits until at most ``n`` groups are in flight. A
+``syncthreads`` must follow before other threads read the copied data. Under the simulator
+the copy is immediate.
 
 Pointers are the kernels' raw pointers (``convert.smem_pointer`` for shared memory, the
 launch's typed pointers for global memory); under the simulator they are NumPy arrays.

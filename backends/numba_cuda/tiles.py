@@ -207,8 +207,9 @@ SIMULATOR = KernelTiles(
 #: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ, causal forward or
 #: None) tilings. The sm_90 tilings are the fastest of those timed on an H100/H200
 #: (notes/numba_cuda.md, session 4): fp32 tiles stream by cp.async, the D<=64 forward runs
-#: two 256-thread blocks per SM (registers capped at 128); up to 215 KiB of shared memory. Other GPUs get tilings within sm_80's
-#: 163 KiB, loaded through registers (not re-timed since session 1).
+#: two 256-thread blocks per SM (registers capped at 128); up to 215 KiB of shared memory.
+#: Other GPUs get tilings within sm_80's 163 KiB, loaded through registers (not re-timed
+#: since session 1).
 _TABLE_SM90 = (
     (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16, 1, True),
      Tiles(128, 64, 16, 16, 1, True), Tiles(64, 64, 8, 16, 3, True)),
