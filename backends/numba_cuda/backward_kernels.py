@@ -6,7 +6,8 @@ Both passes recompute ``P = exp(S - lse)`` tile by tile (in base 2: the resident
 ``S``, K in the dK/dV pass and Q in the dQ pass, is pre-multiplied by ``scale * log2(e)``,
 and lse by ``log2(e)``) and use ``dS = P * (dP - delta)``. With a streaming tiling
 (``tiles.streams``: fp32 inputs on sm_80+), the streamed tiles (Q and dO, or K and V) arrive
-by ``cp.async`` one tile ahead into a second stage of shared memory. Each output
+by ``cp.async`` one tile ahead into a second stage of shared memory, stored as rows
+(``tiles.b_tile``). Each output
 element is owned by exactly one thread of one block, which sums its terms in a fixed order:
 no atomics, so the gradients are bitwise deterministic. Under GQA a dK/dV block loops over
 all query heads of its key/value head.
@@ -29,12 +30,12 @@ from .forward_kernels import (
     NEG_INF,
     POS_INF,
     SMEM_ALIGN,
-    copy_tile_t,
+    copy_rows,
     load_tile_t,
     variant_tag,
 )
 from .mma import cp_async_commit, cp_async_wait
-from .tile_product import tile_product
+from .tile_product import column, tile_product
 
 
 @device_function
@@ -94,9 +95,11 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
+    XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
     ASYNC = bool(streamed)
     lay = _tiles.dkdv_layout(t, D, ASYNC)
-    LDK, LDQ, LDP = lay["LDK"], lay["LDQ"], lay["LDP"]  # K, V [d][key]; Q, dO [d][query]
+    LDK, LDP = lay["LDK"], lay["LDP"]  # K, V [d][key]
+    QJ, QD = lay["QJ"], lay["QD"]  # Q, dO: strides along queries and along d
     K_OFF, V_OFF, Q_OFF, DO_OFF = lay["K"], lay["V"], lay["Q"], lay["DO"]
     P_OFF, DS_OFF, LS_OFF, DL_OFF = lay["P"], lay["DS"], lay["LS"], lay["DL"]  # [query][key]
     STAGE = lay["STAGE"]
@@ -128,7 +131,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
         dk_acc = cuda.local.array((RM, RD), float32)
         dv_acc = cuda.local.array((RM, RD), float32)
         xa = cuda.local.array(RM, float32)
-        xb = cuda.local.array(RN, float32)
+        xb = cuda.local.array(XB, float32)
         xd = cuda.local.array(RD, float32)
         for a in range(RM):
             for dd in range(RD):
@@ -146,10 +149,10 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
         steps = group * n_m
         if ASYNC and steps > 0:
             h = hk * group
-            copy_tile_t(smem, Q_OFF, LDQ, q, b * qsb + h * qsh, m_begin, Nq, qsn, qsd, BN,
-                        D, DP, tid, NT)
-            copy_tile_t(smem, DO_OFF, LDQ, do, b * gsb + h * gsh, m_begin, Nq, gsn, gsd, BN,
-                        D, DP, tid, NT)
+            copy_rows(smem, Q_OFF, QJ, q, b * qsb + h * qsh, m_begin, Nq, qsn, BN, D, DP,
+                      tid, NT)
+            copy_rows(smem, DO_OFF, QJ, do, b * gsb + h * gsh, m_begin, Nq, gsn, BN, D, DP,
+                      tid, NT)
             cp_async_commit()
 
         for it in range(steps):
@@ -169,16 +172,16 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                     g2 = (it + 1) // n_m
                     m2 = m_begin + (it + 1 - g2 * n_m) * BN
                     h2 = hk * group + g2
-                    copy_tile_t(smem, q_off + STAGE - 2 * stage * STAGE, LDQ, q,
-                                b * qsb + h2 * qsh, m2, Nq, qsn, qsd, BN, D, DP, tid, NT)
-                    copy_tile_t(smem, do_off + STAGE - 2 * stage * STAGE, LDQ, do,
-                                b * gsb + h2 * gsh, m2, Nq, gsn, gsd, BN, D, DP, tid, NT)
+                    copy_rows(smem, q_off + STAGE - 2 * stage * STAGE, QJ, q,
+                              b * qsb + h2 * qsh, m2, Nq, qsn, BN, D, DP, tid, NT)
+                    copy_rows(smem, do_off + STAGE - 2 * stage * STAGE, QJ, do,
+                              b * gsb + h2 * gsh, m2, Nq, gsn, BN, D, DP, tid, NT)
                 cp_async_commit()
                 cp_async_wait(1)  # this step's Q and dO
             else:
-                load_tile_t(smem, Q_OFF, LDQ, q, qbase, m0, Nq, qsn, qsd, BN, D, DP,
+                load_tile_t(smem, Q_OFF, QD, q, qbase, m0, Nq, qsn, qsd, BN, D, DP,
                             float32(1.0), tid, NT)
-                load_tile_t(smem, DO_OFF, LDQ, do, gbase, m0, Nq, gsn, gsd, BN, D, DP,
+                load_tile_t(smem, DO_OFF, QD, do, gbase, m0, Nq, gsn, gsd, BN, D, DP,
                             float32(1.0), tid, NT)
             for e in range(tid, BN, NT):
                 i = m0 + e
@@ -191,8 +194,8 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, K_OFF, LDK, q_off, LDQ, 1, DP, tr, tc, RM, RN, TC)
-            tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, LDQ, 1, DP, tr, tc, RM, RN, TC)
+            tile_product(s, xa, xb, smem, K_OFF, LDK, q_off, QD, QJ, DP, tr, tc, RM, RN, TC)
+            tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, QD, QJ, DP, tr, tc, RM, RN, TC)
             masked = CAUSAL and m0 < m_full
             for bb in range(RN):
                 col = tc + TC * bb
@@ -210,7 +213,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                     else:
                         smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
             cuda.syncthreads()
-            tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, 1, LDQ, BN, tr, tc,
+            tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, QJ, QD, BN, tr, tc,
                          RM, RD, TC)
             if ONE_PS:
                 cuda.syncthreads()
@@ -218,7 +221,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                     for a in range(RM):
                         smem[DS_OFF + (tc + TC * bb) * LDP + tr * RM + a] = dp[a, bb]
                 cuda.syncthreads()
-            tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, q_off, 1, LDQ, BN, tr, tc,
+            tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, q_off, QJ, QD, BN, tr, tc,
                          RM, RD, TC)
             cuda.syncthreads()
         if ASYNC:
@@ -230,7 +233,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
             j = k0 + tr * RM + a
             if j < Nk:
                 for dd in range(RD):
-                    d = tc + TC * dd
+                    d = column(tc, dd, QJ, QD, RD, TC)
                     if d < D:
                         store_f32(dk, dkbase + j * dksn + d * dksd,
                                   dk_acc[a, dd] * float32(scale))
@@ -253,9 +256,11 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
+    XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
     ASYNC = bool(streamed)
     lay = _tiles.dq_layout(t, D, ASYNC)
-    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q, dO [d][query]; K, V [d][key]
+    LDQ, LDP = lay["LDQ"], lay["LDP"]  # Q, dO [d][query]
+    KJ, KD = lay["KJ"], lay["KD"]  # K, V: strides along keys and along d
     Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF = lay["Q"], lay["DO"], lay["K"], lay["V"], lay["DS"]
     STAGE = lay["STAGE"]
     CAUSAL = bool(causal)
@@ -289,7 +294,7 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
         ls = cuda.local.array(RM, float32)
         dl = cuda.local.array(RM, float32)
         xa = cuda.local.array(RM, float32)
-        xb = cuda.local.array(RN, float32)
+        xb = cuda.local.array(XB, float32)
         xd = cuda.local.array(RD, float32)
         for a in range(RM):
             i = q0 + tr * RM + a
@@ -304,8 +309,8 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
         n_full = q0 + 1 + causal_offset
 
         if ASYNC:
-            copy_tile_t(smem, K_OFF, LDK, k, kbase, 0, Nk, ksn, ksd, BN, D, DP, tid, NT)
-            copy_tile_t(smem, V_OFF, LDK, v, vbase, 0, Nk, vsn, vsd, BN, D, DP, tid, NT)
+            copy_rows(smem, K_OFF, KJ, k, kbase, 0, Nk, ksn, BN, D, DP, tid, NT)
+            copy_rows(smem, V_OFF, KJ, v, vbase, 0, Nk, vsn, BN, D, DP, tid, NT)
             cp_async_commit()
         for n0 in range(0, n_end, BN):
             k_off = K_OFF
@@ -316,24 +321,24 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
                 v_off += stage * STAGE
                 if n0 + BN < n_end:  # the next K and V into the other stage
                     other = STAGE - 2 * stage * STAGE
-                    copy_tile_t(smem, k_off + other, LDK, k, kbase, n0 + BN, Nk, ksn, ksd,
-                                BN, D, DP, tid, NT)
-                    copy_tile_t(smem, v_off + other, LDK, v, vbase, n0 + BN, Nk, vsn, vsd,
-                                BN, D, DP, tid, NT)
+                    copy_rows(smem, k_off + other, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D,
+                              DP, tid, NT)
+                    copy_rows(smem, v_off + other, KJ, v, vbase, n0 + BN, Nk, vsn, BN, D,
+                              DP, tid, NT)
                 cp_async_commit()
                 cp_async_wait(1)  # this tile's K and V
             else:
-                load_tile_t(smem, K_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
+                load_tile_t(smem, K_OFF, KD, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
                             float32(1.0), tid, NT)
-                load_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                load_tile_t(smem, V_OFF, KD, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
                             float32(1.0), tid, NT)
             cuda.syncthreads()
             for a in range(RM):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, k_off, LDK, 1, DP, tr, tc, RM, RN, TC)
-            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, LDK, 1, DP, tr, tc, RM, RN, TC)
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, k_off, KD, KJ, DP, tr, tc, RM, RN, TC)
+            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, KD, KJ, DP, tr, tc, RM, RN, TC)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             masked = n0 + BN > Nk or (CAUSAL and n0 + BN > n_full)
             for a in range(RM):
@@ -346,7 +351,7 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
                         p = float32(0.0)
                     smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
             cuda.syncthreads()
-            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, 1, LDK, BN, tr, tc,
+            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, KJ, KD, BN, tr, tc,
                          RM, RD, TC)
             cuda.syncthreads()
         if ASYNC:
@@ -358,7 +363,7 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
             i = q0 + tr * RM + a
             if i < Nq:
                 for dd in range(RD):
-                    d = tc + TC * dd
+                    d = column(tc, dd, KJ, KD, RD, TC)
                     if d < D:
                         store_f32(dq, dqbase + i * dqsn + d * dqsd, dq_acc[a, dd] * sc)
 

@@ -29,7 +29,9 @@ if SIMULATOR:
         return arr
 
     def ld4(p, i):
-        """Four consecutive words ``p[i:i+4]`` (one 16-byte load on the GPU)."""
+        """Four consecutive words ``p[i:i+4]`` (one 16-byte load on the GPU, which must be
+        16-byte aligned: checked here, as the GPU would fault)."""
+        assert i % 4 == 0, f"ld4 at word {i}: not 16-byte aligned"
         return p[i], p[i + 1], p[i + 2], p[i + 3]
 
     def load_f32(x):

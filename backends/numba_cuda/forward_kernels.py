@@ -18,8 +18,8 @@ from numba import cuda, float32
 
 from . import tiles as _tiles
 from .convert import SIMULATOR, device_function, ld4, load_f32, smem_pointer, store_f32
-from .mma import cp_async4, cp_async_commit, cp_async_wait
-from .tile_product import tile_product
+from .mma import cp_async16, cp_async_commit, cp_async_wait
+from .tile_product import column, tile_product
 
 #: Dynamic shared memory starts 16-byte aligned (vector loads); the simulator takes no
 #: alignment argument.
@@ -80,37 +80,32 @@ def load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult,
 
 
 @device_function
-def copy_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, tid, NT):
-    """``load_tile_t`` for fp32 tiles with an odd ``ld``, without scaling, by ``cp.async``
-    (4-byte copies, zero-filled past ``nvalid`` rows and ``D`` columns): the copies are in
-    flight until ``cp_async_wait``, so the caller computes meanwhile. Lanes walk along d
-    (coalesced reads; an odd ``ld`` puts them on distinct banks); where the threads divide
-    the tile evenly, each keeps one column and steps its addresses by a constant."""
-    if NT % DP == 0 and rows % (NT // DP) == 0:  # (compile-time constants)
-        RS = NT // DP
-        j = tid // DP
-        d = tid - j * DP
-        g = base + (n0 + j) * sn + d * sd
-        at = off + d * ld + j
+def copy_rows(smem, off, ld, src, base, n0, nvalid, sn, rows, D, DP, tid, NT):
+    """``smem[off + j * ld + d] = src[base + (n0 + j) * sn + d]`` for ``j < rows``,
+    ``d < DP``: fp32 rows as they are, 16 bytes per ``cp.async`` (global rows contiguous and
+    16-byte aligned: launch.rows_aligned), zeros past ``nvalid`` rows and ``D`` columns. The
+    copies are in flight until ``cp_async_wait``, so the caller computes meanwhile. Where
+    the threads divide the tile evenly, each keeps one 16-byte column of the rows and steps
+    its addresses by a constant."""
+    C = DP // 4  # 16-byte chunks per row
+    if NT % C == 0 and rows % (NT // C) == 0:  # (compile-time constants)
+        RS = NT // C
+        j = tid // C
+        c4 = 4 * (tid - j * C)
+        nb = 4 * max(0, min(4, D - c4))
+        g = base + (n0 + j) * sn + c4
+        at = off + j * ld + c4
         for r in range(rows // RS):
-            ok = d < D and n0 + j + r * RS < nvalid
-            cp_async4(smem, at + r * RS, src, g if ok else base, 4 if ok else 0)
+            ok = n0 + j + r * RS < nvalid and nb > 0
+            cp_async16(smem, at + r * RS * ld, src, g if ok else base, nb if ok else 0)
             g += RS * sn
-    elif DP % NT == 0:
-        for c in range(DP // NT):
-            d = tid + c * NT
-            g = base + n0 * sn + d * sd
-            for j in range(rows):
-                ok = d < D and n0 + j < nvalid
-                cp_async4(smem, off + d * ld + j, src, g if ok else base, 4 if ok else 0)
-                g += sn
     else:
-        for e in range(tid, rows * DP, NT):
-            j = e // DP
-            d = e - j * DP
-            ok = d < D and n0 + j < nvalid
-            cp_async4(smem, off + d * ld + j, src, base + (n0 + j) * sn + d * sd if ok
-                      else base, 4 if ok else 0)
+        for e in range(tid, rows * C, NT):
+            j = e // C
+            c4 = 4 * (e - j * C)
+            nb = 4 * max(0, min(4, D - c4)) if n0 + j < nvalid else 0
+            cp_async16(smem, off + j * ld + c4, src, base + (n0 + j) * sn + c4 if nb > 0
+                       else base, nb)
 
 
 _CACHE = {}
@@ -118,7 +113,8 @@ _CACHE = {}
 
 def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
     """The forward kernel specialized for one head dim, tiling ``t`` and causality;
-    ``streamed``: K and V (fp32) arrive by cp.async, K one tile ahead (tiles.streams)."""
+    ``streamed``: K and V (fp32, 16-byte aligned rows) arrive by cp.async, K one tile
+    ahead, and are stored as rows (tiles.streams, tiles.b_tile)."""
     key = (head_dim, t, causal, streamed)
     if key in _CACHE:
         return _CACHE[key]
@@ -127,9 +123,11 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     RD = DP // TC
     NT = TR * TC
+    XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
     ASYNC = bool(streamed)
     lay = _tiles.forward_layout(t, D, ASYNC)
-    LDQ, LDK, LDP = lay["LDQ"], lay["LDK"], lay["LDP"]  # Q [d][i], K and V [d][j], P [j][i]
+    LDQ, LDP = lay["LDQ"], lay["LDP"]  # Q [d][i], P [j][i]
+    KJ, KD = lay["KJ"], lay["KD"]  # K and V: strides along keys j and along d
     Q_OFF, K_OFF, V_OFF, P_OFF = lay["Q"], lay["K"], lay["V"], lay["P"]
     RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(causal)
@@ -161,7 +159,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)
         xa = cuda.local.array(RM, float32)
-        xb = cuda.local.array(RN, float32)
+        xb = cuda.local.array(XB, float32)
         xd = cuda.local.array(RD, float32)  # the V row slice in the P V product
         for a in range(RM):
             m_i[a] = NEG_INF
@@ -179,21 +177,21 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
             n_full = min(Nk, q0 + 1 + causal_offset)
 
         if ASYNC:
-            copy_tile_t(smem, K_OFF, LDK, k, kbase, 0, Nk, ksn, ksd, BN, D, DP, tid, NT)
+            copy_rows(smem, K_OFF, KJ, k, kbase, 0, Nk, ksn, BN, D, DP, tid, NT)
             cp_async_commit()
         for n0 in range(0, n_end, BN):
             if ASYNC:  # V of this tile in flight during S = Q Kᵀ
-                copy_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP, tid, NT)
+                copy_rows(smem, V_OFF, KJ, v, vbase, n0, Nk, vsn, BN, D, DP, tid, NT)
                 cp_async_commit()
                 cp_async_wait(1)  # this tile's K
             else:
-                load_tile_t(smem, K_OFF, LDK, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
+                load_tile_t(smem, K_OFF, KD, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
                             float32(1.0), tid, NT)
             cuda.syncthreads()
             for a in range(RM):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, LDK, 1, DP, tr, tc,
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, KD, KJ, DP, tr, tc,
                          RM, RN, TC)
             if n0 + BN > n_full:  # a diagonal or tail tile: mask
                 for a in range(RM):
@@ -211,11 +209,11 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
             # K is consumed: the next K (async) or this V goes in while the softmax runs.
             if ASYNC:
                 if n0 + BN < n_end:
-                    copy_tile_t(smem, K_OFF, LDK, k, kbase, n0 + BN, Nk, ksn, ksd, BN, D, DP,
-                                tid, NT)
+                    copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid,
+                              NT)
                 cp_async_commit()
             else:
-                load_tile_t(smem, V_OFF, LDK, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                load_tile_t(smem, V_OFF, KD, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
                             float32(1.0), tid, NT)
             for a in range(RM):
                 row = tr * RM + a
@@ -242,7 +240,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
             if ASYNC:
                 cp_async_wait(1)  # this tile's V (the next K may be in flight)
             cuda.syncthreads()
-            tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, 1, LDK, BN, tr, tc, RM, RD, TC)
+            tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, KJ, KD, BN, tr, tc, RM, RD, TC)
             cuda.syncthreads()
         if ASYNC:
             cp_async_wait(0)
@@ -261,7 +259,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
             if i < Nq:
                 inv = float32(1.0) / lsum if lsum > 0 else float32(0.0)
                 for dd in range(RD):
-                    d = tc + TC * dd
+                    d = column(tc, dd, KJ, KD, RD, TC)
                     if d < D:
                         store_f32(o, obase + i * osn + d * osd, acc[a, dd] * inv)
                 if tc == 0:

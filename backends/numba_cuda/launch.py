@@ -250,37 +250,39 @@ def signature(kernel: str, dtype: str) -> tuple:
     }[kernel]
 
 
-def kernel_variants(head_dim: int, dtype: str, causal: bool, kt):
+def kernel_variants(head_dim: int, dtype: str, causal: bool, kt, aligned: bool = True):
     """``(name, python function, signature, shared-memory words, threads, launch bounds)``
-    of every kernel one case launches; the PTX tests compile exactly these."""
+    of every kernel one case launches (``aligned``: its streamed arrays have 16-byte aligned
+    rows, :func:`rows_aligned`); the PTX tests compile exactly these."""
     return [
         ("attn_forward", _fwd.make_attn_forward(head_dim, kt.forward, causal,
-                                                _tiles.streams(kt.forward, dtype)),
+                                                _tiles.streams(kt.forward, dtype, aligned)),
          signature("attn_forward", dtype),
-         _tiles.forward_smem_words(kt.forward, head_dim, dtype), kt.forward.threads,
+         _tiles.forward_smem_words(kt.forward, head_dim, dtype, aligned), kt.forward.threads,
          kt.forward.launch_bounds),
         ("attn_backward_preprocess",
          _bwd.make_attn_backward_preprocess(head_dim, kt.preprocess_threads),
          signature("attn_backward_preprocess", dtype), 0, kt.preprocess_threads, None),
-        ("attn_backward_dkdv", _bwd.make_attn_backward_dkdv(head_dim, kt.dkdv, causal,
-                                                            _tiles.streams(kt.dkdv, dtype)),
+        ("attn_backward_dkdv", _bwd.make_attn_backward_dkdv(
+            head_dim, kt.dkdv, causal, _tiles.streams(kt.dkdv, dtype, aligned)),
          signature("attn_backward_dkdv", dtype),
-         _tiles.dkdv_smem_words(kt.dkdv, head_dim, dtype), kt.dkdv.threads,
+         _tiles.dkdv_smem_words(kt.dkdv, head_dim, dtype, aligned), kt.dkdv.threads,
          kt.dkdv.launch_bounds),
-        ("attn_backward_dq", _bwd.make_attn_backward_dq(head_dim, kt.dq, causal,
-                                                        _tiles.streams(kt.dq, dtype)),
-         signature("attn_backward_dq", dtype), _tiles.dq_smem_words(kt.dq, head_dim, dtype),
-         kt.dq.threads, kt.dq.launch_bounds),
+        ("attn_backward_dq", _bwd.make_attn_backward_dq(
+            head_dim, kt.dq, causal, _tiles.streams(kt.dq, dtype, aligned)),
+         signature("attn_backward_dq", dtype),
+         _tiles.dq_smem_words(kt.dq, head_dim, dtype, aligned), kt.dq.threads,
+         kt.dq.launch_bounds),
     ]
 
 
-def forward_kernel(head_dim, dtype, causal, device, t):
+def forward_kernel(head_dim, dtype, causal, device, t, aligned=True):
     def build():
-        fn = _fwd.make_attn_forward(head_dim, t, causal, _tiles.streams(t, dtype))
+        fn = _fwd.make_attn_forward(head_dim, t, causal, _tiles.streams(t, dtype, aligned))
         return Prepared(fn, signature("attn_forward", dtype), t.threads,
-                        _tiles.forward_smem_words(t, head_dim, dtype), device,
+                        _tiles.forward_smem_words(t, head_dim, dtype, aligned), device,
                         t.launch_bounds)
-    return _prepared(("fwd", head_dim, dtype, causal, device, t), build)
+    return _prepared(("fwd", head_dim, dtype, causal, device, t, aligned), build)
 
 
 def preprocess_kernel(head_dim, dtype, device, threads):
@@ -290,20 +292,36 @@ def preprocess_kernel(head_dim, dtype, device, threads):
     return _prepared(("pre", head_dim, dtype, device, threads), build)
 
 
-def dkdv_kernel(head_dim, dtype, causal, device, t):
+def dkdv_kernel(head_dim, dtype, causal, device, t, aligned=True):
     def build():
-        fn = _bwd.make_attn_backward_dkdv(head_dim, t, causal, _tiles.streams(t, dtype))
+        fn = _bwd.make_attn_backward_dkdv(head_dim, t, causal,
+                                          _tiles.streams(t, dtype, aligned))
         return Prepared(fn, signature("attn_backward_dkdv", dtype), t.threads,
-                        _tiles.dkdv_smem_words(t, head_dim, dtype), device, t.launch_bounds)
-    return _prepared(("dkdv", head_dim, dtype, causal, device, t), build)
+                        _tiles.dkdv_smem_words(t, head_dim, dtype, aligned), device,
+                        t.launch_bounds)
+    return _prepared(("dkdv", head_dim, dtype, causal, device, t, aligned), build)
 
 
-def dq_kernel(head_dim, dtype, causal, device, t):
+def dq_kernel(head_dim, dtype, causal, device, t, aligned=True):
     def build():
-        fn = _bwd.make_attn_backward_dq(head_dim, t, causal, _tiles.streams(t, dtype))
+        fn = _bwd.make_attn_backward_dq(head_dim, t, causal, _tiles.streams(t, dtype, aligned))
         return Prepared(fn, signature("attn_backward_dq", dtype), t.threads,
-                        _tiles.dq_smem_words(t, head_dim, dtype), device, t.launch_bounds)
-    return _prepared(("dq", head_dim, dtype, causal, device, t), build)
+                        _tiles.dq_smem_words(t, head_dim, dtype, aligned), device,
+                        t.launch_bounds)
+    return _prepared(("dq", head_dim, dtype, causal, device, t, aligned), build)
+
+
+def rows_aligned(view, sizes, elems=4) -> bool:
+    """Whether every row of a (handle, strides) view of a (B, H, N, D) array (``sizes``: B,
+    H, N) is contiguous and starts 16 bytes aligned, ``elems`` elements making 16 bytes
+    (strides of dims of size 1 never move an address)."""
+    handle, strides = view
+    if strides[3] != 1:
+        return False
+    for s, n in zip(strides[:3], sizes):
+        if n > 1 and s % elems:
+            return False
+    return SIMULATOR or int(handle) % 16 == 0
 
 
 # --- the passes ----------------------------------------------------------------------------
@@ -314,27 +332,41 @@ _BWD_PLANS: dict = {}
 _PRE_PLANS: dict = {}
 
 
-def _forward_plan(case, device, tiles):
-    """(kernel, block_m) for a case's (head dim, dtype, causal, device), looked up by a tuple
-    of plain values, cheap to hash on every call."""
-    key = (case.head_dim, case.dtype, case.causal, device, tiles)
+def _forward_plan(case, device, tiles, aligned=True):
+    """(kernel, block_m) for a case's (head dim, dtype, causal, device, row alignment),
+    looked up by a tuple of plain values, cheap to hash on every call."""
+    key = (case.head_dim, case.dtype, case.causal, device, tiles, aligned)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         t = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles).forward
         plan = _FWD_PLANS[key] = (
-            forward_kernel(case.head_dim, case.dtype, case.causal, device, t), t.block_m)
+            forward_kernel(case.head_dim, case.dtype, case.causal, device, t, aligned),
+            t.block_m)
     return plan
 
 
-def _backward_plan(case, device, tiles):
-    key = (case.head_dim, case.dtype, case.causal, device, tiles)
+def _backward_plan(case, device, tiles, aligned=True):
+    key = (case.head_dim, case.dtype, case.causal, device, tiles, aligned)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         kt = kernel_tiles(case.head_dim, case.dtype, case.causal, device, tiles)
         args = (case.head_dim, case.dtype, case.causal, device)
-        plan = _BWD_PLANS[key] = (dkdv_kernel(*args, kt.dkdv), kt.dkdv.block_m,
-                                  dq_kernel(*args, kt.dq), kt.dq.block_m)
+        plan = _BWD_PLANS[key] = (dkdv_kernel(*args, kt.dkdv, aligned), kt.dkdv.block_m,
+                                  dq_kernel(*args, kt.dq, aligned), kt.dq.block_m)
     return plan
+
+
+def _fp32_rows_aligned(case, q, k, v, do=None) -> bool:
+    """For fp32 calls, whether the arrays a kernel may stream (K and V; in the backward Q and
+    dO too) have 16-byte aligned rows (:func:`rows_aligned`); True for other dtypes, whose
+    tiles always go through registers."""
+    if case.dtype != "float32":
+        return True
+    skv = (case.batch, case.heads_kv, case.seqlen_k)
+    if not (rows_aligned(k, skv) and rows_aligned(v, skv)):
+        return False
+    sq = (case.batch, case.heads_q, case.seqlen_q)
+    return do is None or (rows_aligned(q, sq) and rows_aligned(do, sq))
 
 
 def _preprocess_plan(case, device, tiles):
@@ -396,7 +428,7 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None):
     if tiles is None and tc.serves(case, device, q, k, v):
         kern, bm = tc.forward_plan(case, device)
     else:
-        kern, bm = _forward_plan(case, device, tiles)
+        kern, bm = _forward_plan(case, device, tiles, _fp32_rows_aligned(case, q, k, v))
     launch_forward(kern, bm, case, stream, q, k, v, o, lse)
 
 
@@ -409,7 +441,8 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
     if tiles is None and tc.serves(case, device, q, k, v, do):
         dkdv, dkdv_bm, dqk, dq_bm = tc.backward_plan(case, device)
     else:
-        dkdv, dkdv_bm, dqk, dq_bm = _backward_plan(case, device, tiles)
+        dkdv, dkdv_bm, dqk, dq_bm = _backward_plan(case, device, tiles,
+                                                   _fp32_rows_aligned(case, q, k, v, do))
     Nq, Hq = case.seqlen_q, case.heads_q
     pre(((Nq + pt - 1) // pt, case.batch * Hq), stream,
         (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))

@@ -31,15 +31,6 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def _rows_aligned(view, sizes):
-    handle, strides = view
-    if strides[3] != 1:
-        return False
-    if any(n > 1 and s % 8 for s, n in zip(strides[:3], sizes)):
-        return False
-    return SIMULATOR or int(handle) % 16 == 0
-
-
 def serves(case, device, q, k, v, do=None) -> bool:
     """Whether the tensor-core kernels take this launch; ``q, k, v, do`` are the launch's
     (handle, strides) views."""
@@ -51,8 +42,8 @@ def serves(case, device, q, k, v, do=None) -> bool:
         return False
     sq = (case.batch, case.heads_q, case.seqlen_q)
     skv = (case.batch, case.heads_kv, case.seqlen_k)
-    return (_rows_aligned(q, sq) and _rows_aligned(k, skv) and _rows_aligned(v, skv)
-            and (do is None or _rows_aligned(do, sq)))
+    return (launch.rows_aligned(q, sq, 8) and launch.rows_aligned(k, skv, 8)
+            and launch.rows_aligned(v, skv, 8) and (do is None or launch.rows_aligned(do, sq, 8)))
 
 
 @functools.cache

@@ -224,14 +224,16 @@ if SIMULATOR:
         return vals[lane ^ int(mask)]
 
     def cp_async16(smem, sidx, src, gidx, nbytes):
-        """16 bytes (8 b16 elements) from ``src[gidx:]`` to ``smem[sidx:]``; zeros when
-        ``nbytes`` is 0."""
-        sidx = int(sidx)
-        if nbytes:
+        """16 bytes (8 b16 or 4 fp32 elements, by ``smem``'s dtype) from ``src[gidx:]`` to
+        ``smem[sidx:]``: the first ``nbytes`` copied, the rest zero-filled (``nbytes`` 0:
+        all zeros). Both addresses must be 16-byte aligned."""
+        sidx, n = int(sidx), 16 // smem.itemsize
+        assert sidx % n == 0, f"cp.async 16 to word {sidx}: not 16-byte aligned"
+        smem[sidx:sidx + n] = 0
+        m = int(nbytes) // smem.itemsize
+        if m:
             gidx = int(gidx)
-            smem[sidx:sidx + 8] = src[gidx:gidx + 8].view(np.uint16)
-        else:
-            smem[sidx:sidx + 8] = 0
+            smem[sidx:sidx + m] = src[gidx:gidx + m].view(smem.dtype)
 
     def cp_async4(smem, sidx, src, gidx, nbytes):
         """One fp32 word ``src[gidx]`` to ``smem[sidx]``; zero when ``nbytes`` is 0."""

@@ -131,66 +131,86 @@ def _offsets(*sizes):
 
 
 def forward_layout(t: Tiles, head_dim: int, streamed: bool = False):
-    """Offsets and row strides (in fp32 words) of attn_forward's shared memory:
-    Q ``[d][i]`` (A operand of Q Kᵀ), K and V ``[d][j]`` (B operand of both products; one
-    buffer taken in turn, or with ``streamed`` copies one each, so that the next K arrives
-    during the current tile's P V), P ``[j][i]`` (A operand of P V), and the per-thread
-    partial row maxima and sums."""
+    """Offsets and strides (in fp32 words) of attn_forward's shared memory: Q ``[d][i]``
+    (A operand of Q Kᵀ), K and V (B operands of both products; one buffer taken in turn,
+    or with ``streamed`` one each, so that the next K arrives during this tile's P V), P
+    ``[j][i]`` (A operand of P V), and the per-thread partial row maxima and sums. ``KJ``
+    and ``KD`` are the strides of K and V along keys and along d (:func:`b_tile`)."""
     dp = t.dpad(head_dim)
-    ldq, ldk, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
-    (q, k, v, p, red), words = _offsets(dp * ldq, dp * ldk, dp * ldk if streamed else 0,
+    ldq, ldp = a_ld(t.block_m), a_ld(t.block_m)
+    kj, kd, kv = b_tile(t.block_n, dp, streamed)
+    (q, k, v, p, red), words = _offsets(dp * ldq, kv, kv if streamed else 0,
                                         t.block_n * ldp, t.block_m * t.cols)
-    return dict(Q=q, K=k, V=v if streamed else k, P=p, RED=red, LDQ=ldq, LDK=ldk, LDP=ldp,
-                words=words)
+    return dict(Q=q, K=k, V=v if streamed else k, P=p, RED=red, LDQ=ldq, KJ=kj, KD=kd,
+                LDP=ldp, words=words)
+
+
+def b_tile(n: int, dp: int, streamed: bool):
+    """(stride along rows, stride along d, words) of a tile of ``n`` rows x ``dp`` head-dim columns
+    that is read only as a B operand. Loaded through registers it is stored transposed,
+    ``[d][row]`` with an odd row stride; streamed by cp.async it keeps the global layout,
+    ``[row][d]``, so that 16 bytes of a global row land as 16 bytes of a shared row, with a
+    row stride of ``dp + 4`` words (16-byte rows, ``dp / 4 + 1`` odd: a product that reads
+    16 bytes of each of 8 consecutive rows touches all 32 banks)."""
+    if streamed:
+        return a_ld(dp), 1, n * a_ld(dp)
+    return 1, b_ld(n), dp * b_ld(n)
 
 
 def dkdv_layout(t: Tiles, head_dim: int, streamed: bool = False):
-    """attn_backward_dkdv: K, V ``[d][key]`` (resident, A operands), Q, dO ``[d][query]``
-    (streamed, B operands; with ``streamed`` two stages, ``STAGE`` words apart, the next
-    query tile's copies landing in one while the other is read), P and dS
-    ``[query][key]`` (A operands; one buffer with ``t.one_ps_buffer``), lse and delta."""
+    """attn_backward_dkdv: K, V ``[d][key]`` (resident, A operands), Q, dO (streamed, B
+    operands; strides ``QJ`` along queries and ``QD`` along d, :func:`b_tile`; with
+    ``streamed`` two stages, ``STAGE`` words apart, the next query tile's copies landing in
+    one while the other is read), P and dS ``[query][key]`` (A operands; one buffer with
+    ``t.one_ps_buffer``), lse and delta."""
     dp = t.dpad(head_dim)
-    ldk, ldq, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
-    stage = 2 * dp * ldq
+    ldk, ldp = a_ld(t.block_m), a_ld(t.block_m)
+    qj, qd, tile = b_tile(t.block_n, dp, streamed)
+    stage = 2 * tile
     (k, v, q, do, p, ds, ls, dl), words = _offsets(
-        dp * ldk, dp * ldk, dp * ldq, dp * ldq + (stage if streamed else 0),
+        dp * ldk, dp * ldk, tile, tile + (stage if streamed else 0),
         t.block_n * ldp, 0 if t.one_ps_buffer else t.block_n * ldp, t.block_n, t.block_n)
     if t.one_ps_buffer:
         ds = p
-    return dict(K=k, V=v, Q=q, DO=do, P=p, DS=ds, LS=ls, DL=dl, LDK=ldk, LDQ=ldq, LDP=ldp,
-                STAGE=stage, words=words)
+    return dict(K=k, V=v, Q=q, DO=do, P=p, DS=ds, LS=ls, DL=dl, LDK=ldk, QJ=qj, QD=qd,
+                LDP=ldp, STAGE=stage, words=words)
 
 
 def dq_layout(t: Tiles, head_dim: int, streamed: bool = False):
-    """attn_backward_dq: Q, dO ``[d][query]`` (resident, A operands), K, V ``[d][key]``
-    (streamed, B operands; two stages ``STAGE`` words apart with ``streamed``), dS
-    ``[key][query]`` (A operand of dS K)."""
+    """attn_backward_dq: Q, dO ``[d][query]`` (resident, A operands), K, V (streamed, B
+    operands; strides ``KJ``, ``KD`` as in :func:`forward_layout`; two stages ``STAGE``
+    words apart with ``streamed``), dS ``[key][query]`` (A operand of dS K)."""
     dp = t.dpad(head_dim)
-    ldq, ldk, ldp = a_ld(t.block_m), b_ld(t.block_n), a_ld(t.block_m)
-    stage = 2 * dp * ldk
-    (q, do, k, v, ds), words = _offsets(dp * ldq, dp * ldq, dp * ldk,
-                                        dp * ldk + (stage if streamed else 0),
-                                        t.block_n * ldp)
-    return dict(Q=q, DO=do, K=k, V=v, DS=ds, LDQ=ldq, LDK=ldk, LDP=ldp, STAGE=stage,
+    ldq, ldp = a_ld(t.block_m), a_ld(t.block_m)
+    kj, kd, tile = b_tile(t.block_n, dp, streamed)
+    stage = 2 * tile
+    (q, do, k, v, ds), words = _offsets(dp * ldq, dp * ldq, tile,
+                                        tile + (stage if streamed else 0), t.block_n * ldp)
+    return dict(Q=q, DO=do, K=k, V=v, DS=ds, LDQ=ldq, KJ=kj, KD=kd, LDP=ldp, STAGE=stage,
                 words=words)
 
 
-def streams(t: Tiles, dtype: str) -> bool:
-    """Whether the kernels of tiling ``t`` copy streamed tiles of ``dtype`` with cp.async
-    (fp32 only: the copy cannot widen fp16/bf16)."""
-    return t.async_copy and dtype == "float32"
+def streams(t: Tiles, dtype: str, aligned: bool = True) -> bool:
+    """Whether the kernels of tiling ``t`` copy streamed tiles with cp.async: fp32 only (the
+    copy cannot widen fp16/bf16), 16 bytes at a time, so the streamed arrays' rows must be
+    contiguous and 16-byte aligned (``aligned``; launch.rows_aligned); otherwise they are
+    loaded through registers."""
+    return t.async_copy and dtype == "float32" and aligned
 
 
-def forward_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
-    return forward_layout(t, head_dim, streams(t, dtype))["words"]
+def forward_smem_words(t: Tiles, head_dim: int, dtype: str = "float32",
+                       aligned: bool = True) -> int:
+    return forward_layout(t, head_dim, streams(t, dtype, aligned))["words"]
 
 
-def dkdv_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
-    return dkdv_layout(t, head_dim, streams(t, dtype))["words"]
+def dkdv_smem_words(t: Tiles, head_dim: int, dtype: str = "float32",
+                    aligned: bool = True) -> int:
+    return dkdv_layout(t, head_dim, streams(t, dtype, aligned))["words"]
 
 
-def dq_smem_words(t: Tiles, head_dim: int, dtype: str = "float32") -> int:
-    return dq_layout(t, head_dim, streams(t, dtype))["words"]
+def dq_smem_words(t: Tiles, head_dim: int, dtype: str = "float32",
+                  aligned: bool = True) -> int:
+    return dq_layout(t, head_dim, streams(t, dtype, aligned))["words"]
 
 
 #: Tiny tiles for the CUDA simulator, which runs every thread as a Python thread: they keep
