@@ -116,6 +116,17 @@ def test_strided_views():
     q, k, v, do = (_t((B, H, D, N), "float32").transpose(2, 3) for _ in range(4))
     assert q.stride(3) == N
     _check(q, k, v, do, "float32", False, "bhnd")
+    # fp32 rows: 16-byte aligned (offset 8) stream by cp.async; offset 1 goes through registers
+    from flashcore.backends.numba_cuda import launch
+
+    for off, aligned in ((8, True), (1, False)):
+        big = [_t((B, H, 2 * N, D + 16), "float32") for _ in range(4)]
+        q, k, v, do = (x[:, :, ::2, off:off + D] for x in big)
+        _check(q, k, v, do, "float32", True, "bhnd")
+        assert (D, "float32", True, 0, None, aligned) in launch._FWD_PLANS
+    # aligned rows of 16 words holding a head dim of 13: a partial 16-byte chunk per row
+    q, k, v, do = (_t((B, H, N, 16), "float32")[..., :13] for _ in range(4))
+    _check(q, k, v, do, "float32", True, "bhnd")
 
 
 def test_rows_that_see_no_key_and_empty():

@@ -18,7 +18,7 @@ from numba import cuda, float32
 
 from . import tiles as _tiles
 from .convert import SIMULATOR, device_function, ld4, load_f32, smem_pointer, store_f32
-from .mma import cp_async16, cp_async_commit, cp_async_wait
+from .mma import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from .tile_product import column, tile_product
 
 #: Dynamic shared memory starts 16-byte aligned (vector loads); the simulator takes no
@@ -131,6 +131,10 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
     Q_OFF, K_OFF, V_OFF, P_OFF = lay["Q"], lay["K"], lay["V"], lay["P"]
     RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(causal)
+    # Row maxima by warp shuffles where a row's TC threads are lanes of one warp (and the
+    # block whole warps); the barrier between S and the softmax then only guarded K, so
+    # with streamed tiles it goes, and the next K is copied after the P barrier instead.
+    SHFL = ASYNC and 32 % TC == 0 and NT % 32 == 0
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -161,6 +165,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
         xa = cuda.local.array(RM, float32)
         xb = cuda.local.array(XB, float32)
         xd = cuda.local.array(RD, float32)  # the V row slice in the P V product
+        rmx = cuda.local.array(RM, float32)  # (SHFL) this tile's row maxima
         for a in range(RM):
             m_i[a] = NEG_INF
             l_i[a] = float32(0.0)
@@ -204,21 +209,31 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                 mx = s[a, 0]
                 for bb in range(1, RN):
                     mx = max(mx, s[a, bb])
-                smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
-            cuda.syncthreads()
-            # K is consumed: the next K (async) or this V goes in while the softmax runs.
-            if ASYNC:
-                if n0 + BN < n_end:
-                    copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid,
-                              NT)
-                cp_async_commit()
-            else:
-                load_tile_t(smem, V_OFF, KD, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
-                            float32(1.0), tid, NT)
+                if SHFL:  # (compile-time) across the row's TC lanes
+                    w = TC >> 1
+                    while w > 0:
+                        mx = max(mx, shfl_xor_f32(mx, w))
+                        w >>= 1
+                    rmx[a] = mx
+                else:
+                    smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
+            if not SHFL:
+                cuda.syncthreads()
+                # K is consumed: the next K (async) or this V goes in while the softmax runs.
+                if ASYNC:
+                    if n0 + BN < n_end:
+                        copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP,
+                                  tid, NT)
+                    cp_async_commit()
+                else:
+                    load_tile_t(smem, V_OFF, KD, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                                float32(1.0), tid, NT)
             for a in range(RM):
                 row = tr * RM + a
                 mx = m_i[a]
-                if TC % 4 == 0:  # (compile-time) the row's partial maxima in 16-byte loads
+                if SHFL:
+                    mx = max(mx, rmx[a])
+                elif TC % 4 == 0:  # (compile-time) the row's partial maxima in 16-byte loads
                     for c4 in range(TC // 4):
                         w = ld4(smem, RED_OFF + row * TC + 4 * c4)
                         mx = max(mx, max(max(w[0], w[1]), max(w[2], w[3])))
@@ -237,9 +252,15 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                     lsum += p
                     smem[P_OFF + (tc + TC * bb) * LDP + row] = p
                 l_i[a] = lsum
-            if ASYNC:
+            if SHFL:
+                cp_async_wait(0)  # this tile's V
+            elif ASYNC:
                 cp_async_wait(1)  # this tile's V (the next K may be in flight)
             cuda.syncthreads()
+            if SHFL:  # K is consumed: the next K goes in during P V
+                if n0 + BN < n_end:
+                    copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid, NT)
+                cp_async_commit()
             tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, KJ, KD, BN, tr, tc, RM, RD, TC)
             cuda.syncthreads()
         if ASYNC:
