@@ -152,14 +152,18 @@ else:
         for g, r in zip(grads, oracle_backward(do, q, k, v)):
             assert rel_err(g, r) < TOL_BWD["float32"]
 
-    @pytest.mark.parametrize("streamed", [False, True], ids=["registers", "cp_async"])
-    def test_warp_sized_blocks(monkeypatch, streamed):
+    @pytest.mark.parametrize("streamed,min_blocks", [(False, 1), (True, 1), (True, 2)],
+                             ids=["registers", "cp_async", "cp_async_2_blocks"])
+    def test_warp_sized_blocks(monkeypatch, streamed, min_blocks):
         # blocks of 32 threads take the loaders' 8 x 4 path (the GPU tilings' one); with
-        # streamed tiles, the copies' stepped path and separate P and dS buffers in dK/dV
-        # (the default simulator tiling streams and shares one P/dS buffer)
+        # streamed tiles, the copies' stepped path, the forward's row maxima by warp
+        # shuffles (with 2 blocks per SM, the next K copied after the P barrier) and
+        # separate P and dS buffers in dK/dV (the default simulator tiling streams and
+        # shares one P/dS buffer)
         from flashcore.backends.numba_cuda import tiles
 
-        t = tiles.Tiles(block_m=8, block_n=16, rows=2, cols=16, async_copy=streamed)
+        t = tiles.Tiles(block_m=8, block_n=16, rows=2, cols=16, min_blocks=min_blocks,
+                        async_copy=streamed)
         monkeypatch.setattr(tiles, "SIMULATOR", tiles.KernelTiles(t, t, t, 32))
         c = dict(B=1, Hq=2, Hkv=1, Nq=11, Nk=19, D=12, dtype="float32", causal=True,
                  layout="bnhd")

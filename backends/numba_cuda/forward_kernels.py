@@ -132,9 +132,12 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
     RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(causal)
     # Row maxima by warp shuffles where a row's TC threads are lanes of one warp (and the
-    # block whole warps); the barrier between S and the softmax then only guarded K, so
-    # with streamed tiles it goes, and the next K is copied after the P barrier instead.
+    # block whole warps). The barrier between S and the softmax then only guards K; with
+    # several blocks per SM (min_blocks > 1) it goes and the next K is copied after the P
+    # barrier (during P V only: with one block per SM that copy was exposed, +2.6% at
+    # D=128, notes/numba_cuda.md v13).
     SHFL = ASYNC and 32 % TC == 0 and NT % 32 == 0
+    LATE_K = SHFL and t.min_blocks > 1
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -217,7 +220,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                     rmx[a] = mx
                 else:
                     smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
-            if not SHFL:
+            if not LATE_K:
                 cuda.syncthreads()
                 # K is consumed: the next K (async) or this V goes in while the softmax runs.
                 if ASYNC:
@@ -252,12 +255,12 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                     lsum += p
                     smem[P_OFF + (tc + TC * bb) * LDP + row] = p
                 l_i[a] = lsum
-            if SHFL:
+            if LATE_K:
                 cp_async_wait(0)  # this tile's V
             elif ASYNC:
                 cp_async_wait(1)  # this tile's V (the next K may be in flight)
             cuda.syncthreads()
-            if SHFL:  # K is consumed: the next K goes in during P V
+            if LATE_K:  # K is consumed: the next K goes in during P V
                 if n0 + BN < n_end:
                     copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid, NT)
                 cp_async_commit()
