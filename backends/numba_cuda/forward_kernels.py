@@ -131,13 +131,13 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
     Q_OFF, K_OFF, V_OFF, P_OFF = lay["Q"], lay["K"], lay["V"], lay["P"]
     RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(causal)
-    # Row maxima by warp shuffles where a row's TC threads are lanes of one warp (and the
-    # block whole warps). The barrier between S and the softmax then only guards K; with
-    # several blocks per SM (min_blocks > 1) it goes and the next K is copied after the P
-    # barrier (during P V only: with one block per SM that copy was exposed, +2.6% at
-    # D=128, notes/numba_cuda.md v13).
-    SHFL = ASYNC and 32 % TC == 0 and NT % 32 == 0
-    LATE_K = SHFL and t.min_blocks > 1
+    # With several blocks per SM (min_blocks > 1), row maxima by warp shuffles where a
+    # row's TC threads are lanes of one warp (and the block whole warps), and the barrier
+    # between S and the softmax, which then only guards K, goes: the next K is copied after
+    # the P barrier, during P V only, while other blocks keep the SM busy (D=64: -1 to -5%).
+    # With one block per SM (D=128) that copy is exposed: the shared-memory maxima and the
+    # early copy stay (notes/numba_cuda.md, v13).
+    SHFL = ASYNC and 32 % TC == 0 and NT % 32 == 0 and t.min_blocks > 1
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -220,7 +220,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                     rmx[a] = mx
                 else:
                     smem[RED_OFF + (tr * RM + a) * TC + tc] = mx
-            if not LATE_K:
+            if not SHFL:
                 cuda.syncthreads()
                 # K is consumed: the next K (async) or this V goes in while the softmax runs.
                 if ASYNC:
@@ -255,12 +255,12 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                     lsum += p
                     smem[P_OFF + (tc + TC * bb) * LDP + row] = p
                 l_i[a] = lsum
-            if LATE_K:
+            if SHFL:
                 cp_async_wait(0)  # this tile's V
             elif ASYNC:
                 cp_async_wait(1)  # this tile's V (the next K may be in flight)
             cuda.syncthreads()
-            if LATE_K:  # K is consumed: the next K goes in during P V
+            if SHFL:  # K is consumed: the next K goes in during P V
                 if n0 + BN < n_end:
                     copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid, NT)
                 cp_async_commit()
