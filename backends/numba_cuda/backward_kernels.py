@@ -24,7 +24,7 @@ import math
 from numba import cuda, float32
 
 from . import tiles as _tiles
-from .convert import device_function, load_f32, smem_pointer, store_f32
+from .convert import device_function, heaviest_first, load_f32, smem_pointer, store_f32
 from .forward_kernels import (
     LOG2E,
     NEG_INF,
@@ -115,8 +115,13 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
-        k0 = cuda.blockIdx.x * BM
-        bh = cuda.blockIdx.y
+        if CAUSAL:  # heaviest (seen by the most queries: the first) key tiles first
+            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
+                                       cuda.gridDim.y)
+            k0 = rank * BM
+        else:
+            k0 = cuda.blockIdx.x * BM
+            bh = cuda.blockIdx.y
         b = bh // Hkv
         hk = bh - b * Hkv
         sl2 = float32(scale * LOG2E)
@@ -272,10 +277,14 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
-        n_qtiles = cuda.gridDim.x
-        qt = n_qtiles - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        if CAUSAL:  # heaviest (the last) query tiles first
+            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
+                                       cuda.gridDim.y)
+            qt = cuda.gridDim.x - 1 - rank
+        else:
+            qt = cuda.blockIdx.x
+            bh = cuda.blockIdx.y
         q0 = qt * BM
-        bh = cuda.blockIdx.y
         b = bh // Hq
         h = bh - b * Hq
         hk = h // group

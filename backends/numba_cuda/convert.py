@@ -149,3 +149,17 @@ else:
         def impl(ptr, i, v):
             ptr[i] = types.float32(v)
         return impl
+
+
+@device_function
+def heaviest_first(block_x, block_y, grid_x, grid_y):
+    """``(rank, bh)`` of block ``(block_x, block_y)`` in a causal kernel, whose tiles differ
+    in work, on a grid of ``(grid_x, grid_y)`` = (tiles, batch * heads) blocks. Blocks start
+    in order of their linear index (x fastest), so linear index ``L`` becomes rank
+    ``L // grid_y`` of head ``L % grid_y``: every head's rank-0 tile (the heaviest) starts
+    before any rank-1 tile, and the grid's tail is made of the lightest tiles, not of a heavy
+    one started last. (Arguments, not ``cuda.blockIdx``: the simulator gives kernels, not
+    helpers, their thread's view.)"""
+    lin = block_x + block_y * grid_x
+    rank = lin // grid_y
+    return rank, lin - rank * grid_y

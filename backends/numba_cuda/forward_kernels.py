@@ -17,7 +17,15 @@ import numpy as np
 from numba import cuda, float32
 
 from . import tiles as _tiles
-from .convert import SIMULATOR, device_function, ld4, load_f32, smem_pointer, store_f32
+from .convert import (
+    SIMULATOR,
+    device_function,
+    heaviest_first,
+    ld4,
+    load_f32,
+    smem_pointer,
+    store_f32,
+)
 from .mma import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from .tile_product import column, tile_product
 
@@ -146,10 +154,13 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
-        n_qtiles = cuda.gridDim.x
-        # Heaviest (most keys under the causal mask) tiles first.
-        qt = n_qtiles - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
-        bh = cuda.blockIdx.y
+        if CAUSAL:  # heaviest (most keys under the mask: the last) query tiles first
+            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
+                                       cuda.gridDim.y)
+            qt = cuda.gridDim.x - 1 - rank
+        else:
+            qt = cuda.blockIdx.x
+            bh = cuda.blockIdx.y
         b = bh // Hq
         h = bh - b * Hq
         hk = h // group
