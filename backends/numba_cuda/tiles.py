@@ -4,14 +4,19 @@ compute capability), and the shared-memory layout that follows from them.
 Every kernel works on a ``block_m x block_n`` tile of the score matrix with a
 ``rows x cols`` grid of threads; thread ``(r, c)`` owns the ``rm = block_m // rows``
 consecutive score rows ``r * rm + a`` and the columns ``c + cols * b`` (``b < block_n //
-cols``), and the head-dim columns ``c + cols * t`` (``t < dpad / cols``) of the output rows
-it owns. Consecutive rows let a thread fetch its A operand in 16-byte vector loads, which
-the lanes sharing ``r`` receive as one broadcast; strided columns put the lanes of a warp on
-consecutive shared-memory words of the B operand (no bank conflicts).
+cols``), and head-dim columns of the output rows it owns: ``c + cols * t`` (``t < dpad /
+cols``), or in groups of 4 adjacent ones where the product reads them 16 bytes at a time
+(``tile_product.column``). Consecutive rows let a thread fetch its A operand in 16-byte
+vector loads, which the lanes sharing ``r`` receive as one broadcast; strided columns put
+the lanes of a warp on consecutive shared-memory words of the B operand (no bank
+conflicts).
 
-Shared memory holds fp32 tiles stored transposed, ``tile[k][row]``. Tiles read as an A
-operand have rows padded by 4 words (16-byte aligned vector loads); tiles read only as a B
-operand by 1 word (an odd stride keeps column walks on distinct banks).
+Shared memory holds fp32 tiles. Tiles read as an A operand are stored transposed,
+``tile[k][row]``, with rows padded by 4 words (16-byte aligned vector loads). Tiles read
+only as a B operand are stored transposed with rows padded by 1 word (an odd stride keeps
+column walks on distinct banks) when loaded through registers, or as the global rows,
+``tile[row][d]`` with a 16-byte row stride, when streamed by 16-byte ``cp.async`` copies
+(:func:`b_tile`).
 """
 from __future__ import annotations
 
