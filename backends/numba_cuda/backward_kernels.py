@@ -24,7 +24,7 @@ import math
 from numba import cuda, float32
 
 from . import tiles as _tiles
-from .convert import device_function, heaviest_first, load_f32, smem_pointer, store_f32
+from .convert import block_tile, device_function, load_f32, smem_pointer, store_f32
 from .forward_kernels import (
     LOG2E,
     NEG_INF,
@@ -115,13 +115,10 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
-        if CAUSAL:  # heaviest (seen by the most queries: the first) key tiles first
-            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
-                                       cuda.gridDim.y)
-            k0 = rank * BM
-        else:
-            k0 = cuda.blockIdx.x * BM
-            bh = cuda.blockIdx.y
+        # (causal: heaviest first; the first key tile is seen by the most queries)
+        kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, False)
+        k0 = kt * BM
         b = bh // Hkv
         hk = bh - b * Hkv
         sl2 = float32(scale * LOG2E)
@@ -277,13 +274,9 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
-        if CAUSAL:  # heaviest (the last) query tiles first
-            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
-                                       cuda.gridDim.y)
-            qt = cuda.gridDim.x - 1 - rank
-        else:
-            qt = cuda.blockIdx.x
-            bh = cuda.blockIdx.y
+        # (causal: heaviest first; the last query tile sees the most keys)
+        qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, True)
         q0 = qt * BM
         b = bh // Hq
         h = bh - b * Hq

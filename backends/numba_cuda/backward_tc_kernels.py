@@ -42,7 +42,7 @@ import numpy as np
 from numba import cuda, float32, uint16
 
 from .backward_kernels import query_stats
-from .convert import SIMULATOR, device_function, heaviest_first, smem_pointer
+from .convert import SIMULATOR, block_tile, device_function, smem_pointer
 from .mma import cp_async_commit, cp_async_wait
 from .tile_product_tc import PAD, load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
@@ -229,13 +229,10 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
         lane = tid & 31
         g = lane >> 2
         tq = lane & 3
-        if CAUSAL:  # heaviest (the first) key tiles first
-            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
-                                       cuda.gridDim.y)
-            k0 = rank * BM
-        else:
-            k0 = cuda.blockIdx.x * BM
-            bh = cuda.blockIdx.y
+        # (causal: heaviest first; the first key tile is seen by the most queries)
+        kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, False)
+        k0 = kt * BM
         b = bh // Hkv
         hk = bh - b * Hkv
         sl2 = float32(scale * LOG2E)
@@ -308,13 +305,9 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
         lane = tid & 31
         g = lane >> 2
         tq = lane & 3
-        if CAUSAL:  # heaviest (the last) query tiles first
-            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
-                                       cuda.gridDim.y)
-            qt = cuda.gridDim.x - 1 - rank
-        else:
-            qt = cuda.blockIdx.x
-            bh = cuda.blockIdx.y
+        # (causal: heaviest first; the last query tile sees the most keys)
+        qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, True)
         q0 = qt * BM
         b = bh // Hq
         h = bh - b * Hq

@@ -152,14 +152,17 @@ else:
 
 
 @device_function
-def heaviest_first(block_x, block_y, grid_x, grid_y):
-    """``(rank, bh)`` of block ``(block_x, block_y)`` in a causal kernel, whose tiles differ
-    in work, on a grid of ``(grid_x, grid_y)`` = (tiles, batch * heads) blocks. Blocks start
-    in order of their linear index (x fastest), so linear index ``L`` becomes rank
-    ``L // grid_y`` of head ``L % grid_y``: every head's rank-0 tile (the heaviest) starts
-    before any rank-1 tile, and the grid's tail is made of the lightest tiles, not of a heavy
-    one started last. (Arguments, not ``cuda.blockIdx``: the simulator gives kernels, not
-    helpers, their thread's view.)"""
+def block_tile(block_x, block_y, grid_x, grid_y, CAUSAL, LAST_HEAVIEST):
+    """``(tile, bh)`` of block ``(block_x, block_y)`` on a grid of ``(grid_x, grid_y)`` =
+    (tiles, batch * heads) blocks: as launched, or (``CAUSAL``: tiles differ in work)
+    heaviest first across all heads. Blocks start in order of their linear index (x
+    fastest), so linear index ``L`` becomes rank ``L // grid_y`` of head ``L % grid_y``:
+    every head's heaviest tile (the last one with ``LAST_HEAVIEST``, else the first) starts
+    before any lighter one, and the grid's tail is made of the lightest tiles, not of a
+    heavy one started last. (Arguments, not ``cuda.blockIdx``: the simulator gives kernels,
+    not helpers, their thread's view.)"""
+    if not CAUSAL:
+        return block_x, block_y
     lin = block_x + block_y * grid_x
     rank = lin // grid_y
-    return rank, lin - rank * grid_y
+    return (grid_x - 1 - rank if LAST_HEAVIEST else rank), lin - rank * grid_y

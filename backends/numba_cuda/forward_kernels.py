@@ -19,8 +19,8 @@ from numba import cuda, float32
 from . import tiles as _tiles
 from .convert import (
     SIMULATOR,
+    block_tile,
     device_function,
-    heaviest_first,
     ld4,
     load_f32,
     smem_pointer,
@@ -154,13 +154,9 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
         tid = cuda.threadIdx.x
         tr = tid // TC
         tc = tid - tr * TC
-        if CAUSAL:  # heaviest (most keys under the mask: the last) query tiles first
-            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
-                                       cuda.gridDim.y)
-            qt = cuda.gridDim.x - 1 - rank
-        else:
-            qt = cuda.blockIdx.x
-            bh = cuda.blockIdx.y
+        # (causal: heaviest first; the last query tile sees the most keys)
+        qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, True)
         b = bh // Hq
         h = bh - b * Hq
         hk = h // group

@@ -33,7 +33,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from .convert import SIMULATOR, device_function, heaviest_first, smem_pointer
+from .convert import SIMULATOR, block_tile, device_function, smem_pointer
 from .mma import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
 from .tile_product_tc import PAD, load_rows, mma, mma_frags_rows, store_frags
 
@@ -157,13 +157,9 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         lane = tid & 31
         g = lane >> 2
         tq = lane & 3
-        if CAUSAL:  # heaviest (the last) query tiles first
-            rank, bh = heaviest_first(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
-                                       cuda.gridDim.y)
-            qt = cuda.gridDim.x - 1 - rank
-        else:
-            qt = cuda.blockIdx.x
-            bh = cuda.blockIdx.y
+        # (causal: heaviest first; the last query tile sees the most keys)
+        qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, True)
         b = bh // Hq
         h = bh - b * Hq
         hk = h // group

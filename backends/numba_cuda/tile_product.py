@@ -51,14 +51,20 @@ def column(tc, b, b_ks, b_js, RN, TC):
 
 
 @device_function
+def _ld4_into(x, j, smem, i):
+    """``x[j:j+4] = smem[i:i+4]`` in one 16-byte load."""
+    v = ld4(smem, i)
+    x[j] = v[0]
+    x[j + 1] = v[1]
+    x[j + 2] = v[2]
+    x[j + 3] = v[3]
+
+
+@device_function
 def _load_a(xa, smem, ak, RM):
     if RM % 4 == 0:  # (a compile-time constant: one branch survives)
         for a4 in range(RM // 4):
-            v = ld4(smem, ak + 4 * a4)
-            xa[4 * a4] = v[0]
-            xa[4 * a4 + 1] = v[1]
-            xa[4 * a4 + 2] = v[2]
-            xa[4 * a4 + 3] = v[3]
+            _ld4_into(xa, 4 * a4, smem, ak + 4 * a4)
     else:
         for a in range(RM):
             xa[a] = smem[ak + a]
@@ -71,11 +77,7 @@ def _rank1_step(acc, xa, xb, smem, ak, bk, b_js, RM, RN, TC, MODE):
     _load_a(xa, smem, ak, RM)
     if MODE == B_GROUPED:
         for g in range(RN // 4):
-            v = ld4(smem, bk + 4 * TC * g)
-            xb[4 * g] = v[0]
-            xb[4 * g + 1] = v[1]
-            xb[4 * g + 2] = v[2]
-            xb[4 * g + 3] = v[3]
+            _ld4_into(xb, 4 * g, smem, bk + 4 * TC * g)
     else:
         for b in range(RN):
             xb[b] = smem[bk + TC * b * b_js]
@@ -90,11 +92,7 @@ def _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE):
     if MODE == B_ALONG_K:
         # xb holds 4 words of k per column: xb[4 * b + kk]
         for b in range(RN):
-            v = ld4(smem, bk + TC * b * b_js)
-            xb[4 * b] = v[0]
-            xb[4 * b + 1] = v[1]
-            xb[4 * b + 2] = v[2]
-            xb[4 * b + 3] = v[3]
+            _ld4_into(xb, 4 * b, smem, bk + TC * b * b_js)
         for kk in range(4):
             _load_a(xa, smem, ak + kk * a_ks, RM)
             for a in range(RM):
