@@ -26,9 +26,9 @@ fragments. Loading a row-major A tile with lanes pointing at row ``l % 16``, col
 ``8 (l // 16)`` gives exactly ``a0..a3``.
 
 ``cp_async16(smem, i, src, j, nbytes)`` copies 16 bytes global -> shared without going
-through registers (``cp.async.cg``; ``nbytes`` 0 zero-fills the destination: rows past the
-end); ``cp_async4`` copies one 4-byte word (``cp.async.ca``: the SIMT kernels' fp32 tiles,
-which it can transpose, one element at a time); ``cp_async_commit()`` closes a group and
+through registers (``cp.async.cg``; the first ``nbytes`` copied, the rest zero-filled:
+rows past the end, a row's last partial chunk; the tensor-core kernels' b16 tiles and the
+SIMT kernels' fp32 rows); ``cp_async_commit()`` closes a group and
 ``cp_async_wait(n)`` (``n`` a literal) waits until at most ``n`` groups are in flight. A
 ``syncthreads`` must follow before other threads read the copied data. Under the simulator
 the copy is immediate.
@@ -48,7 +48,6 @@ SIMULATOR = bool(cuda.config.ENABLE_CUDASIM)
 
 __all__ = [
     "SIMULATOR",
-    "cp_async4",
     "cp_async16",
     "cp_async_commit",
     "cp_async_wait",
@@ -235,10 +234,6 @@ if SIMULATOR:
             gidx = int(gidx)
             smem[sidx:sidx + m] = src[gidx:gidx + m].view(smem.dtype)
 
-    def cp_async4(smem, sidx, src, gidx, nbytes):
-        """One fp32 word ``src[gidx]`` to ``smem[sidx]``; zero when ``nbytes`` is 0."""
-        smem[int(sidx)] = src[int(gidx)] if nbytes else np.float32(0.0)
-
     def cp_async_commit():
         """Close the current group of cp.async copies (a no-op in the simulator)."""
 
@@ -365,7 +360,6 @@ else:
         return cp_async
 
     cp_async16 = _cp_async_intrinsic(16, "cg")
-    cp_async4 = _cp_async_intrinsic(4, "ca")
 
     @intrinsic
     def cp_async_commit(typingctx):
