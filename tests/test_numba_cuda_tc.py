@@ -198,8 +198,11 @@ else:
     #: without spills; dK/dV at head dim 96 causal with 64-query steps spills 12 bytes and ran
     #: 18% faster than 32-query steps; dK/dV at head dim 256 (two column passes) spills up to
     #: 32 bytes at 255 registers. ptxas's counts move by a few words with small edits of the
-    #: kernels. Any other spill, or more spill, fails the test.
-    KNOWN_SPILL_BYTES = {("dkdv", 96): 16, ("dkdv", 128): 40, ("forward", 128): 96,
+    #: kernels: the causal tile order across heads (session 5, convert.block_tile) took dK/dV
+    #: at head dim 96 causal from 12 to 20 bytes (not re-timed at head dim 96; the causal
+    #: bf16 runs at 64 and 128 got 7-9% faster with it). Any other spill, or more spill,
+    #: fails the test.
+    KNOWN_SPILL_BYTES = {("dkdv", 96): 24, ("dkdv", 128): 40, ("forward", 128): 96,
                          ("dkdv", 256): 32}
 
     @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
