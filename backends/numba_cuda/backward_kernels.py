@@ -5,11 +5,11 @@
 Both passes recompute ``P = exp(S - lse)`` tile by tile (in base 2: the resident operand of
 ``S``, K in the dK/dV pass and Q in the dQ pass, is pre-multiplied by ``scale * log2(e)``,
 and lse by ``log2(e)``) and use ``dS = P * (dP - delta)``. With a streaming tiling
-(``tiles.streams``: fp32 inputs on sm_80+), the streamed tiles (Q and dO, or K and V) arrive
-by ``cp.async`` one tile ahead into a second stage of shared memory, stored as rows
-(``tiles.b_tile``). Each output
-element is owned by exactly one thread of one block, which sums its terms in a fixed order:
-no atomics, so the gradients are bitwise deterministic. Under GQA a dK/dV block loops over
+(``tiles.streams``: fp32 inputs with 16-byte aligned rows on sm_80+), the streamed tiles
+(Q and dO, or K and V) arrive by ``cp.async`` one tile ahead into a second stage of shared
+memory, stored as rows (``tiles.b_tile``). Each output element is owned by exactly one
+thread of one block, which sums its terms in a fixed order: no atomics, so the gradients
+are bitwise deterministic. Under GQA a dK/dV block loops over
 all query heads of its key/value head.
 
 Rows that see no key have ``lse = -inf``; they are read as ``+inf`` so that ``P = 0`` and

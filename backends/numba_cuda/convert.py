@@ -7,6 +7,9 @@ rounds an fp32 value to the stored dtype (bf16: round to nearest even) and write
 
 On the GPU these are typed ``@overload``s (the pointer type picks the conversion at
 compile time); under ``NUMBA_ENABLE_CUDASIM=1`` they are plain Python on NumPy arrays.
+The same holds for the few other helpers every kernel family (SIMT and tensor-core) uses:
+``device_function``, ``smem_pointer``, ``ld4`` and ``block_tile`` (which block takes which
+tile).
 Import this module only after that choice is fixed (it imports numba.cuda).
 """
 from __future__ import annotations

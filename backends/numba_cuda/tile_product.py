@@ -43,8 +43,9 @@ def b_mode(b_ks, b_js, RN):
 
 @device_function
 def column(tc, b, b_ks, b_js, RN, TC):
-    """The B column that thread column ``tc`` holds in its slot ``b`` (for the kernels'
-    masks and stores)."""
+    """The B column that thread column ``tc`` holds in its slot ``b``: what the kernels
+    store an output slot to. (Score products never read B grouped, so the kernels' masks
+    and P/dS stores use ``tc + TC * b`` directly.)"""
     if b_mode(b_ks, b_js, RN) == B_GROUPED:
         return 4 * tc + (b & 3) + 4 * TC * (b >> 2)
     return tc + TC * b
