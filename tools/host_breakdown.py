@@ -56,6 +56,11 @@ def main(argv=None):
     buf = (ctypes.c_int64 * len(args))()
     fmt = "<" + "q" * (len(args) - 1) + "d"
     adapter = numba_cuda._adapter("torch")
+    raw_launch = lib.cuLaunchKernel
+
+    def lock_ctx(p):
+        with p._lock, p._on:
+            pass
     rows = [
         ("numba_cuda.forward (whole call)", lambda: numba_cuda.forward(q, k, v, case)),
         ("torch.empty_like(q)", lambda: torch.empty_like(q)),
@@ -71,6 +76,22 @@ def main(argv=None):
             (1, 1), stream, args)),
         ("struct.pack_into", lambda: struct.pack_into(fmt, buf, 0, *args)),
         ("cuCtxGetCurrent (ctypes)", lambda: lib.cuCtxGetCurrent(ctypes.byref(cur))),
+        ("cuLaunchKernel alone (ctypes, packed args)", lambda: raw_launch(
+            kern.handle, 1, 1, 1, kern.threads, 1, 1, kern.smem, stream, kern._ptrs, None)),
+        ("lock + context check (no launch)", lambda: lock_ctx(kern)),
+    ]
+    try:  # the same launch through cuda-python's Cython bindings, where numba-cuda has them
+        from cuda.bindings import driver as cb
+
+        fh, sh, pp = kern.handle, stream, ctypes.addressof(kern._ptrs)
+        def cb_launch():
+            return cb.cuLaunchKernel(fh, 1, 1, 1, kern.threads, 1, 1, kern.smem, sh, pp, 0)
+
+        print("cuda.bindings launch returns", cb_launch())
+        rows.append(("cuLaunchKernel (cuda.bindings, int params)", cb_launch))
+    except Exception as e:  # noqa: BLE001
+        print(f"(cuda.bindings launch not measured: {e})")
+    rows += [
         ("torch SDPA forward (reference)", lambda: torch.nn.functional
          .scaled_dot_product_attention(q, k, v)),
     ]
