@@ -186,6 +186,26 @@ def test_auto_selects_numba_cuda_for_torch_gpu_tensors():
     assert _dispatch.select(case, "auto") is numba_cuda
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lse_not_asked_for_goes_to_scratch(dtype):
+    # flashcore.attention without return_lse: small calls write lse to the per-GPU scratch
+    # buffer (no allocation, none returned); calls with more rows than it holds allocate
+    from flashcore.backends.numba_cuda import _io
+
+    from flashcore._checks import make_case
+
+    for B, H, N in ((2, 3, 77), (1, 2, _io.SCRATCH_WORDS // 2 + 5)):
+        q, k, v, _ = _qkvdo(B, H, H, N, 64 if N < 1000 else 300, 64, dtype, "bhnd")
+        case = make_case(q, k, v, causal=True, scale=None, layout="bhnd")
+        o, lse = numba_cuda.forward(q, k, v, case)
+        assert (lse is None) == (B * H * N <= _io.SCRATCH_WORDS)
+        o2 = flashcore.attention(q, k, v, causal=True)
+        ro, _ = oracle_forward(_np(q), _np(k), _np(v), causal=True)
+        for x in (o, o2):
+            assert rel_err(_np(x), ro) < TOL_FWD[dtype]
+        assert torch.equal(o, o2)
+
+
 def test_torch_non_default_stream(monkeypatch):
     spy = _Spy(monkeypatch)
     s = torch.cuda.Stream()

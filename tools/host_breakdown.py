@@ -16,16 +16,20 @@ import struct
 import time
 
 
-def per_call_us(fn, calls, blocks, sync):
-    out = []
+def per_call_us(rows, calls, blocks, sync):
+    """Median µs per call of each ``(name, fn)`` row. The rows take turns, one block each
+    per round, so that a host whose speed drifts (the lent VMs' does, by tens of percent
+    between runs) biases no row against another."""
+    out = {name: [] for name, _ in rows}
     for _ in range(blocks):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
+        for name, fn in rows:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out[name].append((time.perf_counter() - t0) / calls * 1e6)
     sync()
-    return statistics.median(out)
+    return {name: statistics.median(v) for name, v in out.items()}
 
 
 def main(argv=None):
@@ -37,6 +41,7 @@ def main(argv=None):
     from flashcore.backends import numba_cuda
     from flashcore.backends.numba_cuda import launch
 
+    import flashcore
     from flashcore._checks import make_case
 
     q, k, v = (torch.randn(1, 1, 16, 16, device="cuda") for _ in range(3))
@@ -59,10 +64,14 @@ def main(argv=None):
     raw_launch = lib.cuLaunchKernel
 
     def lock_ctx(p):
-        with p._lock, p._on:
-            pass
+        with p._lock:
+            lib.cuCtxGetCurrent(p._cur_ref)
+    case_no_lse = make_case(q, k, v, causal=False, scale=None, layout="bhnd")
     rows = [
-        ("numba_cuda.forward (whole call)", lambda: numba_cuda.forward(q, k, v, case)),
+        ("flashcore.attention(q, k, v) (public API)", lambda: flashcore.attention(q, k, v)),
+        ("numba_cuda.forward, lse not asked (scratch)", lambda: numba_cuda.forward(
+            q, k, v, case_no_lse)),
+        ("numba_cuda.forward, lse returned", lambda: numba_cuda.forward(q, k, v, case)),
         ("torch.empty_like(q)", lambda: torch.empty_like(q)),
         ("torch.empty lse", lambda: torch.empty((1, 1, 16), dtype=torch.float32,
                                                  device=q.device)),
@@ -95,9 +104,13 @@ def main(argv=None):
         ("torch SDPA forward (reference)", lambda: torch.nn.functional
          .scaled_dot_product_attention(q, k, v)),
     ]
-    print(f"{'step':44s} {'us/call':>8s}")
-    for name, fn in rows:
-        print(f"{name:44s} {per_call_us(fn, a.calls, a.blocks, sync):8.2f}", flush=True)
+    for _, fn in rows:  # (warm-up: plans, scratch buffers)
+        fn()
+    us = per_call_us(rows, a.calls, a.blocks, sync)
+    sdpa = us[rows[-1][0]]
+    print(f"{'step':48s} {'us/call':>8s} {'÷ SDPA':>7s}")
+    for name, _ in rows:
+        print(f"{name:48s} {us[name]:8.2f} {us[name] / sdpa:7.2f}", flush=True)
 
 
 if __name__ == "__main__":

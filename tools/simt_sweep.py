@@ -30,9 +30,9 @@ T = tiles.Tiles
 
 FORWARD = {
     64: [T(128, 64, 16, 16, 2, True), T(64, 64, 8, 16, 3, True)],
-    # (two blocks per SM at D=128: one block's barriers overlap the other's products)
-    128: [T(128, 64, 16, 16, 1, True), T(64, 48, 8, 16, 2, True), T(64, 48, 16, 16, 2, True),
-          T(64, 32, 8, 16, 2, True), T(64, 32, 16, 16, 2, True), T(96, 32, 8, 16, 2, True)],
+    # (two blocks per SM at D=128, 64 or 96 query rows, all lost to the one-block 128x64
+    # on an H100: 1.20-1.42x SDPA against 1.19; notes/numba_cuda.md, session 6)
+    128: [T(128, 64, 16, 16, 1, True)],
 }
 DKDV = {
     64: [T(128, 64, 16, 16, 1, True)],
@@ -53,7 +53,7 @@ def randn(*shape, seed):
 def name(t):
     return f"{t.block_m}x{t.block_n}/{t.rows}x{t.cols}" + (
         f"/b{t.min_blocks}" if t.min_blocks > 1 else "") + ("/cpa" if t.async_copy else "") + (
-        "/ps1" if t.one_ps_buffer else "")
+        "/ps1" if t.one_ps_buffer else "") + (f"/v{t.v_stages}" if t.v_stages > 1 else "")
 
 
 def fits(t, words):

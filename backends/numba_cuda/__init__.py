@@ -72,7 +72,9 @@ def supports(case):
 
 
 def forward(q, k, v, case):
-    """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``.
+    """``(o, lse)``: o in q's library, layout and dtype; lse float32 ``(B, Hq, Nq)``, or
+    None where ``case.need_lse`` is False and the kernel wrote it to a scratch buffer
+    (small torch calls: one allocation less).
 
     fp16/bf16 at head dims 32, 64, 96, 128 and 256 run on tensor cores (launch_tc.py) unless
     ``FLASHCORE_TENSOR_CORES=0``; every other case, and any the tensor-core kernels
@@ -97,8 +99,14 @@ def buffer_launcher(view, outputs, stream):
     return BufferLauncher(view, outputs, stream)
 
 
-def _adapter(library):
-    from ._io import ADAPTERS
+_ADAPTERS = None  # _io.ADAPTERS, once imported (numba.cuda comes with it)
 
-    return ADAPTERS[library]
+
+def _adapter(library):
+    global _ADAPTERS
+    if _ADAPTERS is None:
+        from ._io import ADAPTERS
+
+        _ADAPTERS = ADAPTERS
+    return _ADAPTERS[library]
 

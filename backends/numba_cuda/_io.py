@@ -6,7 +6,9 @@ framework (so it is already imported).
 """
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
 import numpy as np
 
@@ -17,55 +19,66 @@ from . import launch
 from .convert import SIMULATOR
 
 
-def _device_index(case) -> int:
-    d = case.device
-    return int(d.split(":")[1]) if ":" in d else 0
+@functools.cache
+def _device_index(device: str) -> int:
+    """The GPU index of a case's device string ("cuda:1" -> 1; "cpu" under the simulator)."""
+    return int(device.split(":")[1]) if ":" in device else 0
 
 
 class _Adapter:
-    """The passes, written once; subclasses say how to see, allocate and order buffers."""
+    """The passes, written once; subclasses say how to see, allocate and order buffers.
+
+    Every call pays this code's host time (issue 3 bounds a tiny forward at 20 µs), so it
+    looks up what it uses once per call and leaves per-array work to ``view``/``address``,
+    which an adapter may write for its own arrays in as few steps as they allow."""
 
     synchronous = False  # JAX: wait for the kernels before handing buffers back
 
     def forward(self, q, k, v, case):
-        dev = _device_index(case)
-        B, Hq, Nq = case.batch, case.heads_q, case.seqlen_q
-        o = self.empty(q, tuple(q.shape), None, dev)
-        lse = self.empty(q, (B, Hq, Nq), "float32", dev)
-        if B * Hq * Nq == 0:
-            return o, lse
-        stream = self.stream(q, dev)
+        dev = _device_index(case.device)
+        o = self.empty(q, None, None, dev)
+        rows = case.batch * case.heads_q * case.seqlen_q
         keep = []
+        # lse that nobody asked for goes to a scratch buffer where the adapter keeps one
+        # (small calls, whose host time is mostly allocations); lse is then None
+        lse = None
+        lse_at = None if case.need_lse else self.scratch(q, rows, dev)
+        if lse_at is None:
+            lse = self.empty(q, (case.batch, case.heads_q, case.seqlen_q), "float32", dev)
+        if rows == 0:
+            return o, lse
+        if lse_at is None:
+            lse_at = self.address(lse, keep)
+        stream = self.stream(q, dev)
         lay = case.layout
-        launch.run_forward(case, dev, stream, self.view(q, lay, keep), self.view(k, lay, keep),
-                           self.view(v, lay, keep), self.view(o, lay, keep),
-                           self.view(lse, None, keep)[0])
-        return self.finish(stream, keep, o, lse, device=dev)
+        view = self.view
+        launch.run_forward(case, dev, stream, view(q, lay, keep), view(k, lay, keep),
+                           view(v, lay, keep), view(o, lay, keep), lse_at)
+        if self.synchronous:
+            launch.synchronize(stream, dev)
+        return o, lse
 
     def backward(self, do, q, k, v, o, lse, case):
-        dev = _device_index(case)
+        dev = _device_index(case.device)
         B, Hq, Nq = case.batch, case.heads_q, case.seqlen_q
-        dq = self.empty(q, tuple(q.shape), None, dev)
-        dk = self.empty(k, tuple(k.shape), None, dev)
-        dv = self.empty(v, tuple(v.shape), None, dev)
+        dq = self.empty(q, None, None, dev)
+        dk = self.empty(k, None, None, dev)
+        dv = self.empty(v, None, None, dev)
         if B * Hq == 0:
             return dq, dk, dv
         delta = self.empty(q, (B, Hq, Nq), "float32", dev, poison=False)
         stream = self.stream(q, dev)
         keep = []
         lay = case.layout
+        view = self.view
         lse = self.as_float32(lse)
-        launch.run_backward(case, dev, stream, self.view(do, lay, keep), self.view(q, lay, keep),
-                            self.view(k, lay, keep), self.view(v, lay, keep),
-                            self.view(o, lay, keep), self.view(lse, None, keep),
-                            self.view(delta, None, keep)[0], self.view(dq, lay, keep),
-                            self.view(dk, lay, keep), self.view(dv, lay, keep))
-        return self.finish(stream, keep, dq, dk, dv, device=dev)
-
-    def finish(self, stream, keep, *outs, device=0):
+        launch.run_backward(case, dev, stream, view(do, lay, keep), view(q, lay, keep),
+                            view(k, lay, keep), view(v, lay, keep), view(o, lay, keep),
+                            view(lse, None, keep), self.address(delta, keep),
+                            view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep))
         if self.synchronous:
-            launch.synchronize(stream, device)
-        return outs
+            launch.synchronize(stream, dev)
+        return dq, dk, dv
 
     def view(self, x, layout, keep):
         """(handle, strides in elements, (B, H, N, D) order for 4-d arrays)."""
@@ -73,6 +86,24 @@ class _Adapter:
         if layout is not None:
             strides = launch.bhnd(strides, layout)
         return handle, strides
+
+    def address(self, x, keep):
+        """The handle of a contiguous buffer (lse, delta) the kernels index flat."""
+        return self.raw(x, keep)[0]
+
+    def scratch(self, like, n, dev):
+        """The handle of a float32 buffer of at least ``n`` words on GPU ``dev`` that the
+        kernels may write and nobody reads (an lse the caller did not ask for), kept for
+        the process; None where this adapter keeps none or ``n`` exceeds
+        :data:`SCRATCH_WORDS`. Concurrent kernels on any streams may write it: its
+        contents are never read, and it is never freed, so no write lands in memory that
+        was handed to another tensor."""
+        return None
+
+
+#: Words of the per-GPU lse scratch buffer (1 MiB): calls with more query rows allocate
+#: their lse, whose allocation is then small beside the kernels' time.
+SCRATCH_WORDS = 1 << 18
 
 
 class BufferLauncher(_Adapter):
@@ -98,25 +129,47 @@ class BufferLauncher(_Adapter):
         return lse
 
 
+def _torch():
+    """The torch module (imported by the caller already: its tensors are here)."""
+    return sys.modules["torch"]
+
+
 class _Torch(_Adapter):
     def raw(self, x, keep):
         return x.data_ptr(), x.stride()
 
-    def empty(self, like, shape, dtype, dev, poison=True):
-        import torch
+    def view(self, x, layout, keep):  # (raw and bhnd in one step: it runs per array)
+        s = x.stride()
+        if layout == "bnhd":
+            s = (s[0], s[2], s[1], s[3])
+        return x.data_ptr(), s
 
-        if dtype is None and tuple(like.shape) == shape:
-            out = torch.empty_like(like)  # (the fastest allocation; strides come with it)
+    def address(self, x, keep):
+        return x.data_ptr()
+
+    def scratch(self, like, n, dev, _buffers={}):  # noqa: B006  (the per-GPU buffers)
+        if n > SCRATCH_WORDS:
+            return None
+        buf = _buffers.get(dev)
+        if buf is None:
+            torch = _torch()
+            buf = _buffers[dev] = torch.empty(SCRATCH_WORDS, dtype=torch.float32,
+                                              device=like.device)
+        return buf.data_ptr()
+
+    def empty(self, like, shape, dtype, dev, poison=True):
+        """A buffer like ``like`` (``shape`` None: its shape, dtype and strides, the
+        fastest allocation torch has), or of ``shape`` and ``dtype`` on its device."""
+        if shape is None:
+            out = _torch().empty_like(like)
         else:  # (new_empty: same device, no device argument to parse)
-            out = like.new_empty(shape, dtype=like.dtype if dtype is None else
-                                 getattr(torch, dtype))
+            out = like.new_empty(shape, dtype=getattr(_torch(), dtype))
         if poison and _poison.ENABLED:
             out.fill_(math.nan)
         return out
 
     def stream(self, like, dev):
-        import torch
-
+        torch = _torch()
         try:  # the raw handle of the current stream, without building a Stream object
             return torch._C._cuda_getCurrentRawStream(dev)
         except AttributeError:
@@ -137,7 +190,8 @@ class _CuPy(_Adapter):
         import cupy
 
         with cupy.cuda.Device(dev):
-            out = cupy.empty(shape, dtype=like.dtype if dtype is None else dtype)
+            out = cupy.empty(like.shape if shape is None else shape,
+                             dtype=like.dtype if dtype is None else dtype)
             if poison and _poison.ENABLED:
                 out.fill(math.nan)
         return out
@@ -169,6 +223,7 @@ class _Jax(_Adapter):
 
         (device,) = like.devices()
         dt = like.dtype if dtype is None else dtype
+        shape = like.shape if shape is None else shape
         if poison and _poison.ENABLED:
             out = jnp.full(shape, jnp.nan, dtype=dt, device=device)
         else:
@@ -208,7 +263,8 @@ class _NumPy(_Adapter):
         return flat, strides
 
     def empty(self, like, shape, dtype, dev, poison=True):
-        out = np.empty(shape, dtype=like.dtype if dtype is None else dtype)
+        out = np.empty(like.shape if shape is None else shape,
+                       dtype=like.dtype if dtype is None else dtype)
         if poison and _poison.ENABLED:
             out.fill(np.nan)
         return out
@@ -250,6 +306,7 @@ class _NumbaDevice(_Adapter):
         from numba import cuda
 
         dt = like.dtype if dtype is None else np.dtype(dtype)
+        shape = like.shape if shape is None else shape
         if poison and _poison.ENABLED:
             fill = np.full(shape, np.nan, dtype=np.float32)
             if dt == np.uint16:

@@ -39,12 +39,12 @@ _FASTMATH = {"contract", "arcp", "nsz"}  # no "ninf": the softmax relies on -inf
 _CUDA_SUCCESS = 0
 
 
-_LAUNCH = None  # libcuda's cuLaunchKernel, once loaded
+_LIBCUDA = None  # libcuda with its argument types, once loaded
 
 
 @functools.cache
 def _libcuda():
-    global _LAUNCH
+    global _LIBCUDA
     lib = ctypes.CDLL("libcuda.so.1")
     vp = ctypes.c_void_p
     for name, args in [
@@ -61,7 +61,7 @@ def _libcuda():
         f.argtypes = args
         f.restype = ctypes.c_int
     lib.cuInit(0)  # (idempotent; a process may reach us before any library initialized CUDA)
-    _LAUNCH = lib.cuLaunchKernel
+    _LIBCUDA = lib
     return lib
 
 
@@ -114,10 +114,12 @@ class Prepared:
 
     __slots__ = (
         "_buf",
+        "_ctx",
+        "_cur",
+        "_cur_ref",
         "_dispatcher",
         "_fmt",
         "_lock",
-        "_on",
         "_ptrs",
         "device",
         "handle",
@@ -143,7 +145,9 @@ class Prepared:
         base = ctypes.addressof(self._buf)
         self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
         self._lock = threading.Lock()
-        self._on = _OnDevice(device)
+        self._ctx = _primary_context(device)
+        self._cur = ctypes.c_void_p()
+        self._cur_ref = ctypes.byref(self._cur)
         self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=_FASTMATH,
                                     **jit_options(launch_bounds))
         with cuda.gpus[device]:
@@ -172,12 +176,21 @@ class Prepared:
         if SIMULATOR:
             self._dispatcher[grid, self.threads, 0, self.smem](*args)
             return
-        launch = _LAUNCH or _libcuda().cuLaunchKernel
-        # (the buffer is shared; cuLaunchKernel copies it before returning)
-        with self._lock, self._on:
+        lib = _LIBCUDA or _libcuda()
+        # (the buffers are shared; cuLaunchKernel copies the arguments before returning).
+        # The context check is _OnDevice's, written out: it runs on every launch.
+        with self._lock:
+            lib.cuCtxGetCurrent(self._cur_ref)
+            pushed = self._cur.value != self._ctx
+            if pushed:
+                err = lib.cuCtxPushCurrent_v2(self._ctx)
+                if err != _CUDA_SUCCESS:
+                    raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {err}")
             struct.pack_into(self._fmt, self._buf, 0, *args)
-            err = launch(self.handle, grid[0], grid[1], 1, self.threads, 1, 1, self.smem,
-                         stream, self._ptrs, None)
+            err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], 1, self.threads, 1, 1,
+                                     self.smem, stream, self._ptrs, None)
+            if pushed:
+                lib.cuCtxPopCurrent_v2(self._cur_ref)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA error {err}")
 
