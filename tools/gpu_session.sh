@@ -5,6 +5,7 @@
 #   sweep:  tools/simt_sweep.py (SWEEP_DIMS, SWEEP_ARGS, e.g. --fwd-only)
 #   host:   tools/host_breakdown.py
 #   bench:  tools/gpu_final.sh bench (the side-by-side table)
+#   ncu:    tools/ncu_simt.sh (KERNELS, default attn_forward; NCU_D, default 128)
 # Usage (device, repository root): bash tools/gpu_session.sh tests sweep host
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,6 +31,8 @@ for stage in "$@"; do
     python3 tools/host_breakdown.py 2>&1 | tee "$OUT/host.log" | tail -20 ;;
   bench)
     bash tools/gpu_final.sh bench 2>&1 | tail -40 ;;
+  ncu)
+    KERNELS=${KERNELS:-attn_forward} bash tools/ncu_simt.sh ${NCU_D:-128} 2>&1 | tail -16 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "== $stage took $(( $(date +%s) - t0 )) s"
