@@ -289,7 +289,7 @@ class _NumPy(_Adapter):
         arrays = [a for a, _ in ins]
         dtype = ins[1][1] if direction == "backward" else ins[0][1]  # q's dtype
         outs = getattr(_Adapter, direction)(_NumbaDevice(), *arrays, case)
-        launch.synchronize(0, _device_index(case))
+        launch.synchronize(0, _device_index(case.device))
         n = 1 if direction == "forward" else 3  # outputs in q's dtype (lse is float32)
         return tuple(x.copy_to_host().view(dtype) if i < n else x.copy_to_host()
                      for i, x in enumerate(outs))
