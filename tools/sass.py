@@ -91,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tiles", help="tensor cores: warps,block_n[,m_tiles[,d_splits]]; "
-                    "SIMT: block_m,block_n,rows,cols[,min_blocks[,async_copy[,one_ps_buffer]]] "
+                    "SIMT: block_m,block_n,rows,cols[,min_blocks[,async_copy[,one_ps_buffer[,k_unroll]]]] "
                     "(all passes)")
     ap.add_argument("--ptxas", default="", help="extra ptxas options, e.g. -maxrregcount=128")
     ap.add_argument("--cc", default="9.0")
@@ -105,7 +105,7 @@ def main(argv=None):
         nums = [int(x) for x in a.tiles.split(",")]
         if a.kernel.startswith("attn_"):
             from flashcore.backends.numba_cuda.tiles import Tiles
-            tiles = Tiles(*nums[:5], *(bool(x) for x in nums[5:]))
+            tiles = Tiles(*nums[:5], *(bool(x) for x in nums[5:7]), *nums[7:8])
         else:
             tiles = TCTiles(*nums)
     ptx, t = compile_ptx(a.kernel, a.head_dim, a.causal, a.dtype, tiles, cc)

@@ -32,16 +32,18 @@ FORWARD = {
     64: [T(128, 64, 16, 16, 2, True), T(64, 64, 8, 16, 3, True)],
     # (two blocks per SM at D=128, 64 or 96 query rows, all lost to the one-block 128x64
     # on an H100: 1.20-1.42x SDPA against 1.19; notes/numba_cuda.md, session 6)
-    128: [T(128, 64, 16, 16, 1, True)],
+    128: [T(128, 64, 16, 16, 1, True), T(128, 64, 16, 16, 1, True, k_unroll=8),
+          T(128, 64, 16, 16, 1, True, k_unroll=16)],
 }
 DKDV = {
     64: [T(128, 64, 16, 16, 1, True)],
-    128: [T(64, 64, 8, 32, 1, True, True), T(64, 48, 16, 16, 1, True),
-          T(64, 64, 16, 16, 1, True, True)],
+    128: [T(64, 64, 8, 32, 1, True, True), T(64, 64, 8, 32, 1, True, True, k_unroll=8),
+          T(64, 64, 8, 32, 1, True, True, k_unroll=16)],
 }
 DQ = {
     64: [T(128, 64, 16, 16, 1, True)],
-    128: [T(128, 32, 16, 16, 1, True), T(128, 64, 16, 16, 1, True)],
+    128: [T(128, 32, 16, 16, 1, True), T(128, 32, 16, 16, 1, True, k_unroll=8),
+          T(128, 32, 16, 16, 1, True, k_unroll=16)],
 }
 
 
@@ -53,7 +55,7 @@ def randn(*shape, seed):
 def name(t):
     return f"{t.block_m}x{t.block_n}/{t.rows}x{t.cols}" + (
         f"/b{t.min_blocks}" if t.min_blocks > 1 else "") + ("/cpa" if t.async_copy else "") + (
-        "/ps1" if t.one_ps_buffer else "") + (f"/v{t.v_stages}" if t.v_stages > 1 else "")
+        "/ps1" if t.one_ps_buffer else "") + (f"/u{t.k_unroll}" if t.k_unroll else "") + (f"/v{t.v_stages}" if t.v_stages > 1 else "")
 
 
 def fits(t, words):
@@ -136,14 +138,30 @@ def sdpa_eff(p, backward):
     return bench(run)
 
 
+def _compile(job):
+    which, D, t, causal = job
+    if which == "fwd":
+        launch.forward_kernel(D, "float32", causal, 0, t)
+    elif which == "dkdv":
+        launch.dkdv_kernel(D, "float32", causal, 0, t)
+    else:
+        launch.dq_kernel(D, "float32", causal, 0, t)
+
+
 def compile_only():
-    """Compile (into numba's disk cache) every candidate forward tiling of SWEEP_DIMS, so
-    that a timing run started later only loads them."""
+    """Compile (into numba's disk cache, in parallel processes) every candidate tiling of
+    SWEEP_DIMS, so that a timing run started later only loads them."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = []
     for D in [int(x) for x in os.environ.get("SWEEP_DIMS", "64,128").split(",")]:
-        for t in FORWARD[D]:
-            if fits(t, tiles.forward_smem_words(t, D, "float32")):
-                for causal in (False, True):
-                    launch.forward_kernel(D, "float32", causal, 0, t)
+        for which, cands, words in (("fwd", FORWARD[D], tiles.forward_smem_words),
+                                    ("dkdv", DKDV[D], tiles.dkdv_smem_words),
+                                    ("dq", DQ[D], tiles.dq_smem_words)):
+            jobs += [(which, D, t, causal) for t in cands if fits(t, words(t, D, "float32"))
+                     for causal in ((False, True) if which == "fwd" else (False,))]
+    with ProcessPoolExecutor(int(os.environ.get("SWEEP_JOBS", "6"))) as ex:
+        list(ex.map(_compile, jobs))
 
 
 def main():

@@ -93,6 +93,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
     D = head_dim
     DP = t.dpad(D)
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
+    KU = t.k_unroll  # k steps per trip of the products (tile_product.k_step)
     RD = DP // TC
     NT = TR * TC
     XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
@@ -196,8 +197,10 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, K_OFF, LDK, q_off, QD, QJ, DP, tr, tc, RM, RN, TC)
-            tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, QD, QJ, DP, tr, tc, RM, RN, TC)
+            tile_product(s, xa, xb, smem, K_OFF, LDK, q_off, QD, QJ, DP, tr, tc, RM, RN, TC,
+                         KU)
+            tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, QD, QJ, DP, tr, tc, RM, RN,
+                         TC, KU)
             masked = CAUSAL and m0 < m_full
             for bb in range(RN):
                 col = tc + TC * bb
@@ -216,7 +219,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                         smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
             cuda.syncthreads()
             tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, QJ, QD, BN, tr, tc,
-                         RM, RD, TC)
+                         RM, RD, TC, KU)
             if ONE_PS:
                 cuda.syncthreads()
                 for bb in range(RN):
@@ -224,7 +227,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                         smem[DS_OFF + (tc + TC * bb) * LDP + tr * RM + a] = dp[a, bb]
                 cuda.syncthreads()
             tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, q_off, QJ, QD, BN, tr, tc,
-                         RM, RD, TC)
+                         RM, RD, TC, KU)
             cuda.syncthreads()
         if ASYNC:
             cp_async_wait(0)
@@ -256,6 +259,7 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
     D = head_dim
     DP = t.dpad(D)
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
+    KU = t.k_unroll  # k steps per trip of the products (tile_product.k_step)
     RD = DP // TC
     NT = TR * TC
     XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
@@ -339,8 +343,10 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, k_off, KD, KJ, DP, tr, tc, RM, RN, TC)
-            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, KD, KJ, DP, tr, tc, RM, RN, TC)
+            tile_product(s, xa, xb, smem, Q_OFF, LDQ, k_off, KD, KJ, DP, tr, tc, RM, RN, TC,
+                         KU)
+            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, KD, KJ, DP, tr, tc, RM, RN,
+                         TC, KU)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             masked = n0 + BN > Nk or (CAUSAL and n0 + BN > n_full)
             for a in range(RM):
@@ -354,7 +360,7 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
                     smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
             cuda.syncthreads()
             tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, KJ, KD, BN, tr, tc,
-                         RM, RD, TC)
+                         RM, RD, TC, KU)
             cuda.syncthreads()
         if ASYNC:
             cp_async_wait(0)

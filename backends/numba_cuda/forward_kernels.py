@@ -129,6 +129,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
     D = head_dim
     DP = t.dpad(D)
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
+    KU = t.k_unroll  # k steps per trip of the products (tile_product.k_step)
     RD = DP // TC
     NT = TR * TC
     XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
@@ -207,7 +208,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
             tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, KD, KJ, DP, tr, tc,
-                         RM, RN, TC)
+                         RM, RN, TC, KU)
             if n0 + BN > n_full:  # a diagonal or tail tile: mask
                 for a in range(RM):
                     i = q0 + tr * RM + a
@@ -271,7 +272,8 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                 if n0 + BN < n_end:
                     copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid, NT)
                 cp_async_commit()
-            tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, KJ, KD, BN, tr, tc, RM, RD, TC)
+            tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, KJ, KD, BN, tr, tc, RM, RD, TC,
+                         KU)
             cuda.syncthreads()
         if ASYNC:
             cp_async_wait(0)
@@ -315,5 +317,7 @@ def variant_tag(head_dim, t, causal=None, streamed=False) -> str:
         tag += "_cpa"
     if t.one_ps_buffer:
         tag += "_ps1"
+    if t.k_unroll:
+        tag += f"_u{t.k_unroll}"
     return tag if causal is None else tag + ("_causal" if causal else "_full")
 

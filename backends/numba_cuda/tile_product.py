@@ -107,16 +107,44 @@ def _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE):
 
 
 @device_function
+def k_step(k_unroll, tile, depth):
+    """k steps per loop trip of a product (16, 8 or 4; it must divide ``depth``):
+    ``k_unroll`` (Tiles.k_unroll) where it divides, else the next smaller that does; with
+    ``k_unroll`` 0, 8 where the thread's tile (``tile`` = RM * RN) is small, else 4."""
+    u = k_unroll
+    if u == 0:
+        u = 8 if tile <= 32 else 4
+    if u >= 16 and depth % 16 == 0:
+        return 16
+    if u >= 8 and depth % 8 == 0:
+        return 8
+    return 4
+
+
+@device_function
 def tile_product(acc, xa, xb, smem, a_off, a_ks, b_off, b_ks, b_js, depth, tr, tc,
-                 RM, RN, TC):
+                 RM, RN, TC, KU):
     """``depth`` must be a multiple of 4, ``xb`` hold ``4 * RN`` words. The k loop is
     unrolled by hand (LLVM leaves numba's range loops rolled, and each trip carries 64-bit
-    bookkeeping), by 8 where the thread's tile is small (RM * RN <= 32) and ``depth``
-    allows, else by 4."""
+    bookkeeping) by :func:`k_step` (``KU``: the tiling's k_unroll); the more steps a trip
+    has, the fewer trips begin by waiting on their first shared-memory loads."""
     MODE = b_mode(b_ks, b_js, RN)
     ra = a_off + tr * RM
     cb = b_off + (4 * tc if MODE == B_GROUPED else tc * b_js)
-    if RM * RN <= 32 and depth % 8 == 0:  # (compile-time constants)
+    STEP = k_step(KU, RM * RN, depth)
+    if STEP == 16:  # (compile-time constants)
+        for k in range(0, depth, 16):
+            ak = ra + k * a_ks
+            bk = cb + k * b_ks
+            # (four calls written out: LLVM would leave a range loop rolled)
+            _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE)
+            _four_steps(acc, xa, xb, smem, ak + 4 * a_ks, bk + 4 * b_ks, a_ks, b_ks, b_js,
+                        RM, RN, TC, MODE)
+            _four_steps(acc, xa, xb, smem, ak + 8 * a_ks, bk + 8 * b_ks, a_ks, b_ks, b_js,
+                        RM, RN, TC, MODE)
+            _four_steps(acc, xa, xb, smem, ak + 12 * a_ks, bk + 12 * b_ks, a_ks, b_ks, b_js,
+                        RM, RN, TC, MODE)
+    elif STEP == 8:
         for k in range(0, depth, 8):
             ak = ra + k * a_ks
             bk = cb + k * b_ks

@@ -72,10 +72,15 @@ class Tiles:
     #: (dK/dV) P and dS take turns in one shared buffer: a tile of shared memory less, two
     #: barriers more per step
     one_ps_buffer: bool = False
+    #: k steps per loop trip of the tile products (4, 8 or 16, where it divides the depth;
+    #: 0: 8 for small thread tiles, else 4; tile_product.k_step)
+    k_unroll: int = 0
 
     def __post_init__(self):
         if self.min_blocks < 1:
             raise ValueError(f"min_blocks must be at least 1: {self}")
+        if self.k_unroll not in (0, 4, 8, 16):
+            raise ValueError(f"k_unroll must be 0, 4, 8 or 16: {self}")
         if self.block_m % self.rows or self.block_n % self.cols:
             raise ValueError(f"tiles must divide among threads: {self}")
         if self.block_m % 4 or self.block_n % 4:
