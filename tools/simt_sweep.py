@@ -55,7 +55,7 @@ def randn(*shape, seed):
 def name(t):
     return f"{t.block_m}x{t.block_n}/{t.rows}x{t.cols}" + (
         f"/b{t.min_blocks}" if t.min_blocks > 1 else "") + ("/cpa" if t.async_copy else "") + (
-        "/ps1" if t.one_ps_buffer else "") + (f"/u{t.k_unroll}" if t.k_unroll else "") + (f"/v{t.v_stages}" if t.v_stages > 1 else "")
+        "/ps1" if t.one_ps_buffer else "") + (f"/u{t.k_unroll}" if t.k_unroll else "")
 
 
 def fits(t, words):
