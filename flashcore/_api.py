@@ -20,6 +20,32 @@ def _framework(*arrays):
     return None
 
 
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _plan(q, k, v, causal, scale, layout, need_lse, backend):
+    """``(case, backend module)`` of a forward call: checked and selected once per kind of
+    call (array types, shapes, dtypes, devices and options, which are all the checks and
+    the selection read), then looked up, since on tiny inputs they cost more host time than
+    the kernel launch. Arrays whose attributes cannot key a dict are checked every time."""
+    try:
+        key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype,
+               v.dtype, q.device, k.device, v.device, causal, scale, layout, need_lse, backend)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # (no .device, or an unhashable attribute)
+        key = plan = None
+    if plan is None:
+        case = make_case(q, k, v, causal=causal, scale=scale, layout=layout,
+                         need_lse=need_lse, explicit=backend != "auto")
+        plan = (case, _dispatch.select(case, backend))
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
 def _torch_compiling():
     import torch
 
@@ -64,9 +90,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, layout="bhnd", backe
         # (a custom op, a JAX callback) carries the call.
         return attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True,
                          backend=backend)
-    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                     explicit=backend != "auto")
-    return _dispatch.select(case, backend).forward(q, k, v, case)
+    case, impl = _plan(q, k, v, causal, scale, layout, True, backend)
+    return impl.forward(q, k, v, case)
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhnd",
@@ -118,9 +143,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
 
         return _jax_ops.attention(q, k, v, causal=causal, scale=scale, layout=layout,
                                   return_lse=return_lse, backend=backend)
-    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=return_lse,
-                     explicit=backend != "auto")
-    impl = _dispatch.select(case, backend)
+    case, impl = _plan(q, k, v, causal, scale, layout, return_lse, backend)
     o, lse = impl.forward(q, k, v, case)
     return (o, lse) if return_lse else o
 

@@ -165,3 +165,24 @@ def test_mixed_libraries_raise(rng):
     q, k, v = qkv(rng)
     with pytest.raises(TypeError, match="one library.*torch"):
         flashcore.attention(q, torch.from_numpy(k), v)
+
+
+def test_checked_calls_are_planned_once_per_kind(rng):
+    from flashcore import _api
+
+    q, k, v = qkv(rng)
+    o1 = flashcore.attention(q, k, v, causal=True)
+    (plan,) = _api._PLANS.values()
+    o2 = flashcore.attention(*qkv(rng), causal=True)  # same kind of call: the same plan
+    assert list(_api._PLANS.values()) == [plan] and o1.shape == o2.shape
+    flashcore.attention(q, k, v, causal=True, scale=0.5)  # another option: another plan
+    flashcore.attention_forward(q, k, v, causal=True)  # lse wanted: another plan
+    assert len(_api._PLANS) == 3
+    cases = [c for c, _ in _api._PLANS.values()]
+    assert {c.scale for c in cases} == {0.5, 1 / math.sqrt(q.shape[-1])}
+    assert {c.need_lse for c in cases} == {True, False}
+    with pytest.raises(ValueError, match="scale"):  # a failing call is checked each time
+        flashcore.attention(q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match="scale"):
+        flashcore.attention(q, k, v, scale=-1.0)
+    assert len(_api._PLANS) == 3
