@@ -40,6 +40,10 @@ _CUDA_SUCCESS = 0
 
 
 _LIBCUDA = None  # libcuda with its argument types, once loaded
+#: cuLaunchKernel of cuda-python's Cython bindings (numba-cuda's own dependency), called
+#: with plain ints: 1.3-2 µs less per launch than through ctypes on the lent H100 hosts
+#: (tools/host_breakdown.py, rows interleaved); ctypes where the bindings are missing.
+_BINDINGS_LAUNCH = None
 
 
 @functools.cache
@@ -61,6 +65,13 @@ def _libcuda():
         f.argtypes = args
         f.restype = ctypes.c_int
     lib.cuInit(0)  # (idempotent; a process may reach us before any library initialized CUDA)
+    global _BINDINGS_LAUNCH
+    try:
+        from cuda.bindings.driver import cuLaunchKernel
+
+        _BINDINGS_LAUNCH = cuLaunchKernel
+    except ImportError:
+        _BINDINGS_LAUNCH = None
     _LIBCUDA = lib
     return lib
 
@@ -120,6 +131,7 @@ class Prepared:
         "_dispatcher",
         "_fmt",
         "_lock",
+        "_params",
         "_ptrs",
         "device",
         "handle",
@@ -144,6 +156,7 @@ class Prepared:
         self._buf = (ctypes.c_int64 * n)()
         base = ctypes.addressof(self._buf)
         self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        self._params = ctypes.addressof(self._ptrs)  # (the bindings take the address)
         self._lock = threading.Lock()
         self._ctx = _primary_context(device)
         self._cur = ctypes.c_void_p()
@@ -187,8 +200,12 @@ class Prepared:
                 if err != _CUDA_SUCCESS:
                     raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {err}")
             struct.pack_into(self._fmt, self._buf, 0, *args)
-            err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], 1, self.threads, 1, 1,
-                                     self.smem, stream, self._ptrs, None)
+            if _BINDINGS_LAUNCH is not None:
+                err = _BINDINGS_LAUNCH(self.handle, grid[0], grid[1], 1, self.threads, 1, 1,
+                                       self.smem, stream, self._params, 0)[0]
+            else:
+                err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], 1, self.threads, 1,
+                                         1, self.smem, stream, self._ptrs, None)
             if pushed:
                 lib.cuCtxPopCurrent_v2(self._cur_ref)
         if err != _CUDA_SUCCESS:
