@@ -107,6 +107,14 @@ def _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE):
 
 
 @device_function
+def _eight_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE):
+    """Rank-1 steps k .. k+7."""
+    _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE)
+    _four_steps(acc, xa, xb, smem, ak + 4 * a_ks, bk + 4 * b_ks, a_ks, b_ks, b_js, RM, RN, TC,
+                MODE)
+
+
+@device_function
 def k_step(k_unroll, tile, depth):
     """k steps per loop trip of a product (16, 8 or 4; it must divide ``depth``):
     ``k_unroll`` (Tiles.k_unroll) where it divides, else the next smaller that does; with
@@ -132,25 +140,18 @@ def tile_product(acc, xa, xb, smem, a_off, a_ks, b_off, b_ks, b_js, depth, tr, t
     ra = a_off + tr * RM
     cb = b_off + (4 * tc if MODE == B_GROUPED else tc * b_js)
     STEP = k_step(KU, RM * RN, depth)
+    # (the steps are written out as calls: LLVM would leave a range loop rolled)
     if STEP == 16:  # (compile-time constants)
         for k in range(0, depth, 16):
             ak = ra + k * a_ks
             bk = cb + k * b_ks
-            # (four calls written out: LLVM would leave a range loop rolled)
-            _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE)
-            _four_steps(acc, xa, xb, smem, ak + 4 * a_ks, bk + 4 * b_ks, a_ks, b_ks, b_js,
-                        RM, RN, TC, MODE)
-            _four_steps(acc, xa, xb, smem, ak + 8 * a_ks, bk + 8 * b_ks, a_ks, b_ks, b_js,
-                        RM, RN, TC, MODE)
-            _four_steps(acc, xa, xb, smem, ak + 12 * a_ks, bk + 12 * b_ks, a_ks, b_ks, b_js,
-                        RM, RN, TC, MODE)
+            _eight_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE)
+            _eight_steps(acc, xa, xb, smem, ak + 8 * a_ks, bk + 8 * b_ks, a_ks, b_ks, b_js,
+                         RM, RN, TC, MODE)
     elif STEP == 8:
         for k in range(0, depth, 8):
-            ak = ra + k * a_ks
-            bk = cb + k * b_ks
-            _four_steps(acc, xa, xb, smem, ak, bk, a_ks, b_ks, b_js, RM, RN, TC, MODE)
-            _four_steps(acc, xa, xb, smem, ak + 4 * a_ks, bk + 4 * b_ks, a_ks, b_ks, b_js,
-                        RM, RN, TC, MODE)
+            _eight_steps(acc, xa, xb, smem, ra + k * a_ks, cb + k * b_ks, a_ks, b_ks, b_js,
+                         RM, RN, TC, MODE)
     else:
         for k in range(0, depth, 4):
             _four_steps(acc, xa, xb, smem, ra + k * a_ks, cb + k * b_ks, a_ks, b_ks, b_js,
