@@ -29,19 +29,20 @@ DEV = "cuda"
 T = tiles.Tiles
 
 FORWARD = {
-    64: [T(128, 64, 16, 16, 2, True), T(64, 64, 8, 16, 3, True)],
+    64: [T(128, 64, 16, 16, 2, True), T(128, 64, 16, 16, 2, True, k_unroll=16),
+         T(64, 64, 8, 16, 3, True), T(64, 64, 8, 16, 3, True, k_unroll=16)],
     # (two blocks per SM at D=128, 64 or 96 query rows, all lost to the one-block 128x64
     # on an H100: 1.20-1.42x SDPA against 1.19; notes/numba_cuda.md, session 6)
     128: [T(128, 64, 16, 16, 1, True), T(128, 64, 16, 16, 1, True, k_unroll=8),
           T(128, 64, 16, 16, 1, True, k_unroll=16)],
 }
 DKDV = {
-    64: [T(128, 64, 16, 16, 1, True)],
+    64: [T(128, 64, 16, 16, 1, True), T(128, 64, 16, 16, 1, True, k_unroll=16)],
     128: [T(64, 64, 8, 32, 1, True, True), T(64, 64, 8, 32, 1, True, True, k_unroll=8),
           T(64, 64, 8, 32, 1, True, True, k_unroll=16)],
 }
 DQ = {
-    64: [T(128, 64, 16, 16, 1, True)],
+    64: [T(128, 64, 16, 16, 1, True), T(128, 64, 16, 16, 1, True, k_unroll=16)],
     128: [T(128, 32, 16, 16, 1, True), T(128, 32, 16, 16, 1, True, k_unroll=8),
           T(128, 32, 16, 16, 1, True, k_unroll=16)],
 }

@@ -237,13 +237,16 @@ SIMULATOR = KernelTiles(
 #: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ, causal forward or
 #: None) tilings. The sm_90 tilings are the fastest of those timed on an H100/H200
 #: (notes/numba_cuda.md, sessions 4-6): fp32 tiles stream by cp.async, the D<=64 forward
-#: runs two 256-thread blocks per SM (registers capped at 128); up to 215 KiB of shared
-#: memory; at D<=128 the products take 16 k steps per loop trip (forward -3.6%).
+#: runs three 128-thread blocks per SM (registers capped at 168); up to 215 KiB of shared
+#: memory; the products take 16 k steps per loop trip where that timed faster (D=128
+#: forward -3.6%, D=64 forward -5% with the three-block tiling, which the causal D<=64
+#: forward keeps at 8).
 #: Other GPUs get tilings within sm_80's 163 KiB, loaded through registers (not re-timed
 #: since session 1).
 _TABLE_SM90 = (
-    (64, Tiles(128, 64, 16, 16, 2, True), Tiles(128, 64, 16, 16, 1, True),
-     Tiles(128, 64, 16, 16, 1, True), Tiles(64, 64, 8, 16, 3, True)),
+    (64, Tiles(64, 64, 8, 16, 3, True, k_unroll=16),
+     Tiles(128, 64, 16, 16, 1, True, k_unroll=16),
+     Tiles(128, 64, 16, 16, 1, True, k_unroll=16), Tiles(64, 64, 8, 16, 3, True)),
     (128, Tiles(128, 64, 16, 16, 1, True, k_unroll=16),
      Tiles(64, 64, 8, 32, 1, True, True, k_unroll=16),
      Tiles(128, 32, 16, 16, 1, True, k_unroll=16), None),
