@@ -16,6 +16,7 @@ for kern in ${KERNELS:-attn_forward attn_backward_dkdv attn_backward_dq}; do
   $NCU --import "/tmp/ncu_${kern}_d$D.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/${kern}_d$D.sass.csv" 2>&1
   echo "== $kern D=$D"
+  python3 tools/ncu_regions.py "$OUT/${kern}_d$D.sass.csv" 2>&1 | head -6
   grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Shared Memory Configuration Size|Block Limit" \
       "$OUT/${kern}_d$D.details.txt" | head -14
 done
