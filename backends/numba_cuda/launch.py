@@ -2,8 +2,8 @@
 the caller's buffers, and launches on the caller's stream.
 
 Kernels take raw pointers and element strides, never array objects: a launch packs about
-thirty 8-byte words and calls ``cuLaunchKernel`` through ctypes, which costs a few
-microseconds, where numba's ``kernel[grid, block](tensors...)`` path costs 50-75 µs
+thirty 8-byte words and calls ``cuLaunchKernel`` (through cuda-python's binding, or
+ctypes), which costs a few microseconds, where numba's ``kernel[grid, block](tensors...)`` path costs 50-75 µs
 (it exports each tensor through DLPack twice). Buffers are described by
 :class:`View`: an address (on the GPU) or a flat NumPy array (under the simulator) plus
 strides in elements in (B, H, N, D) order, whatever the layout of the caller's array.
@@ -41,8 +41,8 @@ _CUDA_SUCCESS = 0
 
 _LIBCUDA = None  # libcuda with its argument types, once loaded
 #: cuLaunchKernel of cuda-python's Cython bindings (numba-cuda's own dependency), called
-#: with plain ints: 1.3-2 µs less per launch than through ctypes on the lent H100 hosts
-#: (tools/host_breakdown.py, rows interleaved); ctypes where the bindings are missing.
+#: with plain ints: 1.1-2 µs less per launch than through ctypes on the lent H100/H200
+#: hosts (tools/host_breakdown.py, rows interleaved); ctypes where the bindings are missing.
 _BINDINGS_LAUNCH = None
 
 
