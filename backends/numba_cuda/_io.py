@@ -134,6 +134,10 @@ def _torch():
     return sys.modules["torch"]
 
 
+#: GPU index -> the torch lse scratch buffer of _Adapter.scratch (kept for the process)
+_TORCH_SCRATCH: dict = {}
+
+
 class _Torch(_Adapter):
     def raw(self, x, keep):
         return x.data_ptr(), x.stride()
@@ -147,14 +151,14 @@ class _Torch(_Adapter):
     def address(self, x, keep):
         return x.data_ptr()
 
-    def scratch(self, like, n, dev, _buffers={}):  # noqa: B006  (the per-GPU buffers)
+    def scratch(self, like, n, dev):
         if n > SCRATCH_WORDS:
             return None
-        buf = _buffers.get(dev)
+        buf = _TORCH_SCRATCH.get(dev)
         if buf is None:
             torch = _torch()
-            buf = _buffers[dev] = torch.empty(SCRATCH_WORDS, dtype=torch.float32,
-                                              device=like.device)
+            buf = _TORCH_SCRATCH[dev] = torch.empty(SCRATCH_WORDS, dtype=torch.float32,
+                                                    device=like.device)
         return buf.data_ptr()
 
     def empty(self, like, shape, dtype, dev, poison=True):

@@ -3,8 +3,8 @@ the caller's buffers, and launches on the caller's stream.
 
 Kernels take raw pointers and element strides, never array objects: a launch packs about
 thirty 8-byte words and calls ``cuLaunchKernel`` (through cuda-python's binding, or
-ctypes), which costs a few microseconds, where numba's ``kernel[grid, block](tensors...)`` path costs 50-75 µs
-(it exports each tensor through DLPack twice). Buffers are described by
+ctypes), which costs a few microseconds, where numba's ``kernel[grid, block](tensors...)``
+path costs 50-75 µs (it exports each tensor through DLPack twice). Buffers are described by
 :class:`View`: an address (on the GPU) or a flat NumPy array (under the simulator) plus
 strides in elements in (B, H, N, D) order, whatever the layout of the caller's array.
 
@@ -48,7 +48,7 @@ _BINDINGS_LAUNCH = None
 
 @functools.cache
 def _libcuda():
-    global _LIBCUDA
+    global _LIBCUDA, _BINDINGS_LAUNCH
     lib = ctypes.CDLL("libcuda.so.1")
     vp = ctypes.c_void_p
     for name, args in [
@@ -65,13 +65,12 @@ def _libcuda():
         f.argtypes = args
         f.restype = ctypes.c_int
     lib.cuInit(0)  # (idempotent; a process may reach us before any library initialized CUDA)
-    global _BINDINGS_LAUNCH
     try:
         from cuda.bindings.driver import cuLaunchKernel
 
         _BINDINGS_LAUNCH = cuLaunchKernel
-    except ImportError:
-        _BINDINGS_LAUNCH = None
+    except ImportError:  # (the ctypes function then launches)
+        pass
     _LIBCUDA = lib
     return lib
 
