@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import _rules
+
 #: dtypes flashcore computes on, by name.
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 LAYOUTS = ("bhnd", "bnhd")
@@ -48,7 +50,7 @@ class Case:
     @property
     def causal_offset(self) -> int:
         """Bottom-right alignment: query ``i`` sees key ``j`` iff ``j <= i + causal_offset``."""
-        return self.seqlen_k - self.seqlen_q
+        return _rules.causal_offset(self.seqlen_q, self.seqlen_k)
 
     def flops(self) -> float:
         """Floating-point operations of the forward pass (two matmuls), halved when causal."""

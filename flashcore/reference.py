@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from . import _rules
+
 NAME = "reference"
 #: "auto" declines the reference beyond this many score elements (B * Hq * Nq * Nk).
 AUTO_MAX_SCORES = 1 << 22
@@ -62,10 +64,9 @@ def _probabilities(xp, dev, q, k, case, lse=None):
     qg = _grouped(xp, q, case, case.heads_q)
     kg = _grouped(xp, k, case, case.heads_kv)
     s = xp.matmul(qg, xp.permute_dims(kg, (0, 1, 2, 4, 3))) * case.scale
-    if case.causal:
-        i = xp.reshape(xp.arange(case.seqlen_q, device=dev), (case.seqlen_q, 1))
-        j = xp.reshape(xp.arange(case.seqlen_k, device=dev), (1, case.seqlen_k))
-        s = xp.where(j <= i + case.causal_offset, s, -math.inf)
+    seen = _rules.visible(xp, case.seqlen_q, case.seqlen_k, case.causal, dev)
+    if seen is not None:
+        s = xp.where(seen, s, -math.inf)
     if lse is None:
         m = xp.max(s, axis=-1, keepdims=True) if case.seqlen_k else xp.full(
             (*s.shape[:-1], 1), -math.inf, dtype=s.dtype, device=dev)

@@ -1,0 +1,37 @@
+"""The attention rules every backend, the reference and the tests share, written once.
+
+Which key a query row sees (the mask rule) and what a row that sees no key returns are
+stated here; kernels apply the same rules through their own seams (``backends/*/seams``),
+and everything array-valued here is built with the caller's Array API namespace ``xp``.
+"""
+from __future__ import annotations
+
+import math
+
+#: What a row that sees no key returns: output 0, logsumexp -inf, zero gradients.
+EMPTY_ROW_LSE = -math.inf
+
+
+def causal_offset(seqlen_q: int, seqlen_k: int) -> int:
+    """Bottom-right alignment: query ``i`` sees key ``j`` iff ``j <= i + causal_offset``."""
+    return seqlen_k - seqlen_q
+
+
+def visible(xp, seqlen_q: int, seqlen_k: int, causal: bool, device=None):
+    """Boolean ``(seqlen_q, seqlen_k)`` array: True where query ``i`` sees key ``j``, or
+    None when every query sees every key (so callers can skip the mask)."""
+    if not causal:
+        return None
+    i = xp.reshape(xp.arange(seqlen_q, device=device), (seqlen_q, 1))
+    j = xp.reshape(xp.arange(seqlen_k, device=device), (1, seqlen_k))
+    return j <= i + causal_offset(seqlen_q, seqlen_k)
+
+
+def leading_empty_rows(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """How many leading query rows see no key (all when there is no key; with ``causal``,
+    the first ``Nq - Nk``)."""
+    if seqlen_k == 0:
+        return seqlen_q
+    if causal:
+        return max(0, seqlen_q - seqlen_k)
+    return 0
