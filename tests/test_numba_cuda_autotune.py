@@ -1,4 +1,4 @@
-"""The tensor-core autotuner's cache and how tile_product_tc.choose reads it (no GPU needed;
+"""The tensor-core autotuner's cache and how tilings.choose_tc reads it (no GPU needed;
 the tuner's timing runs on the device, tools/gpu_final.sh)."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
 
 @pytest.fixture
 def tuner(tmp_path, monkeypatch):
-    from flashcore.backends.numba_cuda import autotune, tile_product_tc
+    from flashcore.backends.numba_cuda import autotune, tilings
 
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
-    tile_product_tc.forget_tuned()
-    yield autotune, tile_product_tc
-    tile_product_tc.forget_tuned()
+    tilings.forget_tuned()
+    yield autotune, tilings
+    tilings.forget_tuned()
 
 
 def _write(autotune, entries):
@@ -28,9 +28,9 @@ def _write(autotune, entries):
 
 
 def test_cache_path_follows_environment(tuner, tmp_path):
-    autotune, _ = tuner
+    autotune, tt = tuner
     assert autotune.cache_path() == tmp_path / "tc_tiles.json"
-    assert autotune.load_cache() == {}  # no file yet
+    assert tt.load_cache() == {}  # no file yet
 
 
 def test_choose_prefers_the_tuned_tiling(tuner):
@@ -39,25 +39,26 @@ def test_choose_prefers_the_tuned_tiling(tuner):
     _write(autotune, [((gpu, cc, "dkdv", 64, False, "bfloat16"), [8, 32]),
                       ((gpu, cc, "forward", 64, True, "bfloat16"), [4, 32, 2]),
                       ((gpu, cc, "dq", 128, True, "bfloat16"), [3, 17])])  # invalid: ignored
-    got = tt.choose("dkdv", 64, False, "bfloat16", gpu, cc, simulator=False)
+    got = tt.choose_tc("dkdv", 64, "bfloat16", False, cc, gpu=gpu, simulator=False)
     assert got == tt.TCTiles(8, 32)
-    assert tt.choose("forward", 64, True, "bfloat16", gpu, cc, simulator=False) \
+    assert tt.choose_tc("forward", 64, "bfloat16", True, cc, gpu=gpu, simulator=False) \
         == tt.TCTiles(4, 32, 2)
     # another GPU, causality or dtype: the built-in table
-    assert tt.choose("dkdv", 64, False, "bfloat16", "other", cc, simulator=False) \
+    assert tt.choose_tc("dkdv", 64, "bfloat16", False, cc, gpu="other", simulator=False) \
         == tt.DKDV[64, False]
-    assert tt.choose("dkdv", 64, True, "bfloat16", gpu, cc, simulator=False) \
+    assert tt.choose_tc("dkdv", 64, "bfloat16", True, cc, gpu=gpu, simulator=False) \
         == tt.DKDV[64, True]
-    assert tt.choose("dq", 128, True, "bfloat16", gpu, cc, simulator=False) \
+    assert tt.choose_tc("dq", 128, "bfloat16", True, cc, gpu=gpu, simulator=False) \
         == tt.DQ[128, True]
-    assert tt.choose("forward", 96, simulator=False) == tt.FORWARD[96, False]
+    assert tt.choose_tc("forward", 96, "bfloat16", False, simulator=False) == tt.FORWARD[96, False]
 
 
 def test_unreadable_cache_is_ignored(tuner):
     autotune, tt = tuner
-    autotune.cache_path().write_text("{not json")
-    assert autotune.load_cache() == {}
-    assert tt.choose("dq", 64, False, "bfloat16", "g", (9, 0), simulator=False) == tt.DQ[64, False]
+    tt.cache_path().write_text("{not json")
+    assert tt.load_cache() == {}
+    assert tt.choose_tc("dq", 64, "bfloat16", False, (9, 0), gpu="g",
+                        simulator=False) == tt.DQ[64, False]
 
 
 def test_candidates_are_valid_and_fit(tuner):
@@ -88,7 +89,7 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
     import contextlib
     import types
 
-    from flashcore.backends.numba_cuda import launch, launch_tc
+    from flashcore.backends.numba_cuda import driver, launch
     from numba import cuda
 
     autotune, tt = tuner
@@ -107,8 +108,8 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
     monkeypatch.setattr(cuda, "event", lambda timing: types.SimpleNamespace(
         record=lambda: None, synchronize=lambda: None))
     monkeypatch.setattr(cuda, "event_elapsed_time", lambda a, b: 1.0)
-    monkeypatch.setattr(launch, "synchronize", lambda stream, device=0: None)
-    monkeypatch.setattr(launch_tc, "kernel", lambda *a: (
+    monkeypatch.setattr(driver, "synchronize", lambda stream, device=0: None)
+    monkeypatch.setattr(autotune, "_kernel", lambda *a: (
         lambda grid, stream, args: calls.append((grid, stream, args)), 32))
     assert autotune.time_candidate(kernel, tt.TCTiles(2, 32), D, True, "bfloat16", 0, B, H, N,
                                    reps=2) == 1.0
@@ -138,12 +139,13 @@ def test_tables_fall_back_where_shared_memory_is_smaller(tuner):
     for cc in [(8, 0), (8, 6), (9, 0)]:
         for kernel, table in tt.TABLES.items():
             for (d, causal), t in table.items():
-                got = tt.choose(kernel, d, causal, "bfloat16", cc=cc, simulator=False)
+                got = tt.choose_tc(kernel, d, "bfloat16", causal, cc, simulator=False)
                 if tt.fits(kernel, t, d, cc):
                     assert got == t
                 elif got is not None:
                     assert tt.fits(kernel, got, d, cc) and got in autotune.CANDIDATES[kernel]
-    assert tt.choose("forward", 256, False, cc=(9, 0), simulator=False) == tt.FORWARD[256, False]
-    assert tt.choose("forward", 256, False, cc=(8, 0), simulator=False) == tt.TCTiles(4, 32)
-    assert tt.choose("dkdv", 256, True, cc=(8, 0), simulator=False) == tt.TCTiles(4, 32, 1, 2)
-    assert tt.choose("dkdv", 256, True, cc=(8, 6), simulator=False) is None
+    choose = lambda *a: tt.choose_tc(*a, simulator=False)  # noqa: E731
+    assert choose("forward", 256, "bfloat16", False, (9, 0)) == tt.FORWARD[256, False]
+    assert choose("forward", 256, "bfloat16", False, (8, 0)) == tt.TCTiles(4, 32)
+    assert choose("dkdv", 256, "bfloat16", True, (8, 0)) == tt.TCTiles(4, 32, 1, 2)
+    assert choose("dkdv", 256, "bfloat16", True, (8, 6)) is None

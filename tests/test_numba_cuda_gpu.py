@@ -123,7 +123,7 @@ def test_strided_views():
         big = [_t((B, H, 2 * N, D + 16), "float32") for _ in range(4)]
         q, k, v, do = (x[:, :, ::2, off:off + D] for x in big)
         _check(q, k, v, do, "float32", True, "bhnd")
-        assert (D, "float32", True, 0, None, aligned) in launch._FWD_PLANS
+        assert ("forward", D, "float32", True, 0, None, aligned, False) in launch._PLANS
     # aligned rows of 16 words holding a head dim of 13: a partial 16-byte chunk per row
     q, k, v, do = (_t((B, H, N, 16), "float32")[..., :13] for _ in range(4))
     _check(q, k, v, do, "float32", True, "bhnd")
@@ -190,7 +190,7 @@ def test_auto_selects_numba_cuda_for_torch_gpu_tensors():
 def test_lse_not_asked_for_goes_to_scratch(dtype):
     # flashcore.attention without return_lse: small calls write lse to the per-GPU scratch
     # buffer (no allocation, none returned); calls with more rows than it holds allocate
-    from flashcore.backends.numba_cuda import _io
+    from flashcore.backends.numba_cuda import adapters as _io
 
     from flashcore._checks import make_case
 

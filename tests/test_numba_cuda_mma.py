@@ -1,4 +1,4 @@
-"""The warp-level tensor-core primitives of backends/numba_cuda/mma.py.
+"""The warp-level tensor-core primitives of backends/numba_cuda/device/intrinsics.py.
 
 One kernel, run by one warp, moves A (16x16), Bᵀ (8x16) and B (16x8) into shared memory
 with cp.async, loads the fragments with ldmatrix (B twice: from Bᵀ rows, and from B rows
@@ -49,8 +49,8 @@ def _inputs(kind, seed=0):
 
 
 def _make_kernel(kind):
-    from flashcore.backends.numba_cuda.convert import smem_pointer
-    from flashcore.backends.numba_cuda.mma import (
+    from flashcore.backends.numba_cuda.device.convert import smem_pointer
+    from flashcore.backends.numba_cuda.device.intrinsics import (
         cp_async16,
         cp_async_commit,
         cp_async_wait,
@@ -109,7 +109,12 @@ def _make_kernel(kind):
 
 
 def _run_and_check(kernel, kind, to_device=None):
-    from flashcore.backends.numba_cuda.mma import a_coords, b_coords, c_coords, float_to_bits
+    from flashcore.backends.numba_cuda.device.intrinsics import (
+        a_coords,
+        b_coords,
+        c_coords,
+        float_to_bits,
+    )
 
     a, bt, b, c, ref = _inputs(kind, seed=len(kind))
     d1 = np.full(128, np.nan, np.float32)

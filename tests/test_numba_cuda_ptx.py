@@ -1,7 +1,7 @@
 """Every CUDA kernel variant compiles to PTX for sm_80 and sm_90, without a GPU.
 
 ``numba.cuda.compile_ptx`` needs only NVVM (the toolkit wheels of ``numba-cuda[cu13]``).
-A variant is one (kernel, head-dim tiling class, dtype, causal) as ``launch.kernel_variants``
+A variant is one (kernel, head-dim tiling class, dtype, causal) as ``launch.simt_variants``
 builds it for a launch. Besides compiling, each check reads the PTX for what the host side
 and the speed rely on: the parameter list the raw launch packs, and no local memory (the
 register tiles must stay in registers).
@@ -37,9 +37,10 @@ def _toolkit_reason():
 _REASON = _toolkit_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
 
-from flashcore.backends.numba_cuda import launch, tiles
+from flashcore.backends.numba_cuda import driver, launch
+from flashcore.backends.numba_cuda import tilings as tiles
 
-#: One head dim per tiling class of tiles.choose, plus dims that are not a multiple of the
+#: One head dim per tiling class of tilings.choose_simt, plus dims that are not a multiple of the
 #: thread columns (padded head-dim columns).
 CLASS_DIMS = (64, 128, 256)
 ODD_DIMS = (5, 100)
@@ -60,13 +61,14 @@ def target_cc(monkeypatch, request):
 
 
 def _check(cc, head_dim, dtype, causal, only=None):
-    kt = tiles.choose(head_dim, dtype, causal, cc)
-    for name, fn, sig, smem_words, threads, bounds in launch.kernel_variants(head_dim, dtype,
-                                                                            causal, kt):
+    kt = tiles.choose_simt(head_dim, dtype, causal, cc)
+    for v in launch.simt_variants(head_dim, dtype, causal, kt):
+        name, sig, smem_words, threads, bounds = (v.entry, launch.signature(v.entry, dtype),
+                                                  v.smem_words, v.threads, v.launch_bounds)
         if only is not None and name not in only:
             continue
-        ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH,
-                                  **launch.jit_options(bounds))
+        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=cc, fastmath=driver.FASTMATH,
+                                  **driver.jit_options(bounds))
         arch = f"sm_{cc[0]}{cc[1]}"
         assert f".target {arch}" in ptx, f"{name}: not compiled for {arch}"
         entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)

@@ -5,7 +5,7 @@ The simulator must be switched on before ``numba.cuda`` is first imported, so in
 ``NUMBA_ENABLE_CUDASIM=1`` (and fails with that run's output). Run the cases directly with
 ``NUMBA_ENABLE_CUDASIM=1 pytest tests/test_numba_cuda_sim.py``.
 
-The simulator runs each thread as a Python thread, so tiles.SIMULATOR uses tiny tiles that
+The simulator runs each thread as a Python thread, so tilings.SIMULATOR_SIMT uses tiny tiles that
 put several query and key tiles, tails and diagonal tiles in play on these shapes.
 """
 from __future__ import annotations
@@ -160,11 +160,13 @@ else:
         # shuffles (with 2 blocks per SM, the next K copied after the P barrier) and
         # separate P and dS buffers in dK/dV (the default simulator tiling streams and
         # shares one P/dS buffer)
-        from flashcore.backends.numba_cuda import tiles
+        from flashcore.backends.numba_cuda import launch
+        from flashcore.backends.numba_cuda import tilings as tiles
 
         t = tiles.Tiles(block_m=8, block_n=16, rows=2, cols=16, min_blocks=min_blocks,
                         async_copy=streamed)
-        monkeypatch.setattr(tiles, "SIMULATOR", tiles.KernelTiles(t, t, t, 32))
+        monkeypatch.setattr(tiles, "SIMULATOR_SIMT", tiles.KernelTiles(t, t, t, 32))
+        monkeypatch.setattr(launch, "_PLANS", {})  # (plans are cached per kind of call)
         c = dict(B=1, Hq=2, Hkv=1, Nq=11, Nk=19, D=12, dtype="float32", causal=True,
                  layout="bnhd")
         q, k, v, do = _inputs(c, seed=5)

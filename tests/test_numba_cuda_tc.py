@@ -1,5 +1,5 @@
-"""The tensor-core kernels: forward (forward_tc_kernels.py) and backward dK/dV and dQ
-(backward_tc_kernels.py), routed by launch_tc.py.
+"""The tensor-core kernels: forward (tensor_core/forward.py) and backward dK/dV and dQ
+(tensor_core/backward.py), routed by launch.tc_serves.
 
 - Under the CUDA simulator (run in a subprocess from an ordinary pytest run, with outputs
   poisoned): fp16/bf16, head dims 32, 64, 96, 128 and 256 (dK/dV in two column passes),
@@ -66,7 +66,7 @@ def _inputs(c):
 
 
 if SIM:
-    from flashcore.backends.numba_cuda import launch_tc
+    from flashcore.backends.numba_cuda import launch as launch_tc
 
     import flashcore
 
@@ -74,17 +74,17 @@ if SIM:
 
     @pytest.fixture
     def tc_calls(monkeypatch):
-        """launch_tc.serves's answers, launch by launch (forward, then backward)."""
+        """launch.tc_serves's answers, launch by launch (forward, then backward)."""
         calls = []
-        real = launch_tc.serves
+        real = launch_tc.tc_serves
 
         def counted(*args):
             out = real(*args)
             calls.append(out)
             return out
 
-        monkeypatch.setattr(launch_tc, "serves", counted)
-        monkeypatch.setenv(launch_tc.ENV, "1")
+        monkeypatch.setattr(launch_tc, "tc_serves", counted)
+        monkeypatch.setenv(launch_tc.TC_ENV, "1")
         return calls
 
     def _opts(c):
@@ -116,12 +116,12 @@ if SIM:
         """The forward with each warp owning two m-tiles (32 rows), as m_tiles=2 tilings
         run on a GPU; the simulator's default tiling has one."""
         from flashcore.backends.numba_cuda import launch
-        from flashcore.backends.numba_cuda import tile_product_tc as tt
+        from flashcore.backends.numba_cuda import tilings as tt
 
-        real = tt.choose
-        monkeypatch.setattr(tt, "choose", lambda kernel, *a, **kw: tt.TCTiles(1, 16, 2)
+        real = tt.choose_tc
+        monkeypatch.setattr(tt, "choose_tc", lambda kernel, *a, **kw: tt.TCTiles(1, 16, 2)
                             if kernel == "forward" else real(kernel, *a, **kw))
-        monkeypatch.setattr(launch, "_PREPARED", {})
+        monkeypatch.setattr(launch, "_PLANS", {})
         q, k, v, _ = _inputs(c)
         o, lse = _forward(q, k, v, c)
         assert tc_calls == [True]
@@ -198,7 +198,7 @@ else:
     #: without spills; dK/dV at head dim 96 causal with 64-query steps spills 12 bytes and ran
     #: 18% faster than 32-query steps; dK/dV at head dim 256 (two column passes) spills up to
     #: 32 bytes at 255 registers. ptxas's counts move by a few words with small edits of the
-    #: kernels: the causal tile order across heads (session 5, convert.block_tile) took dK/dV
+    #: kernels: the causal tile order across heads (prologue.block_tile) took dK/dV
     #: at head dim 96 causal from 12 to 20 bytes (not re-timed at head dim 96; the causal
     #: bf16 runs at 64 and 128 got 7-9% faster with it). Any other spill, or more spill,
     #: fails the test.
@@ -212,8 +212,8 @@ else:
         import re
 
         import numba.cuda.dispatcher as nd
-        from flashcore.backends.numba_cuda import launch, launch_tc, tiles
-        from flashcore.backends.numba_cuda import tile_product_tc as tt
+        from flashcore.backends.numba_cuda import driver, launch
+        from flashcore.backends.numba_cuda import tilings as tiles
         from numba import cuda
 
         monkeypatch.setattr(nd, "get_current_device",
@@ -223,16 +223,16 @@ else:
         kind = "bf16" if dtype == "bfloat16" else "f16"
         from test_numba_cuda_mma import ptxas_report
 
-        for name, fn, sig, smem_bytes, _threads in launch_tc.variants(head_dim, dtype, causal, cc):
+        for v in launch.tc_variants(head_dim, dtype, causal, cc):
+            name, sig, smem_bytes = v.kernel, launch.signature(v.entry, dtype), 4 * v.smem_words
             try:
-                ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH)
+                ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=cc, fastmath=driver.FASTMATH)
             except Exception as e:
                 if "nvvm" in str(e).lower():
                     pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
                 raise
             assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: spilled"
-            t = tt.choose(name, head_dim, causal, cc=cc, simulator=False)
-            per_tile = _mma_per_tile(name, t, head_dim)
+            per_tile = _mma_per_tile(name, v.tiles, head_dim)
             assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") \
                 == per_tile, name
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
@@ -302,14 +302,14 @@ else:
     @pytest.mark.parametrize("c", GPU_CASES, ids=_case_id)
     def test_tc_on_gpu(c, monkeypatch):
         torch = _gpu()
-        from flashcore.backends.numba_cuda import launch_tc
+        from flashcore.backends.numba_cuda import launch
 
         import flashcore
 
-        monkeypatch.setenv(launch_tc.ENV, "1")
+        monkeypatch.setenv(launch.TC_ENV, "1")
         served = []
-        real = launch_tc.serves
-        monkeypatch.setattr(launch_tc, "serves",
+        real = launch.tc_serves
+        monkeypatch.setattr(launch, "tc_serves",
                             lambda *a: served.append(real(*a)) or served[-1])
         q, k, v, do = (torch.from_numpy(np.asarray(x, dtype=np.float32)).cuda().to(
             getattr(torch, c["dtype"])) for x in _inputs(c))

@@ -8,11 +8,12 @@ cannot be told about work on another stream). NumPy arrays are served only when 
 names ``backend="numba_cuda"``: they are copied to the GPU and back (under the CUDA
 simulator they are used in place).
 
-Kernels (forward_kernels.py, backward_kernels.py: a submodule named forward.py would
-replace the contract function ``forward`` of this package once imported), tilings
-(tiles.py) and the host side (launch.py) mirror the CPU backend's names; tile_product.py
-is the SIMT tile product; tile_product_tc.py, forward_tc_kernels.py, backward_tc_kernels.py
-and launch_tc.py are the tensor-core kernels for fp16/bf16. numba.cuda is
+The package reads in layers, imports running one way (ARCHITECTURE.md has the map):
+device code (``device/``: conversions, intrinsics, the kernel prologue and the two seams;
+``simt/`` and ``tensor_core/``: the kernel families), kernel variants as data
+(``variant.py``, ``tilings.py``), the host side (``driver.py``: libcuda, contexts,
+prepared launches; ``launch.py``: which variant serves a launch; ``adapters.py``: one
+adapter per array library), and ``autotune.py``, a leaf nothing imports. numba.cuda is
 imported on first use, not with this module.
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ def forward(q, k, v, case):
     None where ``case.need_lse`` is False and the kernel wrote it to a scratch buffer
     (small torch calls: one allocation less).
 
-    fp16/bf16 at head dims 32, 64, 96, 128 and 256 run on tensor cores (launch_tc.py) unless
+    fp16/bf16 at head dims 32, 64, 96, 128 and 256 run on tensor cores (tensor_core/) unless
     ``FLASHCORE_TENSOR_CORES=0``; every other case, and any the tensor-core kernels
     decline (unaligned rows, GPUs older than sm_80), runs the SIMT kernels."""
     return _adapter(case.library).forward(q, k, v, case)
@@ -94,18 +95,18 @@ def buffer_launcher(view, outputs, stream):
     ``backward(do, q, k, v, o, lse, case)`` read their arrays through ``view(x, keep) ->
     (address, strides in elements)``, write into ``outputs`` (o, lse; or dq, dk, dv and a
     float32 (B, Hq, Nq) scratch buffer), and launch on raw stream ``stream``."""
-    from ._io import BufferLauncher
+    from .adapters import BufferLauncher
 
     return BufferLauncher(view, outputs, stream)
 
 
-_ADAPTERS = None  # _io.ADAPTERS, once imported (numba.cuda comes with it)
+_ADAPTERS = None  # adapters.ADAPTERS, once imported (numba.cuda comes with it)
 
 
 def _adapter(library):
     global _ADAPTERS
     if _ADAPTERS is None:
-        from ._io import ADAPTERS
+        from .adapters import ADAPTERS
 
         _ADAPTERS = ADAPTERS
     return _ADAPTERS[library]

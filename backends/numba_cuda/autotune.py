@@ -1,9 +1,9 @@
 """A small autotuner for the tensor-core kernels' tilings: each candidate of
 :data:`CANDIDATES` is compiled, timed on the GPU at a representative size, and the fastest
-is kept in a JSON cache that ``tile_product_tc.choose`` reads (per GPU name, compute
+is kept in a JSON cache that ``tilings.choose_tc`` reads (per GPU name, compute
 capability, kernel, head dim, causality and dtype). Without a cached result the built-in
-tables of tile_product_tc.py serve; they hold what this tuner chose on an H100/H200
-(notes/tensor_cores.md).
+tables of tilings.py serve; they hold what this tuner chose on an H100/H200
+(notes/tensor_cores.md). Nothing in the package imports this module.
 
 Usage (on a machine with a GPU; a few seconds per candidate, mostly compiling)::
 
@@ -19,50 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 from flashcore._case import Case
 
-from . import tile_product_tc as _tiles
-from .tile_product_tc import TCTiles
-
-#: Tilings tried per kernel: (warps, block_n[, m_tiles[, d_splits]]); those that do not fit
-#: a head dim's registers or shared memory are skipped (tile_product_tc.fits). More warps
-#: per block share the streamed tiles among more rows; longer steps halve the number of
-#: barriers but double the score registers; two m-tiles per warp halve the shared-memory
-#: reads per MMA.
-CANDIDATES = {
-    "forward": [TCTiles(4, 64), TCTiles(8, 64), TCTiles(4, 32), TCTiles(4, 64, 2),
-                TCTiles(4, 32, 2), TCTiles(8, 64, 2)],
-    "dkdv": [TCTiles(4, 32), TCTiles(4, 64), TCTiles(8, 32), TCTiles(2, 64),
-             TCTiles(4, 32, 1, 2), TCTiles(4, 64, 1, 2), TCTiles(8, 32, 1, 2)],
-    "dq": [TCTiles(4, 64), TCTiles(4, 32), TCTiles(8, 64), TCTiles(8, 32), TCTiles(4, 16)],
-}
-FILE = "tc_tiles.json"
+from . import tilings as _tiles
+from .tilings import CANDIDATES, TCTiles, cache_key, cache_path
 
 
-def cache_path() -> Path:
-    root = os.environ.get("FLASHCORE_CACHE_DIR") or Path.home() / ".cache" / "flashcore"
-    return Path(root) / FILE
+def _kernel(kernel, head_dim, dtype, causal, device, t):
+    """(prepared kernel, block_m) of one tensor-core candidate."""
+    from . import launch
+    from .variant import Variant
 
-
-def cache_key(gpu: str, cc, kernel: str, head_dim: int, causal: bool, dtype: str) -> str:
-    return f"{gpu}|sm_{cc[0]}{cc[1]}|{kernel}|d{head_dim}|{'causal' if causal else 'full'}|{dtype}"
-
-
-def load_cache(path=None) -> dict:
-    """``{key: (warps, block_n[, m_tiles[, d_splits]])}`` from the cache file (empty if
-    missing or unreadable)."""
-    path = cache_path() if path is None else Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: tuple(v["tiles"]) for k, v in data.items()
-            if isinstance(v, dict) and len(v.get("tiles", ())) in (2, 3, 4)}
+    v = Variant(kernel, "tensor_core", head_dim, dtype, bool(causal), t)
+    return launch.kernel(v, device), v.block_m
 
 
 def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seqlen,
@@ -72,7 +45,8 @@ def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seq
     import numpy as np
     from numba import cuda
 
-    from . import launch, launch_tc
+    from . import launch
+    from .driver import synchronize
 
     rng = np.random.default_rng(0)
     shape = (batch, heads, seqlen, head_dim)
@@ -95,7 +69,7 @@ def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seq
         dl = ptr(delta)
         case = Case("numba", f"cuda:{device}", dtype, batch, heads, heads, seqlen, seqlen,
                     head_dim, bool(causal), head_dim ** -0.5, "bhnd")
-        kern, bm = launch_tc.kernel(kernel, head_dim, dtype, causal, device, t)
+        kern, bm = _kernel(kernel, head_dim, dtype, causal, device, t)
         run = {  # the launches of launch.run_forward / run_backward, with this kernel
             "forward": lambda: launch.launch_forward(kern, bm, case, 0, vq, vk, vv, vo, vl[0]),
             "dkdv": lambda: launch.launch_dkdv(kern, bm, case, 0, vq, vk, vv, vdo, vl, dl, vdk,
@@ -113,15 +87,13 @@ def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seq
             b.record()
             b.synchronize()
             times.append(cuda.event_elapsed_time(a, b))
-        launch.synchronize(0, device)
+        synchronize(0, device)
     return statistics.median(times)
 
 
 def _compile_one(job):
-    from . import launch_tc
-
     kernel, d, dtype, causal, tiles = job
-    launch_tc.kernel(kernel, d, dtype, causal, 0, TCTiles(*tiles))
+    _kernel(kernel, d, dtype, causal, 0, TCTiles(*tiles))
     return job
 
 
@@ -144,8 +116,9 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
     """Times every candidate, writes the winners to the cache and returns all timings as
     ``{key: {"tiles": [w, n, m, s], "ms": {"w4n64": ms, "w4n64m2": ms, ...}}}``."""
     from . import launch
+    from .driver import device_cc, device_name
 
-    name, cc = launch.device_name(device), launch.device_cc(device)
+    name, cc = device_name(device), device_cc(device)
     path = cache_path() if path is None else Path(path)
     try:
         stored = json.loads(path.read_text())
@@ -177,7 +150,7 @@ def tune(kernels=("forward", "dkdv", "dq"), head_dims=(64, 128), dtypes=("bfloat
                         + "  ".join(f"{k} {v:.3f}" for k, v in ms.items()) + f"  -> {best}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored, indent=1, sort_keys=True))
-    _tiles.forget_tuned()
+    launch.forget_plans()
     return stored
 
 

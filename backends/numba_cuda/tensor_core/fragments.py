@@ -21,13 +21,10 @@ constants, and after inlining the loops unroll completely.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 from numba import float32
 
-from . import tiles
-from .convert import SIMULATOR, device_function, store_f32
-from .mma import (
+from ..device.convert import device_function, store_f32
+from ..device.intrinsics import (
     cp_async16,
     ldmatrix_x4,
     ldmatrix_x4_trans,
@@ -36,162 +33,6 @@ from .mma import (
     pack_bf16x2,
     pack_f16x2,
 )
-
-#: Row padding of the shared tiles, in elements (16 bytes).
-PAD = 8
-#: Head dims with tensor-core kernels; others run the SIMT kernels.
-HEAD_DIMS = (32, 64, 96, 128, 256)
-#: The most fp32 accumulator columns a warp holds per 16 rows of output (256 columns = 128
-#: registers per lane): two m-tiles of head dim 128 in the forward, dK and dV of 128
-#: columns each in the dK/dV kernel.
-MAX_ACC_COLS = 256
-
-@dataclass(frozen=True)
-class TCTiles:
-    """One tensor-core kernel's tiling: ``warps`` warps of ``16 * m_tiles`` rows each own
-    the block's ``block_m`` rows; the other side streams through in steps of ``block_n``
-    (keys in the forward and dQ kernels, queries in the dK/dV kernel). With ``m_tiles`` 2,
-    each B fragment read from shared memory feeds two MMAs (half the ldmatrix traffic per
-    MMA, twice the accumulator registers); only the forward takes ``m_tiles`` 2. The dK/dV
-    kernel accumulates the head dim's columns in ``d_splits`` passes over the query steps
-    (S and dP recomputed in each), so that dK and dV fit registers at head dim 256."""
-
-    warps: int
-    block_n: int
-    m_tiles: int = 1
-    d_splits: int = 1
-
-    def __post_init__(self):
-        if (self.warps < 1 or self.block_n < 16 or self.block_n % 16
-                or self.m_tiles not in (1, 2) or self.d_splits not in (1, 2)):
-            raise ValueError(f"block_n must be a positive multiple of 16, warps >= 1, "
-                             f"m_tiles and d_splits 1 or 2: {self}")
-
-    @property
-    def tag(self) -> str:
-        """``w4n64``, ``w4n64m2``, ``w4n32s2``: names the tiling in logs and timings."""
-        return (f"w{self.warps}n{self.block_n}" + (f"m{self.m_tiles}" if self.m_tiles > 1
-                                                    else "")
-                + (f"s{self.d_splits}" if self.d_splits > 1 else ""))
-
-    def as_list(self) -> list:
-        return [self.warps, self.block_n, self.m_tiles, self.d_splits]
-
-    @property
-    def block_m(self) -> int:
-        return 16 * self.m_tiles * self.warps
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-
-#: The simulator runs each thread as a Python thread: one warp, small steps, so that the
-#: small test shapes still cover several tiles, tails and diagonal tiles.
-SIMULATOR_TILES = TCTiles(warps=1, block_n=16)
-
-#: Tilings per kernel and (head dim, causal): the autotuner's choices on an H200 at B=4,
-#: H=16, N=4096, bf16 (notes/tensor_cores.md: v4 for head dims 64 and 128, where dK/dV at
-#: D=64 full keeps w4 n64, 3% behind w4 n32, within the run-to-run spread; v5 for 256; the
-#: session-3 tuning of 32 and 96). 256 has one m-tile per warp (its Q fragments are read
-#: from shared memory at each k-step) and two column passes in dK/dV. Registers per lane
-#: grow with the accumulators (4 * head_dim / 8 fp32 per output tile and m-tile) and the
-#: score tiles (4 * block_n / 8 each): the dK/dV kernel holds two of each (up to 255).
-_T = TCTiles
-FORWARD = {(32, False): _T(4, 64, 2), (32, True): _T(4, 64), (64, False): _T(4, 64, 2),
-           (64, True): _T(4, 64, 2), (96, False): _T(8, 64, 2), (96, True): _T(4, 64, 2),
-           (128, False): _T(4, 64, 2), (128, True): _T(4, 64, 2),
-           (256, False): _T(8, 64), (256, True): _T(8, 64)}
-DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
-        (64, True): _T(4, 64), (96, False): _T(4, 64), (96, True): _T(4, 64),
-        (128, False): _T(4, 64), (128, True): _T(4, 64),
-        (256, False): _T(8, 32, 1, 2), (256, True): _T(8, 32, 1, 2)}
-DQ = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
-      (64, True): _T(4, 32), (96, False): _T(8, 32), (96, True): _T(4, 64),
-      (128, False): _T(4, 32), (128, True): _T(4, 32),
-      (256, False): _T(8, 32), (256, True): _T(8, 32)}
-TABLES = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}
-
-
-_TUNED = None  # autotune.load_cache(), read once
-
-
-def forget_tuned():
-    """Drop the tuned tilings read so far (the autotuner calls this after writing)."""
-    global _TUNED
-    _TUNED = None
-
-
-def tuned(kernel, head_dim, causal, dtype, gpu, cc):
-    """The autotuner's choice for this GPU (autotune.py), or None."""
-    global _TUNED
-    from . import autotune
-
-    if _TUNED is None:
-        _TUNED = autotune.load_cache()
-    wn = _TUNED.get(autotune.cache_key(gpu, cc, kernel, head_dim, causal, dtype))
-    try:
-        return None if wn is None else TCTiles(*wn)
-    except (TypeError, ValueError):  # a hand-edited cache: ignore the entry
-        return None
-
-
-def choose(kernel: str, head_dim: int, causal: bool = False, dtype: str = "bfloat16",
-           gpu: str | None = None, cc=None, simulator: bool = SIMULATOR) -> TCTiles | None:
-    """The tiling of ``kernel`` ("forward", "dkdv", "dq") at ``head_dim``: the
-    autotuner's cached choice for GPU ``gpu`` of compute capability ``cc`` where there is
-    one, else the built-in table (tuned on an H200). Where the table's tiling needs more
-    shared memory than ``cc`` has, the largest of the autotuner's candidates that fits
-    (None if none does: the SIMT kernels serve)."""
-    if simulator:
-        if kernel == "dkdv" and dkdv_splits(head_dim) > 1:
-            return replace(SIMULATOR_TILES, d_splits=dkdv_splits(head_dim))
-        return SIMULATOR_TILES
-    if gpu is not None:
-        t = tuned(kernel, head_dim, causal, dtype, gpu, cc)
-        if t is not None:
-            return t
-    t = TABLES[kernel][head_dim, bool(causal)]
-    if cc is None or fits(kernel, t, head_dim, cc):
-        return t
-    from .autotune import CANDIDATES
-
-    fitting = [c for c in CANDIDATES[kernel] if fits(kernel, c, head_dim, cc)]
-    return max(fitting, key=lambda c: smem_elements(kernel, c, head_dim), default=None)
-
-
-def fits(kernel: str, t: TCTiles, head_dim: int, cc) -> bool:
-    """Whether tiling ``t`` fits the registers (:func:`fits_registers`) and the shared
-    memory of compute capability ``cc``."""
-    return (fits_registers(kernel, t, head_dim)
-            and 2 * smem_elements(kernel, t, head_dim) <= tiles.smem_limit(cc))
-
-
-def dkdv_splits(head_dim: int) -> int:
-    """The fewest column passes that keep the dK/dV kernel's two accumulators within
-    :data:`MAX_ACC_COLS`: 1 up to head dim 128, 2 at 256."""
-    return max(1, -(-2 * head_dim // MAX_ACC_COLS))
-
-
-def fits_registers(kernel: str, t: TCTiles, head_dim: int) -> bool:
-    """Whether a warp's accumulators stay within :data:`MAX_ACC_COLS` (forward:
-    ``m_tiles * head_dim``; dK/dV: ``2 * head_dim / d_splits``, with the fewest passes that
-    fit; dQ: ``head_dim``); past it ptxas spills heavily."""
-    if kernel == "dkdv":
-        need = dkdv_splits(head_dim)
-        return t.m_tiles == 1 and t.d_splits == need and head_dim % (16 * need) == 0
-    if kernel == "dq":
-        return t.m_tiles == 1 and t.d_splits == 1 and head_dim <= MAX_ACC_COLS
-    return t.d_splits == 1 and t.m_tiles * head_dim <= MAX_ACC_COLS
-
-
-def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
-    """16-bit elements of shared memory: forward, Q plus double-buffered K and V; dK/dV, K
-    and V plus double-buffered Q and dO; dQ, Q and dO plus double-buffered K and V."""
-    rows = {"forward": t.block_m + 4 * t.block_n,
-            "dkdv": 2 * t.block_m + 4 * t.block_n,
-            "dq": 2 * t.block_m + 4 * t.block_n}[kernel]
-    return rows * (head_dim + PAD)
 
 
 @device_function

@@ -8,8 +8,7 @@ rounds an fp32 value to the stored dtype (bf16: round to nearest even) and write
 On the GPU these are typed ``@overload``s (the pointer type picks the conversion at
 compile time); under ``NUMBA_ENABLE_CUDASIM=1`` they are plain Python on NumPy arrays.
 The same holds for the few other helpers every kernel family (SIMT and tensor-core) uses:
-``device_function``, ``smem_pointer``, ``ld4`` and ``block_tile`` (which block takes which
-tile).
+``device_function``, ``smem_pointer`` and ``ld4``.
 Import this module only after that choice is fixed (it imports numba.cuda).
 """
 from __future__ import annotations
@@ -152,20 +151,3 @@ else:
         def impl(ptr, i, v):
             ptr[i] = types.float32(v)
         return impl
-
-
-@device_function
-def block_tile(block_x, block_y, grid_x, grid_y, CAUSAL, LAST_HEAVIEST):
-    """``(tile, bh)`` of block ``(block_x, block_y)`` on a grid of ``(grid_x, grid_y)`` =
-    (tiles, batch * heads) blocks: as launched, or (``CAUSAL``: tiles differ in work)
-    heaviest first across all heads. Blocks start in order of their linear index (x
-    fastest), so linear index ``L`` becomes rank ``L // grid_y`` of head ``L % grid_y``:
-    every head's heaviest tile (the last one with ``LAST_HEAVIEST``, else the first) starts
-    before any lighter one, and the grid's tail is made of the lightest tiles, not of a
-    heavy one started last. (Arguments, not ``cuda.blockIdx``: the simulator gives kernels,
-    not helpers, their thread's view.)"""
-    if not CAUSAL:
-        return block_x, block_y
-    lin = block_x + block_y * grid_x
-    rank = lin // grid_y
-    return (grid_x - 1 - rank if LAST_HEAVIEST else rank), lin - rank * grid_y

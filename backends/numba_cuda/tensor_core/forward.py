@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from .convert import SIMULATOR, block_tile, device_function, smem_pointer
-from .mma import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
-from .tile_product_tc import PAD, load_rows, mma, mma_frags_rows, store_frags
-
-SMEM_ALIGN = None if SIMULATOR else 16
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-NEG_INF = np.float32(-np.inf)
-FLT_MIN = 1.1754943508222875e-38  # smallest normal float32
+from ..device.constants import FLT_MIN, LN2, LOG2E, NEG_INF, SMEM_ALIGN
+from ..device.convert import device_function, smem_pointer
+from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
+from ..device.prologue import block_tile, split_heads
+from ..device.seams import key_range, score
+from ..tilings import PAD
+from .fragments import load_rows, mma, mma_frags_rows, store_frags
 
 
 @device_function
@@ -51,8 +48,8 @@ def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e
-            if j >= Nk or (CAUSAL and j > i + causal_offset):
-                s[base + 4 * jn + e] = NEG_INF
+            s[base + 4 * jn + e] = score(s[base + 4 * jn + e], i, j, Nk, causal_offset,
+                                         CAUSAL)
 
 
 @device_function
@@ -114,21 +111,16 @@ def load_q_frags(qf, smem, qrow, LDS, mt, kk, NQF):
     qf[f + 3] = x3
 
 
-_CACHE: dict = {}
-
-
-def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
-    """The kernel for one head dim, tiling (tile_product_tc.TCTiles), causality and input
-    dtype (fp16 or bf16)."""
-    key = (head_dim, t, causal, dtype)
-    if key in _CACHE:
-        return _CACHE[key]
+def make_attn_forward_tc(v):
+    """The forward kernel of variant ``v``: head dim, tiling (tilings.TCTiles), mask and
+    input dtype (fp16 or bf16)."""
+    head_dim, t, dtype = v.head_dim, v.tiles, v.dtype
     if head_dim % 16:
         raise ValueError(f"{head_dim=} must be a multiple of 16 for the tensor-core kernel")
     if t.d_splits != 1:
         raise ValueError(f"the forward takes d_splits=1, not {t}")
     D = head_dim
-    NW, BN, MT = t.warps, t.block_n, t.m_tiles
+    BN, MT = t.block_n, t.m_tiles
     BM, NT = t.block_m, t.threads
     LDS = D + PAD
     CH = D // 8  # 16-byte chunks per row
@@ -145,7 +137,7 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
     K_OFF = BM * LDS
     V_OFF = K_OFF + 2 * BN * LDS
     BUF = BN * LDS
-    CAUSAL = bool(causal)
+    CAUSAL = bool(v.causal)
     BF16 = dtype == "bfloat16"
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -160,9 +152,7 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         # (causal: heaviest first; the last query tile sees the most keys)
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, True)
-        b = bh // Hq
-        h = bh - b * Hq
-        hk = h // group
+        b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
         qbase = b * qsb + h * qsh
         kbase = b * ksb + hk * ksh
@@ -170,11 +160,7 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
         # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
         sl2 = float32(max(scale * LOG2E, FLT_MIN))
 
-        n_end = Nk
-        n_full = Nk
-        if CAUSAL:
-            n_end = max(0, min(Nk, q0 + BM + causal_offset))
-            n_full = min(Nk, q0 + 1 + causal_offset)
+        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_tiles = (n_end + BN - 1) // BN
 
         # groups in flight, oldest first: {Q, K0}, {V0}
@@ -287,7 +273,5 @@ def make_attn_forward_tc(head_dim: int, t, causal: bool, dtype: str):
             inv1 = finish_row(lse, lrow, i + 24, Nq, md, sl2, ld, tq)
             store_frags(o, obase, i + 16, Nq, osn, osd, acc, NACC, inv0, inv1, DTILES, tq)
 
-    tag = f"d{D}_w{NW}_n{BN}_m{MT}_{'causal' if CAUSAL else 'full'}_{dtype}"
-    attn_forward_tc.__qualname__ = f"attn_forward_tc_{tag}"
-    _CACHE[key] = attn_forward_tc
+    attn_forward_tc.__qualname__ = v.tag
     return attn_forward_tc

@@ -13,30 +13,15 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float32
 
-from . import tiles as _tiles
-from .convert import (
-    SIMULATOR,
-    block_tile,
-    device_function,
-    ld4,
-    load_f32,
-    smem_pointer,
-    store_f32,
-)
-from .mma import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
+from .. import tilings as _tiles
+from ..device.constants import LN2, LOG2E, NEG_INF, SMEM_ALIGN
+from ..device.convert import device_function, ld4, load_f32, smem_pointer, store_f32
+from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
+from ..device.prologue import block_tile, split_heads
+from ..device.seams import key_range, score
 from .tile_product import column, tile_product
-
-#: Dynamic shared memory starts 16-byte aligned (vector loads); the simulator takes no
-#: alignment argument.
-SMEM_ALIGN = None if SIMULATOR else 16
-LOG2E = 1.4426950408889634
-# fp32 infinities: comparing with Python's math.inf would compute in fp64.
-NEG_INF = np.float32(-np.inf)
-POS_INF = np.float32(np.inf)
-LN2 = 0.6931471805599453
 
 
 @device_function
@@ -116,30 +101,24 @@ def copy_rows(smem, off, ld, src, base, n0, nvalid, sn, rows, D, DP, tid, NT):
                        else base, nb)
 
 
-_CACHE = {}
-
-
-def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
-    """The forward kernel specialized for one head dim, tiling ``t`` and causality;
-    ``streamed``: K and V (fp32, 16-byte aligned rows) arrive by cp.async, K one tile
-    ahead, and are stored as rows (tiles.streams, tiles.b_tile)."""
-    key = (head_dim, t, causal, streamed)
-    if key in _CACHE:
-        return _CACHE[key]
-    D = head_dim
+def make_attn_forward(v):
+    """The forward kernel of variant ``v`` (variant.Variant: head dim, tiling ``t``, mask);
+    ``v.streamed``: K and V (fp32, 16-byte aligned rows) arrive by cp.async, K one tile
+    ahead, and are stored as rows (tilings.streams, tilings.b_tile)."""
+    D, t = v.head_dim, v.tiles
     DP = t.dpad(D)
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
     KU = t.k_unroll  # k steps per trip of the products (tile_product.k_step)
     RD = DP // TC
     NT = TR * TC
     XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
-    ASYNC = bool(streamed)
+    ASYNC = bool(v.streamed)
     lay = _tiles.forward_layout(t, D, ASYNC)
     LDQ, LDP = lay["LDQ"], lay["LDP"]  # Q [d][i], P [j][i]
     KJ, KD = lay["KJ"], lay["KD"]  # K and V: strides along keys j and along d
     Q_OFF, K_OFF, V_OFF, P_OFF = lay["Q"], lay["K"], lay["V"], lay["P"]
     RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
-    CAUSAL = bool(causal)
+    CAUSAL = bool(v.causal)
     # With several blocks per SM (min_blocks > 1), row maxima by warp shuffles where a
     # row's TC threads are lanes of one warp (and the block whole warps), and the barrier
     # between S and the softmax, which then only guards K, goes: the next K is copied after
@@ -158,9 +137,7 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
         # (causal: heaviest first; the last query tile sees the most keys)
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, True)
-        b = bh // Hq
-        h = bh - b * Hq
-        hk = h // group
+        b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
         qbase = b * qsb + h * qsh
         kbase = b * ksb + hk * ksh
@@ -183,14 +160,8 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
             for dd in range(RD):
                 acc[a, dd] = float32(0.0)
 
-        # Keys this tile can see: all, or (causal) up to the last row's diagonal.
-        n_end = Nk
-        if CAUSAL:
-            n_end = min(Nk, q0 + BM + causal_offset)
-        # Key tiles before n_full need no mask at all.
-        n_full = Nk
-        if CAUSAL:
-            n_full = min(Nk, q0 + 1 + causal_offset)
+        # Keys this tile visits, and those every row sees (tiles there need no mask).
+        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
 
         if ASYNC:
             copy_rows(smem, K_OFF, KJ, k, kbase, 0, Nk, ksn, BN, D, DP, tid, NT)
@@ -213,9 +184,8 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                 for a in range(RM):
                     i = q0 + tr * RM + a
                     for bb in range(RN):
-                        j = n0 + tc + TC * bb
-                        if j >= Nk or (CAUSAL and j > i + causal_offset):
-                            s[a, bb] = NEG_INF
+                        s[a, bb] = score(s[a, bb], i, n0 + tc + TC * bb, Nk, causal_offset,
+                                         CAUSAL)
             for a in range(RM):
                 mx = s[a, 0]
                 for bb in range(1, RN):
@@ -301,23 +271,5 @@ def make_attn_forward(head_dim: int, t, causal: bool, streamed: bool = False):
                         val = (m_i[a] + math.log2(lsum)) * float32(LN2)
                     lse[(b * Hq + h) * Nq + i] = val
 
-    attn_forward.__qualname__ = f"attn_forward_{variant_tag(D, t, CAUSAL, ASYNC)}"
-    _CACHE[key] = attn_forward
+    attn_forward.__qualname__ = v.tag
     return attn_forward
-
-
-def variant_tag(head_dim, t, causal=None, streamed=False) -> str:
-    """A name per compiled variant: numba's disk cache keeps one index file per qualified
-    name, so variants compiled by different processes never overwrite each other's entry,
-    and profiles name the variant."""
-    tag = f"d{head_dim}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}"
-    if t.min_blocks > 1:
-        tag += f"_b{t.min_blocks}"
-    if streamed:
-        tag += "_cpa"
-    if t.one_ps_buffer:
-        tag += "_ps1"
-    if t.k_unroll:
-        tag += f"_u{t.k_unroll}"
-    return tag if causal is None else tag + ("_causal" if causal else "_full")
-

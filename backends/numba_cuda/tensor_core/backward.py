@@ -38,18 +38,15 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float32, uint16
 
-from .backward_kernels import query_stats
-from .convert import SIMULATOR, block_tile, device_function, smem_pointer
-from .mma import cp_async_commit, cp_async_wait
-from .tile_product_tc import PAD, load_rows, mma_frags_rows, mma_rows_rows, store_frags
-
-SMEM_ALIGN = None if SIMULATOR else 16
-LOG2E = 1.4426950408889634
-NEG_INF = np.float32(-np.inf)
-POS_INF = np.float32(np.inf)
+from ..device.constants import LOG2E, SMEM_ALIGN
+from ..device.convert import device_function, smem_pointer
+from ..device.intrinsics import cp_async_commit, cp_async_wait
+from ..device.prologue import block_tile, query_stats, split_heads
+from ..device.seams import key_range, query_range, visible
+from ..tilings import PAD
+from .fragments import load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
 
 @device_function
@@ -70,10 +67,10 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
 
 
 @device_function
-def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
+def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, Nk, j0, causal_offset,
                        sl2, CAUSAL, NTILES, tq):
     """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
-    +inf (P = 0); keys ``j0``, ``j0 + 8`` above query ``i + causal_offset`` get P = 0."""
+    +inf (P = 0); keys ``j0``, ``j0 + 8`` that query ``i`` does not see get P = 0."""
     for jn in range(NTILES):
         for e in range(2):
             i = m0 + 8 * jn + 2 * tq + e  # this element's query
@@ -81,7 +78,7 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
             for r in range(2):  # keys j0 and j0 + 8
                 x = 4 * jn + 2 * r + e
                 p = math.exp2(s[x] * sl2 - ls)
-                if CAUSAL and j0 + 8 * r > i + causal_offset:
+                if not visible(i, j0 + 8 * r, Nk, causal_offset, CAUSAL):
                     p = float32(0.0)
                 s[x] = p
                 dp[x] = p * (dp[x] - dl)
@@ -107,7 +104,7 @@ def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL,
             j = n0 + 8 * jn + 2 * tq + e  # this element's key
             x = base + 4 * jn + e
             p = math.exp2(s[x] * sl2 - ls)
-            if j >= Nk or (CAUSAL and j > i + causal_offset):
+            if not visible(i, j, Nk, causal_offset, CAUSAL):
                 p = float32(0.0)
             dp[x] = p * (dp[x] - dl)
 
@@ -159,7 +156,7 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         lbase = b * lsb + h * lsh
         dbase = (b * Hq + h) * Nq
         if (CAUSAL and m0 < m_full) or m0 + BN > Nq:  # a diagonal or tail step
-            dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
+            dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, Nk, j0,
                                causal_offset, sl2, CAUSAL, NTILES, tq)
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
@@ -177,11 +174,9 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
                 DTILES, tq)
 
 
-_CACHE: dict = {}
-
-
-def _sizes(head_dim, t, causal, dtype):
-    """The compile-time constants both kernels share."""
+def _sizes(v):
+    """The compile-time constants both kernels of variant ``v`` share."""
+    head_dim, t, causal, dtype = v.head_dim, v.tiles, v.causal, v.dtype
     if head_dim % 16:
         raise ValueError(f"{head_dim=} must be a multiple of 16 for the tensor-core kernels")
     if t.m_tiles != 1:
@@ -196,20 +191,14 @@ def _sizes(head_dim, t, causal, dtype):
             dtype == "bfloat16")
 
 
-def _tag(kernel, head_dim, t, causal, dtype):
-    return f"{kernel}_d{head_dim}_{t.tag}_{'causal' if causal else 'full'}_{dtype}"
-
-
-def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
-    """dK, dV for one key tile of ``t.block_m`` keys per block, query steps of
-    ``t.block_n`` (tile_product_tc.TCTiles)."""
-    key = ("dkdv", head_dim, t, causal, dtype)
-    if key in _CACHE:
-        return _CACHE[key]
+def make_attn_backward_dkdv_tc(v):
+    """dK, dV of variant ``v``: one key tile of ``t.block_m`` keys per block, query steps
+    of ``t.block_n`` (tilings.TCTiles)."""
+    head_dim, t = v.head_dim, v.tiles
     # (rows per block, steps, threads, row stride, 16-byte chunks, k-steps, n-tiles of the
     # scores, k-steps of the second product, n-tiles of the output, register fragments)
     (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
-     BF16) = _sizes(head_dim, t, causal, dtype)
+     BF16) = _sizes(v)
     SPLITS = t.d_splits
     DOUT = head_dim // SPLITS  # dK, dV columns per pass (DTILES, NACC count these)
     K_OFF = 0
@@ -233,18 +222,13 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
         kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, False)
         k0 = kt * BM
-        b = bh // Hkv
-        hk = bh - b * Hkv
+        b, hk, _ = split_heads(bh, Hkv, 1)
         sl2 = float32(scale * LOG2E)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
-        # Query i sees key j iff j <= i + causal_offset: earlier query tiles see none of ours;
-        # tiles from m_full on see all of them (no mask).
-        m_begin = 0
-        if CAUSAL:
-            m_begin = max(0, k0 - causal_offset) // BN * BN
-        m_full = k0 + BM - 1 - causal_offset
+        # Query tiles before m_begin see none of our keys; from m_full on, all (no mask).
+        m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
         per_head = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
         n_steps = group * per_head
 
@@ -273,21 +257,18 @@ def make_attn_backward_dkdv_tc(head_dim: int, t, causal: bool, dtype: str):
                       NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
                       BUF, CAUSAL, BF16)
 
-    attn_backward_dkdv_tc.__qualname__ = _tag("attn_backward_dkdv_tc", head_dim, t, causal,
-                                              dtype)
-    _CACHE[key] = attn_backward_dkdv_tc
+    attn_backward_dkdv_tc.__qualname__ = v.tag
     return attn_backward_dkdv_tc
 
 
-def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
-    """dQ for one query tile of ``t.block_m`` rows per block, key steps of ``t.block_n``."""
-    key = ("dq", head_dim, t, causal, dtype)
-    if key in _CACHE:
-        return _CACHE[key]
+def make_attn_backward_dq_tc(v):
+    """dQ of variant ``v``: one query tile of ``t.block_m`` rows per block, key steps of
+    ``t.block_n``."""
+    t = v.tiles
     # (rows per block, steps, threads, row stride, 16-byte chunks, k-steps, n-tiles of the
     # scores, k-steps of the second product, n-tiles of the output, register fragments)
     (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
-     BF16) = _sizes(head_dim, t, causal, dtype)
+     BF16) = _sizes(v)
     if t.d_splits != 1:
         raise ValueError(f"the dQ kernel takes d_splits=1, not {t}")
     Q_OFF = 0
@@ -309,18 +290,12 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, True)
         q0 = qt * BM
-        b = bh // Hq
-        h = bh - b * Hq
-        hk = h // group
+        b, h, hk = split_heads(bh, Hq, group)
         sl2 = float32(scale * LOG2E)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
-        n_end = Nk
-        n_full = Nk
-        if CAUSAL:
-            n_end = max(0, min(Nk, q0 + BM + causal_offset))
-            n_full = min(Nk, q0 + 1 + causal_offset)
+        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_tiles = (n_end + BN - 1) // BN
 
         load_rows(smem, Q_OFF, q, b * qsb + h * qsh, q0, Nq, qsn, BM, LDS, CH, tid, NT)
@@ -374,6 +349,5 @@ def make_attn_backward_dq_tc(head_dim: int, t, causal: bool, dtype: str):
         sc = float32(scale)
         store_frags(dq, b * dqsb + h * dqsh, i0, Nq, dqsn, dqsd, acc, 0, sc, sc, DTILES, tq)
 
-    attn_backward_dq_tc.__qualname__ = _tag("attn_backward_dq_tc", head_dim, t, causal, dtype)
-    _CACHE[key] = attn_backward_dq_tc
+    attn_backward_dq_tc.__qualname__ = v.tag
     return attn_backward_dq_tc

@@ -20,7 +20,10 @@ column walks on distinct banks) when loaded through registers, or as the global 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 #: Shared memory a block may use by default; more needs an opt-in attribute per kernel.
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -227,7 +230,7 @@ def dq_smem_words(t: Tiles, head_dim: int, dtype: str = "float32",
 #: several tiles, tails and diagonal tiles in play on the small shapes the tests use, and
 #: four rows per thread so that the vector loads run too; fp32 tiles stream (the cp.async
 #: paths) and dK/dV shares one P/dS buffer (tests/test_numba_cuda_sim.py covers the others).
-SIMULATOR = KernelTiles(
+SIMULATOR_SIMT = KernelTiles(
     forward=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
     dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2, async_copy=True, one_ps_buffer=True),
     dq=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
@@ -259,18 +262,212 @@ _TABLE_SM80 = (
 )
 
 
-def choose(head_dim: int, dtype: str, causal: bool, cc: tuple, simulator: bool = False,
-           override: KernelTiles | None = None) -> KernelTiles:
+def choose_simt(head_dim: int, dtype: str, causal: bool, cc, simulator: bool = False,
+                override: KernelTiles | None = None) -> KernelTiles:
     """The tilings for one case. fp16/bf16 inputs are converted to fp32 when tiles are loaded
     (through registers); fp32 inputs on a streaming tiling take a second stage of shared
     memory for the cp.async copies (``streams``)."""
     if override is not None:
         return override
     if simulator:
-        return SIMULATOR
+        return SIMULATOR_SIMT
     table = _TABLE_SM90 if tuple(cc) >= (9, 0) else _TABLE_SM80
     for limit, fwd, dkdv, dq, fwd_causal in table:
         if head_dim <= limit:
             return KernelTiles(forward=fwd_causal if causal and fwd_causal else fwd,
                                dkdv=dkdv, dq=dq)
     raise ValueError(f"{head_dim=} exceeds the largest tiled head dim {table[-1][0]}")
+
+
+# --- tensor-core tilings -------------------------------------------------------------------
+
+#: Row padding of the shared tiles, in elements (16 bytes).
+PAD = 8
+#: Head dims with tensor-core kernels; others run the SIMT kernels.
+HEAD_DIMS = (32, 64, 96, 128, 256)
+#: The most fp32 accumulator columns a warp holds per 16 rows of output (256 columns = 128
+#: registers per lane): two m-tiles of head dim 128 in the forward, dK and dV of 128
+#: columns each in the dK/dV kernel.
+MAX_ACC_COLS = 256
+
+
+@dataclass(frozen=True)
+class TCTiles:
+    """One tensor-core kernel's tiling: ``warps`` warps of ``16 * m_tiles`` rows each own
+    the block's ``block_m`` rows; the other side streams through in steps of ``block_n``
+    (keys in the forward and dQ kernels, queries in the dK/dV kernel). With ``m_tiles`` 2,
+    each B fragment read from shared memory feeds two MMAs (half the ldmatrix traffic per
+    MMA, twice the accumulator registers); only the forward takes ``m_tiles`` 2. The dK/dV
+    kernel accumulates the head dim's columns in ``d_splits`` passes over the query steps
+    (S and dP recomputed in each), so that dK and dV fit registers at head dim 256."""
+
+    warps: int
+    block_n: int
+    m_tiles: int = 1
+    d_splits: int = 1
+
+    def __post_init__(self):
+        if (self.warps < 1 or self.block_n < 16 or self.block_n % 16
+                or self.m_tiles not in (1, 2) or self.d_splits not in (1, 2)):
+            raise ValueError(f"block_n must be a positive multiple of 16, warps >= 1, "
+                             f"m_tiles and d_splits 1 or 2: {self}")
+
+    @property
+    def tag(self) -> str:
+        """``w4n64``, ``w4n64m2``, ``w4n32s2``: names the tiling in logs and timings."""
+        return (f"w{self.warps}n{self.block_n}" + (f"m{self.m_tiles}" if self.m_tiles > 1
+                                                    else "")
+                + (f"s{self.d_splits}" if self.d_splits > 1 else ""))
+
+    def as_list(self) -> list:
+        return [self.warps, self.block_n, self.m_tiles, self.d_splits]
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.m_tiles * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+#: The simulator runs each thread as a Python thread: one warp, small steps, so that the
+#: small test shapes still cover several tiles, tails and diagonal tiles.
+SIMULATOR_TC = TCTiles(warps=1, block_n=16)
+
+#: Tilings per kernel and (head dim, causal): the autotuner's choices on an H200 at B=4,
+#: H=16, N=4096, bf16 (notes/tensor_cores.md: v4 for head dims 64 and 128, where dK/dV at
+#: D=64 full keeps w4 n64, 3% behind w4 n32, within the run-to-run spread; v5 for 256; the
+#: session-3 tuning of 32 and 96). 256 has one m-tile per warp (its Q fragments are read
+#: from shared memory at each k-step) and two column passes in dK/dV. Registers per lane
+#: grow with the accumulators (4 * head_dim / 8 fp32 per output tile and m-tile) and the
+#: score tiles (4 * block_n / 8 each): the dK/dV kernel holds two of each (up to 255).
+_T = TCTiles
+FORWARD = {(32, False): _T(4, 64, 2), (32, True): _T(4, 64), (64, False): _T(4, 64, 2),
+           (64, True): _T(4, 64, 2), (96, False): _T(8, 64, 2), (96, True): _T(4, 64, 2),
+           (128, False): _T(4, 64, 2), (128, True): _T(4, 64, 2),
+           (256, False): _T(8, 64), (256, True): _T(8, 64)}
+DKDV = {(32, False): _T(4, 64), (32, True): _T(4, 64), (64, False): _T(4, 64),
+        (64, True): _T(4, 64), (96, False): _T(4, 64), (96, True): _T(4, 64),
+        (128, False): _T(4, 64), (128, True): _T(4, 64),
+        (256, False): _T(8, 32, 1, 2), (256, True): _T(8, 32, 1, 2)}
+DQ = {(32, False): _T(4, 64), (32, True): _T(4, 32), (64, False): _T(4, 64),
+      (64, True): _T(4, 32), (96, False): _T(8, 32), (96, True): _T(4, 64),
+      (128, False): _T(4, 32), (128, True): _T(4, 32),
+      (256, False): _T(8, 32), (256, True): _T(8, 32)}
+TABLES = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}
+
+
+_TUNED = None  # load_cache(), read once
+
+
+def forget_tuned():
+    """Drop the tuned tilings read so far (the autotuner calls this after writing)."""
+    global _TUNED
+    _TUNED = None
+
+
+def tuned(kernel, head_dim, causal, dtype, gpu, cc):
+    """The autotuner's choice for this GPU (autotune.py), or None."""
+    global _TUNED
+    if _TUNED is None:
+        _TUNED = load_cache()
+    wn = _TUNED.get(cache_key(gpu, cc, kernel, head_dim, causal, dtype))
+    try:
+        return None if wn is None else TCTiles(*wn)
+    except (TypeError, ValueError):  # a hand-edited cache: ignore the entry
+        return None
+
+
+def choose_tc(kernel: str, head_dim: int, dtype: str, causal: bool, cc=None,
+              gpu: str | None = None, simulator: bool = False) -> TCTiles | None:
+    """The tiling of ``kernel`` ("forward", "dkdv", "dq") at ``head_dim``: the
+    autotuner's cached choice for GPU ``gpu`` of compute capability ``cc`` where there is
+    one, else the built-in table (tuned on an H200). Where the table's tiling needs more
+    shared memory than ``cc`` has, the largest of the autotuner's candidates that fits
+    (None if none does: the SIMT kernels serve)."""
+    if simulator:
+        if kernel == "dkdv" and dkdv_splits(head_dim) > 1:
+            return replace(SIMULATOR_TC, d_splits=dkdv_splits(head_dim))
+        return SIMULATOR_TC
+    if gpu is not None:
+        t = tuned(kernel, head_dim, causal, dtype, gpu, cc)
+        if t is not None:
+            return t
+    t = TABLES[kernel][head_dim, bool(causal)]
+    if cc is None or fits(kernel, t, head_dim, cc):
+        return t
+    fitting = [c for c in CANDIDATES[kernel] if fits(kernel, c, head_dim, cc)]
+    return max(fitting, key=lambda c: smem_elements(kernel, c, head_dim), default=None)
+
+
+def fits(kernel: str, t: TCTiles, head_dim: int, cc) -> bool:
+    """Whether tiling ``t`` fits the registers (:func:`fits_registers`) and the shared
+    memory of compute capability ``cc``."""
+    return (fits_registers(kernel, t, head_dim)
+            and 2 * smem_elements(kernel, t, head_dim) <= smem_limit(cc))
+
+
+def dkdv_splits(head_dim: int) -> int:
+    """The fewest column passes that keep the dK/dV kernel's two accumulators within
+    :data:`MAX_ACC_COLS`: 1 up to head dim 128, 2 at 256."""
+    return max(1, -(-2 * head_dim // MAX_ACC_COLS))
+
+
+def fits_registers(kernel: str, t: TCTiles, head_dim: int) -> bool:
+    """Whether a warp's accumulators stay within :data:`MAX_ACC_COLS` (forward:
+    ``m_tiles * head_dim``; dK/dV: ``2 * head_dim / d_splits``, with the fewest passes that
+    fit; dQ: ``head_dim``); past it ptxas spills heavily."""
+    if kernel == "dkdv":
+        need = dkdv_splits(head_dim)
+        return t.m_tiles == 1 and t.d_splits == need and head_dim % (16 * need) == 0
+    if kernel == "dq":
+        return t.m_tiles == 1 and t.d_splits == 1 and head_dim <= MAX_ACC_COLS
+    return t.d_splits == 1 and t.m_tiles * head_dim <= MAX_ACC_COLS
+
+
+def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
+    """16-bit elements of shared memory: forward, Q plus double-buffered K and V; dK/dV, K
+    and V plus double-buffered Q and dO; dQ, Q and dO plus double-buffered K and V."""
+    rows = {"forward": t.block_m + 4 * t.block_n,
+            "dkdv": 2 * t.block_m + 4 * t.block_n,
+            "dq": 2 * t.block_m + 4 * t.block_n}[kernel]
+    return rows * (head_dim + PAD)
+
+
+# --- the autotuner's cache: its candidates and its choices per GPU ------------------------
+
+#: Tilings tried per kernel: (warps, block_n[, m_tiles[, d_splits]]); those that do not fit
+#: a head dim's registers or shared memory are skipped (:func:`fits`). More warps
+#: per block share the streamed tiles among more rows; longer steps halve the number of
+#: barriers but double the score registers; two m-tiles per warp halve the shared-memory
+#: reads per MMA.
+CANDIDATES = {
+    "forward": [TCTiles(4, 64), TCTiles(8, 64), TCTiles(4, 32), TCTiles(4, 64, 2),
+                TCTiles(4, 32, 2), TCTiles(8, 64, 2)],
+    "dkdv": [TCTiles(4, 32), TCTiles(4, 64), TCTiles(8, 32), TCTiles(2, 64),
+             TCTiles(4, 32, 1, 2), TCTiles(4, 64, 1, 2), TCTiles(8, 32, 1, 2)],
+    "dq": [TCTiles(4, 64), TCTiles(4, 32), TCTiles(8, 64), TCTiles(8, 32), TCTiles(4, 16)],
+}
+FILE = "tc_tiles.json"
+
+
+def cache_path() -> Path:
+    root = os.environ.get("FLASHCORE_CACHE_DIR") or Path.home() / ".cache" / "flashcore"
+    return Path(root) / FILE
+
+
+def cache_key(gpu: str, cc, kernel: str, head_dim: int, causal: bool, dtype: str) -> str:
+    return f"{gpu}|sm_{cc[0]}{cc[1]}|{kernel}|d{head_dim}|{'causal' if causal else 'full'}|{dtype}"
+
+
+def load_cache(path=None) -> dict:
+    """``{key: (warps, block_n[, m_tiles[, d_splits]])}`` from the cache file (empty if
+    missing or unreadable)."""
+    path = cache_path() if path is None else Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: tuple(v["tiles"]) for k, v in data.items()
+            if isinstance(v, dict) and len(v.get("tiles", ())) in (2, 3, 4)}

@@ -44,7 +44,7 @@ import threading
 import numpy as np
 from numba import cuda
 
-SIMULATOR = bool(cuda.config.ENABLE_CUDASIM)
+from .convert import SIMULATOR
 
 __all__ = [
     "SIMULATOR",

@@ -24,7 +24,7 @@ live in registers.
 """
 from __future__ import annotations
 
-from .convert import device_function, ld4
+from ..device.convert import device_function, ld4
 
 #: How a B operand is read (:func:`b_mode`).
 B_WORDS, B_ALONG_K, B_GROUPED = 0, 1, 2

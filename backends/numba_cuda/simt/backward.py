@@ -23,46 +23,20 @@ import math
 
 from numba import cuda, float32
 
-from . import tiles as _tiles
-from .convert import block_tile, device_function, load_f32, smem_pointer, store_f32
-from .forward_kernels import (
-    LOG2E,
-    NEG_INF,
-    POS_INF,
-    SMEM_ALIGN,
-    copy_rows,
-    load_tile_t,
-    variant_tag,
-)
-from .mma import cp_async_commit, cp_async_wait
+from .. import tilings as _tiles
+from ..device.constants import LOG2E, SMEM_ALIGN
+from ..device.convert import load_f32, smem_pointer, store_f32
+from ..device.intrinsics import cp_async_commit, cp_async_wait
+from ..device.prologue import block_tile, query_stats, split_heads
+from ..device.seams import key_range, query_range, visible
+from .forward import copy_rows, load_tile_t
 from .tile_product import column, tile_product
 
 
-@device_function
-def query_stats(lse, delta, lidx, didx, valid):
-    """``(lse · log2 e, delta)`` of one query row, as both passes use them in
-    ``P = exp2(S · scale · log2 e − lse · log2 e)`` and ``dS = P (dP − delta)``: a row that
-    sees no key (lse −inf) reads +inf, so that its P is 0; a row past the end (``valid``
-    false; ``lidx``, ``didx`` are not read) reads ``(+inf, 0)``."""
-    ls = POS_INF
-    dl = float32(0.0)
-    if valid:
-        lv = lse[lidx]
-        if lv != NEG_INF:
-            ls = lv * float32(LOG2E)
-        dl = delta[didx]
-    return ls, dl
-
-
-_CACHE = {}
-
-
-def make_attn_backward_preprocess(head_dim: int, threads: int):
-    key = ("pre", head_dim, threads)
-    if key in _CACHE:
-        return _CACHE[key]
-    D = head_dim
-    NT = threads
+def make_attn_backward_preprocess(v):
+    """delta = rowsum(dO * O) for variant ``v`` (``v.tiles``: threads per block)."""
+    D = v.head_dim
+    NT = v.tiles
 
     def attn_backward_preprocess(o, do, delta, Nq, Hq, osb, osh, osn, osd,
                                  gsb, gsh, gsn, gsd):
@@ -79,17 +53,14 @@ def make_attn_backward_preprocess(head_dim: int, threads: int):
                 acc += load_f32(o[ob + d * osd]) * load_f32(do[gb + d * gsd])
             delta[bh * Nq + i] = acc
 
-    attn_backward_preprocess.__qualname__ = f"attn_backward_preprocess_d{D}_t{NT}"
-    _CACHE[key] = attn_backward_preprocess
+    attn_backward_preprocess.__qualname__ = v.tag
     return attn_backward_preprocess
 
 
-def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = False):
+def make_attn_backward_dkdv(v):
     """dK, dV for one key tile of ``t.block_m`` keys per block; query tiles of ``t.block_n``
-    (``streamed``: Q and dO by cp.async, one tile ahead)."""
-    key = ("dkdv", head_dim, t, causal, streamed)
-    if key in _CACHE:
-        return _CACHE[key]
+    (``v.streamed``: Q and dO by cp.async, one tile ahead)."""
+    head_dim, t = v.head_dim, v.tiles
     D = head_dim
     DP = t.dpad(D)
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
@@ -97,7 +68,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
     RD = DP // TC
     NT = TR * TC
     XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
-    ASYNC = bool(streamed)
+    ASYNC = bool(v.streamed)
     lay = _tiles.dkdv_layout(t, D, ASYNC)
     LDK, LDP = lay["LDK"], lay["LDP"]  # K, V [d][key]
     QJ, QD = lay["QJ"], lay["QD"]  # Q, dO: strides along queries and along d
@@ -105,7 +76,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
     P_OFF, DS_OFF, LS_OFF, DL_OFF = lay["P"], lay["DS"], lay["LS"], lay["DL"]  # [query][key]
     STAGE = lay["STAGE"]
     ONE_PS = DS_OFF == P_OFF  # (t.one_ps_buffer) P and dS take turns in one buffer
-    CAUSAL = bool(causal)
+    CAUSAL = bool(v.causal)
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                            causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -120,8 +91,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
         kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, False)
         k0 = kt * BM
-        b = bh // Hkv
-        hk = bh - b * Hkv
+        b, hk, _ = split_heads(bh, Hkv, 1)
         sl2 = float32(scale * LOG2E)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
@@ -141,12 +111,8 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                 dk_acc[a, dd] = float32(0.0)
                 dv_acc[a, dd] = float32(0.0)
 
-        # Query i sees key j iff i >= j - causal_offset: earlier query tiles see none of ours.
-        m_begin = 0
-        if CAUSAL:
-            m_begin = max(0, k0 - causal_offset) // BN * BN
-        # Query tiles from m_full on see every key of ours: no mask.
-        m_full = k0 + BM - 1 - causal_offset
+        # Query tiles before m_begin see none of our keys; from m_full on, all (no mask).
+        m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
         # One step per (query head of the group, query tile), in that order.
         n_m = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
         steps = group * n_m
@@ -210,7 +176,7 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                 for a in range(RM):
                     row = tr * RM + a
                     p = math.exp2(s[a, bb] - ls)
-                    if masked and k0 + row > i + causal_offset:
+                    if masked and not visible(i, k0 + row, Nk, causal_offset, CAUSAL):
                         p = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
                     if ONE_PS:  # dS waits in registers until P V has been read
@@ -244,18 +210,14 @@ def make_attn_backward_dkdv(head_dim: int, t, causal: bool, streamed: bool = Fal
                                   dk_acc[a, dd] * float32(scale))
                         store_f32(dv, dvbase + j * dvsn + d * dvsd, dv_acc[a, dd])
 
-    attn_backward_dkdv.__qualname__ = (
-        f"attn_backward_dkdv_{variant_tag(D, t, CAUSAL, ASYNC)}")
-    _CACHE[key] = attn_backward_dkdv
+    attn_backward_dkdv.__qualname__ = v.tag
     return attn_backward_dkdv
 
 
-def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False):
+def make_attn_backward_dq(v):
     """dQ for one query tile of ``t.block_m`` rows per block; key tiles of ``t.block_n``
-    (``streamed``: K and V by cp.async, one tile ahead)."""
-    key = ("dq", head_dim, t, causal, streamed)
-    if key in _CACHE:
-        return _CACHE[key]
+    (``v.streamed``: K and V by cp.async, one tile ahead)."""
+    head_dim, t = v.head_dim, v.tiles
     D = head_dim
     DP = t.dpad(D)
     BM, BN, TR, TC, RM, RN = t.block_m, t.block_n, t.rows, t.cols, t.rm, t.rn
@@ -263,13 +225,13 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
     RD = DP // TC
     NT = TR * TC
     XB = 4 * RN  # B words a thread holds: 4 per column where B is read along k
-    ASYNC = bool(streamed)
+    ASYNC = bool(v.streamed)
     lay = _tiles.dq_layout(t, D, ASYNC)
     LDQ, LDP = lay["LDQ"], lay["LDP"]  # Q, dO [d][query]
     KJ, KD = lay["KJ"], lay["KD"]  # K, V: strides along keys and along d
     Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF = lay["Q"], lay["DO"], lay["K"], lay["V"], lay["DS"]
     STAGE = lay["STAGE"]
-    CAUSAL = bool(causal)
+    CAUSAL = bool(v.causal)
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
@@ -282,9 +244,7 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, True)
         q0 = qt * BM
-        b = bh // Hq
-        h = bh - b * Hq
-        hk = h // group
+        b, h, hk = split_heads(bh, Hq, group)
         sl2 = float32(scale * LOG2E)
         qbase = b * qsb + h * qsh
         gbase = b * gsb + h * gsh
@@ -309,10 +269,7 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
             for dd in range(RD):
                 dq_acc[a, dd] = float32(0.0)
 
-        n_end = Nk
-        if CAUSAL:
-            n_end = min(Nk, q0 + BM + causal_offset)
-        n_full = q0 + 1 + causal_offset
+        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
 
         if ASYNC:
             copy_rows(smem, K_OFF, KJ, k, kbase, 0, Nk, ksn, BN, D, DP, tid, NT)
@@ -348,14 +305,14 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
             tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, KD, KJ, DP, tr, tc, RM, RN,
                          TC, KU)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            masked = n0 + BN > Nk or (CAUSAL and n0 + BN > n_full)
+            masked = n0 + BN > n_full
             for a in range(RM):
                 row = tr * RM + a
                 i = q0 + row
                 for bb in range(RN):
                     col = tc + TC * bb
                     p = math.exp2(s[a, bb] - ls[a])
-                    if masked and (n0 + col >= Nk or (CAUSAL and n0 + col > i + causal_offset)):
+                    if masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL):
                         p = float32(0.0)
                     smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
             cuda.syncthreads()
@@ -375,6 +332,5 @@ def make_attn_backward_dq(head_dim: int, t, causal: bool, streamed: bool = False
                     if d < D:
                         store_f32(dq, dqbase + i * dqsn + d * dqsd, dq_acc[a, dd] * sc)
 
-    attn_backward_dq.__qualname__ = f"attn_backward_dq_{variant_tag(D, t, CAUSAL, ASYNC)}"
-    _CACHE[key] = attn_backward_dq
+    attn_backward_dq.__qualname__ = v.tag
     return attn_backward_dq

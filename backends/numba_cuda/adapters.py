@@ -16,7 +16,8 @@ from flashcore import _poison
 from flashcore._interop import cuda_raw
 
 from . import launch
-from .convert import SIMULATOR
+from .device.convert import SIMULATOR
+from .driver import synchronize
 
 
 @functools.cache
@@ -55,7 +56,7 @@ class _Adapter:
         launch.run_forward(case, dev, stream, view(q, lay, keep), view(k, lay, keep),
                            view(v, lay, keep), view(o, lay, keep), lse_at)
         if self.synchronous:
-            launch.synchronize(stream, dev)
+            synchronize(stream, dev)
         return o, lse
 
     def backward(self, do, q, k, v, o, lse, case):
@@ -77,7 +78,7 @@ class _Adapter:
                             view(lse, None, keep), self.address(delta, keep),
                             view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep))
         if self.synchronous:
-            launch.synchronize(stream, dev)
+            synchronize(stream, dev)
         return dq, dk, dv
 
     def view(self, x, layout, keep):
@@ -293,7 +294,7 @@ class _NumPy(_Adapter):
         arrays = [a for a, _ in ins]
         dtype = ins[1][1] if direction == "backward" else ins[0][1]  # q's dtype
         outs = getattr(_Adapter, direction)(_NumbaDevice(), *arrays, case)
-        launch.synchronize(0, _device_index(case.device))
+        synchronize(0, _device_index(case.device))
         n = 1 if direction == "forward" else 3  # outputs in q's dtype (lse is float32)
         return tuple(x.copy_to_host().view(dtype) if i < n else x.copy_to_host()
                      for i, x in enumerate(outs))

@@ -1,0 +1,18 @@
+"""Constants every kernel family uses, in the types the kernels compute with."""
+from __future__ import annotations
+
+import numpy as np
+
+from .convert import SIMULATOR
+
+#: Dynamic shared memory starts 16-byte aligned (vector loads, cp.async, ldmatrix); the
+#: simulator takes no alignment argument.
+SMEM_ALIGN = None if SIMULATOR else 16
+#: Scores are kept in log2 units (``S · scale · log2 e``), so the softmax uses exp2.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+#: fp32 infinities: comparing with Python's math.inf would compute in fp64.
+NEG_INF = np.float32(-np.inf)
+POS_INF = np.float32(np.inf)
+#: The smallest normal float32.
+FLT_MIN = 1.1754943508222875e-38

@@ -1,0 +1,50 @@
+"""What every kernel does first: which tile and which heads a block owns, and the per-row
+softmax statistics the backward passes read."""
+from __future__ import annotations
+
+from numba import float32
+
+from .constants import LOG2E, NEG_INF, POS_INF
+from .convert import device_function
+
+
+@device_function
+def block_tile(block_x, block_y, grid_x, grid_y, CAUSAL, LAST_HEAVIEST):
+    """``(tile, bh)`` of block ``(block_x, block_y)`` on a grid of ``(grid_x, grid_y)`` =
+    (tiles, batch * heads) blocks: as launched, or (``CAUSAL``: tiles differ in work)
+    heaviest first across all heads. Blocks start in order of their linear index (x
+    fastest), so linear index ``L`` becomes rank ``L // grid_y`` of head ``L % grid_y``:
+    every head's heaviest tile (the last one with ``LAST_HEAVIEST``, else the first) starts
+    before any lighter one, and the grid's tail is made of the lightest tiles, not of a
+    heavy one started last. (Arguments, not ``cuda.blockIdx``: the simulator gives kernels,
+    not helpers, their thread's view.)"""
+    if not CAUSAL:
+        return block_x, block_y
+    lin = block_x + block_y * grid_x
+    rank = lin // grid_y
+    return (grid_x - 1 - rank if LAST_HEAVIEST else rank), lin - rank * grid_y
+
+
+@device_function
+def split_heads(bh, heads, group):
+    """``(b, h, hk)`` of grid row ``bh`` = ``b * heads + h``: batch, head, and the key/value
+    head ``h // group`` it reads (GQA; ``group`` 1 when ``heads`` are key/value heads)."""
+    b = bh // heads
+    h = bh - b * heads
+    return b, h, h // group
+
+
+@device_function
+def query_stats(lse, delta, lidx, didx, valid):
+    """``(lse · log2 e, delta)`` of one query row, as both backward passes use them in
+    ``P = exp2(S · scale · log2 e − lse · log2 e)`` and ``dS = P (dP − delta)``: a row that
+    sees no key (lse −inf) reads +inf, so that its P is 0; a row past the end (``valid``
+    false; ``lidx``, ``didx`` are not read) reads ``(+inf, 0)``."""
+    ls = POS_INF
+    dl = float32(0.0)
+    if valid:
+        lv = lse[lidx]
+        if lv != NEG_INF:
+            ls = lv * float32(LOG2E)
+        dl = delta[didx]
+    return ls, dl

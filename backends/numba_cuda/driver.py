@@ -1,0 +1,250 @@
+"""The CUDA driver side of the numba_cuda backend: libcuda, primary contexts, and kernels
+compiled once per (variant, device) and launched raw on the caller's stream.
+
+Kernels take raw pointers and element strides, never array objects: a launch packs about
+thirty 8-byte words and calls ``cuLaunchKernel`` (through cuda-python's binding, or
+ctypes), which costs a few microseconds, where numba's ``kernel[grid, block](tensors...)``
+path costs 50-75 µs (it exports each tensor through DLPack twice).
+
+Compiled kernels are kept in memory (:func:`prepared`, keyed by the kernel's variant and
+the device) and on disk (numba's ``cache=True``), so a warm process pays no compile.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+import threading
+
+from numba import cuda
+from numba.cuda import types
+
+from .device.convert import SIMULATOR
+from .tilings import STATIC_SMEM_LIMIT
+
+_F64 = types.float64
+#: fastmath flags of every kernel; no "ninf": the softmax relies on -inf
+FASTMATH = {"contract", "arcp", "nsz"}
+
+_CUDA_SUCCESS = 0
+
+
+_LIBCUDA = None  # libcuda with its argument types, once loaded
+#: cuLaunchKernel of cuda-python's Cython bindings (numba-cuda's own dependency), called
+#: with plain ints: 1.1-2 µs less per launch than through ctypes on the lent H100/H200
+#: hosts (tools/host_breakdown.py, rows interleaved); ctypes where the bindings are missing.
+_BINDINGS_LAUNCH = None
+
+
+@functools.cache
+def _libcuda():
+    global _LIBCUDA, _BINDINGS_LAUNCH
+    lib = ctypes.CDLL("libcuda.so.1")
+    vp = ctypes.c_void_p
+    for name, args in [
+        ("cuInit", [ctypes.c_uint]),
+        ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp] * 3),
+        ("cuStreamSynchronize", [vp]),
+        ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+        ("cuCtxPushCurrent_v2", [vp]),
+        ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
+        ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+        ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
+    ]:
+        f = getattr(lib, name)
+        f.argtypes = args
+        f.restype = ctypes.c_int
+    lib.cuInit(0)  # (idempotent; a process may reach us before any library initialized CUDA)
+    try:
+        from cuda.bindings.driver import cuLaunchKernel
+
+        _BINDINGS_LAUNCH = cuLaunchKernel
+    except ImportError:  # (the ctypes function then launches)
+        pass
+    _LIBCUDA = lib
+    return lib
+
+
+@functools.cache
+def _primary_context(device: int) -> int:
+    """The primary context of GPU ``device`` (the one numba, torch, CuPy and JAX use)."""
+    lib = _libcuda()
+    dev = ctypes.c_int()
+    ctx = ctypes.c_void_p()
+    for err in (lib.cuDeviceGet(ctypes.byref(dev), device),
+                lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"no primary context for GPU {device}: CUDA error {err}")
+    return ctx.value
+
+
+class _OnDevice:
+    """Makes GPU ``device``'s primary context current for a launch, and restores the
+    caller's afterwards. numba-cuda loads kernels context-independently (``CUkernel``), so a
+    launch runs in whatever context is current: without this, a call on device-1 buffers
+    while the thread's current context is device 0's would run on device 0."""
+
+    __slots__ = ("ctx", "pushed")
+
+    def __init__(self, device):
+        self.ctx = _primary_context(device)
+        self.pushed = False
+
+    def __enter__(self):
+        lib = _libcuda()
+        cur = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(cur))
+        self.pushed = cur.value != self.ctx
+        if self.pushed:
+            err = lib.cuCtxPushCurrent_v2(self.ctx)
+            if err != _CUDA_SUCCESS:
+                raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {err}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+class Prepared:
+    """One kernel compiled for one signature and loaded on one device, launched raw: the
+    arguments are packed into a buffer made once (``struct.pack_into``) whose words a fixed
+    pointer array addresses, then handed to ``cuLaunchKernel`` (in the device's primary
+    context), which copies them."""
+
+    __slots__ = (
+        "_buf",
+        "_ctx",
+        "_cur",
+        "_cur_ref",
+        "_dispatcher",
+        "_fmt",
+        "_lock",
+        "_params",
+        "_ptrs",
+        "device",
+        "handle",
+        "kernel",
+        "name",
+        "smem",
+        "threads",
+    )
+
+    def __init__(self, pyfunc, sig, threads, smem_words, device, launch_bounds=None):
+        self.name = pyfunc.__name__
+        self.threads = threads
+        self.smem = 4 * smem_words
+        self.device = device
+        if SIMULATOR:
+            self._dispatcher = cuda.jit(pyfunc)
+            self.kernel = self.handle = None
+            return
+        # every parameter is an 8-byte word: pointers and int64 as "q", the scale as "d"
+        self._fmt = "<" + "".join("d" if t == _F64 else "q" for t in sig)
+        n = len(sig)
+        self._buf = (ctypes.c_int64 * n)()
+        base = ctypes.addressof(self._buf)
+        self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        self._params = ctypes.addressof(self._ptrs)  # (the bindings take the address)
+        self._lock = threading.Lock()
+        self._ctx = _primary_context(device)
+        self._cur = ctypes.c_void_p()
+        self._cur_ref = ctypes.byref(self._cur)
+        self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=FASTMATH,
+                                    **jit_options(launch_bounds))
+        with cuda.gpus[device]:
+            self.kernel = self._dispatcher.compile(sig)
+            cufunc = self.kernel._codelibrary.get_cufunc()
+            from numba.cuda.cudadrv.driver import binding, driver
+
+            attrs = binding.CUfunction_attribute
+            if self.smem > STATIC_SMEM_LIMIT:
+                driver.cuKernelSetAttribute(
+                    attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem,
+                    cufunc.handle, device)
+            if launch_bounds:  # registers capped (several blocks per SM, or 512 threads):
+                # all the carveout to shared memory, so that the blocks it allows fit
+                driver.cuKernelSetAttribute(
+                    attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
+                    cufunc.handle, device)
+            self.handle = int(cufunc.handle)
+
+    def __call__(self, grid, stream, args):
+        """Launch on ``grid`` (x, y) on raw stream handle ``stream`` (of this kernel's
+        device); ``args`` are ints (addresses, sizes, strides) and, last, the float scale
+        where the kernel takes one."""
+        if grid[0] == 0 or grid[1] == 0:
+            return
+        if SIMULATOR:
+            self._dispatcher[grid, self.threads, 0, self.smem](*args)
+            return
+        lib = _LIBCUDA or _libcuda()
+        # (the buffers are shared; cuLaunchKernel copies the arguments before returning).
+        # The context check is _OnDevice's, written out: it runs on every launch.
+        with self._lock:
+            lib.cuCtxGetCurrent(self._cur_ref)
+            pushed = self._cur.value != self._ctx
+            if pushed:
+                err = lib.cuCtxPushCurrent_v2(self._ctx)
+                if err != _CUDA_SUCCESS:
+                    raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {err}")
+            struct.pack_into(self._fmt, self._buf, 0, *args)
+            if _BINDINGS_LAUNCH is not None:
+                err = _BINDINGS_LAUNCH(self.handle, grid[0], grid[1], 1, self.threads, 1, 1,
+                                       self.smem, stream, self._params, 0)[0]
+            else:
+                err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], 1, self.threads, 1,
+                                         1, self.smem, stream, self._ptrs, None)
+            if pushed:
+                lib.cuCtxPopCurrent_v2(self._cur_ref)
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA error {err}")
+
+
+def jit_options(launch_bounds):
+    """``cuda.jit`` options of a kernel compiled for ``launch_bounds`` (None: none)."""
+    return {"launch_bounds": launch_bounds} if launch_bounds else {}
+
+
+def synchronize(stream: int, device: int = 0):
+    """Wait for ``stream`` of GPU ``device`` (0: that device's legacy default stream)."""
+    if not SIMULATOR:
+        with _OnDevice(device):
+            err = _libcuda().cuStreamSynchronize(stream)
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamSynchronize failed with CUDA error {err}")
+
+
+
+_lock = threading.Lock()
+_PREPARED: dict = {}
+
+
+def prepared(key, build):
+    """The :class:`Prepared` kernel stored under ``key``, built by ``build()`` on first use
+    (once, also when threads ask at the same time)."""
+    p = _PREPARED.get(key)
+    if p is None:
+        with _lock:
+            p = _PREPARED.get(key)
+            if p is None:
+                p = _PREPARED[key] = build()
+    return p
+
+
+def device_cc(device: int) -> tuple:
+    if SIMULATOR:
+        return (0, 0)
+    return _cc(device)
+
+
+@functools.cache
+def _cc(device):
+    return tuple(cuda.gpus[device].compute_capability)
+
+
+@functools.cache
+def device_name(device: int) -> str:
+    """The GPU's name (keys the autotuner's cache)."""
+    name = cuda.gpus[device].name
+    return name.decode() if isinstance(name, bytes) else str(name)

@@ -1,0 +1,105 @@
+"""Kernel variants as data: one frozen description of what one compiled kernel computes.
+
+A :class:`Variant` names the kernel (a step of the algorithm: forward, backward
+preprocess, dK/dV pass, dQ pass), its family (CUDA-core ``simt`` or ``tensor_core``), the
+head dim and dtype it is specialized for, the mask it applies, its tiling and how its
+tiles reach shared memory. Everything else follows from it: the kernel factories build
+the Python kernel from it (``launch.build``), the compiled kernel is cached under it
+(together with the device), its name in profiles and numba's disk cache is
+:attr:`Variant.tag`, its shared memory and threads are derived here, and the precompile
+list and the PTX tests enumerate variants (``launch.case_variants``).
+
+Adding an axis (a window, a score modifier, varlen bounds, a paged cache) adds a field
+here and the code that reads it in the two seams (``device/seams.py``); the factories
+pass the variant through unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import tilings
+
+#: kernel -> name of its entry point (and of the launch signature, launch.signature)
+ENTRY = {"forward": "attn_forward", "preprocess": "attn_backward_preprocess",
+         "dkdv": "attn_backward_dkdv", "dq": "attn_backward_dq"}
+FAMILIES = ("simt", "tensor_core")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel.
+
+    ``tiles`` is a :class:`tilings.Tiles` (simt), a :class:`tilings.TCTiles`
+    (tensor_core), or the thread count of the preprocess kernel. ``streamed`` (simt fp32
+    only): K and V (forward, dQ) or Q and dO (dK/dV) arrive by 16-byte ``cp.async`` copies
+    and are stored as rows (``tilings.streams``).
+    """
+
+    kernel: str
+    family: str
+    head_dim: int
+    dtype: str
+    causal: bool
+    tiles: object
+    streamed: bool = False
+
+    def __post_init__(self):
+        if self.kernel not in ENTRY:
+            raise ValueError(f"kernel={self.kernel!r} is not one of {tuple(ENTRY)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} is not one of {FAMILIES}")
+        if self.family == "tensor_core" and self.kernel == "preprocess":
+            raise ValueError("the preprocess kernel has no tensor-core form")
+
+    @property
+    def entry(self) -> str:
+        return ENTRY[self.kernel]
+
+    @property
+    def threads(self) -> int:
+        return self.tiles if self.kernel == "preprocess" else self.tiles.threads
+
+    @property
+    def block_m(self) -> int:
+        """Rows a block owns: queries (forward, dQ), keys (dK/dV), queries (preprocess)."""
+        return self.tiles if self.kernel == "preprocess" else self.tiles.block_m
+
+    @property
+    def launch_bounds(self):
+        """numba's ``launch_bounds`` (SIMT tilings that cap registers), or None."""
+        if self.family == "simt" and self.kernel != "preprocess":
+            return self.tiles.launch_bounds
+        return None
+
+    @property
+    def smem_words(self) -> int:
+        """Dynamic shared memory in 4-byte words."""
+        if self.kernel == "preprocess":
+            return 0
+        if self.family == "tensor_core":
+            return tilings.smem_elements(self.kernel, self.tiles, self.head_dim) // 2
+        layout = {"forward": tilings.forward_layout, "dkdv": tilings.dkdv_layout,
+                  "dq": tilings.dq_layout}[self.kernel]
+        return layout(self.tiles, self.head_dim, self.streamed)["words"]
+
+    @property
+    def tag(self) -> str:
+        """The kernel's qualified name: numba's disk cache keeps one index file per name,
+        so variants compiled by different processes never overwrite each other's entry,
+        and profiles name the variant."""
+        d, t = self.head_dim, self.tiles
+        mask = "causal" if self.causal else "full"
+        if self.kernel == "preprocess":
+            return f"{self.entry}_d{d}_t{t}"
+        if self.family == "tensor_core":
+            return f"{self.entry}_tc_d{d}_{t.tag}_{mask}_{self.dtype}"
+        tag = f"d{d}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}"
+        if t.min_blocks > 1:
+            tag += f"_b{t.min_blocks}"
+        if self.streamed:
+            tag += "_cpa"
+        if t.one_ps_buffer:
+            tag += "_ps1"
+        if t.k_unroll:
+            tag += f"_u{t.k_unroll}"
+        return f"{self.entry}_{tag}_{mask}"
