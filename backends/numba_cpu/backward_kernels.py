@@ -9,8 +9,9 @@ tile; neither writes where another job writes.
 import numpy as np
 from numba import njit, prange
 
-from .forward_kernels import FASTMATH, load_tile, load_tile_t, mask_tile
+from .forward_kernels import FASTMATH, load_tile, load_tile_t
 from .scalar import LOG2E, exp2, load, store
+from .seams import key_end, mask_scores, needs_mask, query_start
 
 
 @njit(parallel=True, cache=True)
@@ -95,10 +96,7 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
         tmp = np.empty((block_k, D), work_dtype)
         load_tile_t(k, b, hk, j0, nk, kt_t, one)
         load_tile_t(v, b, hk, j0, nk, vt_t, one)
-        # Causal: only query rows i with i + offset >= j0 see any key of this tile.
-        i_start = 0 if not causal else max(0, j0 - offset)
-        i_start = (i_start // block_q) * block_q
-        # Query tiles whose first row sees the whole key tile need no mask.
+        i_start = query_start(j0, block_q, offset, causal)
         for h in range(hk * group, (hk + 1) * group):
             for i0 in range(i_start, Nq, block_q):
                 nq = min(block_q, Nq - i0)
@@ -110,8 +108,8 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
                 prepare_lse2(lse, b, h, i0, nq, lse2)
                 load_rows(delta, b, h, i0, nq, dlt)
                 np.dot(qt, kt_t, s)
-                if causal and j0 + nk - 1 > i0 + offset:
-                    mask_tile(s, nq, nk, i0, j0, offset)
+                if needs_mask(i0, j0, nk, offset, causal):
+                    mask_scores(s, nq, nk, i0, j0, offset)
                 probabilities_tile(s, nq, nk, lse2)
                 zero_tail(s, nq, nk)
                 np.dot(s.T, dot, tmp)  # dV += P^T dO
@@ -158,7 +156,7 @@ def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_
         load_tile(do, b, h, i0, nq, dot, one)
         prepare_lse2(lse, b, h, i0, nq, lse2)
         load_rows(delta, b, h, i0, nq, dlt)
-        k_end = Nk if not causal else max(0, min(Nk, i0 + nq + offset))
+        k_end = key_end(i0, nq, Nk, offset, causal)
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
             load_tile(k, b, hk, j0, nk, kt, one)
@@ -169,8 +167,8 @@ def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_
                 kt_t[:, nk:] = 0.0
                 vt_t[:, nk:] = 0.0
             np.dot(qt, kt_t, s)
-            if causal and j0 + nk - 1 > i0 + offset:
-                mask_tile(s, nq, nk, i0, j0, offset)
+            if needs_mask(i0, j0, nk, offset, causal):
+                mask_scores(s, nq, nk, i0, j0, offset)
             probabilities_tile(s, nq, nk, lse2)
             np.dot(dot, vt_t, dp)
             dscores_tile(s, dp, nq, nk, dlt)

@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from .scalar import LOG2E, exp2, load, store
+from .seams import key_end, mask_scores, needs_mask, visits
 
 FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # no 'nnan'/'ninf': -inf marks masked scores
 
@@ -31,15 +32,6 @@ def load_tile_t(src, b, h, r0, n, out, mult):
     for r in range(n):
         for d in range(out.shape[0]):
             out[d, r] = load(src[b, h, r0 + r, d]) * mult
-
-
-@njit
-def mask_tile(s, n_rows, n_cols, i0, j0, offset):
-    """Diagonal tiles only: -inf where key j0+c lies after query i0+r's last visible key."""
-    for r in range(n_rows):
-        first_hidden = i0 + r + offset + 1 - j0
-        for c in range(max(first_hidden, 0), n_cols):
-            s[r, c] = -np.inf
 
 
 @njit(fastmath=FASTMATH | {"nnan"})
@@ -117,8 +109,7 @@ def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_j
         m_i = np.full(rows_per_job, -np.inf, work_dtype)
         l_i = np.zeros(rows_per_job, work_dtype)
         load_tile(q, b, h, row0, rows, qt, q_mult)
-        # Keys these rows can see: all, or (causal) up to the last row's diagonal.
-        k_end = Nk if not causal else max(0, min(Nk, row0 + rows + offset))
+        k_end = key_end(row0, rows, Nk, offset, causal)
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
             load_tile_t(k, b, hk, j0, nk, kt_t, one)
@@ -128,12 +119,11 @@ def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_j
             for t0 in range(0, rows, block_q):
                 i0 = row0 + t0
                 nq = min(block_q, rows - t0)
-                if causal and j0 > i0 + nq - 1 + offset:
-                    continue  # the key tile lies after every diagonal of this query tile
+                if not visits(i0, nq, j0, offset, causal):
+                    continue
                 np.dot(qt[t0:t0 + block_q], kt_t, s)
-                # Only tiles reaching past the first row's diagonal need the mask.
-                if causal and j0 + nk - 1 > i0 + offset:
-                    mask_tile(s, nq, nk, i0, j0, offset)
+                if needs_mask(i0, j0, nk, offset, causal):
+                    mask_scores(s, nq, nk, i0, j0, offset)
                 online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
                 if nk < block_k:
                     s[:, nk:] = 0.0
