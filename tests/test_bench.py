@@ -1,6 +1,6 @@
-"""The benchmark runner (flashcore.bench) and ``python -m flashcore bench``: records and their
-JSON schema, ratios, tables, plots, progress, memory measurement. Small sizes, no timing
-assertions."""
+"""The benchmark package (flashcore.bench) and ``python -m flashcore bench``: records and
+their JSON schema, ratios, tables, plots, progress, memory and host-time measurement, and the
+asv suite's loading of the package. Small sizes, no timing assertions."""
 from __future__ import annotations
 
 import io
@@ -77,6 +77,19 @@ def test_naive_numpy_matches_the_reference(causal):
     ref = flashcore.attention_backward(do, q, k, v, ro, rl, causal=causal, backend="reference")
     for g, r in zip(grads, ref):  # the reference recomputes P from the float32 lse
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_naive_causal_mask_is_bottom_right_when_queries_and_keys_differ():
+    import array_api_compat
+
+    rng = np.random.default_rng(2)
+    q, k, v = (x.astype(np.float64) for x in qkv(rng, Hq=2, Nq=5, Nk=9, D=8))
+    xp = array_api_compat.array_namespace(q)
+    o, p = bench.naive_forward(xp, q, k, v, 0.25, True)
+    # query i sees key j iff j <= i + (Nk - Nq): row 0 sees keys 0..4
+    assert np.all(p[..., 0, 5:] == 0) and np.all(p[..., 0, :5] > 0)
+    ro, _ = flashcore.attention_forward(q, k, v, causal=True, scale=0.25, backend="reference")
+    np.testing.assert_allclose(o, ro, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
@@ -277,6 +290,40 @@ def test_tables_show_skips_and_errors():
     assert "skipped: cuDNN needs a GPU" in text and "error: MemoryError" in text
 
 
+def test_ratio_tables_divide_by_each_named_contender(report):
+    text = bench.format_ratios(report, ["numpy_naive", "nobody"])
+    assert "/ numpy_naive" in text and "/ nobody" in text
+    rows = [line for line in text.splitlines() if line.startswith("forward")]
+    assert len(rows) == 8 * (len(report["contenders"]) - 1)  # all but the named one
+    times = {(json.dumps(r["config"], sort_keys=True), r["direction"], r["contender"]):
+             r["median_s"] for r in report["results"]}
+    for r in report["results"]:
+        if r["contender"] != "flashcore:reference":
+            continue
+        key = (json.dumps(r["config"], sort_keys=True), r["direction"])
+        want = f"{r['median_s'] / times[(*key, 'numpy_naive')]:.2f}"
+        label = bench.Config(**r["config"]).label()
+        prefix = f"{bench.DIRECTION_LABEL[r['direction']]:<17} {label:<44} flashcore:reference "
+        line = next(x for x in rows if x.startswith(prefix))
+        assert line.split()[-2:] == [want, "-"]  # "-": no contender called "nobody" ran
+
+
+def test_host_overhead_times_one_call_of_each_contender():
+    rec = bench.measure_host_overhead(bench.get_contender("numpy_naive"), TINY, inner=20, repeat=2)
+    assert rec["error"] is None and rec["skipped"] is None and rec["us_per_call"] > 0
+    skipped = bench.measure_host_overhead(bench.JaxDpa("cudnn", "cpu"), TINY, inner=20, repeat=2)
+    assert skipped["us_per_call"] is None and "GPU" in skipped["skipped"]
+    text = bench.format_host_overhead({"host_overhead": [rec, skipped]})
+    assert "numpy_naive" in text and " us" in text and "skipped: cuDNN needs a GPU" in text
+
+
+def test_host_seconds_per_call_waits_for_the_last_output_after_each_block():
+    synced = []
+    s = bench.host_seconds_per_call(lambda: 7, sync=synced.append, inner=10, repeat=3,
+                                    warmup=2)
+    assert s > 0 and synced == [7, 7, 7, 7]
+
+
 @pytest.mark.skipif(not HAS_MPL, reason="needs matplotlib")
 def test_plots_are_written(report, tmp_path):
     rep = dict(report, ceilings={"mem_bw_GBps": 10.0, "gemm_GFLOPps": 100.0,
@@ -341,6 +388,28 @@ def test_bench_command_writes_json_and_plots(tmp_path):
             "roofline.png", "time_vs_seqlen_fwd.png", "time_vs_seqlen_fwdbwd.png"]
 
 
+def test_bench_command_prints_ratios_and_host_overhead_on_request(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--seqlens", "16", "--heads", "2", "--head-dims", "8", "--causal",
+                "no", "--directions", "fwd", "--repeat", "3", "--no-ceilings", "--no-progress",
+                "--contenders", "flashcore:reference,numpy_naive", "--ratio-to", "numpy_naive",
+                "--host-overhead", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "time / the named contender's time" in p.stdout and "/ numpy_naive" in p.stdout
+    assert "host time of one forward call, B=1 H=1 N=16 D=8 float32" in p.stdout
+    rep = json.loads(out.read_text())
+    bench.validate_report(rep)
+    assert [r["contender"] for r in rep["host_overhead"]] == ["flashcore:reference",
+                                                             "numpy_naive"]
+
+
+def test_side_by_side_names_the_gpu_comparison():
+    opts = bench.SweepOptions(**bench.SIDE_BY_SIDE)
+    assert opts.device == "cuda" and opts.contenders[0] == "flashcore:numba_cuda@gpu"
+    assert set(bench.SIDE_BY_SIDE_PEERS) <= set(opts.contenders)
+    assert all(n in bench.contender_names() for n in opts.contenders)
+
+
 def test_bench_list_names_every_contender():
     p = run_cli("bench", "--list")
     assert p.returncode == 0
@@ -365,7 +434,23 @@ def test_bench_bad_options_get_clear_messages(args, needle):
 
 def test_runner_modules_import_no_framework():
     code = ("import sys, flashcore, flashcore.bench, flashcore._cli, flashcore.__main__; "
+            "import flashcore.bench.plots, flashcore.bench.sweep; "
             "print(sorted(m for m in ('torch', 'jax', 'cupy', 'matplotlib') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_asv_suite_loads_this_trees_bench_package_by_path():
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.path.insert(0, 'asv_bench'); from benchmarks import common; "
+            "r = common.runner; print(r.__name__, r.__file__); "
+            "print(r.get_contender('numpy_naive').name, "
+            "sys.modules['flashcore_bench_runner.naive'].__file__)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert p.returncode == 0, p.stderr
+    name, path, contender, naive = p.stdout.split()
+    assert name == "flashcore_bench_runner" and contender == "numpy_naive"
+    assert path == str(root / "flashcore" / "bench" / "__init__.py")
+    assert naive == str(root / "flashcore" / "bench" / "naive.py")
+

@@ -102,20 +102,20 @@ from .sweep import (
     Progress,
     SweepOptions,
     add_ratios,
-    host_overhead,
+    measure_host_overhead,
     run_sweep,
 )
 from .torch_sdpa import TorchSdpa
 
 __all__ = [
-    "DIRECTIONS", "DIRECTION_LABEL", "DTYPES", "MEMORY_GUARD", "NOT_BY_DEFAULT", "RESULT_KEYS",
-    "SCHEMA", "SIDE_BY_SIDE", "SIDE_BY_SIDE_PEERS", "Config", "Contender",
-    "FlashcoreContender", "JaxDpa", "Naive", "Prepared", "Progress", "SweepOptions",
-    "TorchSdpa", "add_ratios", "all_contenders", "backend_reason", "contender_names",
-    "contenders", "default_contenders", "format_host_overhead", "format_ratios",
-    "format_tables", "get_contender", "gpu_library", "gpu_peak_extra_bytes", "has_module",
-    "host_inputs", "host_overhead", "host_peak_method", "host_seconds_per_call",
-    "import_jax", "import_torch", "library_reason", "machine_info", "measure",
-    "measure_ceilings", "naive_backward", "naive_forward", "peak_extra_host_bytes", "plot",
-    "run_sweep", "time_runs", "to_library", "validate_report", "write_json",
+    "Config", "Contender", "DIRECTIONS", "DIRECTION_LABEL", "DTYPES", "FlashcoreContender",
+    "JaxDpa", "MEMORY_GUARD", "NOT_BY_DEFAULT", "Naive", "Prepared", "Progress", "RESULT_KEYS",
+    "SCHEMA", "SIDE_BY_SIDE", "SIDE_BY_SIDE_PEERS", "SweepOptions", "TorchSdpa", "add_ratios",
+    "all_contenders", "backend_reason", "contender_names", "contenders", "default_contenders",
+    "format_host_overhead", "format_ratios", "format_tables", "get_contender", "gpu_library",
+    "gpu_peak_extra_bytes", "has_module", "host_inputs", "host_peak_method",
+    "host_seconds_per_call", "import_jax", "import_torch", "library_reason", "machine_info",
+    "measure", "measure_ceilings", "measure_host_overhead", "naive_backward", "naive_forward",
+    "peak_extra_host_bytes", "plot", "run_sweep", "time_runs", "to_library", "validate_report",
+    "write_json",
 ]

@@ -77,8 +77,8 @@ class SweepOptions:
                 for n in self.seqlens]
 
     def host_overhead_config(self) -> Config:
-        """The tiny input whose forward call :func:`host_overhead` times: B=1, H=1, N=16
-        at the sweep's first head dim and dtype, so the device work is negligible."""
+        """The tiny input whose forward call :func:`measure_host_overhead` times: B=1, H=1,
+        N=16 at the sweep's first head dim and dtype, so the device work is negligible."""
         return Config(1, 1, 16, self.head_dims[0], self.dtypes[0], False)
 
 
@@ -98,7 +98,7 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
     """Measure every chosen contender on every config and direction; return the JSON-able
     report (schema ``flashcore-bench/1``, see :func:`flashcore.bench.report.validate_report`).
     With ``host_overhead``, the report also holds ``"host_overhead"``: the records of
-    :func:`host_overhead` for every contender."""
+    :func:`measure_host_overhead` for every contender."""
     if opts.contenders:
         chosen = [get_contender(n) for n in opts.contenders]
     else:
@@ -127,7 +127,7 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
         tiny = opts.host_overhead_config()
         for c in chosen:
             bar.step(f"{c.name} host time of a call, {tiny.label()}")
-            overhead.append(host_overhead(c, tiny, seed=opts.seed))
+            overhead.append(measure_host_overhead(c, tiny, seed=opts.seed))
             bar.advance()
     bar.close()
     add_ratios(results)
@@ -142,7 +142,7 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
     return report
 
 
-def host_overhead(contender, config: Config, seed: int = 0, inner: int = 2000,
+def measure_host_overhead(contender, config: Config, seed: int = 0, inner: int = 2000,
                   repeat: int = 5) -> dict:
     """Host time of one forward call of ``contender`` on ``config`` (a tiny one): see
     :func:`flashcore.bench.measure.host_seconds_per_call`. Like :func:`measure`, a
