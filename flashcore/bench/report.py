@@ -119,9 +119,7 @@ def format_ratios(report: dict, against) -> str:
     for r in rs:
         times[(_config_key(r), r["direction"], r["contender"])] = r["median_s"]
     cols = [f"/ {n}" for n in against]
-    width = max([12] + [len(c) for c in cols])
-    header = (f"{'direction':<17} {'config':<44} {'contender':<24} "
-              + " ".join(f"{c:>{width}}" for c in cols))
+    header = f"{'direction':<17} {'config':<44} {'contender':<24} " + " ".join(cols)
     out = ["\ntime / the named contender's time (same config and direction)", header,
            "-" * len(header)]
     for r in rs:
@@ -133,7 +131,8 @@ def format_ratios(report: dict, against) -> str:
             ref = times.get((*key, n))
             cells.append(f"{r['median_s'] / ref:.2f}" if ref and r["median_s"] else "-")
         out.append(f"{DIRECTION_LABEL[r['direction']]:<17} {Config(**r['config']).label():<44} "
-                   f"{r['contender']:<24} " + " ".join(f"{c:>{width}}" for c in cells))
+                   f"{r['contender']:<24} "
+                   + " ".join(f"{c:>{len(col)}}" for c, col in zip(cells, cols)))
     return "\n".join(out)
 
 
