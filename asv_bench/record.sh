@@ -3,7 +3,7 @@
 # flashcore[bench] and, for the peers, torch and jax are installed), without building
 # virtualenvs: each commit is exported with git archive, installed into a scratch
 # directory with pip --target, and put first on the benchmark processes' PYTHONPATH.
-# The benchmark code (and flashcore/_bench.py, the runner) is this tree's for every commit.
+# The benchmark code (and flashcore/bench/, the runner) is this tree's for every commit.
 #
 #   usage: asv_bench/record.sh [-m MACHINE] COMMIT... [-- EXTRA ASV RUN ARGS]
 #   e.g.   asv_bench/record.sh -m cpu-2core HEAD -- -b ForwardCPU

@@ -8,9 +8,9 @@
 ``python -m flashcore info``
     Backends (usable, or why not), devices, versions.
 ``python -m flashcore bench [options]``
-    The side-by-side sweep of flashcore's backends and their peers (see flashcore._bench).
+    The side-by-side sweep of flashcore's backends and their peers (see flashcore.bench).
 
-All measuring is done by :mod:`flashcore._bench`; this module only parses, chooses and prints.
+All measuring is done by :mod:`flashcore.bench`; this module only parses, chooses and prints.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from . import _bench
+from . import bench
 from ._case import DTYPES
 
 #: norm-wise relative error of the output allowed on the checked slice, per dtype (rounding of
@@ -124,14 +124,14 @@ def _backend_target(name):
     """(library, device) of the arrays a backend is run on by the main job."""
     gpu_lib = None
     if name in ("numba_cuda", "torch", "jax"):
-        gpu_lib = _bench._gpu_library()
+        gpu_lib = bench.gpu_library()
     if name == "numba_cuda":
         return (gpu_lib or "torch"), "cuda:0"
     if name == "torch":
         return "torch", ("cuda:0" if gpu_lib == "torch" else "cpu")
     if name == "jax":
         try:
-            return "jax", ("cuda:0" if _bench._library_reason("jax", "cuda:0") is None else "cpu")
+            return "jax", ("cuda:0" if bench.library_reason("jax", "cuda:0") is None else "cpu")
         except Exception:  # jax missing: its reason comes from the availability check
             return "jax", "cpu"
     return "numpy", "cpu"
@@ -152,9 +152,9 @@ def choose_backend(requested, config):
     notes = []
     for name in names:
         library, device = _backend_target(name)
-        why = _bench.backend_reason(name)
+        why = bench.backend_reason(name)
         if why is None:
-            why = _bench._library_reason(library, device)
+            why = bench.library_reason(library, device)
         if why is None:
             case = Case(library=library, device=device, dtype=config.dtype, batch=config.batch,
                         heads_q=config.heads, heads_kv=config.heads, seqlen_q=config.seqlen,
@@ -187,7 +187,7 @@ def _slices(config):
 
 
 def check_against_reference(config, library, seed):
-    """A ``check(outputs)`` for _bench.measure: the output and lse on the slices against the
+    """A ``check(outputs)`` for bench.measure: the output and lse on the slices against the
     float64 reference computed on the same inputs."""
     import flashcore
 
@@ -197,7 +197,7 @@ def check_against_reference(config, library, seed):
         o, lse = outputs
         o = np.asarray(_interop.copy_to_host(o, library)).astype(np.float64)
         lse = np.asarray(_interop.copy_to_host(lse, library)).astype(np.float64)
-        q, k, v = (a.astype(np.float64) for a in _bench.host_inputs(config, seed)[:3])
+        q, k, v = (a.astype(np.float64) for a in bench.host_inputs(config, seed)[:3])
         worst, lse_worst, nan = 0.0, 0.0, False
         for b, h, rows, nk in _slices(config):
             sl = (slice(b, b + 1), slice(h, h + 1))
@@ -226,7 +226,7 @@ def run_main(argv):
     args = _main_parser().parse_args(argv)
     from ._errors import BackendUnavailableError
 
-    config = _bench.Config(args.batch, args.heads, args.seqlen, args.head_dim, args.dtype,
+    config = bench.Config(args.batch, args.heads, args.seqlen, args.head_dim, args.dtype,
                            args.causal)
     try:
         name, library, device, notes = choose_backend(args.backend, config)
@@ -243,9 +243,9 @@ def run_main(argv):
     if name == "reference":
         print("  note: the reference materializes the score matrix; it is the oracle, not a "
               "fast kernel")
-    contender = _bench.FlashcoreContender(name, library, device)
+    contender = bench.FlashcoreContender(name, library, device)
     t0 = time.perf_counter()
-    rec = _bench.measure(contender, config, "fwd", repeat=args.repeat, seed=args.seed,
+    rec = bench.measure(contender, config, "fwd", repeat=args.repeat, seed=args.seed,
                          budget_s=MAIN_BUDGET_S,
                          check=check_against_reference(config, library, args.seed))
     wall = time.perf_counter() - t0
@@ -257,9 +257,9 @@ def run_main(argv):
     rows.append((f"flashcore {name}", rec))
     naive = None
     if not args.no_naive:
-        naive_c = _bench.Naive(library if library in ("numpy", "torch", "cupy") else "numpy",
+        naive_c = bench.Naive(library if library in ("numpy", "torch", "cupy") else "numpy",
                                device if library in ("numpy", "torch", "cupy") else "cpu")
-        naive = _bench.measure(naive_c, config, "fwd", repeat=min(args.repeat, 3),
+        naive = bench.measure(naive_c, config, "fwd", repeat=min(args.repeat, 3),
                                seed=args.seed, budget_s=MAIN_BUDGET_S)
         rows.append((f"naive {naive_c.library}", naive))
     print(f"check against the float64 reference on {chk['slices']} slices "
@@ -316,7 +316,7 @@ def run_info(argv):
 
     from . import _dispatch
 
-    m = _bench.machine_info()
+    m = bench.machine_info()
     print(f"flashcore {flashcore.__version__}, Python {m['python']} on {m['platform']}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()
                                    if k != "flashcore"))
@@ -336,7 +336,7 @@ def run_info(argv):
         print(f"  {line}")
     print('backends (in "auto" order):')
     for name in _dispatch.AUTO_ORDER:
-        why = _bench.backend_reason(name)
+        why = bench.backend_reason(name)
         print(f"  {name:<11} {'usable' if why is None else 'unavailable: ' + why}")
     return 0
 
@@ -368,7 +368,7 @@ def gpu_lines():
             lines.append(f"numba.cuda cannot query CUDA: {e}")
     if importlib.util.find_spec("jax"):
         try:
-            jax = _bench._import_jax()
+            jax = bench.import_jax()
             for d in jax.devices():
                 if d.platform != "cpu":
                     lines.append(f"jax {d.platform}:{d.id} {getattr(d, 'device_kind', '')}")
@@ -396,20 +396,30 @@ def _bench_parser():
                    help="causal masks to run (both)")
     p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="(1)")
     p.add_argument("--heads", type=_positive_int, default=8, metavar="H", help="(8)")
-    p.add_argument("--directions", type=_choice_list(_bench.DIRECTIONS),
-                   default=_bench.DIRECTIONS, metavar="fwd,fwdbwd", help="(both)")
+    p.add_argument("--directions", type=_choice_list(bench.DIRECTIONS),
+                   default=bench.DIRECTIONS, metavar="fwd,fwdbwd", help="(both)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: the GPU where one is visible, else the CPU")
     p.add_argument("--contenders",
-                   type=_choice_list(_bench.contender_names()), default=None,
+                   type=_choice_list(bench.contender_names()), default=None,
                    metavar="NAME,...", help="what to run (default: everything usable here but "
-                   f"{', '.join(sorted(_bench.NOT_BY_DEFAULT))}); see --list")
+                   f"{', '.join(sorted(bench.NOT_BY_DEFAULT))}); see --list")
     p.add_argument("--repeat", type=_positive_int, default=5, metavar="R",
                    help="timed runs per measurement, at most (5)")
     p.add_argument("--budget", type=_positive_float, default=2.0, metavar="SECONDS",
                    help="stop repeating (after 3 runs) once the runs add up to this (2)")
     p.add_argument("--quick", action="store_true",
                    help="a small sweep for a smoke test: N=256,512, non-causal, 3 runs")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="the GPU comparison of DESIGN.md's anchors: numba_cuda next to SDPA "
+                   "flash, cuDNN and mem-efficient at B=4 H=16 N=4096 D=64,128, bfloat16 and "
+                   "float32, causal and not, with --ratio-to those three and --host-overhead")
+    p.add_argument("--ratio-to", type=_choice_list(bench.contender_names()), default=(),
+                   metavar="NAME,...", help="also print every contender's time divided by "
+                   "each named contender's, per config and direction")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="also time one forward call of each contender on a tiny input "
+                   "(B=1 H=1 N=16): what a call costs the host")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--no-ceilings", action="store_true",
                    help="skip measuring this machine's bandwidth and GEMM ceilings")
@@ -425,9 +435,9 @@ def run_bench(argv):
     parser = _bench_parser()
     args = parser.parse_args(argv)
     if args.list:
-        for c in _bench.contenders("cpu") + _bench.contenders("cuda"):
+        for c in bench.all_contenders():
             why = c.unavailable_reason()
-            default = "" if c.name not in _bench.NOT_BY_DEFAULT else " (not by default)"
+            default = "" if c.name not in bench.NOT_BY_DEFAULT else " (not by default)"
             print(f"{c.name:<24} {'usable' + default if why is None else 'unavailable: ' + why}")
         return 0
     if args.plot:
@@ -435,29 +445,38 @@ def run_bench(argv):
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error('--plot needs matplotlib: pip install "flashcore[bench]"')
-    opts = _bench.SweepOptions(
+    opts = bench.SweepOptions(
         batch=args.batch, heads=args.heads, seqlens=args.seqlens, head_dims=args.head_dims,
         dtypes=args.dtypes, causal={"no": (False,), "yes": (True,), "both": (False, True)}[
             args.causal], directions=args.directions, repeat=args.repeat,
         budget_s=args.budget, memory=not args.no_memory, device=args.device,
         contenders=args.contenders, ceilings=not args.no_ceilings)
+    ratio_to, host_overhead = args.ratio_to, args.host_overhead
+    if args.side_by_side:
+        for key, value in bench.SIDE_BY_SIDE.items():
+            setattr(opts, key, value)
+        ratio_to, host_overhead = bench.SIDE_BY_SIDE_PEERS, True
     if args.quick:
         opts.seqlens, opts.causal, opts.repeat = (256, 512), (False,), min(args.repeat, 3)
-    chosen = ([_bench.get_contender(n) for n in opts.contenders] if opts.contenders
-              else _bench.default_contenders(opts.device))
+    chosen = ([bench.get_contender(n) for n in opts.contenders] if opts.contenders
+              else bench.default_contenders(opts.device))
     if not chosen:
         print("flashcore bench: nothing can run here", file=sys.stderr)
         return 2
     print(f"flashcore bench: {', '.join(c.name for c in chosen)}; "
           f"N={','.join(map(str, opts.seqlens))} D={','.join(map(str, opts.head_dims))} "
           f"{','.join(opts.dtypes)}", flush=True)
-    report = _bench.run_sweep(opts, progress=not args.no_progress)
-    print(_bench.format_tables(report))
+    report = bench.run_sweep(opts, progress=not args.no_progress, host_overhead=host_overhead)
+    print(bench.format_tables(report))
+    if ratio_to:
+        print(bench.format_ratios(report, ratio_to))
+    if host_overhead:
+        print(bench.format_host_overhead(report))
     if args.json:
-        _bench.write_json(report, args.json)
+        bench.write_json(report, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        for path in _bench.plot(report, args.plot):
+        for path in bench.plot(report, args.plot):
             print(f"wrote {path}")
     return 0
 

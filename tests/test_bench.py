@@ -1,6 +1,6 @@
-"""The benchmark runner (flashcore._bench) and ``python -m flashcore bench``: records and their
-JSON schema, ratios, tables, plots, progress, memory measurement. Small sizes, no timing
-assertions."""
+"""The benchmark package (flashcore.bench) and ``python -m flashcore bench``: records and
+their JSON schema, ratios, tables, plots, progress, memory and host-time measurement, and the
+asv suite's loading of the package. Small sizes, no timing assertions."""
 from __future__ import annotations
 
 import io
@@ -13,11 +13,11 @@ import pytest
 from helpers import qkv
 
 import flashcore
-from flashcore import _bench
+from flashcore import bench
 
-HAS_TORCH = _bench._has_module("torch")
-HAS_MPL = _bench._has_module("matplotlib")
-TINY = _bench.Config(batch=1, heads=2, seqlen=32, head_dim=8)
+HAS_TORCH = bench.has_module("torch")
+HAS_MPL = bench.has_module("matplotlib")
+TINY = bench.Config(batch=1, heads=2, seqlen=32, head_dim=8)
 
 
 def run_cli(*args, timeout=300):
@@ -30,17 +30,17 @@ def run_cli(*args, timeout=300):
 
 def test_config_rejects_bad_sizes_naming_the_field():
     with pytest.raises(ValueError, match=r"seqlen must be a positive integer; got seqlen=0"):
-        _bench.Config(seqlen=0)
+        bench.Config(seqlen=0)
     with pytest.raises(ValueError, match=r"dtype='int8'"):
-        _bench.Config(dtype="int8")
+        bench.Config(dtype="int8")
 
 
 def test_flops_and_bytes_follow_the_conventions():
-    c = _bench.Config(batch=2, heads=3, seqlen=16, head_dim=8)
+    c = bench.Config(batch=2, heads=3, seqlen=16, head_dim=8)
     fwd = 4 * 2 * 3 * 16 * 16 * 8
     assert c.flops("fwd") == fwd
     assert c.flops("fwdbwd") == 3.5 * fwd
-    assert _bench.Config(2, 3, 16, 8, causal=True).flops("fwd") == fwd / 2
+    assert bench.Config(2, 3, 16, 8, causal=True).flops("fwd") == fwd / 2
     # compulsory traffic: q, k, v in, o out (float32) plus float32 lse
     assert c.io_bytes("fwd") == 4 * (2 * 3 * 16 * 8) * 4 + 4 * 2 * 3 * 16
     assert c.io_bytes("fwd", materializes=True) > c.io_bytes("fwd")
@@ -48,13 +48,13 @@ def test_flops_and_bytes_follow_the_conventions():
 
 
 def test_host_inputs_are_seeded_and_typed():
-    a = _bench.host_inputs(TINY, seed=3)
-    b = _bench.host_inputs(TINY, seed=3)
-    c = _bench.host_inputs(TINY, seed=4)
+    a = bench.host_inputs(TINY, seed=3)
+    b = bench.host_inputs(TINY, seed=3)
+    c = bench.host_inputs(TINY, seed=4)
     assert len(a) == 4 and all(x.shape == TINY.shape and x.dtype == np.float32 for x in a)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not np.array_equal(a[0], c[0])
-    bf = _bench.host_inputs(_bench.Config(1, 1, 4, 4, "bfloat16"))
+    bf = bench.host_inputs(bench.Config(1, 1, 4, 4, "bfloat16"))
     assert bf[0].dtype.name == "bfloat16"
 
 
@@ -70,13 +70,26 @@ def test_naive_numpy_matches_the_reference(causal):
     do = rng.standard_normal(q.shape)
     xp = array_api_compat.array_namespace(q)
     scale = 1 / np.sqrt(8)
-    o, p = _bench.naive_forward(xp, q, k, v, scale, causal)
+    o, p = bench.naive_forward(xp, q, k, v, scale, causal)
     ro, rl = flashcore.attention_forward(q, k, v, causal=causal, backend="reference")
     np.testing.assert_allclose(o, ro, rtol=1e-10, atol=1e-12)
-    grads = _bench.naive_backward(xp, do, q, k, v, o, p, scale)
+    grads = bench.naive_backward(xp, do, q, k, v, o, p, scale)
     ref = flashcore.attention_backward(do, q, k, v, ro, rl, causal=causal, backend="reference")
     for g, r in zip(grads, ref):  # the reference recomputes P from the float32 lse
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_naive_causal_mask_is_bottom_right_when_queries_and_keys_differ():
+    import array_api_compat
+
+    rng = np.random.default_rng(2)
+    q, k, v = (x.astype(np.float64) for x in qkv(rng, Hq=2, Nq=5, Nk=9, D=8))
+    xp = array_api_compat.array_namespace(q)
+    o, p = bench.naive_forward(xp, q, k, v, 0.25, True)
+    # query i sees key j iff j <= i + (Nk - Nq): row 0 sees keys 0..4
+    assert np.all(p[..., 0, 5:] == 0) and np.all(p[..., 0, :5] > 0)
+    ro, _ = flashcore.attention_forward(q, k, v, causal=True, scale=0.25, backend="reference")
+    np.testing.assert_allclose(o, ro, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
@@ -84,15 +97,15 @@ def test_naive_torch_matches_naive_numpy():
     import array_api_compat
     import torch
 
-    q, k, v, do = _bench.host_inputs(_bench.Config(1, 2, 20, 8, "float64", True))
+    q, k, v, do = bench.host_inputs(bench.Config(1, 2, 20, 8, "float64", True))
     npx = array_api_compat.array_namespace(q)
-    o, p = _bench.naive_forward(npx, q, k, v, 0.3, True)
+    o, p = bench.naive_forward(npx, q, k, v, 0.3, True)
     tq, tk, tv, tdo = (torch.from_numpy(x.copy()) for x in (q, k, v, do))
     tx = array_api_compat.array_namespace(tq)
-    to, tp = _bench.naive_forward(tx, tq, tk, tv, 0.3, True)
+    to, tp = bench.naive_forward(tx, tq, tk, tv, 0.3, True)
     np.testing.assert_allclose(to.numpy(), o, rtol=1e-12)
-    for a, b in zip(_bench.naive_backward(tx, tdo, tq, tk, tv, to, tp, 0.3),
-                    _bench.naive_backward(npx, do, q, k, v, o, p, 0.3)):
+    for a, b in zip(bench.naive_backward(tx, tdo, tq, tk, tv, to, tp, 0.3),
+                    bench.naive_backward(npx, do, q, k, v, o, p, 0.3)):
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-10, atol=1e-12)
 
 
@@ -100,7 +113,7 @@ def test_naive_torch_matches_naive_numpy():
 
 
 def test_measure_returns_a_complete_record():
-    rec = _bench.measure(_bench.get_contender("numpy_naive"), TINY, "fwdbwd", repeat=3)
+    rec = bench.measure(bench.get_contender("numpy_naive"), TINY, "fwdbwd", repeat=3)
     assert rec["error"] is None and rec["skipped"] is None
     assert len(rec["times_s"]) == 3 and rec["median_s"] > 0
     assert rec["gflops_per_s"] == pytest.approx(rec["flops"] / rec["median_s"] / 1e9)
@@ -110,7 +123,7 @@ def test_measure_returns_a_complete_record():
 
 def test_measure_runs_the_check_on_the_warm_up_outputs():
     seen = []
-    rec = _bench.measure(_bench.get_contender("flashcore:reference"), TINY, "fwd", repeat=3,
+    rec = bench.measure(bench.get_contender("flashcore:reference"), TINY, "fwd", repeat=3,
                          memory=False, check=lambda out: seen.append(out) or {"ok": True})
     assert rec["check"] == {"ok": True}
     o, lse = seen[0]
@@ -118,20 +131,20 @@ def test_measure_runs_the_check_on_the_warm_up_outputs():
 
 
 def test_a_contender_that_cannot_run_is_skipped_with_its_reason():
-    rec = _bench.measure(_bench.JaxDpa("cudnn", "cpu"), TINY, "fwd")
+    rec = bench.measure(bench.JaxDpa("cudnn", "cpu"), TINY, "fwd")
     assert rec["median_s"] is None and "GPU" in rec["skipped"]
 
 
-class _Failing(_bench.Contender):
+class _Failing(bench.Contender):
     name = "failing"
 
     def _prepare(self, config, direction, host):
         def call():
             raise RuntimeError("declined: no kernel for this shape\nsecond line")
-        return _bench.Prepared(call)
+        return bench.Prepared(call)
 
 
-class _FailsLater(_bench.Contender):
+class _FailsLater(bench.Contender):
     name = "fails-later"
 
     def _prepare(self, config, direction, host):
@@ -142,48 +155,48 @@ class _FailsLater(_bench.Contender):
             if len(calls) > 1:
                 raise MemoryError("out of memory")
             return 0
-        return _bench.Prepared(call)
+        return bench.Prepared(call)
 
 
 def test_failures_are_recorded_not_raised():
-    rec = _bench.measure(_Failing(), TINY, "fwd")
+    rec = bench.measure(_Failing(), TINY, "fwd")
     assert rec["skipped"] == "RuntimeError: declined: no kernel for this shape"
-    rec = _bench.measure(_FailsLater(), TINY, "fwd")
+    rec = bench.measure(_FailsLater(), TINY, "fwd")
     assert rec["error"] == "MemoryError: out of memory" and rec["median_s"] is None
 
 
 def test_time_runs_respects_repeat_and_budget():
-    prep = _bench.Prepared(lambda: None)
-    assert len(_bench.time_runs(prep, repeat=7, warmup=0)) == 7
-    slow = _bench.Prepared(lambda: __import__("time").sleep(0.02))
-    assert len(_bench.time_runs(slow, repeat=50, warmup=0, budget_s=0.01)) == 3
+    prep = bench.Prepared(lambda: None)
+    assert len(bench.time_runs(prep, repeat=7, warmup=0)) == 7
+    slow = bench.Prepared(lambda: __import__("time").sleep(0.02))
+    assert len(bench.time_runs(slow, repeat=50, warmup=0, budget_s=0.01)) == 3
 
 
-@pytest.mark.skipif(_bench.host_peak_method() == "none", reason="no way to read the RSS here")
+@pytest.mark.skipif(bench.host_peak_method() == "none", reason="no way to read the RSS here")
 def test_peak_extra_host_memory_sees_allocations_outside_python():
     def touch():  # 64 MiB written, then freed before the function returns
         a = np.ones(16 << 20, dtype=np.float32)
         return float(a[-1])
 
-    extra, method = _bench.peak_extra_host_bytes(touch)
+    extra, method = bench.peak_extra_host_bytes(touch)
     assert method in ("VmHWM", "sampler")
     assert extra >= 48 << 20
-    small, _ = _bench.peak_extra_host_bytes(lambda: 1)
+    small, _ = bench.peak_extra_host_bytes(lambda: 1)
     assert small < 16 << 20
 
 
 def test_memory_guard_skips_materializing_contenders_that_would_not_fit():
-    huge = _bench.Config(batch=64, heads=64, seqlen=1 << 17, head_dim=64)
-    why = _bench.get_contender("numpy_naive").unavailable_reason(huge)
+    huge = bench.Config(batch=64, heads=64, seqlen=1 << 17, head_dim=64)
+    why = bench.get_contender("numpy_naive").unavailable_reason(huge)
     assert why is not None and "GiB" in why
-    assert _bench.get_contender("numpy_naive").unavailable_reason(TINY) is None
+    assert bench.get_contender("numpy_naive").unavailable_reason(TINY) is None
 
 
 # --- contenders --------------------------------------------------------------------------
 
 
 def test_contender_names_are_unique_and_gpu_ones_exist_without_a_gpu():
-    names = _bench.contender_names()
+    names = bench.contender_names()
     assert len(names) == len(set(names))
     for n in ("flashcore:numba_cpu", "flashcore:numba_cuda@gpu", "torch_sdpa",
               "torch_sdpa_flash@gpu", "torch_sdpa_cudnn@gpu", "torch_sdpa_efficient@gpu",
@@ -191,18 +204,18 @@ def test_contender_names_are_unique_and_gpu_ones_exist_without_a_gpu():
               "torch_naive@gpu"):
         assert n in names
     with pytest.raises(ValueError, match="contender 'nope' is not one of"):
-        _bench.get_contender("nope")
+        bench.get_contender("nope")
 
 
 def test_gpu_contenders_say_why_they_cannot_run_on_a_machine_without_a_gpu():
-    if _bench._gpu_library() is not None:
+    if bench.gpu_library() is not None:
         pytest.skip("this machine has a GPU")
-    for c in _bench.contenders("cuda"):
+    for c in bench.contenders("cuda"):
         assert c.unavailable_reason() is not None, c.name
 
 
 def test_default_contenders_are_usable_here_and_include_naive():
-    chosen = _bench.default_contenders("cpu")
+    chosen = bench.default_contenders("cpu")
     names = [c.name for c in chosen]
     assert "numpy_naive" in names
     assert any(c.kind == "flashcore" for c in chosen)
@@ -215,7 +228,7 @@ def test_backend_reason_never_raises(monkeypatch):
     def broken(name):
         raise AttributeError("module has no attribute 'unavailable_reason'")
     monkeypatch.setattr(_dispatch, "unavailable_reason", broken)
-    assert "does not answer" in _bench.backend_reason("numba_cpu")
+    assert "does not answer" in bench.backend_reason("numba_cpu")
 
 
 # --- sweep, ratios, schema, tables, plots ------------------------------------------------
@@ -223,10 +236,10 @@ def test_backend_reason_never_raises(monkeypatch):
 
 def _tiny_sweep(**kw):
     names = ["flashcore:reference", "numpy_naive"] + (["torch_sdpa"] if HAS_TORCH else [])
-    opts = _bench.SweepOptions(batch=1, heads=2, seqlens=(16, 32), head_dims=(8,),
+    opts = bench.SweepOptions(batch=1, heads=2, seqlens=(16, 32), head_dims=(8,),
                                causal=(False, True), repeat=3, contenders=tuple(names),
                                ceilings=False, **kw)
-    return _bench.run_sweep(opts, progress=False)
+    return bench.run_sweep(opts, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +248,7 @@ def report():
 
 
 def test_sweep_report_follows_the_schema(report):
-    _bench.validate_report(report)
+    bench.validate_report(report)
     json.loads(json.dumps(report))  # JSON-able as is
     assert report["schema"] == "flashcore-bench/1"
     assert len(report["results"]) == 2 * 2 * 2 * len(report["contenders"])
@@ -246,9 +259,9 @@ def test_validate_report_names_what_is_wrong(report):
     bad = json.loads(json.dumps(report))
     del bad["results"][0]["median_s"]
     with pytest.raises(ValueError, match=r"results\[0\] lacks the key 'median_s'"):
-        _bench.validate_report(bad)
+        bench.validate_report(bad)
     with pytest.raises(ValueError, match="lacks the key 'schema'"):
-        _bench.validate_report({})
+        bench.validate_report({})
 
 
 def test_ratios_are_relative_to_the_fastest_peer(report):
@@ -262,7 +275,7 @@ def test_ratios_are_relative_to_the_fastest_peer(report):
 
 
 def test_tables_show_every_contender_and_direction(report):
-    text = _bench.format_tables(report)
+    text = bench.format_tables(report)
     for name in ("flashcore:reference", "numpy_naive"):
         assert name in text
     assert "forward:" in text and "forward+backward:" in text and "x peer" in text
@@ -270,18 +283,52 @@ def test_tables_show_every_contender_and_direction(report):
 
 
 def test_tables_show_skips_and_errors():
-    recs = [_bench.measure(_bench.JaxDpa("cudnn", "cpu"), TINY, "fwd"),
-            _bench.measure(_FailsLater(), TINY, "fwd")]
-    _bench.add_ratios(recs)
-    text = _bench.format_tables({"results": recs, "ceilings": None})
+    recs = [bench.measure(bench.JaxDpa("cudnn", "cpu"), TINY, "fwd"),
+            bench.measure(_FailsLater(), TINY, "fwd")]
+    bench.add_ratios(recs)
+    text = bench.format_tables({"results": recs, "ceilings": None})
     assert "skipped: cuDNN needs a GPU" in text and "error: MemoryError" in text
+
+
+def test_ratio_tables_divide_by_each_named_contender(report):
+    text = bench.format_ratios(report, ["numpy_naive", "nobody"])
+    assert "/ numpy_naive" in text and "/ nobody" in text
+    rows = [line for line in text.splitlines() if line.startswith("forward")]
+    assert len(rows) == 8 * (len(report["contenders"]) - 1)  # all but the named one
+    times = {(json.dumps(r["config"], sort_keys=True), r["direction"], r["contender"]):
+             r["median_s"] for r in report["results"]}
+    for r in report["results"]:
+        if r["contender"] != "flashcore:reference":
+            continue
+        key = (json.dumps(r["config"], sort_keys=True), r["direction"])
+        want = f"{r['median_s'] / times[(*key, 'numpy_naive')]:.2f}"
+        label = bench.Config(**r["config"]).label()
+        prefix = f"{bench.DIRECTION_LABEL[r['direction']]:<17} {label:<44} flashcore:reference "
+        line = next(x for x in rows if x.startswith(prefix))
+        assert line.split()[-2:] == [want, "-"]  # "-": no contender called "nobody" ran
+
+
+def test_host_overhead_times_one_call_of_each_contender():
+    rec = bench.measure_host_overhead(bench.get_contender("numpy_naive"), TINY, inner=20, repeat=2)
+    assert rec["error"] is None and rec["skipped"] is None and rec["us_per_call"] > 0
+    skipped = bench.measure_host_overhead(bench.JaxDpa("cudnn", "cpu"), TINY, inner=20, repeat=2)
+    assert skipped["us_per_call"] is None and "GPU" in skipped["skipped"]
+    text = bench.format_host_overhead({"host_overhead": [rec, skipped]})
+    assert "numpy_naive" in text and " us" in text and "skipped: cuDNN needs a GPU" in text
+
+
+def test_host_seconds_per_call_waits_for_the_last_output_after_each_block():
+    synced = []
+    s = bench.host_seconds_per_call(lambda: 7, sync=synced.append, inner=10, repeat=3,
+                                    warmup=2)
+    assert s > 0 and synced == [7, 7, 7, 7]
 
 
 @pytest.mark.skipif(not HAS_MPL, reason="needs matplotlib")
 def test_plots_are_written(report, tmp_path):
     rep = dict(report, ceilings={"mem_bw_GBps": 10.0, "gemm_GFLOPps": 100.0,
                                  "gemm_dtype": "float32", "how": "test"})
-    paths = _bench.plot(rep, tmp_path / "plots")
+    paths = bench.plot(rep, tmp_path / "plots")
     names = sorted(p.rsplit("/", 1)[-1] for p in paths)
     assert names == ["roofline.png", "time_vs_seqlen_fwd.png", "time_vs_seqlen_fwdbwd.png"]
     for p in paths:
@@ -290,7 +337,7 @@ def test_plots_are_written(report, tmp_path):
 
 
 def test_ceilings_are_measured_on_the_cpu():
-    c = _bench.measure_ceilings("cpu", quick=True)
+    c = bench.measure_ceilings("cpu", quick=True)
     assert c["mem_bw_GBps"] > 0 and c["gemm_GFLOPps"] > 0 and c["gemm_dtype"] == "float32"
 
 
@@ -305,7 +352,7 @@ class _Tty(io.StringIO):
 def test_progress_redraws_on_a_terminal_and_prints_lines_otherwise():
     tty, log = _Tty(), io.StringIO()
     for stream in (tty, log):
-        bar = _bench.Progress(2, stream=stream)
+        bar = bench.Progress(2, stream=stream)
         for label in ("one", "two"):
             bar.step(label)
             bar.advance()
@@ -313,7 +360,7 @@ def test_progress_redraws_on_a_terminal_and_prints_lines_otherwise():
     assert "\r" in tty.getvalue() and "2/2" in tty.getvalue() and "done" in tty.getvalue()
     assert log.getvalue().splitlines()[0].startswith("[1/2") and "\r" not in log.getvalue()
     quiet = io.StringIO()
-    bar = _bench.Progress(2, stream=quiet, enabled=False)
+    bar = bench.Progress(2, stream=quiet, enabled=False)
     bar.step("x")
     assert quiet.getvalue() == ""
 
@@ -333,7 +380,7 @@ def test_bench_command_writes_json_and_plots(tmp_path):
     assert "forward+backward:" in p.stdout and "numpy_naive" in p.stdout
     assert "[1/8" in p.stderr  # the progress lines (stderr is not a terminal here)
     rep = json.loads(out.read_text())
-    _bench.validate_report(rep)
+    bench.validate_report(rep)
     assert {r["contender"] for r in rep["results"]} == {"flashcore:reference", "numpy_naive"}
     assert {r["config"]["seqlen"] for r in rep["results"]} == {16, 32}
     if HAS_MPL:
@@ -341,10 +388,32 @@ def test_bench_command_writes_json_and_plots(tmp_path):
             "roofline.png", "time_vs_seqlen_fwd.png", "time_vs_seqlen_fwdbwd.png"]
 
 
+def test_bench_command_prints_ratios_and_host_overhead_on_request(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--seqlens", "16", "--heads", "2", "--head-dims", "8", "--causal",
+                "no", "--directions", "fwd", "--repeat", "3", "--no-ceilings", "--no-progress",
+                "--contenders", "flashcore:reference,numpy_naive", "--ratio-to", "numpy_naive",
+                "--host-overhead", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "time / the named contender's time" in p.stdout and "/ numpy_naive" in p.stdout
+    assert "host time of one forward call, B=1 H=1 N=16 D=8 float32" in p.stdout
+    rep = json.loads(out.read_text())
+    bench.validate_report(rep)
+    assert [r["contender"] for r in rep["host_overhead"]] == ["flashcore:reference",
+                                                             "numpy_naive"]
+
+
+def test_side_by_side_names_the_gpu_comparison():
+    opts = bench.SweepOptions(**bench.SIDE_BY_SIDE)
+    assert opts.device == "cuda" and opts.contenders[0] == "flashcore:numba_cuda@gpu"
+    assert set(bench.SIDE_BY_SIDE_PEERS) <= set(opts.contenders)
+    assert all(n in bench.contender_names() for n in opts.contenders)
+
+
 def test_bench_list_names_every_contender():
     p = run_cli("bench", "--list")
     assert p.returncode == 0
-    for name in _bench.contender_names():
+    for name in bench.contender_names():
         assert name in p.stdout
 
 
@@ -364,8 +433,24 @@ def test_bench_bad_options_get_clear_messages(args, needle):
 
 
 def test_runner_modules_import_no_framework():
-    code = ("import sys, flashcore, flashcore._bench, flashcore._cli, flashcore.__main__; "
+    code = ("import sys, flashcore, flashcore.bench, flashcore._cli, flashcore.__main__; "
+            "import flashcore.bench.plots, flashcore.bench.sweep; "
             "print(sorted(m for m in ('torch', 'jax', 'cupy', 'matplotlib') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_asv_suite_loads_this_trees_bench_package_by_path():
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.path.insert(0, 'asv_bench'); from benchmarks import common; "
+            "r = common.runner; print(r.__name__, r.__file__); "
+            "print(r.get_contender('numpy_naive').name, "
+            "sys.modules['flashcore_bench_runner.naive'].__file__)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert p.returncode == 0, p.stderr
+    name, path, contender, naive = p.stdout.split()
+    assert name == "flashcore_bench_runner" and contender == "numpy_naive"
+    assert path == str(root / "flashcore" / "bench" / "__init__.py")
+    assert naive == str(root / "flashcore" / "bench" / "naive.py")
+

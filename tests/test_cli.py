@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flashcore
-from flashcore import _bench, _cli
+from flashcore import _cli, bench
 from flashcore._errors import BackendUnavailableError
 
 
@@ -56,8 +56,8 @@ def test_main_job_checks_batches_and_uneven_sizes(capsys):
 
 
 def test_the_check_catches_a_wrong_output():
-    config = _bench.Config(batch=1, heads=2, seqlen=100, head_dim=8, causal=True)
-    q, k, v = _bench.host_inputs(config)[:3]
+    config = bench.Config(batch=1, heads=2, seqlen=100, head_dim=8, causal=True)
+    q, k, v = bench.host_inputs(config)[:3]
     o, lse = flashcore.attention_forward(q, k, v, causal=True, backend="reference")
     check = _cli.check_against_reference(config, "numpy", seed=0)
     good = check((o, lse))
@@ -72,20 +72,20 @@ def test_the_check_catches_a_wrong_output():
 
 
 def test_the_checked_slices_keep_the_causal_alignment():
-    config = _bench.Config(heads=3, seqlen=200, head_dim=4, causal=True)
+    config = bench.Config(heads=3, seqlen=200, head_dim=4, causal=True)
     slices = _cli._slices(config)
     assert {(h, r.start, r.stop, nk) for _, h, r, nk in slices} == {
         (0, 0, 64, 64), (0, 136, 200, 200), (2, 0, 64, 64), (2, 136, 200, 200)}
-    short = _bench.Config(heads=1, seqlen=10, head_dim=4)
+    short = bench.Config(heads=1, seqlen=10, head_dim=4)
     assert [(r.start, r.stop, nk) for _, _, r, nk in _cli._slices(short)] == [(0, 10, 10)]
 
 
 def test_choose_backend_follows_the_auto_order_and_explains():
-    name, library, device, notes = _cli.choose_backend("auto", _bench.Config())
+    name, library, device, notes = _cli.choose_backend("auto", bench.Config())
     assert name in flashcore.available_backends()
     assert flashcore.available_backends()[name] is None
     assert (library, device) == _cli._backend_target(name)
-    assert _cli.choose_backend("reference", _bench.Config())[:3] == ("reference", "numpy", "cpu")
+    assert _cli.choose_backend("reference", bench.Config())[:3] == ("reference", "numpy", "cpu")
 
 
 def test_a_named_backend_that_cannot_run_is_a_clear_error():
@@ -94,7 +94,7 @@ def test_a_named_backend_that_cannot_run_is_a_clear_error():
         pytest.skip("every backend can run here")
     name = unavailable[0]
     with pytest.raises(BackendUnavailableError, match=f"backend '{name}' cannot run here"):
-        _cli.choose_backend(name, _bench.Config())
+        _cli.choose_backend(name, bench.Config())
     p = run_cli(*SMALL, "--backend", name)
     assert p.returncode == 2
     assert f"backend '{name}' cannot run here" in p.stderr

@@ -1,4 +1,4 @@
-"""What the PyTorch and JAX glue costs on top of the kernels (issue 5, "Speed").
+"""What the PyTorch and JAX glue costs on top of the kernels.
 
 For each framework and device, the same call is timed two ways:
 
@@ -11,7 +11,10 @@ For each framework and device, the same call is timed two ways:
   ``backend.backward(...)``): the kernels and their own buffer handling, nothing else.
 
 At N=4096 (B=1, H=8, D=64) the target is an overhead of at most 10 % of the kernels' time;
-on tiny inputs (B=1, H=1, N=16, D=16) at most 15 µs per call. Medians of repeated runs.
+on tiny inputs (B=1, H=1, N=16, D=16) at most 15 µs per call. Medians of repeated runs, on
+the seeded inputs of :mod:`flashcore.bench`. (``python -m flashcore bench --host-overhead``
+times the whole call of each contender instead, peers included; this script splits a
+flashcore call into glue and kernels.)
 
 On a loaded or small machine the kernels' own time is noisy (numba's thread pool on busy
 cores), which can swamp a difference of microseconds; ``--stub`` therefore also times the
@@ -36,7 +39,7 @@ import time
 import numpy as np
 
 import flashcore
-from flashcore import _dispatch
+from flashcore import _dispatch, bench
 from flashcore._checks import make_case
 
 SIZES = {"tiny": (1, 1, 16, 16), "4096": (1, 8, 4096, 64)}  # B, H, N, D
@@ -110,6 +113,17 @@ def _inner(size, device):
     return 200 if size == "tiny" else (20 if device == "cuda" else 1)
 
 
+def _inputs(size, library, device, dtype):
+    """The seeded ``(q, k, v, do)`` of :func:`flashcore.bench.host_inputs` for ``size``, as
+    arrays of ``library``; RuntimeError (a skip) where that library cannot reach ``device``."""
+    dev = "cuda:0" if device == "cuda" else "cpu"
+    why = bench.library_reason(library, dev)
+    if why is not None:
+        raise RuntimeError(why)
+    config = bench.Config(*SIZES[size], dtype=dtype)
+    return tuple(bench.to_library(a, library, dev) for a in bench.host_inputs(config))
+
+
 # --- PyTorch ----------------------------------------------------------------------------------
 
 
@@ -118,11 +132,9 @@ def bench_torch_floor(size, device, dtype, repeat):
     import torch
 
     B, H, N, D = SIZES[size]
-    dev = "cuda" if device == "cuda" else "cpu"
-    q, k, v, do = (torch.randn(B, H, N, D, device=dev, dtype=getattr(torch, dtype))
-                   for _ in range(4))
+    q, k, v, do = _inputs(size, "torch", device, dtype)
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     lse_shape = (B, H, N)
 
     class Bare(torch.autograd.Function):
@@ -156,12 +168,8 @@ def bench_torch_floor(size, device, dtype, repeat):
 def bench_torch(size, device, dtype, repeat, stub=False):
     import torch
 
-    B, H, N, D = SIZES[size]
-    dev = "cuda" if device == "cuda" else "cpu"
-    dt = getattr(torch, dtype)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, generator=gen).to(dev, dt) for _ in range(4))
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    q, k, v, do = _inputs(size, "torch", device, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     case = make_case(q, k, v, causal=False, scale=None, layout="bhnd", need_lse=True)
     impl = _Stub if stub else _dispatch.select(case, "auto")
     bcase = make_case(q, k, v, causal=False, scale=None, layout="bhnd", direction="backward",
@@ -204,8 +212,7 @@ def bench_jax_floor(size, device, dtype, repeat):
     from jax.experimental.buffer_callback import buffer_callback
 
     B, H, N, D = SIZES[size]
-    dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
-    q = jax.device_put(jnp.zeros((B, H, N, D), dtype=dtype), dev)
+    q = _inputs(size, "jax", device, dtype)[0]
     o_t = jax.ShapeDtypeStruct(q.shape, q.dtype)
     lse_t = jax.ShapeDtypeStruct((B, H, N), jnp.float32)
 
@@ -240,14 +247,8 @@ def bench_jax_floor(size, device, dtype, repeat):
 
 def bench_jax(size, device, dtype, repeat, stub=False):
     import jax
-    import jax.numpy as jnp
 
-    B, H, N, D = SIZES[size]
-    platform = "gpu" if device == "cuda" else "cpu"
-    dev = jax.devices(platform)[0]
-    rng = np.random.default_rng(0)
-    q, k, v, do = (jax.device_put(jnp.asarray(rng.standard_normal((B, H, N, D)), dtype=dtype),
-                                  dev) for _ in range(4))
+    q, k, v, do = _inputs(size, "jax", device, dtype)
     case = make_case(q, k, v, causal=False, scale=None, layout="bhnd", need_lse=True)
     impl = _Stub if stub else _dispatch.select(case, "auto")
     o, lse = _dispatch.select(case, "auto").forward(q, k, v, case)

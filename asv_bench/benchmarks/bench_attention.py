@@ -1,7 +1,7 @@
 """Attention forward and forward+backward: flashcore's backends next to the peers.
 
 Each class is one direction on one kind of device; its parameters are the contender (see
-``flashcore._bench.contender_names()``), the sequence length, the head dim, the dtype and the
+``flashcore.bench.contender_names()``), the sequence length, the head dim, the dtype and the
 causal mask, at batch 1 and 8 heads on the CPU, batch 4 and 16 heads on a GPU. ``setup``
 makes seeded inputs, runs once (compiling) and raises NotImplementedError for a combination
 that cannot run here (no GPU, library missing, no kernel for the case, too little memory for
@@ -11,7 +11,7 @@ a contender that materializes the score matrix).
   or ``block_until_ready``) before the clock stops.
 - ``peakmem_attention``: asv's peak resident memory of the process around one call.
 - ``track_extra_host_mib``: the growth of the resident set during one call, outputs
-  included, inputs excluded (see flashcore._bench: VmHWM reset per call on Linux).
+  included, inputs excluded (see flashcore.bench: VmHWM reset per call on Linux).
 - ``track_gpu_peak_mib``: peak device memory above the baseline during one call.
 """
 import os
@@ -62,7 +62,7 @@ class _CPU(_Attention):
 class _GPU(_Attention):
     batch, heads = 4, 16
     #: The grid recorded over the repository's history on the H200 (record_gpu.sh):
-    #: flashcore next to FA2 at the issues' benchmark size, small enough to replay commits.
+    #: flashcore next to FA2 at DESIGN.md's anchor size, small enough to replay commits.
     #: Every machine discovers this grid (a machine without a GPU skips it in setup), so
     #: benchmarks.json and the dashboard agree. FLASHCORE_ASV_GPU_GRID=full measures all
     #: GPU contenders over N, D, dtype and causal instead.
@@ -97,7 +97,7 @@ class ForwardBackwardGPU(_GPU):
 
 class LongSequenceMemoryCPU(_Attention):
     """Peak extra memory of the forward pass at N=16384, where the score matrix alone would
-    take 8 GiB (issue 2 asks for under 64 MiB)."""
+    take 8 GiB; a tiled kernel should stay under 64 MiB."""
 
     params = [["flashcore:numba_cpu", "torch_sdpa", "numpy_naive"], [16384], [64],
               ["float32"], [False]]

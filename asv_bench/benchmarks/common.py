@@ -1,28 +1,42 @@
 """What the benchmark classes share: the runner, seeded inputs cached per size, and the
 setup that turns "cannot run here" into asv's skip (NotImplementedError).
 
-The runner is ``flashcore/_bench.py`` of the tree these benchmarks live in, loaded by path:
-asv benchmarks older commits with today's benchmark code, and those commits' flashcore may
-not have the runner (or have an older one). The measured code is always the installed
-flashcore of the commit under test; the measuring code is the same for every commit.
+The runner is the package ``flashcore/bench/`` of the tree these benchmarks live in, loaded
+by path under the name ``flashcore_bench_runner``: asv benchmarks older commits with today's
+benchmark code, and those commits' flashcore may not have the package (or have an older
+one). The measured code is always the installed flashcore of the commit under test; the
+measuring code is the same for every commit. The one rule the measuring code takes from
+flashcore, the mask rule of ``flashcore/_rules.py`` (for the naive contender), comes from
+this tree too where the installed flashcore predates that module.
 """
 import importlib.util
 import os
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_by_path(name, path, package=False):
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=[os.path.dirname(path)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and relative imports look it up by name
+    spec.loader.exec_module(module)
+    return module
+
 
 def _load_runner():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
-                        "flashcore", "_bench.py")
-    if os.path.exists(path):
-        spec = importlib.util.spec_from_file_location("flashcore_bench_runner", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        return module
-    from flashcore import _bench  # a copy of the suite without the tree beside it
+    init = os.path.join(ROOT, "flashcore", "bench", "__init__.py")
+    if not os.path.exists(init):  # a copy of the suite without the tree beside it
+        from flashcore import bench
 
-    return _bench
+        return bench
+    if importlib.util.find_spec("flashcore._rules") is None:
+        import flashcore
+
+        flashcore._rules = _load_by_path("flashcore._rules",
+                                         os.path.join(ROOT, "flashcore", "_rules.py"))
+    return _load_by_path("flashcore_bench_runner", init, package=True)
 
 
 runner = _load_runner()
