@@ -1,41 +1,205 @@
 #!/usr/bin/env bash
-# One device call of a session: set up (NumPy 2.4 wheel from .whl/, flashcore importable
-# from the tree), then the stages named, logs under $OUT, a short summary last:
-#   tests:  precompile every kernel variant (and the sweep's candidates), pytest -m gpu
-#   sweep:  tools/simt_sweep.py (SWEEP_DIMS, SWEEP_ARGS, e.g. --fwd-only)
-#   host:   tools/host_breakdown.py
-#   bench:  tools/gpu_final.sh bench (the side-by-side table)
-#   ncu:    tools/ncu_simt.sh (KERNELS, default attn_forward; NCU_D, default 128)
-# Usage (device, repository root): bash tools/gpu_session.sh tests sweep host
+# One GPU session in one device call: set up, then run the stages named, in that order.
+#
+#   setup   the wheels carried in .whl/ (NumPy 2.4: numba-cuda 0.30.4 cannot compile with
+#           the image's NumPy 2.5) installed into /tmp/site; flashcore imported from this
+#           tree (flashcore/backends linked to ../backends for the run, standing in for the
+#           editable install's package-dir mapping); environment facts in session.log
+#   tests   parallel precompile (tools/gpu_precompile.py: fills numba's disk cache), then
+#           pytest -m gpu and the main job (python -m flashcore)
+#   bench   the side-by-side table: python -m flashcore bench $BENCH_ARGS, then the long
+#           sequence table ($BENCH_LONG_ARGS; set it empty to skip)
+#   tune    the tensor-core autotuner ($TUNE_DIMS); the tuned tilings stay in
+#           $FLASHCORE_CACHE_DIR for the stages after it ("tune tests bench")
+#   sweep   tools/simt_sweep.py: SIMT tilings checked and timed ($SWEEP_DIMS, $SWEEP_ARGS)
+#   host    tools/host_breakdown.py: host time of a tiny call, step by step
+#   ncu     Nsight Compute on the SIMT kernels ($KERNELS, $NCU_D, $NCU_CAUSAL=1), per
+#           kernel the stall samples per loop (tools/ncu_regions.py) and the key metrics;
+#           needs a kind where ncu reads the counters (nvidia-h100-x1, not nvidia-h200)
+#   sass    tools/sass.py --all: registers, spills, instruction counts per kernel
+#
+# What comes back under $OUT (at most 8 files): session.log (facts, summary), one
+# STAGE.log per stage, and files.tar.gz with the data (bench.json, simt_sweep.json,
+# tc_tiles.json, sass.json, ncu pages); when that would be more than 8 files, the stage
+# logs go into the archive too. The summary table is printed last.
+#
+# Usage (device run from the repository root, carry [".whl"]):
+#   bash tools/gpu_session.sh tests bench
+#   BENCH_ARGS="--device cuda ..." SWEEP_DIMS=64 bash tools/gpu_session.sh sweep host
+# Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
+# run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-ln -sfn ../backends flashcore/backends
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tools
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/env.log"
-for stage in "$@"; do
-  t0=$(date +%s)
-  case $stage in
-  tests)
-    (SWEEP_DIMS=${SWEEP_DIMS:-128} python3 tools/simt_sweep.py --compile-only \
-        > "$OUT/sweep_compile.log" 2>&1 &)
-    python3 tools/gpu_precompile.py 14 2>&1 | tail -1
-    timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider tests/ \
-        2>&1 | tee "$OUT/gpu_tests.log" | tail -6 ;;
-  sweep)
-    SWEEP_DIMS=${SWEEP_DIMS:-128} timeout ${SWEEP_TIMEOUT:-240} python3 tools/simt_sweep.py \
-        ${SWEEP_ARGS:---fwd-only} 2>&1 | tee "$OUT/sweep.log" | tail -16 ;;
-  host)
-    python3 tools/host_breakdown.py 2>&1 | tee "$OUT/host.log" | tail -20 ;;
-  bench)
-    bash tools/gpu_final.sh bench 2>&1 | tail -40 ;;
-  ncu)
-    KERNELS=${KERNELS:-attn_forward} bash tools/ncu_simt.sh ${NCU_D:-128} 2>&1 | tail -16 ;;
-  *) echo "unknown stage $stage"; exit 2 ;;
-  esac
-  echo "== $stage took $(( $(date +%s) - t0 )) s"
+STAGES="tests bench tune sweep host ncu sass"
+if [ $# -eq 0 ]; then
+  echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
+fi
+for s in "$@"; do
+  case " $STAGES " in *" $s "*) ;; *) echo "unknown stage $s (stages: $STAGES)"; exit 2 ;; esac
 done
-rm -f flashcore/backends
-echo "== summary"; grep -hE "[0-9]+ passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -2
+
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=/tmp/gpu_session; rm -rf "$WORK"; mkdir -p "$WORK/files"
+FILES=$WORK/files        # data files, packed into $OUT/files.tar.gz at the end
+LOG=$OUT/session.log
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export FLASHCORE_CACHE_DIR=${FLASHCORE_CACHE_DIR:-/tmp/flashcore_cache}
+JOBS=${JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
+
+BENCH_ARGS=${BENCH_ARGS:---device cuda --batch 4 --heads 16 --seqlens 4096 --head-dims 64,128 \
+--dtypes float32,bfloat16 --causal both --repeat 5 --budget 0.5 --no-progress \
+--contenders flashcore:numba_cuda@gpu,torch_sdpa_flash@gpu,torch_sdpa_cudnn@gpu,\
+torch_sdpa_efficient@gpu,jax_cudnn@gpu}
+BENCH_LONG_ARGS=${BENCH_LONG_ARGS---device cuda --batch 1 --heads 16 --seqlens 16384 \
+--head-dims 128 --dtypes bfloat16 --causal both --repeat 5 --budget 0.5 --no-progress \
+--no-memory --no-ceilings \
+--contenders flashcore:numba_cuda@gpu,torch_sdpa_flash@gpu,torch_sdpa_cudnn@gpu}
+AUTOTUNE=${AUTOTUNE:-flashcore.backends.numba_cuda.autotune}
+
+# ---- setup
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || { echo "installing .whl/*.whl failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD:$PWD/tools
+else
+  echo "(no .whl/ carried: the image's packages as they are)"
+  export PYTHONPATH=$PWD:$PWD/tools
+fi
+LINK=
+if [ -d backends ] && [ ! -e flashcore/backends ]; then
+  ln -s ../backends flashcore/backends && LINK=flashcore/backends
+fi
+
+finish() {
+  [ -n "$LINK" ] && rm -f "$LINK"
+  if [ -n "$(ls -A "$FILES")" ]; then
+    # at most 8 files come back: session.log, the archive, and the stage logs if they fit
+    if [ $(( $(ls "$OUT" | wc -l) + 1 )) -gt 8 ]; then
+      for f in "$OUT"/*.log; do [ "$f" = "$LOG" ] || mv "$f" "$FILES/"; done
+    fi
+    tar -czf "$OUT/files.tar.gz" -C "$FILES" .
+  fi
+}
+trap finish EXIT
+
+{
+  echo "== $(date -u +%FT%TZ) stages: $*"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown (no .git)}")"
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
+  lscpu | grep -E "^(Model name|CPU\(s\)|Thread\(s\) per core)"
+  echo "CPU flags: $(lscpu | sed -n 's/^Flags: *//p' | tr ' ' '\n' |
+      grep -xE 'avx2|fma|avx512f|avx512bw|avx512_bf16|avx512_fp16|amx_tile|amx_bf16' | xargs)"
+  echo "kernel: $(uname -r)"
+  python3 - <<'EOF'
+import importlib
+for name in ("numpy", "numba", "numba_cuda", "torch", "jax", "cuda.bindings"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"), end="  ")
+    except Exception as e:  # noqa: BLE001
+        print(name, "missing", end="  ")
+print()
+import flashcore, flashcore.backends
+print("flashcore from", flashcore.__file__, "backends from", list(flashcore.backends.__path__))
+EOF
+} 2>&1 | tee "$LOG"
+
+# ---- stages (each writes $OUT/STAGE.log; data files go to $FILES)
+precompile() {  # once per call, whichever stage needs it first
+  [ -e "$WORK/precompiled" ] && return
+  python3 tools/gpu_precompile.py "$JOBS" 2>&1 | tail -1
+  touch "$WORK/precompiled"
+}
+
+stage_tests() {
+  case " $* " in *" sweep "*)  # compile the sweep's candidates beside the precompile
+    (SWEEP_DIMS=${SWEEP_DIMS:-128} python3 tools/simt_sweep.py --compile-only \
+        > "$FILES/sweep_compile.log" 2>&1 &) ;;
+  esac
+  precompile
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ \
+      ${PYTEST_ARGS:-}
+  local rc=$?
+  echo "== main job"
+  python3 -m flashcore > "$WORK/main.log" 2>&1 || { [ $rc -ne 0 ] || rc=1; }
+  tail -12 "$WORK/main.log"
+  return $rc
+}
+
+stage_bench() {
+  precompile
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m flashcore bench $BENCH_ARGS \
+      --json "$FILES/bench.json" || return
+  if [ -n "$BENCH_LONG_ARGS" ]; then
+    echo "== long sequences"
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m flashcore bench $BENCH_LONG_ARGS \
+        --json "$FILES/bench_long.json"
+  fi
+}
+
+stage_tune() {
+  timeout "${TUNE_TIMEOUT:-300}" python3 -m "$AUTOTUNE" --head-dims "${TUNE_DIMS:-64,128}" \
+      --jobs "$JOBS" ${TUNE_ARGS:-}
+  local rc=$?
+  cp "$FLASHCORE_CACHE_DIR"/*.json "$FILES/" 2>/dev/null
+  return $rc
+}
+
+stage_sweep() {
+  OUT=$FILES SWEEP_DIMS=${SWEEP_DIMS:-128} timeout "${SWEEP_TIMEOUT:-240}" \
+      python3 tools/simt_sweep.py ${SWEEP_ARGS:---fwd-only}
+}
+
+stage_host() {
+  timeout "${HOST_TIMEOUT:-180}" python3 tools/host_breakdown.py ${HOST_ARGS:-}
+}
+
+stage_ncu() {
+  local ncu d=${NCU_D:-128} causal=${NCU_CAUSAL:+causal} rep kern
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
+  python3 tools/ncu_simt.py "$d" $causal >/dev/null 2>&1  # compile outside the profiler
+  for kern in ${KERNELS:-attn_forward}; do
+    rep=$WORK/ncu_${kern}_d$d
+    timeout "${NCU_TIMEOUT:-300}" "$ncu" --clock-control none --set full --import-source no \
+        -k "regex:$kern" --launch-skip 2 --launch-count 1 -f -o "$rep" \
+        python3 tools/ncu_simt.py "$d" $causal > "$rep.log" 2>&1 || { tail -5 "$rep.log"; return 1; }
+    "$ncu" --import "$rep.ncu-rep" --page details > "$FILES/${kern}_d$d.details.txt" 2>&1
+    "$ncu" --import "$rep.ncu-rep" --page source --csv --print-source sass \
+        > "$FILES/${kern}_d$d.sass.csv" 2>&1
+    echo "== $kern D=$d $causal"
+    python3 tools/ncu_regions.py "$FILES/${kern}_d$d.sass.csv" 2>&1 | head -6
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Shared Memory Configuration Size|Block Limit" \
+        "$FILES/${kern}_d$d.details.txt" | head -14
+  done
+}
+
+stage_sass() {
+  timeout "${SASS_TIMEOUT:-300}" python3 tools/sass.py --all --head-dims "${SASS_DIMS:-64,128}" \
+      --jobs "$JOBS" --json "$FILES/sass.json" ${SASS_ARGS:-}
+}
+
+result() {  # one line for the summary table
+  local log=$OUT/$1.log
+  case $1 in
+  tests) grep -hE "[0-9]+ (passed|failed)|error" "$log" | grep -v "^E " | tail -1 ;;
+  sweep) echo "$(grep -c '^{' "$log") candidates timed (simt_sweep.json)" ;;
+  host)  grep -E "^flashcore.attention" "$log" | tail -1 ;;
+  ncu)   grep -hE "^ *Duration" "$log" | xargs ;;
+  sass)  echo "$(grep -c ' registers' "$log") kernels, $(grep -c Error "$log") errors (sass.json)" ;;
+  esac > "$WORK/result"
+  [ -s "$WORK/result" ] || grep -v '^\s*$' "$log" | tail -1 > "$WORK/result"
+  cut -c1-90 "$WORK/result"
+}
+
+printf "%-6s %5s %4s  %s\n" stage s rc result > "$WORK/summary"
+for s in "$@"; do
+  echo "== $s"
+  t0=$(date +%s)
+  set -o pipefail
+  "stage_$s" "$@" 2>&1 | tee "$OUT/$s.log" | tail -n "${TAIL:-25}"
+  rc=$?
+  set +o pipefail
+  printf "%-6s %5d %4d  %s\n" "$s" $(( $(date +%s) - t0 )) "$rc" "$(result "$s")" \
+      >> "$WORK/summary"
+done
+echo "== summary" | tee -a "$LOG"
+tee -a "$LOG" < "$WORK/summary"

@@ -2,8 +2,9 @@
 takes, timed separately: the median over blocks of ``--calls`` calls of the time until the
 last call returns (before the synchronize that ends each block). Blocks are kept short so
 that the launch queue never fills: with thousands of queued launches the host waits for the
-GPU and the figure becomes the kernels' time (seen: 37 µs per call with blocks of 2000). A
-diagnostic for issue 3's host-overhead bar: the parts add up to about the whole.
+GPU and the figure becomes the kernels' time (seen: 37 µs per call with blocks of 2000). The
+parts add up to about the whole, so a row shows where a tiny call's host time goes; each row
+is also given ÷ torch SDPA's forward, since the hosts of the lent machines differ in speed.
 
 Usage: python tools/host_breakdown.py [--calls 100] [--blocks 50]
 """

@@ -1,5 +1,5 @@
 """Where a kernel's warps stall, per loop: an Nsight Compute source page (``ncu --import
-REPORT --page source --csv --print-source sass``, as tools/ncu_simt.sh writes it) summed
+REPORT --page source --csv --print-source sass``, as the ``ncu`` stage of tools/gpu_session.sh writes it) summed
 over each loop (a branch back to an earlier address) and over the rest, with the largest
 stall reasons of each as a share of its samples.
 

@@ -1,5 +1,6 @@
 """Target for Nsight Compute: the SIMT float32 kernels (forward, dK/dV, dQ) on B=4, H=16,
-N=4096, each launched a few times after a warm-up. Run under ncu (tools/ncu_simt.sh).
+N=4096, each launched a few times after a warm-up. Run under ncu by the ``ncu`` stage of
+tools/gpu_session.sh, which profiles the third launch of each kernel named in $KERNELS.
 
 Usage: python tools/ncu_simt.py [head_dim] [causal]
 """

@@ -5,9 +5,11 @@ For every candidate tiling: a correctness check first (B=1, H=2, N=333, outputs 
 with NaN, against a float64 torch reference; forward, and gradients for the backward
 passes), then the time at B=4, H=16, N=4096 (median of CUDA-event timings). A backward
 candidate replaces one pass's tiling (dK/dV or dQ) and the whole backward is timed.
-Writes JSON to $OUT and prints a table last.
+Writes JSON to $OUT and prints a table last. SWEEP_DIMS picks the head dims (default
+64,128); --compile-only fills numba's disk cache with every candidate (SWEEP_JOBS processes)
+and times nothing. On a GPU machine: the ``sweep`` stage of tools/gpu_session.sh.
 
-Usage: python tools/simt_sweep.py [--fwd-only] [--bwd-only]
+Usage: python tools/simt_sweep.py [--fwd-only] [--bwd-only] [--compile-only]
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ FORWARD = {
     64: [T(128, 64, 16, 16, 2, True), T(128, 64, 16, 16, 2, True, k_unroll=16),
          T(64, 64, 8, 16, 3, True), T(64, 64, 8, 16, 3, True, k_unroll=16)],
     # (two blocks per SM at D=128, 64 or 96 query rows, all lost to the one-block 128x64
-    # on an H100: 1.20-1.42x SDPA against 1.19; notes/numba_cuda.md, session 6)
+    # in an H100 sweep before 3127bde: 1.20-1.42x SDPA against 1.19; notes/numba_cuda.md)
     128: [T(128, 64, 16, 16, 1, True), T(128, 64, 16, 16, 1, True, k_unroll=8),
           T(128, 64, 16, 16, 1, True, k_unroll=16)],
 }
