@@ -9,8 +9,8 @@ same two in ``numba_cpu/seams.py``).
 2. **What a raw score becomes.** :func:`score` takes the score of query ``i`` and key
    ``j`` as the kernel holds it (SIMT kernels fold the scale and log2 e into Q when it is
    loaded; tensor-core kernels scale in the softmax) and returns what the softmax sees,
-   ``-inf`` where ``j`` is masked; :func:`visible` is the mask alone, as the backward
-   passes use it (P = 0 where not visible).
+   ``-inf`` where ``j`` is masked; :func:`visible` is the mask with the key bound, as the
+   backward passes use it (P = 0 where not visible), :func:`hides` the mask alone.
 
 The variant's mask options arrive as compile-time arguments (``CAUSAL``), so after
 inlining each kernel keeps only the arithmetic its variant needs. Masks and score
@@ -49,10 +49,17 @@ def query_range(k0, cols, step, causal_offset, CAUSAL):
 
 
 @device_function
+def hides(i, j, causal_offset, CAUSAL):
+    """Whether the mask hides key ``j`` from query ``i`` (causal: ``j`` after the diagonal
+    of ``i`` aligned to the bottom right), bounds aside. The dK/dV pass uses it alone: a
+    key past ``Nk`` only feeds a dK/dV row that is never stored."""
+    return CAUSAL and j > i + causal_offset
+
+
+@device_function
 def visible(i, j, Nk, causal_offset, CAUSAL):
-    """Whether query ``i`` sees key ``j``: ``j`` is a key, and (causal) not after the
-    diagonal of ``i`` aligned to the bottom right."""
-    return j < Nk and not (CAUSAL and j > i + causal_offset)
+    """Whether query ``i`` sees key ``j``: ``j`` is a key, and the mask does not hide it."""
+    return j < Nk and not hides(i, j, causal_offset, CAUSAL)
 
 
 @device_function

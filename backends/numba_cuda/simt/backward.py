@@ -28,7 +28,7 @@ from ..device.constants import LOG2E, SMEM_ALIGN
 from ..device.convert import load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
-from ..device.seams import key_range, query_range, visible
+from ..device.seams import hides, key_range, query_range, visible
 from .forward import copy_rows, load_tile_t
 from .tile_product import column, tile_product
 
@@ -176,7 +176,7 @@ def make_attn_backward_dkdv(v):
                 for a in range(RM):
                     row = tr * RM + a
                     p = math.exp2(s[a, bb] - ls)
-                    if masked and not visible(i, k0 + row, Nk, causal_offset, CAUSAL):
+                    if masked and hides(i, k0 + row, causal_offset, CAUSAL):
                         p = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
                     if ONE_PS:  # dS waits in registers until P V has been read

@@ -44,7 +44,7 @@ from ..device.constants import LOG2E, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
-from ..device.seams import key_range, query_range, visible
+from ..device.seams import hides, key_range, query_range, visible
 from ..tilings import PAD
 from .fragments import load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
@@ -67,10 +67,11 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
 
 
 @device_function
-def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, Nk, j0, causal_offset,
+def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
                        sl2, CAUSAL, NTILES, tq):
     """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
-    +inf (P = 0); keys ``j0``, ``j0 + 8`` that query ``i`` does not see get P = 0."""
+    +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask hides from query ``i`` get P = 0
+    (keys past ``Nk`` need not: their dK/dV rows are not stored)."""
     for jn in range(NTILES):
         for e in range(2):
             i = m0 + 8 * jn + 2 * tq + e  # this element's query
@@ -78,7 +79,7 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, Nk, j0, cau
             for r in range(2):  # keys j0 and j0 + 8
                 x = 4 * jn + 2 * r + e
                 p = math.exp2(s[x] * sl2 - ls)
-                if not visible(i, j0 + 8 * r, Nk, causal_offset, CAUSAL):
+                if hides(i, j0 + 8 * r, causal_offset, CAUSAL):
                     p = float32(0.0)
                 s[x] = p
                 dp[x] = p * (dp[x] - dl)
@@ -156,7 +157,7 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         lbase = b * lsb + h * lsh
         dbase = (b * Hq + h) * Nq
         if (CAUSAL and m0 < m_full) or m0 + BN > Nq:  # a diagonal or tail step
-            dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, Nk, j0,
+            dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
                                causal_offset, sl2, CAUSAL, NTILES, tq)
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
