@@ -20,7 +20,8 @@ is differentiable as it is. JAX is imported inside functions only.
 from __future__ import annotations
 
 import importlib.util
-import math
+
+from flashcore import _rules
 
 NAME = "jax"
 
@@ -58,9 +59,7 @@ def _attend(q, k, v, case, need_lse):
     nq, nk = q.shape[1], k.shape[1]
     kw = {"scale": case.scale}
     if case.causal and nq != nk:
-        i = jnp.arange(nq)[:, None]
-        j = jnp.arange(nk)[None, :]
-        kw["mask"] = (j <= i + (nk - nq))[None, None]
+        kw["mask"] = _rules.visible(jnp, nq, nk, True)[None, None]
     elif case.causal:
         kw["is_causal"] = True
     # float32 means float32 products: on GPUs XLA's default would round them to TF32.
@@ -84,17 +83,19 @@ def forward(q, k, v, case):
     to_bnhd = (lambda x: x) if case.layout == "bnhd" else (lambda x: jnp.swapaxes(x, 1, 2))
     qb, kb, vb = (to_bnhd(x) for x in (q, k, v))
     B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
-    skip = Nq if case.seqlen_k == 0 else (max(0, Nq - case.seqlen_k) if case.causal else 0)
+    skip = _rules.leading_empty_rows(Nq, case.seqlen_k, case.causal)
     if skip == Nq or B == 0:
         o = jnp.zeros((B, Nq, Hq, D), dtype=q.dtype)
-        lse = jnp.full((B, Hq, Nq), -math.inf, dtype=jnp.float32) if case.need_lse else None
+        lse = (jnp.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=jnp.float32)
+               if case.need_lse else None)
     else:
         o, lse = _attend(qb[:, skip:], kb, vb, case, case.need_lse)
         if skip:
             o = jnp.concatenate([jnp.zeros((B, skip, Hq, D), dtype=o.dtype), o], axis=1)
             if lse is not None:
                 lse = jnp.concatenate(
-                    [jnp.full((B, Hq, skip), -math.inf, dtype=jnp.float32), lse], axis=2)
+                    [jnp.full((B, Hq, skip), _rules.EMPTY_ROW_LSE, dtype=jnp.float32), lse],
+                    axis=2)
     return to_bnhd(o), lse
 
 

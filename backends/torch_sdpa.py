@@ -25,7 +25,8 @@ PyTorch is imported inside functions only: ``import flashcore`` imports no frame
 from __future__ import annotations
 
 import importlib.util
-import math
+
+from flashcore import _rules
 
 NAME = "torch"
 #: Head dims the CUDA lse kernels take are padded to a multiple of this (zeros change
@@ -91,23 +92,6 @@ def _repeat_kv(x, group):
     return x[:, :, None].expand(B, H, group, N, D).reshape(B, H * group, N, D)
 
 
-def _split_empty_rows(case):
-    """Number of leading query rows that see no key (causal with Nq > Nk, or Nk = 0)."""
-    if case.seqlen_k == 0:
-        return case.seqlen_q
-    if case.causal:
-        return max(0, case.seqlen_q - case.seqlen_k)
-    return 0
-
-
-def _lower_right_mask(torch, nq, nk, dtype, device):
-    """Additive mask (0 where visible, -inf where not) aligned to the bottom right."""
-    i = torch.arange(nq, device=device)[:, None]
-    j = torch.arange(nk, device=device)[None, :]
-    keep = j <= i + (nk - nq)
-    return torch.zeros((nq, nk), dtype=dtype, device=device).masked_fill(~keep, -math.inf)
-
-
 # --- the kernels on rows that see at least one key ---------------------------------------
 
 
@@ -137,7 +121,7 @@ def _with_lse_cpu(torch, q, k, v, case):
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     k, v = _repeat_kv(k, case.group), _repeat_kv(v, case.group)
     if case.causal and nq != nk:
-        mask = _lower_right_mask(torch, nq, nk, q.dtype, q.device)
+        mask = _rules.additive_mask(torch, nq, nk, True, q.dtype, q.device)
         return op(q, k, v, 0.0, False, attn_mask=mask, scale=case.scale)
     return op(q, k, v, 0.0, case.causal, scale=case.scale)
 
@@ -178,7 +162,7 @@ def forward(q, k, v, case):
     torch = _torch()
     qb, kb, vb = (_bhnd(x, case.layout) for x in (q, k, v))
     B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
-    skip = _split_empty_rows(case)
+    skip = _rules.leading_empty_rows(Nq, case.seqlen_k, case.causal)
     if case.need_lse:
         why = _lse_unavailable(case)
         if why is not None:
@@ -193,7 +177,8 @@ def forward(q, k, v, case):
             link = qb.sum() + kb.sum() + vb.sum()
             o = o + torch.where(torch.zeros((), dtype=torch.bool, device=o.device), link, 0)
         if case.need_lse:
-            lse = torch.full((B, Hq, Nq), -math.inf, dtype=torch.float32, device=q.device)
+            lse = torch.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=torch.float32,
+                             device=q.device)
         return _from_bhnd(o, case.layout), lse
     qt = qb[:, :, skip:] if skip else qb
     if case.need_lse:
@@ -205,7 +190,7 @@ def forward(q, k, v, case):
     if skip:
         o = torch.cat([o.new_zeros((B, Hq, skip, D)), o], dim=2)
         if lse is not None:
-            lse = torch.cat([lse.new_full((B, Hq, skip), -math.inf), lse], dim=2)
+            lse = torch.cat([lse.new_full((B, Hq, skip), _rules.EMPTY_ROW_LSE), lse], dim=2)
     return _from_bhnd(o, case.layout), lse
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import _dispatch
 from ._checks import make_case
+from ._memo import Memo
 
 
 def _framework(*arrays):
@@ -20,8 +21,8 @@ def _framework(*arrays):
     return None
 
 
-_PLANS: dict = {}
-_MAX_PLANS = 256
+#: Plans per kind of call; see _plan.
+_PLANS = Memo(256)
 
 
 def _plan(q, k, v, causal, scale, layout, need_lse, backend):
@@ -32,18 +33,16 @@ def _plan(q, k, v, causal, scale, layout, need_lse, backend):
     try:
         key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, causal, scale, layout, need_lse, backend)
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):  # (no .device, or an unhashable attribute)
-        key = plan = None
-    if plan is None:
-        case = make_case(q, k, v, causal=causal, scale=scale, layout=layout,
-                         need_lse=need_lse, explicit=backend != "auto")
-        plan = (case, _dispatch.select(case, backend))
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
-    return plan
+    except AttributeError:  # no .device: checked every time
+        key = None
+    return _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, need_lse,
+                               backend)
+
+
+def _make_plan(q, k, v, causal, scale, layout, need_lse, backend):
+    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=need_lse,
+                     explicit=backend != "auto")
+    return case, _dispatch.select(case, backend)
 
 
 def _torch_compiling():
@@ -130,7 +129,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
     :func:`attention_forward` for shapes and options. Returns ``o``, or ``(o, lse)`` with
     ``return_lse=True``. Differentiable where the library has autodiff (PyTorch, JAX).
     """
-    # Framework autodiff (issue 5; flashcore._torch_ops, flashcore._jax_ops).
+    # Framework autodiff and compilation live in one module per framework.
     fw = _framework(q, k, v)
     if fw == "torch":
         from . import _torch_ops

@@ -36,6 +36,7 @@ import numpy as np
 from . import _dispatch, _interop
 from ._checks import make_case
 from ._errors import BackendUnavailableError
+from ._memo import Memo
 
 #: Backends written in JAX-traceable array code: called directly, differentiated by JAX.
 _TRACEABLE = ("jax", "reference")
@@ -99,8 +100,8 @@ def _run(case, impl, q, k, v, *, need_lse):
     return _numba_attention(impl.NAME, case)(q, k, v)
 
 
-_PLANS: dict = {}
-_MAX_PLANS = 512
+#: Plans per kind of call; see _plan.
+_PLANS = Memo(512)
 
 
 def _plan(q, k, v, causal, scale, layout, backend):
@@ -110,22 +111,14 @@ def _plan(q, k, v, causal, scale, layout, backend):
     cache hit skips only repeated work."""
     try:
         devices = tuple(_device(x) for x in (q, k, v))
-    except ValueError:  # sharded: let _case say so
+    except ValueError:  # sharded: _case says so, every time
         devices = None
-    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, devices,
-           causal, scale, layout, backend, jax.default_backend())
-    try:
-        hit = _PLANS.get(key) if devices is not None else None
-    except TypeError:  # an unhashable option: make_case says what is wrong with it
-        hit, key = None, None
-    if hit is None:
-        traced = devices is not None and None in devices
-        hit = _make_plan(q, k, v, causal, scale, layout, backend, traced)
-        if key is not None and devices is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = hit
-    return hit
+    key = None if devices is None else (
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, devices,
+        causal, scale, layout, backend, jax.default_backend())
+    traced = devices is not None and None in devices
+    return _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, backend,
+                               traced)
 
 
 def _make_plan(q, k, v, causal, scale, layout, backend, traced):

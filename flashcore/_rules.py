@@ -22,9 +22,26 @@ def visible(xp, seqlen_q: int, seqlen_k: int, causal: bool, device=None):
     None when every query sees every key (so callers can skip the mask)."""
     if not causal:
         return None
-    i = xp.reshape(xp.arange(seqlen_q, device=device), (seqlen_q, 1))
-    j = xp.reshape(xp.arange(seqlen_k, device=device), (1, seqlen_k))
+    at = _on(device)
+    i = xp.reshape(xp.arange(seqlen_q, **at), (seqlen_q, 1))
+    j = xp.reshape(xp.arange(seqlen_k, **at), (1, seqlen_k))
     return j <= i + causal_offset(seqlen_q, seqlen_k)
+
+
+def additive_mask(xp, seqlen_q: int, seqlen_k: int, causal: bool, dtype, device=None):
+    """The same rule as a score bias of ``dtype``: 0 where query ``i`` sees key ``j``,
+    ``-inf`` where it does not, ``(seqlen_q, seqlen_k)``; None when every query sees every
+    key. For kernels that take the mask as an addend (torch's CPU flash kernel)."""
+    seen = visible(xp, seqlen_q, seqlen_k, causal, device)
+    if seen is None:
+        return None
+    zero = xp.zeros((seqlen_q, seqlen_k), dtype=dtype, **_on(device))
+    return xp.where(seen, zero, xp.full_like(zero, -math.inf))
+
+
+def _on(device) -> dict:
+    # device=None is left out: NumPy before 2.0 has no device argument.
+    return {} if device is None else {"device": device}
 
 
 def leading_empty_rows(seqlen_q: int, seqlen_k: int, causal: bool) -> int:

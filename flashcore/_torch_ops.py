@@ -4,15 +4,24 @@ Three thin layers, as FlashAttention-2 has them:
 
 1. raw ops registered with ``torch.library.custom_op``: ``flashcore::attention_forward``
    ``(q, k, v, causal, scale, layout, backend) -> (o, lse)`` and
-   ``flashcore::attention_backward`` ``(do, q, k, v, o, lse, ...) -> (dq, dk, dv)``. Each
-   checks its arguments, picks a kernel backend through :mod:`flashcore._dispatch` (CPU
-   tensors normally go to ``numba_cpu`` through zero-copy host views, CUDA tensors to
-   ``numba_cuda``) and calls it. ``register_fake`` gives ``torch.compile`` the output shapes,
-   so a model that calls flashcore compiles with ``fullgraph=True``;
-2. ``register_autograd``: the forward saves ``(q, k, v, o, lse)``; the backward calls the
-   backward op. ``lse`` is returned as non-differentiable (as in FlashAttention-2);
+   ``flashcore::attention_backward`` ``(do, q, k, v, o, lse, ...) -> (dq, dk, dv)``. They
+   run the backend :mod:`flashcore._dispatch` selects (CPU tensors normally go to
+   ``numba_cpu`` through zero-copy host views, CUDA tensors to ``numba_cuda``);
+   ``register_fake`` gives ``torch.compile`` the output shapes, so a model that calls
+   flashcore compiles with ``fullgraph=True``;
+2. the autograd wiring, written once (``_setup_context``, ``_backward``): the forward saves
+   ``(q, k, v, o, lse)``, ``lse`` is non-differentiable (as in FlashAttention-2), the
+   backward runs the backward kernels. The forward op registers the two as its autograd
+   formula (what ``torch.compile`` traces and ``opcheck`` checks); eager calls reach them
+   through :class:`_EagerAttention`, which runs the same kernels without a trip through
+   torch's dispatcher (a tiny forward+backward through the op costs about 2.5 times the
+   host time: 408 against 160 µs with a stub backend on a 2-core CPU host);
 3. :func:`attention`, which :func:`flashcore.attention` calls for torch tensors that need
    autograd or are being compiled.
+
+A backend whose forward is torch code that torch's autograd differentiates as it stands
+(``"torch"``, SDPA) is called directly, with torch's own backward kernels, as the JAX glue
+calls JAX code.
 
 This module imports torch at import time; ``flashcore`` imports it only when it meets a
 torch tensor, so ``import flashcore`` still imports no framework.
@@ -22,15 +31,19 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
 from . import _dispatch
 from ._checks import check_options, make_case
 from ._errors import BackendUnavailableError
+from ._memo import Memo
 
 Tensor = torch.Tensor
 
+#: Backends whose forward stays on torch's autograd graph: called directly, not wired.
+_DIFFERENTIABLE = ("torch",)
 
 _NO_DEVICE = contextlib.nullcontext()
 
@@ -45,6 +58,65 @@ def _dense(x: Tensor) -> Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+# --- plans: the checked call and the backends chosen for it -----------------------------------
+
+
+class _Plan(NamedTuple):
+    case: object  # the forward's Case
+    impl: object  # its backend
+    bcase: object  # the backward's Case (None for a _DIFFERENTIABLE backend)
+    bimpl: object  # its backend
+
+
+#: Plans per (types, shapes, dtypes, devices, options): make_case and the selection read
+#: nothing else, so a hit skips only repeated work.
+_PLANS = Memo(512)
+
+
+def _plan(q, k, v, causal, scale, layout, backend, return_lse) -> _Plan:
+    key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device, causal, scale, layout, backend, return_lse)
+    return _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, backend,
+                               return_lse)
+
+
+def _make_plan(q, k, v, causal, scale, layout, backend, return_lse) -> _Plan:
+    """The forward keeps lse as the backward's residual, so it asks for it even when the
+    caller does not; a backend that cannot give it may still serve such a call (see below)."""
+    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
+                     explicit=backend != "auto")
+    try:
+        impl = _dispatch.select(case, backend)
+    except BackendUnavailableError:
+        if return_lse or backend != "auto":
+            raise
+        # lse is only a residual here: a backend that cannot return it (torch SDPA in
+        # float64 on CUDA) may serve the forward, and then the backward too, which it does
+        # without lse.
+        case = replace(case, need_lse=False)
+        impl = _dispatch.select(case, backend)
+        if getattr(impl, "NAME", None) in _DIFFERENTIABLE:
+            return _Plan(case, impl, None, None)
+        bcase = replace(case, direction="backward", explicit=True)
+        return _Plan(case, impl, bcase, _dispatch.select(bcase, impl.NAME))
+    if getattr(impl, "NAME", None) in _DIFFERENTIABLE:
+        # torch's autograd needs no residual: lse only if the caller wants it.
+        return _Plan(replace(case, need_lse=return_lse), impl, None, None)
+    bcase = replace(case, direction="backward", need_lse=False)
+    return _Plan(case, impl, bcase, _dispatch.select(bcase, backend))
+
+
+def _forward(q, k, v, case, impl):
+    """``(o, lse)`` from the backend, on q's device; lse NaN where the backend computes none
+    (a no-lse plan, see _make_plan: the backward then reads none)."""
+    with _on_device(q):
+        o, lse = impl.forward(q, k, v, case)
+    if lse is None:
+        lse = o.new_full((case.batch, case.heads_q, case.seqlen_q), math.nan,
+                         dtype=torch.float32)
+    return o, lse
+
+
 # --- layer 1: raw ops ---------------------------------------------------------------------
 
 
@@ -52,10 +124,8 @@ def _dense(x: Tensor) -> Tensor:
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
                          layout: str, backend: str) -> tuple[Tensor, Tensor]:
     """``(o, lse)``: o of q's shape and dtype, lse float32 ``(B, Hq, Nq)``."""
-    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                     explicit=backend != "auto")
-    with _on_device(q):
-        o, lse = _dispatch.select(case, backend).forward(q, k, v, case)
+    plan = _plan(q, k, v, causal, scale, layout, backend, True)
+    o, lse = _forward(q, k, v, plan.case, plan.impl)
     return _dense(o), _dense(lse)
 
 
@@ -87,97 +157,55 @@ def _attention_backward_fake(do, q, k, v, o, lse, causal, scale, layout, backend
 
 
 # --- layer 2: autograd ----------------------------------------------------------------------
+# The wiring is written once, as the two functions the forward op registers as its formula
+# (what torch.compile traces and opcheck checks). Eager calls reach the same two functions
+# through _EagerAttention, whose inputs are (q, k, v, plan): with the plan at hand the
+# backward calls the chosen backend directly instead of the backward op.
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, layout, backend = inputs
+    # inputs: the op's (q, k, v, causal, scale, layout, backend), or eagerly (q, k, v, plan)
+    q, k, v, *rest = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = (causal, scale, layout, backend)
+    ctx.rest = rest
     ctx.mark_non_differentiable(lse)
+    # lse never has a gradient: do not let autograd build a zero tensor for it (~3 µs)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, _dlse):
+    rest = ctx.rest
+    if do is None:  # no gradient reached o (grads are not materialized): none for q, k, v
+        return (None,) * (3 + len(rest))
     q, k, v, o, lse = ctx.saved_tensors
     # An output gradient can be an expanded view (stride 0) of a scalar's gradient.
-    dq, dk, dv = attention_backward_op(do.contiguous(), q, k, v, o, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None
+    do = do.contiguous()
+    if len(rest) == 1:  # eager: the plan's backend
+        bcase, bimpl = rest[0].bcase, rest[0].bimpl
+        with _on_device(q):
+            dq, dk, dv = bimpl.backward(do, q, k, v, o, lse, bcase)
+    else:  # the op's formula: the backward op, one node in a compiled graph
+        dq, dk, dv = attention_backward_op(do, q, k, v, o, lse, *rest)
+    return (dq, dk, dv, *(None,) * len(rest))
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --- eager fast path -------------------------------------------------------------------------
-# Outside torch.compile the custom op's Python dispatch costs ~70-100 µs a call. Eager calls
-# therefore take a plain autograd.Function that runs the same backends with the same saved
-# tensors, and the checked Case and chosen backends are cached per (types, shapes, dtypes,
-# devices, options): make_case reads nothing else, so a hit skips only repeated work.
-
-_PLANS: dict = {}
-_MAX_PLANS = 512
-
-
-def _plan(q, k, v, causal, scale, layout, backend, return_lse):
-    key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-           q.device, k.device, v.device, causal, scale, layout, backend, return_lse)
-    try:
-        hit = _PLANS.get(key)
-    except TypeError:  # an unhashable option: make_case below says what is wrong with it
-        hit = key = None
-    if hit is None:
-        hit = _make_plan(q, k, v, causal, scale, layout, backend, return_lse)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = hit
-    return hit
-
-
-def _make_plan(q, k, v, causal, scale, layout, backend, return_lse):
-    """(forward case, its backend, backward case, its backend)."""
-    case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                     explicit=backend != "auto")
-    try:
-        impl = _dispatch.select(case, backend)
-    except BackendUnavailableError:
-        if return_lse or backend != "auto":
-            raise
-        # lse is only a residual here: a backend that cannot return it (torch SDPA in
-        # float64 on CUDA) may serve the forward, and then the backward too, which it does
-        # without lse.
-        case = replace(case, need_lse=False)
-        impl = _dispatch.select(case, backend)
-        bcase = replace(case, direction="backward", explicit=True)
-        return case, impl, bcase, _dispatch.select(bcase, impl.NAME)
-    bcase = replace(case, direction="backward", need_lse=False)
-    return case, impl, bcase, _dispatch.select(bcase, backend)
-
-
 class _EagerAttention(torch.autograd.Function):
+    """Eager calls: the op's kernels and formula without torch's dispatcher. The forward
+    takes ctx itself (no separate ``setup_context`` method): torch binds the arguments of a
+    Function that has one through ``inspect.signature`` on every call, which measured
+    +70 µs per call on a 2-core CPU host."""
+
     @staticmethod
     def forward(ctx, q, k, v, plan):
-        case, impl, bcase, bimpl = plan
-        with _on_device(q):
-            o, lse = impl.forward(q, k, v, case)
-        if lse is None:  # a backend that computes no lse (see _make_plan); never returned
-            lse = o.new_full((case.batch, case.heads_q, case.seqlen_q), math.nan,
-                             dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.backward_plan = (bcase, bimpl)
-        ctx.mark_non_differentiable(lse)
-        # lse never has a gradient: do not let autograd build a zero tensor for it (~3 µs)
-        ctx.set_materialize_grads(False)
-        return o, lse
+        output = _forward(q, k, v, plan.case, plan.impl)
+        _setup_context(ctx, (q, k, v, plan), output)
+        return output
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        if do is None:  # no gradient reached o (grads are not materialized): none for q, k, v
-            return None, None, None, None
-        q, k, v, o, lse = ctx.saved_tensors
-        bcase, bimpl = ctx.backward_plan
-        with _on_device(q):
-            dq, dk, dv = bimpl.backward(do.contiguous(), q, k, v, o, lse, bcase)
-        return dq, dk, dv, None
+    backward = staticmethod(_backward)
 
 
 # --- layer 3: what flashcore.attention calls ------------------------------------------------
@@ -207,19 +235,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
         # The custom op: dynamo traces it as one node (make_case cannot be traced itself).
         scale = static_scale(q, causal, scale, layout)
         o, lse = attention_forward_op(q, k, v, causal, scale, layout, backend)
-        return (o, lse) if return_lse else o
-    if backend == "torch":
-        # SDPA is differentiable as it is: eager autograd goes through torch's own backward
-        # kernels.
-        from .backends import torch_sdpa
-
-        case = make_case(q, k, v, causal=causal, scale=scale, layout=layout,
-                         need_lse=return_lse, explicit=True)
-        why = torch_sdpa.supports(case)
-        if why is not None:
-            raise BackendUnavailableError(f"backend 'torch' cannot serve this call: {why}")
-        o, lse = torch_sdpa.forward(q, k, v, case)
-        return (o, lse) if return_lse else o
-    o, lse = _EagerAttention.apply(
-        q, k, v, _plan(q, k, v, causal, scale, layout, backend, return_lse))
+    else:
+        plan = _plan(q, k, v, causal, scale, layout, backend, return_lse)
+        if plan.bimpl is None:  # a _DIFFERENTIABLE backend: torch's autograd as it stands
+            o, lse = plan.impl.forward(q, k, v, plan.case)
+        else:
+            o, lse = _EagerAttention.apply(q, k, v, plan)
     return (o, lse) if return_lse else o

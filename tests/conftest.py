@@ -7,11 +7,11 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _fresh_api_plans():
-    """The public API caches each kind of call's checked case and chosen backend
-    (flashcore._api._plan); tests that swap a backend's answers start without them."""
-    from flashcore import _api
+def _fresh_plans():
+    """The front end caches each kind of call's checked case and chosen backends
+    (flashcore._memo); tests that swap a backend's answers start without them."""
+    from flashcore import _memo
 
-    _api._PLANS.clear()
+    _memo.clear_all()
     yield
-    _api._PLANS.clear()
+    _memo.clear_all()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcore import reference
+from flashcore import _rules, reference
 from flashcore._interop import np_dtype
 
 #: Norm-wise relative error ||x - ref|| / ||ref|| allowed per input dtype. The oracle works in
@@ -18,8 +18,6 @@ TOL_FWD = {"float64": 1e-12, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
 TOL_BWD = {"float64": 1e-6, "float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 LAYOUT_AXES = {"bhnd": (0, 1, 2, 3), "bnhd": (0, 2, 1, 3)}
-
-
 
 
 def rand(rng, shape, dtype="float32", layout="bhnd", scale=1.0):
@@ -105,9 +103,9 @@ def grad_floor(do, q, k, v, causal=False, scale=None, layout="bhnd"):
     k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
     s = q @ np.swapaxes(k, -1, -2) * scale
-    if causal:
-        nq, nk = s.shape[-2:]
-        s = np.where(np.arange(nk)[None, :] <= np.arange(nq)[:, None] + nk - nq, s, -np.inf)
+    seen = _rules.visible(np, *s.shape[-2:], causal)
+    if seen is not None:
+        s = np.where(seen, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     p = np.exp(s - np.where(np.isfinite(m), m, 0))
     tot = p.sum(-1, keepdims=True)
