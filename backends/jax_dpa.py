@@ -43,6 +43,9 @@ def _has_residual():
 def supports(case):
     if case.library != "jax":
         return f"it serves only JAX arrays; got {case.library} arrays"
+    if case.mods is not None:
+        return (f"jax.nn.dot_product_attention is not given {', '.join(case.mods.names())} "
+                "by flashcore; numba_cpu and reference compute them")
     if case.direction == "forward" and case.need_lse and not _has_residual():
         import jax
 

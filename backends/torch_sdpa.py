@@ -54,6 +54,9 @@ def _lse_unavailable(case):
 def supports(case):
     if case.library != "torch":
         return f"it serves only PyTorch tensors; got {case.library} arrays"
+    if case.mods is not None:
+        return (f"SDPA is not given {', '.join(case.mods.names())} by flashcore; "
+                "numba_cpu and reference compute them")
     if case.direction == "forward" and case.need_lse:
         why = _lse_unavailable(case)
         # Named explicitly, forward() raises NotImplementedError with this reason.

@@ -7,6 +7,7 @@
 """
 from ._api import attention, attention_backward, attention_forward, available_backends
 from ._errors import BackendUnavailableError
+from ._mods import BlockMask, create_block_mask
 
 __version__ = "0.1.0"
 __all__ = [
@@ -15,4 +16,6 @@ __all__ = [
     "attention_backward",
     "available_backends",
     "BackendUnavailableError",
+    "BlockMask",
+    "create_block_mask",
 ]

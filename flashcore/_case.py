@@ -5,7 +5,7 @@ The front end builds a :class:`Case` after checking the arguments; backends answ
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import _rules
 
@@ -37,6 +37,10 @@ class Case:
     direction: str = "forward"  # "forward" or "backward"
     need_lse: bool = False  # forward only: whether the caller wants lse back
     explicit: bool = False  # the caller named the backend (so it may copy host<->device, or be slow)
+    mods: object = None  # flashcore._mods.Mods: masks and score modifiers (None: plain)
+    # The arrays the mods read, this call's own (not part of the case's identity).
+    alibi_slopes: object = field(default=None, compare=False, hash=False, repr=False)
+    mod_args: tuple = field(default=(), compare=False, hash=False, repr=False)
 
     @property
     def group(self) -> int:

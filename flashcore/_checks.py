@@ -9,6 +9,7 @@ import numbers
 
 from . import _interop
 from ._case import DTYPES, LAYOUTS, Case
+from ._mods import check_mods
 
 
 def _arrays(named: dict):
@@ -68,9 +69,10 @@ def check_options(*, causal, scale, layout, head_dim):
 
 
 def make_case(q, k, v, *, causal, scale, layout, direction="forward", need_lse=False,
-              explicit=False, extra=None) -> Case:
+              explicit=False, extra=None, options=None) -> Case:
     """Check q, k, v (and, for the backward pass, ``extra`` = {"do", "o", "lse"}) and
-    describe the call."""
+    describe the call. ``options``: the mask and score options by argument name
+    (:func:`flashcore._mods.check_mods`), None for plain attention."""
     named = {"q": q, "k": k, "v": v}
     library, device = _arrays({**named, **(extra or {})})
     dtype = _dtype(named)
@@ -110,8 +112,14 @@ def make_case(q, k, v, *, causal, scale, layout, direction="forward", need_lse=F
         dt = _interop.dtype_name(lse)
         if dt not in ("float32", "float64"):
             raise TypeError(f"lse must be float32 (as attention_forward returns it); got {dt}")
+    mods, arrays = None, {}
+    if options:
+        mods = check_mods(**options, library=library, device=device, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
+        if mods is not None:
+            arrays = {"alibi_slopes": options.get("alibi_slopes"),
+                      "mod_args": tuple(options.get("mod_args") or ())}
     return Case(
         library=library, device=device, dtype=dtype, batch=B, heads_q=Hq, heads_kv=Hkv,
         seqlen_q=Nq, seqlen_k=Nk, head_dim=D, causal=bool(causal), scale=scale, layout=layout,
-        direction=direction, need_lse=need_lse, explicit=explicit,
+        direction=direction, need_lse=need_lse, explicit=explicit, mods=mods, **arrays,
     )

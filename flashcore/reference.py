@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from . import _rules
 
 NAME = "reference"
@@ -59,12 +61,17 @@ def _grouped(xp, x, case, heads):
 
 
 def _probabilities(xp, dev, q, k, case, lse=None):
-    """Scaled scores with the causal mask; returns (P, lse) with P = exp(S - lse), rows that
-    see no key giving P = 0 and lse = -inf."""
+    """Scaled scores, modified and masked; returns (P, lse, g) with P = exp(S - lse), rows
+    that see no key giving P = 0 and lse = -inf, and g the derivative of the final score
+    in the scaled one (None where it is 1)."""
     qg = _grouped(xp, q, case, case.heads_q)
     kg = _grouped(xp, k, case, case.heads_kv)
     s = xp.matmul(qg, xp.permute_dims(kg, (0, 1, 2, 4, 3))) * case.scale
-    seen = _rules.visible(xp, case.seqlen_q, case.seqlen_k, case.causal, dev)
+    g = None
+    if case.mods is not None:
+        s, g, seen = _modified(xp, dev, s, case)
+    else:
+        seen = _rules.visible(xp, case.seqlen_q, case.seqlen_k, case.causal, dev)
     if seen is not None:
         s = xp.where(seen, s, -math.inf)
     if lse is None:
@@ -79,14 +86,76 @@ def _probabilities(xp, dev, q, k, case, lse=None):
         lse = xp.reshape(xp.astype(lse, s.dtype), (*s.shape[:-1], 1))
     empty = xp.isinf(lse) & (lse < 0)
     p = xp.where(empty, xp.zeros_like(s), xp.exp(s - xp.where(empty, xp.zeros_like(lse), lse)))
-    return p, lse
+    return p, lse, g
+
+
+def _modified(xp, dev, s, case):
+    """The score modifiers and masks of ``case.mods`` on grouped scores ``s``
+    (B, Hkv, G, Nq, Nk), in the order flashcore._mods states. Returns (s, g, seen): the
+    modified scores, their derivative in the scaled score (None: 1) and the visibility
+    (None: all). User functions run as plain Python, one call per element, on the host."""
+    mods, B, G = case.mods, case.batch, case.group
+    Nq, Nk = case.seqlen_q, case.seqlen_k
+    ip = xp.reshape(xp.arange(Nq, device=dev), (Nq, 1)) + (Nk - Nq)
+    j = xp.reshape(xp.arange(Nk, device=dev), (1, Nk))
+    g = None
+    if mods.softcap is not None:
+        t = xp.tanh(s / mods.softcap)
+        s = t * mods.softcap
+        g = 1 - t * t
+    if mods.alibi is not None:
+        slopes = xp.astype(case.alibi_slopes, s.dtype)
+        slopes = xp.reshape(slopes, (-1, case.heads_kv, G, 1, 1))
+        s = s - slopes * xp.astype(xp.abs(ip - j), s.dtype)
+    seen = _rules.visible(xp, Nq, Nk, case.causal, dev)
+    if mods.window is not None:
+        left, right = mods.window
+        inside = xp.ones((Nq, Nk), dtype=xp.bool, device=dev)
+        if left is not None:
+            inside = inside & (j >= ip - left)
+        if right is not None:
+            inside = inside & (j <= ip + right)
+        seen = inside if seen is None else seen & inside
+    if mods.score_mod is not None or mods.mask_mod is not None:
+        from . import _interop
+
+        args = tuple(_interop.copy_to_host(a, case.library) for a in case.mod_args)
+        b_, h_, i_, j_ = (np.arange(n).reshape(shape) for n, shape in (
+            (B, (B, 1, 1, 1, 1)), (case.heads_q, (1, case.heads_kv, G, 1, 1)),
+            (Nq, (1, 1, 1, Nq, 1)), (Nk, (1, 1, 1, 1, Nk))))
+        if mods.score_mod is not None:
+            f = np.frompyfunc(lambda x, b, h, i, j: mods.score_mod(x, b, h, i, j, *args), 5, 1)
+            x = np.asarray(_interop.copy_to_host(s, case.library), np.float64)
+            out = np.asarray(f(x, b_, h_, i_, j_), np.float64)
+            d = _fd_derivative(f, x, (b_, h_, i_, j_))
+            s = xp.asarray(out, device=dev)
+            d = xp.asarray(d, device=dev)
+            g = d if g is None else g * d
+        if mods.mask_mod is not None:
+            f = np.frompyfunc(lambda b, h, i, j: bool(mods.mask_mod(b, h, i, j, *args)), 4, 1)
+            shown = xp.asarray(np.broadcast_to(np.asarray(f(b_, h_, i_, j_), bool),
+                                               (B, case.heads_kv, G, Nq, Nk)), device=dev)
+            seen = shown if seen is None else seen & shown
+    return s, g, seen
+
+
+def _fd_derivative(f, x, idx):
+    """d f / d x by the fourth-order central difference of flashcore._mods (float64);
+    0 where it is not finite (a mod that masks by returning -inf)."""
+    from ._mods import FD_STEP
+
+    h = FD_STEP * np.maximum(1.0, np.abs(x))
+    at = lambda t: np.asarray(f(x + t * h, *idx), np.float64)  # noqa: E731
+    with np.errstate(invalid="ignore"):
+        d = (8 * (at(1) - at(-1)) - (at(2) - at(-2))) / (12 * h)
+    return np.where(np.isfinite(d), d, 0.0)
 
 
 def forward(q, k, v, case):
     xp, dev = _namespace(q)
     ct = _compute_dtype(xp, q)
     qb, kb, vb = (_to_bhnd(xp, x, case.layout, ct) for x in (q, k, v))
-    p, lse = _probabilities(xp, dev, qb, kb, case)
+    p, lse, _ = _probabilities(xp, dev, qb, kb, case)
     o = xp.matmul(p, _grouped(xp, vb, case, case.heads_kv))
     B, Hq, Nq = case.batch, case.heads_q, case.seqlen_q
     o = xp.reshape(o, (B, Hq, Nq, case.head_dim))
@@ -97,7 +166,7 @@ def backward(do, q, k, v, o, lse, case):
     xp, dev = _namespace(q)
     ct = _compute_dtype(xp, q)
     qb, kb, vb, ob, dob = (_to_bhnd(xp, x, case.layout, ct) for x in (q, k, v, o, do))
-    p, _ = _probabilities(xp, dev, qb, kb, case, lse=lse)
+    p, _, g = _probabilities(xp, dev, qb, kb, case, lse=lse)
     dog = _grouped(xp, dob, case, case.heads_q)
     qg = _grouped(xp, qb, case, case.heads_q)
     kg = _grouped(xp, kb, case, case.heads_kv)
@@ -107,6 +176,8 @@ def backward(do, q, k, v, o, lse, case):
     dp = xp.matmul(dog, t(vg))
     delta = xp.sum(dog * _grouped(xp, ob, case, case.heads_q), axis=-1, keepdims=True)
     ds = p * (dp - delta)
+    if g is not None:  # through the score modifiers (nothing flows where P = 0)
+        ds = xp.where(p > 0, ds * g, xp.zeros_like(ds))
     dq = xp.matmul(ds, kg) * case.scale
     dk = xp.sum(xp.matmul(t(ds), qg), axis=2) * case.scale
     B, D = case.batch, case.head_dim

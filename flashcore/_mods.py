@@ -1,0 +1,282 @@
+"""Masks and score modifiers: their checks, their static description, and BlockMask.
+
+Per score of query ``i`` and key ``j`` (``i' = i + Nk - Nq``, the bottom-right alignment
+``causal`` uses), in this order (:func:`flashcore.attention` documents it for users):
+
+1. ``s = (q_i . k_j) * scale``;
+2. ``softcap=c``: ``s = c * tanh(s / c)``;
+3. ``alibi_slopes``: ``s += -slope[b, h] * |i' - j|``;
+4. ``score_mod(s, b, h, i, j, *mod_args)``;
+5. ``-inf`` where ``causal`` and ``j > i'``, where ``window=(left, right)`` and ``j < i' - left``
+   or ``j > i' + right``, and where ``mask_mod(b, h, i, j, *mod_args)`` is False.
+
+:class:`Mods` is the static part (hashable: it keys plans and compiled kernels); the arrays
+(``alibi_slopes``, ``mod_args``) travel per call on the :class:`~flashcore._case.Case`.
+
+Gradients through ``score_mod`` need ``d score_mod / d s``. flashcore takes it from the
+user's function by a fourth-order central difference in float64,
+``(8 (f(s+h) - f(s-h)) - (f(s+2h) - f(s-2h))) / 12h`` with ``h = 1e-3 * max(1, |s|)``
+(:data:`FD_STEP`): exact for a mod that is linear in ``s`` (biases, masks, scalings) up to
+rounding (~1e-13 relative), and within ~1e-12 relative for a smooth one such as
+``c * tanh(s / c)``; a mod with a kink gives the one-sided mean at the kink. No derivative
+is asked of the user.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _interop
+
+#: Relative step of the finite-difference derivative of score_mod (see the module doc).
+FD_STEP = 1e-3
+#: Query and key rows per BlockMask tile (FlexAttention's default).
+BLOCK = 128
+#: Tile classes of a BlockMask.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Mods:
+    """The static mask and score options of one call (None: not asked)."""
+
+    window: tuple | None = None  # (left, right), each an int >= 0 or None (unbounded)
+    softcap: float | None = None
+    alibi: tuple | None = None  # the shape of alibi_slopes: (Hq,) or (B, Hq)
+    score_mod: object = None
+    mask_mod: object = None
+    n_mod_args: int = 0
+    block_mask: object = None  # a BlockMask for mask_mod
+
+    def names(self) -> list[str]:
+        """The options asked, by argument name (for a backend that declines some)."""
+        return [n for n in ("window", "softcap", "alibi_slopes", "score_mod", "mask_mod",
+                            "block_mask")
+                if getattr(self, "alibi" if n == "alibi_slopes" else n) is not None]
+
+    @property
+    def window_ints(self) -> tuple[int, int]:
+        """(left, right) with -1 for an unbounded side (no window: (-1, -1))."""
+        if self.window is None:
+            return -1, -1
+        return tuple(-1 if w is None else int(w) for w in self.window)
+
+
+def check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None; "
+                        f"got window={window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window's {side} bound must be an int >= 0 or None; "
+                            f"got window={window!r}")
+        if w < 0:
+            raise ValueError(f"window's {side} bound must be >= 0 (None for unbounded); "
+                             f"got window={window!r}")
+        out.append(int(w))
+    return None if out == [None, None] else tuple(out)
+
+
+def check_softcap(softcap):
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a positive number or None; got softcap={softcap!r}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number; got softcap={softcap!r}")
+    return softcap
+
+
+def _same_place(name, x, library, device):
+    lib = _interop.library_of(x)
+    if lib is None:
+        raise TypeError(f"{name} must be an array of q's library ({library}); got "
+                        f"{type(x).__module__}.{type(x).__qualname__}")
+    if lib != library:
+        raise TypeError(f"{name} must be an array of q's library ({library}); got a {lib} "
+                        "array")
+    dev = _interop.device_of(x, lib)
+    if dev != device:
+        raise ValueError(f"{name} must be on q's device ({device}); got {dev}")
+
+
+def check_alibi(alibi_slopes, library, device, B, Hq):
+    if alibi_slopes is None:
+        return None
+    _same_place("alibi_slopes", alibi_slopes, library, device)
+    shape = tuple(int(n) for n in alibi_slopes.shape)
+    if shape not in ((Hq,), (B, Hq)):
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = {(Hq,)} or (B, Hq) = "
+                         f"{(B, Hq)}; got alibi_slopes.shape={shape}")
+    dt = _interop.dtype_name(alibi_slopes)
+    if dt != "float32":
+        raise TypeError(f"alibi_slopes must be float32; got alibi_slopes.dtype={dt}")
+    return shape
+
+
+def check_mod_args(mod_args, library, device):
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays; got "
+                        f"{type(mod_args).__qualname__}")
+    for n, a in enumerate(mod_args):
+        _same_place(f"mod_args[{n}]", a, library, device)
+    return tuple(mod_args)
+
+
+def check_callable(name, fn):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be a Python function or None; got {fn!r}")
+    return fn
+
+
+def mod_args_key(mod_args):
+    """What the checks read of mod_args (types, shapes, dtypes, devices), to key plans."""
+    return tuple((type(a), tuple(a.shape), str(a.dtype), str(getattr(a, "device", "cpu")))
+                 for a in mod_args)
+
+
+def check_mods(*, window, softcap, alibi_slopes, score_mod, mask_mod, mod_args, block_mask,
+               library, device, B, Hq, Nq, Nk):
+    """Check every mask and score option against the call; returns :class:`Mods`, or None
+    when none was asked (plain attention)."""
+    window = check_window(window)
+    softcap = check_softcap(softcap)
+    alibi = check_alibi(alibi_slopes, library, device, B, Hq)
+    score_mod = check_callable("score_mod", score_mod)
+    mask_mod = check_callable("mask_mod", mask_mod)
+    mod_args = check_mod_args(mod_args, library, device)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a BlockMask from create_block_mask; got "
+                            f"{type(block_mask).__qualname__}")
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+        elif mask_mod is not block_mask.mask_mod:
+            raise ValueError("block_mask was made for another mask_mod than the mask_mod "
+                             "given")
+        block_mask.check_shape(B, Hq, Nq, Nk)
+    if mod_args and score_mod is None and mask_mod is None:
+        raise ValueError("mod_args were given without a score_mod or mask_mod to read them")
+    if (window, softcap, alibi, score_mod, mask_mod) == (None,) * 5:
+        return None
+    return Mods(window=window, softcap=softcap, alibi=alibi, score_mod=score_mod,
+                mask_mod=mask_mod, n_mod_args=len(mod_args), block_mask=block_mask)
+
+
+# --- BlockMask ----------------------------------------------------------------------------
+
+
+class BlockMask:
+    """Which (query tile, key tile) pairs of a ``mask_mod`` are empty, partial or full.
+
+    ``classes[b, h, qt, kt]`` is :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL` for query
+    rows ``qt*BLOCK ...`` and keys ``kt*BLOCK ...`` (``b``, ``h`` of size 1 when made with
+    ``B`` or ``H`` None: the mask is the same for every batch entry or head). Compared by
+    identity: one BlockMask serves every call (every layer) with its mask.
+    """
+
+    __slots__ = ("mask_mod", "shape", "block", "classes", "device")
+
+    def __init__(self, mask_mod, shape, block, classes, device):
+        self.mask_mod = mask_mod
+        self.shape = shape  # (B or None, H or None, Nq, Nk)
+        self.block = block
+        self.classes = classes  # NumPy int8 (B or 1, H or 1, ceil(Nq/block), ceil(Nk/block))
+        self.device = device
+
+    def check_shape(self, B, Hq, Nq, Nk):
+        mb, mh, mq, mk = self.shape
+        if (mq, mk) != (Nq, Nk) or mb not in (None, B) or mh not in (None, Hq):
+            raise ValueError(f"block_mask was made for (B, H, Nq, Nk) = {self.shape}; this "
+                             f"call has {(B, Hq, Nq, Nk)}")
+
+    def sparsity(self) -> float:
+        """The fraction of tiles skipped (empty)."""
+        return float(np.mean(self.classes == EMPTY)) if self.classes.size else 0.0
+
+    def __repr__(self):
+        return (f"BlockMask(shape={self.shape}, block={self.block}, "
+                f"sparsity={self.sparsity():.2f})")
+
+
+def compiled(fn):
+    """``fn`` compiled by Numba for the CPU (once per function), or TypeError saying why
+    it does not compile."""
+    import numba
+
+    if isinstance(fn, numba.core.registry.CPUDispatcher):
+        return fn
+    hit = _COMPILED.get(fn)
+    if hit is None:
+        hit = _COMPILED[fn] = numba.njit(fn)
+    return hit
+
+
+_COMPILED: dict = {}
+
+
+def compile_error(name, fn, err) -> TypeError:
+    return TypeError(f"{name} {getattr(fn, '__qualname__', fn)!r} does not compile with "
+                     f"Numba: {str(err).strip().splitlines()[0] if str(err).strip() else err}"
+                     f"\n{err}")
+
+
+def create_block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=(), device=None):
+    """Evaluate ``mask_mod(b, h, i, j, *mod_args)`` once per element and classify each
+    (query tile, key tile) pair of :data:`BLOCK` rows as empty, partial or full.
+
+    ``B`` or ``H`` may be None when the mask does not depend on them. ``mod_args`` are
+    arrays of any library (read on the host here). Pass the result as ``block_mask=`` to
+    :func:`flashcore.attention` so repeated calls skip this evaluation; tiles that are
+    empty are skipped and full tiles skip the per-element mask either way.
+    """
+    check_callable("mask_mod", mask_mod)
+    if mask_mod is None:
+        raise TypeError("mask_mod must be a Python function; got None")
+    for name, n in (("Nq", Nq), ("Nk", Nk)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0; got {name}={n!r}")
+    for name, n in (("B", B), ("H", H)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral)
+                              or n < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None; got {name}={n!r}")
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays; got "
+                        f"{type(mod_args).__qualname__}")
+    host = []
+    for n, a in enumerate(mod_args):
+        lib = _interop.library_of(a)
+        if lib is None:
+            raise TypeError(f"mod_args[{n}] must be an array; got "
+                            f"{type(a).__module__}.{type(a).__qualname__}")
+        host.append(np.ascontiguousarray(_interop.copy_to_host(a, lib)))
+    classes = block_classes(mask_mod, 1 if B is None else B, 1 if H is None else H, Nq, Nk,
+                            BLOCK, tuple(host))
+    return BlockMask(mask_mod, (B, H, Nq, Nk), BLOCK, classes, device)
+
+
+def block_classes(mask_mod, B, H, Nq, Nk, block, host_args):
+    """The (B, H, q tiles, k tiles) classes of ``mask_mod`` (host arrays for mod_args)."""
+    from ._block_eval import classify
+
+    fn = compiled(mask_mod)
+    nqt, nkt = -(-Nq // block), -(-Nk // block)
+    classes = np.zeros((B, H, nqt, nkt), np.int8)
+    if classes.size:
+        try:
+            classify(fn, classes, Nq, Nk, block, host_args)
+        except Exception as err:  # numba's typing errors
+            if type(err).__module__.startswith("numba"):
+                raise compile_error("mask_mod", mask_mod, err) from None
+            raise
+    return classes
