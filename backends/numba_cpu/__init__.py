@@ -60,6 +60,8 @@ def _give(a, case):
 
 
 def forward(q, k, v, case):
+    if case.mods is not None:
+        return _masked_forward(q, k, v, case)
     from .forward_kernels import attn_forward
 
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
@@ -77,6 +79,8 @@ def forward(q, k, v, case):
 
 
 def backward(do, q, k, v, o, lse, case):
+    if case.mods is not None:
+        return _masked_backward(do, q, k, v, o, lse, case)
     from .backward_kernels import attn_backward
 
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
@@ -87,4 +91,101 @@ def backward(do, q, k, v, o, lse, case):
     dv, dvk = _alloc_like(v, case)
     attn_backward(dok, qk, kk, vk, ok, lse_h, dqk, dkk, dvk, case.scale, case.causal,
                   tiles.bwd_block_q, tiles.bwd_block_k, _work(case))
+    return _give(dq, case), _give(dk, case), _give(dv, case)
+
+
+# --- masks and score modifiers (masked_kernels.py) ---------------------------------------
+
+
+def _mod_inputs(case):
+    """The masked kernels' inputs beyond the arrays: their three kernels, ``opts``, the
+    ALiBi slopes, the tile classes of mask_mod and their block, the host mod_args. Compile
+    errors of the user's functions surface here, before any output is allocated."""
+    from flashcore import _mods
+
+    from .masked_kernels import kernels
+
+    mods = case.mods
+    args = tuple(_interop.host_view(a, case.library) for a in case.mod_args)
+    score_mod = mask_mod = None
+    if mods.score_mod is not None:
+        score_mod = _checked(_mods, "score_mod", mods.score_mod, (numba_float64(),), args)
+    if mods.mask_mod is not None:
+        mask_mod = _checked(_mods, "mask_mod", mods.mask_mod, (), args)
+    left, right = mods.window_ints
+    opts = (case.causal, left, right, mods.softcap or 0.0, mods.alibi is not None)
+    alibi = (np.zeros((1, 1), np.float32) if mods.alibi is None else
+             np.ascontiguousarray(_interop.host_view(case.alibi_slopes, case.library),
+                                  np.float32).reshape(-1, case.heads_q))
+    if mask_mod is None:
+        classes, block = np.full((1, 1, 1, 1), _mods.FULL, np.int8), 1 << 40
+    elif mods.block_mask is not None:
+        classes, block = mods.block_mask.classes, mods.block_mask.block
+    else:
+        classes = _mods.block_classes(mods.mask_mod, case.batch, case.heads_q, case.seqlen_q,
+                                      case.seqlen_k, _mods.BLOCK, args)
+        block = _mods.BLOCK
+    return kernels(score_mod, mask_mod), opts, alibi, classes, block, args
+
+
+def numba_float64():
+    from numba import types
+
+    return types.float64
+
+
+def _checked(_mods, name, fn, leading, args):
+    """``fn`` compiled by Numba for (leading..., b, h, i, j, *args), or TypeError."""
+    import numba
+    from numba import types
+
+    disp = _mods.compiled(fn)
+    sig = (*leading, types.int64, types.int64, types.int64, types.int64,
+           *(numba.typeof(a) for a in args))
+    try:
+        disp.compile(sig)
+    except Exception as err:
+        if type(err).__module__.startswith("numba"):
+            raise _mods.compile_error(name, fn, err) from None
+        raise
+    return disp
+
+
+def _masked_forward(q, k, v, case):
+    made, opts, alibi, classes, block, args = _mod_inputs(case)
+    tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
+    qk, kk, vk = (_kernel_view(x, case) for x in (q, k, v))
+    o, ok = _alloc_like(q, case)
+    lse = _empty((case.batch, case.heads_q, case.seqlen_q), np.float32)
+    if o.size or lse.size:
+        import numba
+
+        n_tiles = case.batch * case.heads_q * -(-case.seqlen_q // tiles.block_q)
+        per_job = q_tiles_per_job(n_tiles, numba.get_num_threads(), tiles.block_q)
+        made[0](qk, kk, vk, ok, lse, case.scale, tiles.block_q, tiles.block_k, per_job,
+                _work(case), opts, alibi, classes, block, args)
+    return _give(o, case), _give(lse, case)
+
+
+def _masked_backward(do, q, k, v, o, lse, case):
+    from .backward_kernels import attn_backward_preprocess
+
+    made, opts, alibi, classes, block, args = _mod_inputs(case)
+    tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
+    dok, qk, kk, vk, ok = (_kernel_view(x, case) for x in (do, q, k, v, o))
+    lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library), dtype=np.float32)
+    dq, dqk = _alloc_like(q, case)
+    dk, dkk = _alloc_like(k, case)
+    dv, dvk = _alloc_like(v, case)
+    work = _work(case)
+    delta = np.empty((case.batch, case.heads_q, case.seqlen_q), work)
+    if qk.size:
+        attn_backward_preprocess(dok, ok, delta, work)
+    bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
+    if dkk.size:
+        made[1](dok, qk, kk, vk, lse_h, delta, dkk, dvk, case.scale, bq, bk, work, opts,
+                alibi, classes, block, args)
+    if dqk.size:
+        made[2](dok, qk, kk, vk, lse_h, delta, dqk, case.scale, bq, bk, work, opts, alibi,
+                classes, block, args)
     return _give(dq, case), _give(dk, case), _give(dv, case)

@@ -53,3 +53,85 @@ def mask_scores(s, n_rows, n_cols, i0, j0, offset):
         first_hidden = i0 + r + offset + 1 - j0
         for c in range(max(first_hidden, 0), n_cols):
             s[r, c] = -np.inf
+
+
+# --- the general form: causal, a window and a block mask's tile classes --------------------
+# ``left``/``right`` are the window's bounds, -1 for an unbounded side; ``classes`` a
+# BlockMask's (Bm, Hm, q blocks, k blocks) tile classes of ``block`` rows (a single FULL
+# entry with a huge block when there is no mask_mod).
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@njit
+def reach(causal, right):
+    """How far right of the diagonal a query sees (-1: unbounded; causal caps it at 0)."""
+    if causal:
+        return 0 if right < 0 else min(right, 0)
+    return right
+
+
+@njit
+def key_bounds(i0, n_rows, Nk, offset, causal, left, right):
+    """Keys ``[lo, hi)`` that query rows ``i0 .. i0 + n_rows - 1`` may see."""
+    r = reach(causal, right)
+    hi = Nk if r < 0 else max(0, min(Nk, i0 + n_rows + offset + r))
+    lo = 0 if left < 0 else min(hi, max(0, i0 + offset - left))
+    return lo, hi
+
+
+@njit
+def query_bounds(j0, n_cols, Nq, offset, causal, left, right):
+    """Query rows ``[lo, hi)`` that may see a key of ``j0 .. j0 + n_cols - 1``."""
+    r = reach(causal, right)
+    lo = 0 if r < 0 else min(Nq, max(0, j0 - offset - r))
+    hi = Nq if left < 0 else max(lo, min(Nq, j0 + n_cols - 1 - offset + left + 1))
+    return lo, hi
+
+
+@njit
+def rule_class(i0, n_rows, j0, n_cols, offset, causal, left, right):
+    """EMPTY, PARTIAL or FULL: how much of the tile causal and the window let through."""
+    r = reach(causal, right)
+    d_min = j0 - (i0 + n_rows - 1 + offset)  # key minus diagonal, over the tile
+    d_max = j0 + n_cols - 1 - (i0 + offset)
+    if (r >= 0 and d_min > r) or (left >= 0 and d_max < -left):
+        return EMPTY
+    if (r < 0 or d_max <= r) and (left < 0 or d_min >= -left):
+        return FULL
+    return PARTIAL
+
+
+@njit
+def mask_class(classes, block, b, h, i0, n_rows, j0, n_cols):
+    """The class of the tile under a BlockMask: EMPTY or FULL when every block it
+    overlaps is, else PARTIAL."""
+    bb = b if classes.shape[0] > 1 else 0
+    hh = h if classes.shape[1] > 1 else 0
+    seen_empty = False
+    seen_full = False
+    seen_partial = False
+    for qb in range(i0 // block, (i0 + n_rows - 1) // block + 1):
+        for kb in range(j0 // block, (j0 + n_cols - 1) // block + 1):
+            c = classes[bb, hh, min(qb, classes.shape[2] - 1), min(kb, classes.shape[3] - 1)]
+            if c == EMPTY:
+                seen_empty = True
+            elif c == FULL:
+                seen_full = True
+            else:
+                seen_partial = True
+    if seen_partial or (seen_empty and seen_full):
+        return PARTIAL
+    return FULL if seen_full else EMPTY
+
+
+@njit
+def tile_class(classes, block, b, h, i0, n_rows, j0, n_cols, offset, causal, left, right):
+    """The tile's class under every mask: causal, the window and the BlockMask."""
+    a = rule_class(i0, n_rows, j0, n_cols, offset, causal, left, right)
+    if a == EMPTY:
+        return EMPTY
+    m = mask_class(classes, block, b, h, i0, n_rows, j0, n_cols)
+    if m == EMPTY:
+        return EMPTY
+    return FULL if a == FULL and m == FULL else PARTIAL

@@ -1,0 +1,316 @@
+"""The CPU kernels with masks and score modifiers (window, softcap, ALiBi, the user's
+``score_mod`` and ``mask_mod``): the same tiles and steps as forward_kernels.py and
+backward_kernels.py, with the general seams.
+
+:func:`kernels` makes the three kernels for one (score_mod, mask_mod) pair: the user's
+functions are compiled into them (closures over Numba-compiled functions), so no call goes
+back to Python. Built-in options arrive as values (``opts``), so window, softcap and ALiBi
+share one compiled set. These kernels are not disk-cached (Numba cannot cache closures over
+user functions), which is why plain attention keeps its own cached kernels.
+
+Per tile: :func:`seams.tile_class` says EMPTY (skipped: no product is computed), FULL (no
+per-element mask) or PARTIAL; the score step applies, per element, softcap, ALiBi and
+score_mod, then the masks on PARTIAL tiles, and in the backward pass the derivative of the
+final score in the scaled one (the chain factor ``g`` that multiplies dS).
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .backward_kernels import (dscores_tile, load_rows, prepare_lse2, probabilities_tile,
+                               zero_tail)
+from .forward_kernels import FASTMATH, load_tile, load_tile_t, online_softmax_tile
+from .scalar import LOG2E, store
+from .seams import EMPTY, PARTIAL, key_bounds, query_bounds, tile_class
+
+#: Relative finite-difference step (flashcore._mods.FD_STEP, restated to keep the backend
+#: free of front-end imports inside kernels).
+FD_STEP = 1e-3
+
+
+def _no_score_mod(s, b, h, i, j, *args):
+    return s
+
+
+def _no_mask_mod(b, h, i, j, *args):
+    return True
+
+
+_MADE: dict = {}
+
+
+def kernels(score_mod, mask_mod):
+    """``(forward, dkdv, dq)`` with ``score_mod`` and ``mask_mod`` (Numba CPU dispatchers,
+    or None) compiled in; made once per pair."""
+    key = (score_mod, mask_mod)
+    if key not in _MADE:
+        _MADE[key] = _make(njit(_no_score_mod) if score_mod is None else score_mod,
+                           njit(_no_mask_mod) if mask_mod is None else mask_mod,
+                           score_mod is not None)
+    return _MADE[key]
+
+
+def _make(score_mod, mask_mod, has_score_mod):
+    ln2 = 1.0 / LOG2E
+
+    @njit
+    def modded(x, b, h, i, j, mod_args):
+        return np.float64(score_mod(x, b, h, i, j, *mod_args))
+
+    @njit
+    def derivative(x, b, h, i, j, mod_args):
+        """d score_mod / d s by the 4th-order central difference (flashcore._mods)."""
+        st = FD_STEP * max(1.0, abs(x))
+        d = (8.0 * (modded(x + st, b, h, i, j, mod_args) - modded(x - st, b, h, i, j, mod_args))
+             - (modded(x + 2 * st, b, h, i, j, mod_args)
+                - modded(x - 2 * st, b, h, i, j, mod_args))) / (12.0 * st)
+        return d if math.isfinite(d) else 0.0
+
+    @njit
+    def scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, opts, partial, alibi,
+               mod_args):
+        """The score step on a tile of log2-domain scores: modifiers, then (PARTIAL) the
+        masks; with ``want_g``, g <- d final / d scaled score."""
+        causal, left, right, softcap, has_alibi = opts
+        values = softcap > 0 or has_alibi or has_score_mod
+        if not (partial or values):
+            return
+        slope = alibi[b if alibi.shape[0] > 1 else 0, h] if has_alibi else 0.0
+        for r in range(n_rows):
+            i = i0 + r
+            ip = i + offset
+            for c in range(n_cols):
+                j = j0 + c
+                if partial:
+                    d = j - ip
+                    hidden = ((causal and d > 0) or (right >= 0 and d > right)
+                              or (left >= 0 and d < -left) or not mask_mod(b, h, i, j,
+                                                                           *mod_args))
+                    if hidden:
+                        s[r, c] = -np.inf
+                        if want_g:
+                            g[r, c] = 0.0
+                        continue
+                if not values:
+                    continue
+                x = np.float64(s[r, c]) * ln2
+                dx = 1.0
+                if softcap > 0:
+                    t = math.tanh(x / softcap)
+                    x = softcap * t
+                    dx = 1.0 - t * t
+                if has_alibi:
+                    x -= slope * abs(ip - j)
+                if has_score_mod:
+                    if want_g:
+                        dx *= derivative(x, b, h, i, j, mod_args)
+                    x = modded(x, b, h, i, j, mod_args)
+                s[r, c] = x * LOG2E
+                if want_g:
+                    g[r, c] = dx
+
+    @njit(parallel=True)
+    def forward(q, k, v, o, lse, scale, block_q, block_k, q_tiles_per_job, work_dtype, opts,
+                alibi, classes, block, mod_args):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        group = Hq // Hkv
+        offset = Nk - Nq
+        causal, left, right = opts[0], opts[1], opts[2]
+        rows_per_job = block_q * q_tiles_per_job
+        n_jobs = (Nq + rows_per_job - 1) // rows_per_job
+        q_mult = work_dtype(scale * LOG2E)
+        one = work_dtype(1.0)
+        for job in prange(B * Hq * n_jobs):
+            b = job // (Hq * n_jobs)
+            h = (job // n_jobs) % Hq
+            hk = h // group
+            row0 = (job % n_jobs) * rows_per_job
+            rows = min(rows_per_job, Nq - row0)
+            qt = np.empty((rows_per_job, D), work_dtype)
+            kt_t = np.empty((D, block_k), work_dtype)
+            vt = np.empty((block_k, D), work_dtype)
+            s = np.empty((block_q, block_k), work_dtype)
+            g = np.empty((1, 1), work_dtype)
+            pv = np.empty((block_q, D), work_dtype)
+            acc = np.zeros((rows_per_job, D), work_dtype)
+            m_i = np.full(rows_per_job, -np.inf, work_dtype)
+            l_i = np.zeros(rows_per_job, work_dtype)
+            cls = np.empty(q_tiles_per_job, np.int8)
+            load_tile(q, b, h, row0, rows, qt, q_mult)
+            lo, hi = key_bounds(row0, rows, Nk, offset, causal, left, right)
+            for j0 in range(lo // block_k * block_k, hi, block_k):
+                nk = min(block_k, hi - j0)
+                seen = False
+                for t in range((rows + block_q - 1) // block_q):
+                    nq = min(block_q, rows - t * block_q)
+                    cls[t] = tile_class(classes, block, b, h, row0 + t * block_q, nq, j0, nk,
+                                        offset, causal, left, right)
+                    seen = seen or cls[t] != EMPTY
+                if not seen:
+                    continue
+                load_tile_t(k, b, hk, j0, nk, kt_t, one)
+                load_tile(v, b, hk, j0, nk, vt, one)
+                if nk < block_k:
+                    vt[nk:, :] = 0.0
+                for t in range((rows + block_q - 1) // block_q):
+                    if cls[t] == EMPTY:
+                        continue
+                    t0 = t * block_q
+                    i0 = row0 + t0
+                    nq = min(block_q, rows - t0)
+                    np.dot(qt[t0:t0 + block_q], kt_t, s)
+                    scores(s, g, False, nq, nk, i0, j0, b, h, offset, opts,
+                           cls[t] == PARTIAL, alibi, mod_args)
+                    online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
+                    if nk < block_k:
+                        s[:, nk:] = 0.0
+                    np.dot(s, vt, pv)
+                    acc[t0:t0 + block_q] += pv
+            for r in range(rows):
+                empty = l_i[r] == 0.0
+                inv = 0.0 if empty else 1.0 / l_i[r]
+                for d in range(D):
+                    o[b, h, row0 + r, d] = store(acc[r, d] * inv, o[0, 0, 0, 0])
+                lse[b, h, row0 + r] = (-np.inf if empty
+                                       else (m_i[r] + math.log2(l_i[r])) / LOG2E)
+
+    @njit(fastmath=FASTMATH)
+    def chain(dp, g, n_rows, n_cols):
+        """dS through the score modifiers: dS <- dS * g."""
+        for r in range(n_rows):
+            for c in range(n_cols):
+                dp[r, c] *= g[r, c]
+
+    @njit(parallel=True)
+    def dkdv(do, q, k, v, lse, delta, dk, dv, scale, block_q, block_k, work_dtype, opts,
+             alibi, classes, block, mod_args):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        group = Hq // Hkv
+        offset = Nk - Nq
+        causal, left, right, softcap, has_alibi = opts
+        want_g = softcap > 0 or has_score_mod
+        n_kt = (Nk + block_k - 1) // block_k
+        one = work_dtype(1.0)
+        q_mult = work_dtype(scale * LOG2E)
+        for job in prange(B * Hkv * n_kt):
+            b = job // (Hkv * n_kt)
+            hk = (job // n_kt) % Hkv
+            j0 = (job % n_kt) * block_k
+            nk = min(block_k, Nk - j0)
+            kt_t = np.zeros((D, block_k), work_dtype)
+            vt_t = np.zeros((D, block_k), work_dtype)
+            qt = np.zeros((block_q, D), work_dtype)
+            dot = np.zeros((block_q, D), work_dtype)
+            s = np.empty((block_q, block_k), work_dtype)
+            g = np.ones((block_q, block_k), work_dtype)
+            dp = np.empty((block_q, block_k), work_dtype)
+            lse2 = np.empty(block_q, work_dtype)
+            dlt = np.empty(block_q, work_dtype)
+            dk_acc = np.zeros((block_k, D), work_dtype)
+            dv_acc = np.zeros((block_k, D), work_dtype)
+            tmp = np.empty((block_k, D), work_dtype)
+            load_tile_t(k, b, hk, j0, nk, kt_t, one)
+            load_tile_t(v, b, hk, j0, nk, vt_t, one)
+            lo, hi = query_bounds(j0, nk, Nq, offset, causal, left, right)
+            for h in range(hk * group, (hk + 1) * group):
+                for i0 in range(lo // block_q * block_q, hi, block_q):
+                    nq = min(block_q, Nq - i0)
+                    c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal,
+                                   left, right)
+                    if c == EMPTY:
+                        continue
+                    load_tile(q, b, h, i0, nq, qt, q_mult)
+                    load_tile(do, b, h, i0, nq, dot, one)
+                    if nq < block_q:
+                        qt[nq:, :] = 0.0
+                        dot[nq:, :] = 0.0
+                    prepare_lse2(lse, b, h, i0, nq, lse2)
+                    load_rows(delta, b, h, i0, nq, dlt)
+                    np.dot(qt, kt_t, s)
+                    scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts, c == PARTIAL,
+                           alibi, mod_args)
+                    probabilities_tile(s, nq, nk, lse2)
+                    zero_tail(s, nq, nk)
+                    np.dot(s.T, dot, tmp)  # dV += P^T dO
+                    dv_acc += tmp
+                    np.dot(dot, vt_t, dp)  # dP = dO V^T
+                    dscores_tile(s, dp, nq, nk, dlt)
+                    if want_g:
+                        chain(dp, g, nq, nk)
+                    zero_tail(dp, nq, nk)
+                    np.dot(dp.T, qt, tmp)  # dK += dS^T Q (qt carries scale*log2e)
+                    dk_acc += tmp
+            dk_mult = work_dtype(1.0 / LOG2E)
+            for r in range(nk):
+                for d in range(D):
+                    dk[b, hk, j0 + r, d] = store(dk_acc[r, d] * dk_mult, dk[0, 0, 0, 0])
+                    dv[b, hk, j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
+
+    @njit(parallel=True)
+    def dq(do, q, k, v, lse, delta, dq_out, scale, block_q, block_k, work_dtype, opts, alibi,
+           classes, block, mod_args):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        group = Hq // Hkv
+        offset = Nk - Nq
+        causal, left, right, softcap, has_alibi = opts
+        want_g = softcap > 0 or has_score_mod
+        n_qt = (Nq + block_q - 1) // block_q
+        one = work_dtype(1.0)
+        q_mult = work_dtype(scale * LOG2E)
+        for job in prange(B * Hq * n_qt):
+            b = job // (Hq * n_qt)
+            h = (job // n_qt) % Hq
+            hk = h // group
+            i0 = (job % n_qt) * block_q
+            nq = min(block_q, Nq - i0)
+            qt = np.zeros((block_q, D), work_dtype)
+            dot = np.zeros((block_q, D), work_dtype)
+            kt = np.zeros((block_k, D), work_dtype)
+            kt_t = np.zeros((D, block_k), work_dtype)
+            vt_t = np.zeros((D, block_k), work_dtype)
+            s = np.empty((block_q, block_k), work_dtype)
+            g = np.ones((block_q, block_k), work_dtype)
+            dp = np.empty((block_q, block_k), work_dtype)
+            lse2 = np.empty(block_q, work_dtype)
+            dlt = np.empty(block_q, work_dtype)
+            dq_acc = np.zeros((block_q, D), work_dtype)
+            tmp = np.empty((block_q, D), work_dtype)
+            load_tile(q, b, h, i0, nq, qt, q_mult)
+            load_tile(do, b, h, i0, nq, dot, one)
+            prepare_lse2(lse, b, h, i0, nq, lse2)
+            load_rows(delta, b, h, i0, nq, dlt)
+            lo, hi = key_bounds(i0, nq, Nk, offset, causal, left, right)
+            for j0 in range(lo // block_k * block_k, hi, block_k):
+                nk = min(block_k, hi - j0)
+                c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal, left,
+                               right)
+                if c == EMPTY:
+                    continue
+                load_tile(k, b, hk, j0, nk, kt, one)
+                load_tile_t(k, b, hk, j0, nk, kt_t, one)
+                load_tile_t(v, b, hk, j0, nk, vt_t, one)
+                if nk < block_k:
+                    kt[nk:, :] = 0.0
+                    kt_t[:, nk:] = 0.0
+                    vt_t[:, nk:] = 0.0
+                np.dot(qt, kt_t, s)
+                scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts, c == PARTIAL, alibi,
+                       mod_args)
+                probabilities_tile(s, nq, nk, lse2)
+                np.dot(dot, vt_t, dp)
+                dscores_tile(s, dp, nq, nk, dlt)
+                if want_g:
+                    chain(dp, g, nq, nk)
+                zero_tail(dp, nq, nk)
+                np.dot(dp, kt, tmp)  # dQ += dS K
+                dq_acc += tmp
+            dq_mult = work_dtype(scale)
+            for r in range(nq):
+                for d in range(D):
+                    dq_out[b, h, i0 + r, d] = store(dq_acc[r, d] * dq_mult, dq_out[0, 0, 0, 0])
+
+    return forward, dkdv, dq
