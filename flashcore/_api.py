@@ -1,12 +1,11 @@
 """The public functions. They check arguments, pick a backend and hand the arrays over."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from . import _dispatch
 from ._checks import make_case
 from ._memo import Memo
-from ._mods import mod_args_key
+from ._mods import options as _options
+from ._mods import options_key, with_arrays
 
 
 def _framework(*arrays):
@@ -28,26 +27,6 @@ def _framework(*arrays):
 _PLANS = Memo(256)
 
 
-def _options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args, block_mask):
-    """The mask and score options as make_case takes them; None when none was asked."""
-    if (window is None and softcap is None and alibi_slopes is None and score_mod is None
-            and mask_mod is None and block_mask is None and not mod_args):
-        return None
-    return {"window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
-            "score_mod": score_mod, "mask_mod": mask_mod, "mod_args": mod_args,
-            "block_mask": block_mask}
-
-
-def _options_key(options):
-    """What the checks read of the options: values, and the arrays' kinds (not contents)."""
-    if options is None:
-        return None
-    a = options["alibi_slopes"]
-    return (options["window"], options["softcap"], None if a is None else mod_args_key((a,)),
-            options["score_mod"], options["mask_mod"], mod_args_key(options["mod_args"]),
-            options["block_mask"])
-
-
 def _plan(q, k, v, causal, scale, layout, need_lse, backend, options=None):
     """``(case, backend module)`` of a forward call: checked and selected once per kind of
     call (array types, shapes, dtypes, devices and options, which are all the checks and
@@ -57,15 +36,12 @@ def _plan(q, k, v, causal, scale, layout, need_lse, backend, options=None):
     try:
         key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, causal, scale, layout, need_lse, backend,
-               _options_key(options))
+               options_key(options))
     except (AttributeError, TypeError):  # no .device, or a mod_args entry that is no array
         key = None
     case, impl = _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout,
                                      need_lse, backend, options)
-    if case.mods is not None and (options["alibi_slopes"] is not None or options["mod_args"]):
-        case = replace(case, alibi_slopes=options["alibi_slopes"],
-                       mod_args=tuple(options["mod_args"]))
-    return case, impl
+    return with_arrays(case, options), impl
 
 
 def _make_plan(q, k, v, causal, scale, layout, need_lse, backend, options):
@@ -171,7 +147,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, window=None, softca
 
         scale = _torch_ops.static_scale(q, causal, scale, layout)
         return _torch_ops.attention_backward_op(do, q, k, v, o, lse, causal, scale, layout,
-                                                backend, options)
+                                                backend, *_torch_ops.op_mods(options))
     if fw == "jax" and _jax_traced(do, q, k, v, o, lse):
         # Traced: pull do back through the differentiable forward (it recomputes o and lse,
         # which a traced call cannot check against the ones given).

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _dispatch, _interop
+from . import _dispatch, _interop, _mods
 from ._checks import make_case
 from ._errors import BackendUnavailableError
 from ._memo import Memo
@@ -59,13 +59,30 @@ def _device(x):
     return "cpu" if d.platform == "cpu" else f"cuda:{d.id}"
 
 
-def _case(q, k, v, *, causal, scale, layout, need_lse, backend, extra=None, device=None):
+def _stand_in_options(options):
+    """The options with stand-ins for their arrays (checked as q's stand-in is)."""
+    if options is None:
+        return None
+    out = dict(options)
+    if out["alibi_slopes"] is not None:
+        out["alibi_slopes"] = _stand_in(out["alibi_slopes"])
+    out["mod_args"] = tuple(_stand_in(a) if _is_jax(a) else a for a in out["mod_args"])
+    return out
+
+
+def _is_jax(x):
+    return isinstance(x, (jax.Array, jax.core.Tracer))
+
+
+def _case(q, k, v, *, causal, scale, layout, need_lse, backend, extra=None, device=None,
+          options=None):
     """The call's Case (library "jax"), checked on stand-ins; raises on bad arguments.
     ``device`` defaults to the arrays' own (where jit will run, for tracers)."""
     stand = {n: _stand_in(x) for n, x in (extra or {}).items()}
     case = make_case(_stand_in(q), _stand_in(k), _stand_in(v), causal=causal, scale=scale,
                      layout=layout, need_lse=need_lse, explicit=backend != "auto",
-                     direction="backward" if extra else "forward", extra=stand or None)
+                     direction="backward" if extra else "forward", extra=stand or None,
+                     options=_stand_in_options(options))
     if device is None:
         named = {"q": q, "k": k, "v": v, **(extra or {})}
         devices = {n: d for n, d in ((n, _device(x)) for n, x in named.items()) if d}
@@ -77,34 +94,46 @@ def _case(q, k, v, *, causal, scale, layout, need_lse, backend, extra=None, devi
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=False,
-              backend="auto"):
-    """Differentiable, jit- and vmap-able :func:`flashcore.attention` for JAX arrays."""
-    plan = _plan(q, k, v, causal, scale, layout, backend)
+              backend="auto", options=None):
+    """Differentiable, jit- and vmap-able :func:`flashcore.attention` for JAX arrays.
+    The option arrays (ALiBi slopes, mod_args) are inputs of the custom VJP without
+    gradients; under ``vmap`` they must not be mapped."""
+    plan = _plan(q, k, v, causal, scale, layout, backend, options)
+    arrays = _mods.arrays_of(options)
     if len(plan) == 1:
         _, case, impl = plan[0]
-        o, lse = _run(case, impl, q, k, v, need_lse=return_lse)
+        o, lse = _run(case, impl, q, k, v, *arrays, need_lse=return_lse)
     else:
         # Traced arrays on a machine with a GPU: whether this runs on the CPU or the GPU is
         # known only when jit lowers it, so each platform gets its own branch.
         o, lse = jax.lax.platform_dependent(
-            q, k, v, **{p: functools.partial(_run, case, impl, need_lse=True)
-                        for p, case, impl in plan})
+            q, k, v, *arrays, **{p: functools.partial(_run, case, impl, need_lse=True)
+                                 for p, case, impl in plan})
     if lse is not None:
         lse = jax.lax.stop_gradient(lse)
     return (o, lse) if return_lse else o
 
 
-def _run(case, impl, q, k, v, *, need_lse):
+def _run(case, impl, q, k, v, *arrays, need_lse):
     if impl.NAME in _TRACEABLE:
-        return impl.forward(q, k, v, replace(case, need_lse=need_lse))
-    return _numba_attention(impl.NAME, case)(q, k, v)
+        return impl.forward(q, k, v, _with(replace(case, need_lse=need_lse), arrays))
+    return _numba_attention(impl.NAME, case)(q, k, v, *arrays)
+
+
+def _with(case, arrays):
+    """``case`` carrying the option arrays (ALiBi slopes first, then mod_args)."""
+    if case.mods is None:
+        return case
+    arrays = list(arrays)
+    alibi = arrays.pop(0) if case.mods.alibi is not None else None
+    return replace(case, alibi_slopes=alibi, mod_args=tuple(arrays))
 
 
 #: Plans per kind of call; see _plan.
 _PLANS = Memo(512)
 
 
-def _plan(q, k, v, causal, scale, layout, backend):
+def _plan(q, k, v, causal, scale, layout, backend, options=None):
     """``((platform, case, backend), ...)``: one entry (platform None) for concrete arrays
     or a CPU-only machine, one per platform for traced arrays on a machine with a GPU.
     Cached per (shapes, dtypes, devices, options): the checks read nothing else, so a
@@ -115,15 +144,22 @@ def _plan(q, k, v, causal, scale, layout, backend):
         devices = None
     key = None if devices is None else (
         tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, devices,
-        causal, scale, layout, backend, jax.default_backend())
+        causal, scale, layout, backend, jax.default_backend(), _options_key(options))
     traced = devices is not None and None in devices
     return _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, backend,
-                               traced)
+                               traced, options)
 
 
-def _make_plan(q, k, v, causal, scale, layout, backend, traced):
+def _options_key(options):
+    try:
+        return _mods.options_key(options)
+    except (TypeError, AttributeError):
+        return object()  # not a key: a miss every time (the checks then say what is wrong)
+
+
+def _make_plan(q, k, v, causal, scale, layout, backend, traced, options):
     opts = {"causal": causal, "scale": scale, "layout": layout, "need_lse": True,
-            "backend": backend}
+            "backend": backend, "options": options}
     if not traced or jax.default_backend() == "cpu":
         case = _case(q, k, v, **opts)
         return ((None, case, _dispatch.select(case, backend)),)
@@ -159,21 +195,28 @@ def _numba_attention(name: str, case):
         fwd_call, bwd_call = _cpu_calls(name, case, fwd_types, bwd_types)
 
     @jax.custom_vjp
-    def f(q, k, v):
-        return fwd_call(q, k, v)
+    def f(q, k, v, *arrays):
+        return fwd_call(q, k, v, *arrays)
 
-    def f_fwd(q, k, v):
-        o, lse = fwd_call(q, k, v)
-        return (o, lse), (q, k, v, o, lse)
+    def f_fwd(q, k, v, *arrays):
+        o, lse = fwd_call(q, k, v, *arrays)
+        return (o, lse), (q, k, v, o, lse, arrays)
 
     def f_bwd(res, cts):
         do, _ = cts  # lse leaves through stop_gradient: its cotangent is zero
-        q, k, v, o, lse = res
-        return tuple(bwd_call(do, q, k, v, o, lse))
+        q, k, v, o, lse, arrays = res
+        # No gradient reaches the option arrays (ALiBi slopes, mod_args).
+        return (*bwd_call(do, q, k, v, o, lse, *arrays), *map(_no_cotangent, arrays))
 
     f.defvjp(f_fwd, f_bwd)
     # Eager calls then run one compiled executable; under an outer jit this is inlined.
     return jax.jit(f)
+
+
+def _no_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
 def _shape(case, which):
@@ -202,26 +245,27 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
     opts = {"causal": case.causal, "scale": case.scale, "layout": case.layout}
     plans = {}  # the checked host Case and backend, per (direction, shapes, dtype)
 
-    def plan(direction, q4, k4, v4, extra=None):
+    def plan(direction, q4, k4, v4, arrays, extra=None):
         key = (direction, q4.shape, k4.shape, q4.dtype)
+        options = _host_options(case, arrays)
         hit = plans.get(key)
         if hit is None:
             host = make_case(q4, k4, v4, direction=direction, need_lse=direction == "forward",
-                             explicit=case.explicit, extra=extra, **opts)
+                             explicit=case.explicit, extra=extra, options=options, **opts)
             hit = plans[key] = (host, _dispatch.select(host, name))
-        return hit
+        return _mods.with_arrays(hit[0], options), hit[1]
 
-    def fwd_host(q, k, v):
+    def fwd_host(q, k, v, *arrays):
         q4, k4, v4 = (_fold(x, 4) for x in (q, k, v))
-        host, impl = plan("forward", q4, k4, v4)
+        host, impl = plan("forward", q4, k4, v4, arrays)
         o, lse = impl.forward(q4, k4, v4, host)
         return (np.asarray(o, dtype=q4.dtype).reshape(np.shape(q)),
                 np.asarray(lse, dtype=np.float32).reshape(*np.shape(q)[:-3], *np.shape(lse)[1:]))
 
-    def bwd_host(do, q, k, v, o, lse):
+    def bwd_host(do, q, k, v, o, lse, *arrays):
         do4, q4, k4, v4, o4 = (_fold(x, 4) for x in (do, q, k, v, o))
         lse3 = _fold(lse, 3)
-        host, impl = plan("backward", q4, k4, v4, {"do": do4, "o": o4, "lse": lse3})
+        host, impl = plan("backward", q4, k4, v4, arrays, {"do": do4, "o": o4, "lse": lse3})
         grads = impl.backward(do4, q4, k4, v4, o4, lse3, host)
         return tuple(np.asarray(g, dtype=x4.dtype).reshape(np.shape(x))
                      for g, x4, x in zip(grads, (q4, k4, v4), (q, k, v)))
@@ -232,11 +276,12 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
         buffer_callback = None
 
     if buffer_callback is None:
-        def fwd_call(q, k, v):
-            return jax.pure_callback(fwd_host, fwd_types, q, k, v, vmap_method="broadcast_all")
+        def fwd_call(q, k, v, *arrays):
+            return jax.pure_callback(fwd_host, fwd_types, q, k, v, *arrays,
+                                     vmap_method="broadcast_all")
 
-        def bwd_call(do, q, k, v, o, lse):
-            return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse,
+        def bwd_call(do, q, k, v, o, lse, *arrays):
+            return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse, *arrays,
                                      vmap_method="broadcast_all")
 
         return fwd_call, bwd_call
@@ -245,15 +290,26 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
         for out, r in zip(outs, results):
             np.copyto(np.asarray(out), r)
 
-    def fwd_cb(ctx, outs, q, k, v):
-        into(outs, fwd_host(*(np.asarray(x) for x in (q, k, v))))
+    def fwd_cb(ctx, outs, *inputs):
+        into(outs, fwd_host(*map(np.asarray, inputs)))
 
-    def bwd_cb(ctx, outs, do, q, k, v, o, lse):
-        into(outs, bwd_host(*(np.asarray(x) for x in (do, q, k, v, o, lse))))
+    def bwd_cb(ctx, outs, *inputs):
+        into(outs, bwd_host(*map(np.asarray, inputs)))
 
     fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
     bwd = buffer_callback(bwd_cb, bwd_types, vmap_method="broadcast_all")
     return fwd, bwd
+
+
+def _host_options(case, arrays):
+    """The call's options (None: plain) with the callback's host arrays."""
+    if case.mods is None:
+        return None
+    m, arrays = case.mods, list(arrays)
+    return {"window": m.window, "softcap": m.softcap,
+            "alibi_slopes": arrays.pop(0) if m.alibi is not None else None,
+            "score_mod": m.score_mod, "mask_mod": m.mask_mod, "mod_args": tuple(arrays),
+            "block_mask": m.block_mask}
 
 
 # --- GPU: buffer_callback on XLA's stream -------------------------------------------------

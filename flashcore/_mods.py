@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -63,6 +63,44 @@ class Mods:
         if self.window is None:
             return -1, -1
         return tuple(-1 if w is None else int(w) for w in self.window)
+
+
+def options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args, block_mask):
+    """The mask and score options as make_case takes them; None when none was asked."""
+    if (window is None and softcap is None and alibi_slopes is None and score_mod is None
+            and mask_mod is None and block_mask is None and not mod_args):
+        return None
+    return {"window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
+            "score_mod": score_mod, "mask_mod": mask_mod, "mod_args": mod_args,
+            "block_mask": block_mask}
+
+
+def options_key(opts):
+    """The options without their arrays' contents: what the checks read of them (array
+    kinds, not values). Keys plans; TypeError where a part is unhashable."""
+    if opts is None:
+        return None
+    a = opts["alibi_slopes"]
+    window = opts["window"]
+    return (tuple(window) if isinstance(window, list) else window, opts["softcap"],
+            None if a is None else mod_args_key((a,)), opts["score_mod"], opts["mask_mod"],
+            mod_args_key(opts["mod_args"]), opts["block_mask"])
+
+
+
+def arrays_of(opts) -> list:
+    """The arrays the options carry: the ALiBi slopes (if any), then mod_args."""
+    if opts is None:
+        return []
+    a = opts["alibi_slopes"]
+    return ([] if a is None else [a]) + list(opts["mod_args"])
+
+
+def with_arrays(case, opts):
+    """``case`` (perhaps a cached one) carrying this call's option arrays."""
+    if case.mods is None or not (opts["alibi_slopes"] is not None or opts["mod_args"]):
+        return case
+    return replace(case, alibi_slopes=opts["alibi_slopes"], mod_args=tuple(opts["mod_args"]))
 
 
 def check_window(window):

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _mods
 from ._checks import check_options, make_case
 from ._errors import BackendUnavailableError
 from ._memo import Memo
@@ -73,18 +73,26 @@ class _Plan(NamedTuple):
 _PLANS = Memo(512)
 
 
-def _plan(q, k, v, causal, scale, layout, backend, return_lse) -> _Plan:
-    key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-           q.device, k.device, v.device, causal, scale, layout, backend, return_lse)
-    return _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, backend,
-                               return_lse)
+def _plan(q, k, v, causal, scale, layout, backend, return_lse, options=None) -> _Plan:
+    try:
+        key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype,
+               v.dtype, q.device, k.device, v.device, causal, scale, layout, backend,
+               return_lse, _mods.options_key(options))
+    except TypeError:  # an option that cannot key a dict: checked every time
+        key = None
+    plan = _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, backend,
+                               return_lse, options)
+    if options is None:
+        return plan
+    return plan._replace(case=_mods.with_arrays(plan.case, options),
+                         bcase=plan.bcase and _mods.with_arrays(plan.bcase, options))
 
 
-def _make_plan(q, k, v, causal, scale, layout, backend, return_lse) -> _Plan:
+def _make_plan(q, k, v, causal, scale, layout, backend, return_lse, options) -> _Plan:
     """The forward keeps lse as the backward's residual, so it asks for it even when the
     caller does not; a backend that cannot give it may still serve such a call (see below)."""
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                     explicit=backend != "auto")
+                     explicit=backend != "auto", options=options)
     try:
         impl = _dispatch.select(case, backend)
     except BackendUnavailableError:
@@ -120,39 +128,88 @@ def _forward(q, k, v, case, impl):
 # --- layer 1: raw ops ---------------------------------------------------------------------
 
 
+# Masks and score modifiers reach the ops as ``mods`` (a number standing for the static
+# options: the ops take no Python functions) and ``arrays`` (the ALiBi slopes, then
+# mod_args); -1 and [] for plain attention.
+
+#: The static options by number, and numbers by their key.
+_STATIC: list = []
+_STATIC_IDS: dict = {}
+
+
+def op_mods(options) -> tuple[int, list]:
+    """``(mods, arrays)`` as the ops take them."""
+    if options is None:
+        return -1, []
+    window = options["window"]
+    n = _static_id(tuple(window) if isinstance(window, list) else window, options["softcap"],
+                   options["alibi_slopes"] is not None, options["score_mod"],
+                   options["mask_mod"], options["block_mask"])
+    return n, _mods.arrays_of(options)
+
+
+@torch._dynamo.assume_constant_result
+def _static_id(window, softcap, has_alibi, score_mod, mask_mod, block_mask) -> int:
+    """The number standing for these static options (registered on first sight; under
+    torch.compile this runs at trace time, its result a constant of the graph)."""
+    key = (window, softcap, has_alibi, score_mod, mask_mod, block_mask)
+    n = _STATIC_IDS.get(key)
+    if n is None:
+        n = _STATIC_IDS[key] = len(_STATIC)
+        _STATIC.append({"window": window, "softcap": softcap, "has_alibi": has_alibi,
+                        "score_mod": score_mod, "mask_mod": mask_mod,
+                        "block_mask": block_mask})
+    return n
+
+
+def _options(mods: int, arrays) -> dict | None:
+    """The options an op's ``(mods, arrays)`` stand for."""
+    if mods < 0:
+        return None
+    static = dict(_STATIC[mods])
+    arrays = list(arrays)
+    static["alibi_slopes"] = arrays.pop(0) if static.pop("has_alibi") else None
+    static["mod_args"] = tuple(arrays)
+    return static
+
+
 @torch.library.custom_op("flashcore::attention_forward", mutates_args=())
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                         layout: str, backend: str) -> tuple[Tensor, Tensor]:
+                         layout: str, backend: str, mods: int,
+                         arrays: list[Tensor]) -> tuple[Tensor, Tensor]:
     """``(o, lse)``: o of q's shape and dtype, lse float32 ``(B, Hq, Nq)``."""
-    plan = _plan(q, k, v, causal, scale, layout, backend, True)
+    plan = _plan(q, k, v, causal, scale, layout, backend, True, _options(mods, arrays))
     o, lse = _forward(q, k, v, plan.case, plan.impl)
     return _dense(o), _dense(lse)
 
 
 @attention_forward_op.register_fake
-def _attention_forward_fake(q, k, v, causal, scale, layout, backend):
+def _attention_forward_fake(q, k, v, causal, scale, layout, backend, mods, arrays):
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
-                     explicit=backend != "auto")
+                     explicit=backend != "auto", options=_options(mods, arrays))
     lse = q.new_empty((case.batch, case.heads_q, case.seqlen_q), dtype=torch.float32)
     return q.new_empty(q.shape), lse
 
 
 @torch.library.custom_op("flashcore::attention_backward", mutates_args=())
 def attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                          causal: bool, scale: float, layout: str,
-                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                          causal: bool, scale: float, layout: str, backend: str, mods: int,
+                          arrays: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the shapes and dtypes of q, k, v."""
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, direction="backward",
-                     explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse})
+                     explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse},
+                     options=_options(mods, arrays))
     with _on_device(q):
         grads = _dispatch.select(case, backend).backward(do, q, k, v, o, lse, case)
     return tuple(_dense(g) for g in grads)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(do, q, k, v, o, lse, causal, scale, layout, backend):
+def _attention_backward_fake(do, q, k, v, o, lse, causal, scale, layout, backend, mods,
+                             arrays):
     make_case(q, k, v, causal=causal, scale=scale, layout=layout, direction="backward",
-              explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse})
+              explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse},
+              options=_options(mods, arrays))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -164,7 +221,8 @@ def _attention_backward_fake(do, q, k, v, o, lse, causal, scale, layout, backend
 
 
 def _setup_context(ctx, inputs, output):
-    # inputs: the op's (q, k, v, causal, scale, layout, backend), or eagerly (q, k, v, plan)
+    # inputs: the op's (q, k, v, causal, scale, layout, backend, mods, arrays), or eagerly
+    # (q, k, v, plan)
     q, k, v, *rest = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
@@ -177,7 +235,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     rest = ctx.rest
     if do is None:  # no gradient reached o (grads are not materialized): none for q, k, v
-        return (None,) * (3 + len(rest))
+        return (None, None, None, *_no_grads(rest))
     q, k, v, o, lse = ctx.saved_tensors
     # An output gradient can be an expanded view (stride 0) of a scalar's gradient.
     do = do.contiguous()
@@ -187,7 +245,12 @@ def _backward(ctx, do, _dlse):
             dq, dk, dv = bimpl.backward(do, q, k, v, o, lse, bcase)
     else:  # the op's formula: the backward op, one node in a compiled graph
         dq, dk, dv = attention_backward_op(do, q, k, v, o, lse, *rest)
-    return (dq, dk, dv, *(None,) * len(rest))
+    return (dq, dk, dv, *_no_grads(rest))
+
+
+def _no_grads(rest):
+    """None per non-differentiable input; a list of them for the op's ``arrays``."""
+    return tuple([None] * len(x) if isinstance(x, list) else None for x in rest)
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -227,16 +290,17 @@ def wants(q, k, v) -> bool:
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=False,
-              backend="auto"):
+              backend="auto", options=None):
     """Differentiable, compilable :func:`flashcore.attention` for torch tensors."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name (str); got {backend=}")
     if torch.compiler.is_compiling():
         # The custom op: dynamo traces it as one node (make_case cannot be traced itself).
         scale = static_scale(q, causal, scale, layout)
-        o, lse = attention_forward_op(q, k, v, causal, scale, layout, backend)
+        o, lse = attention_forward_op(q, k, v, causal, scale, layout, backend,
+                                      *op_mods(options))
     else:
-        plan = _plan(q, k, v, causal, scale, layout, backend, return_lse)
+        plan = _plan(q, k, v, causal, scale, layout, backend, return_lse, options)
         if plan.bimpl is None:  # a _DIFFERENTIABLE backend: torch's autograd as it stands
             o, lse = plan.impl.forward(q, k, v, plan.case)
         else:

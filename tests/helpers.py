@@ -55,7 +55,7 @@ def oracle_backward(do, q, k, v, **opts):
     q64, k64, v64, case = _case64(q, k, v, opts)
     o, _ = reference.forward(q64, k64, v64, case)
     qb, kb = (x if case.layout == "bhnd" else np.transpose(x, (0, 2, 1, 3)) for x in (q64, k64))
-    _, lse = reference._probabilities(aac.array_namespace(qb), "cpu", qb, kb, case)
+    _, lse, _ = reference._probabilities(aac.array_namespace(qb), "cpu", qb, kb, case)
     lse = lse.reshape(case.batch, case.heads_q, case.seqlen_q)
     return reference.backward(to64(do), q64, k64, v64, o, lse, case)
 

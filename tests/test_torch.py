@@ -146,14 +146,14 @@ def test_opcheck(backend, layout, causal, shape):
     rng = np.random.default_rng(8)
     q, k, v = (t(x, grad=True) for x in qkv(rng, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=8,
                                              layout=layout))
-    args = (q, k, v, causal, 0.3, layout, backend)
+    args = (q, k, v, causal, 0.3, layout, backend, -1, [])
     torch.library.opcheck(_torch_ops.attention_forward_op, args)
     with torch.no_grad():
         o, lse = _torch_ops.attention_forward_op(*args)
     do = torch.randn_like(o)
     torch.library.opcheck(_torch_ops.attention_backward_op,
                           (do, q.detach(), k.detach(), v.detach(), o, lse, causal, 0.3, layout,
-                           backend))
+                           backend, -1, []))
 
 
 class _Block(torch.nn.Module):

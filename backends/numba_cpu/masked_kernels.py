@@ -18,8 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .backward_kernels import (dscores_tile, load_rows, prepare_lse2, probabilities_tile,
-                               zero_tail)
+from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabilities_tile, zero_tail
 from .forward_kernels import FASTMATH, load_tile, load_tile_t, online_softmax_tile
 from .scalar import LOG2E, store
 from .seams import EMPTY, PARTIAL, key_bounds, query_bounds, tile_class
