@@ -144,10 +144,8 @@ def _checked(_mods, name, fn, leading, args):
            *(numba.typeof(a) for a in args))
     try:
         disp.compile(sig)
-    except Exception as err:
-        if type(err).__module__.startswith("numba"):
-            raise _mods.compile_error(name, fn, err) from None
-        raise
+    except Exception as err:  # typing errors, or a signature the function does not take
+        raise _mods.compile_error(name, fn, err) from None
     return disp
 
 
