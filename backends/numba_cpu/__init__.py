@@ -123,7 +123,7 @@ def _mod_inputs(case):
         classes, block = mods.block_mask.classes, mods.block_mask.block
     else:
         classes = _mods.block_classes(mods.mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                                      case.seqlen_k, _mods.BLOCK, args)
+                                      case.seqlen_k, _mods.BLOCK, args, remember=True)
         block = _mods.BLOCK
     return kernels(score_mod, mask_mod), opts, alibi, classes, block, args
 
