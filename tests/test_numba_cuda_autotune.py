@@ -1,5 +1,5 @@
 """The tensor-core autotuner's cache and how tilings.choose_tc reads it (no GPU needed;
-the tuner's timing runs on the device, tools/gpu_final.sh)."""
+the tuner's timing runs on the device: the tune stage of tools/gpu_session.sh)."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,10 +1,13 @@
 """Compile the numba_cuda kernel variants in parallel processes, filling numba's disk cache
 (``cache=True``), so that test and benchmark processes load instead of compiling.
 
-One job per (head dim, causal) compiles every kernel for all three dtypes (SIMT, and the
-tensor-core kernels where fp16/bf16 has them); each variant has
-its own cache index file (see forward_kernels.variant_tag), so jobs never write one file
-concurrently. Prints the wall time per job and in all.
+One job per (head dim, causal) compiles every kernel variant that a launch on GPU 0 may
+pick, for all three dtypes: the SIMT ones (launch.simt_variants, fp32 tiles streamed) and,
+for fp16/bf16 at the head dims they serve, the tensor-core ones with the tilings that
+launches choose on this GPU (launch.tc_variants: the autotuner's cache, else the tables).
+Each variant has its own cache index file (variant.Variant.tag), and the preprocess
+kernel, which does not depend on causality, is compiled by the non-causal job only, so
+jobs never write one file concurrently. Prints the wall time per job and in all.
 
 Usage: python tools/gpu_precompile.py [PROCESSES]
 """
@@ -21,18 +24,18 @@ DTYPES = ("float32", "float16", "bfloat16")
 def job(args):
     head_dim, causal = args
     t0 = time.perf_counter()
-    from flashcore.backends.numba_cuda import launch, launch_tc, tile_product_tc
+    from flashcore.backends.numba_cuda import launch, tilings
+    from flashcore.backends.numba_cuda.driver import device_cc
 
+    cc, gpu = device_cc(0), launch._gpu(0)[1]  # (the GPU's name; None in the simulator)
     for dtype in DTYPES:
-        if dtype != "float32" and head_dim in tile_product_tc.HEAD_DIMS:
-            for name in ("forward", "dkdv", "dq"):
-                launch_tc.kernel(name, head_dim, dtype, causal, 0)
-        kt = launch.kernel_tiles(head_dim, dtype, causal, 0)
-        launch.forward_kernel(head_dim, dtype, causal, 0, kt.forward)
-        launch.dkdv_kernel(head_dim, dtype, causal, 0, kt.dkdv)
-        launch.dq_kernel(head_dim, dtype, causal, 0, kt.dq)
-        if not causal:  # the preprocess kernel does not depend on causality
-            launch.preprocess_kernel(head_dim, dtype, 0, kt.preprocess_threads)
+        kt = tilings.choose_simt(head_dim, dtype, causal, cc)
+        variants = [v for v in launch.simt_variants(head_dim, dtype, causal, kt)
+                    if not (causal and v.kernel == "preprocess")]
+        if dtype != "float32" and head_dim in tilings.HEAD_DIMS:
+            variants += launch.tc_variants(head_dim, dtype, causal, cc, gpu=gpu)
+        for v in variants:
+            launch.kernel(v, 0)
     return head_dim, causal, time.perf_counter() - t0
 
 

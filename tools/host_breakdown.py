@@ -40,7 +40,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import torch
     from flashcore.backends import numba_cuda
-    from flashcore.backends.numba_cuda import launch
+    from flashcore.backends.numba_cuda import driver, launch
 
     import flashcore
     from flashcore._checks import make_case
@@ -50,12 +50,15 @@ def main(argv=None):
     sync = torch.cuda.synchronize
     numba_cuda.forward(q, k, v, case)  # compile / load, plans
     sync()
-    kern, bm = launch._forward_plan(case, 0, None)
     o = torch.empty_like(q)
     lse = torch.empty(1, 1, 16, device="cuda")
     views = [(x.data_ptr(), x.stride()) for x in (q, k, v, o)]
+    # the plan run_forward looks up for this call (the SIMT kernel: fp32)
+    kern, bm = launch._plan("forward", case, 0, None,
+                            launch._fp32_rows_aligned(case, *views[:3]),
+                            launch.tc_serves(case, 0, *views[:3]))
     stream = torch._C._cuda_getCurrentRawStream(0)
-    lib = launch._libcuda()
+    lib = driver._libcuda()
     cur = ctypes.c_void_p()
     args = (views[0][0], views[1][0], views[2][0], views[3][0], lse.data_ptr(), 16, 16, 1, 1,
             0, *views[0][1], *views[1][1], *views[2][1], *views[3][1], 0.25)

@@ -16,11 +16,12 @@ a hash of the instruction text), and the comparison of two such files or of two 
     python tools/sass.py --compare a.json b.json
     python tools/sass.py --commits main HEAD     # "." is the working tree as it is
 
-``--commits`` checks each commit out into a temporary git worktree and runs that commit's
-own ``tools/sass.py`` there (this one where the commit's has no ``--json``), so each side
-compiles with its own module layout; the autotuner's cache is left out of both (a fresh
-FLASHCORE_CACHE_DIR), so the built-in tilings are compared. Exit status 1 when any kernel
-differs.
+``--commits`` exports each commit (``git archive``) into a temporary folder and runs that
+commit's own ``tools/sass.py`` there (this one where the commit's has no ``--json``; it
+compiles the layered layout of launch.build and variant.Variant, and the flat one before
+c975110), so each side compiles its own kernels; the autotuner's cache is left out of both
+(a fresh FLASHCORE_CACHE_DIR), so the built-in tilings are compared. Exit status 1 when
+any kernel differs.
 
 Needs ptxas and nvdisasm: on PATH, in FLASHCORE_CUDA_BIN, in /usr/local/cuda/bin, or from
 the pip wheels nvidia-cuda-nvdisasm (and a CUDA toolkit's ptxas). No GPU is needed: about
@@ -63,29 +64,72 @@ def _tool(name):
     return str(exe)
 
 
+def variant(kernel, head_dim, causal, dtype, tiles, cc):
+    """The :class:`variant.Variant` of one kernel as the launches pick it (fp32 SIMT tiles
+    streamed where the tiling says so; the autotuner's cache is not read: no GPU name), or
+    that kernel under ``tiles`` (SIMT: the same tiling for the pass)."""
+    from flashcore.backends.numba_cuda import launch, tilings
+    from flashcore.backends.numba_cuda.variant import ENTRY, Variant
+
+    if kernel.startswith("attn_"):  # a SIMT kernel, by its entry name (variant.ENTRY)
+        name = {entry: k for k, entry in ENTRY.items()}.get(kernel)
+        if name is None:
+            raise SystemExit(f"no SIMT kernel {kernel}")
+        kt = tilings.choose_simt(head_dim, dtype, causal, cc)
+        if tiles is not None:
+            kt = tilings.KernelTiles(forward=tiles, dkdv=tiles, dq=tiles)
+        return next(v for v in launch.simt_variants(head_dim, dtype, causal, kt)
+                    if v.kernel == name)
+    if ("tensor_core", kernel) not in launch.FACTORIES:
+        raise SystemExit(f"no tensor-core kernel {kernel}")
+    t = tiles or tilings.choose_tc(kernel, head_dim, dtype, causal, cc)
+    if t is None:
+        raise SystemExit(f"no tensor-core tiling of {kernel} fits D={head_dim} on sm_{cc}")
+    return Variant(kernel, "tensor_core", head_dim, dtype, causal, t)
+
+
 def compile_ptx(kernel, head_dim, causal, dtype, tiles, cc):
+    """PTX of one kernel and its tiling (the pass's own: a Tiles, a TCTiles or the
+    preprocess kernel's thread count)."""
     import numba.cuda.dispatcher as nd
+    from numba import cuda
+
+    nd.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
+    try:
+        from flashcore.backends.numba_cuda import driver, launch
+    except ImportError:  # a commit before the layered layout (c975110)
+        return _compile_ptx_flat(kernel, head_dim, causal, dtype, tiles, cc)
+    v = variant(kernel, head_dim, causal, dtype, tiles, cc)
+    ptx, _ = cuda.compile_ptx(launch.build(v), launch.signature(v.entry, v.dtype), cc=cc,
+                              fastmath=driver.FASTMATH, **driver.jit_options(v.launch_bounds))
+    return ptx, v.tiles
+
+
+def _compile_ptx_flat(kernel, head_dim, causal, dtype, tiles, cc):
+    """:func:`compile_ptx` for the flat module layout before c975110 (launch.kernel_variants,
+    launch_tc, tiles, tile_product_tc), so that ``--commits`` can compare across it."""
     from flashcore.backends.numba_cuda import launch, launch_tc
     from flashcore.backends.numba_cuda import tile_product_tc as tt
     from numba import cuda
 
-    nd.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
-    if kernel.startswith("attn_"):  # a SIMT kernel (launch.kernel_variants names)
+    if kernel.startswith("attn_"):
         from flashcore.backends.numba_cuda import tiles as st
 
         kt = st.choose(head_dim, dtype, causal, cc, simulator=False)
-        if tiles is not None:  # the same tiling for every SIMT pass
+        if tiles is not None:
             kt = st.KernelTiles(forward=tiles, dkdv=tiles, dq=tiles)
+        part = {"attn_forward": "forward", "attn_backward_dkdv": "dkdv",
+                "attn_backward_dq": "dq"}.get(kernel, "preprocess_threads")
         for name, fn, sig, _smem, _threads, bounds in launch.kernel_variants(
                 head_dim, dtype, causal, kt):
             if name == kernel:
                 return cuda.compile_ptx(fn, sig, cc=cc, fastmath=launch._FASTMATH,
-                                        **launch.jit_options(bounds))[0], kt
+                                        **launch.jit_options(bounds))[0], getattr(kt, part)
         raise SystemExit(f"no SIMT kernel {kernel}")
     t = tiles or tt.choose(kernel, head_dim, causal, dtype, cc=cc, simulator=False)
     make, sig_name = launch_tc._MAKERS[kernel]
-    fn = make(head_dim, t, causal, dtype)
-    ptx, _ = cuda.compile_ptx(fn, launch.signature(sig_name, dtype), cc=cc,
+    ptx, _ = cuda.compile_ptx(make(head_dim, t, causal, dtype),
+                              launch.signature(sig_name, dtype), cc=cc,
                               fastmath=launch._FASTMATH)
     return ptx, t
 
@@ -131,10 +175,6 @@ def analyse(kernel, head_dim, causal, dtype, tiles, cc, ptxas_opts=(), dump=None
     """One kernel's record: tiling, registers, spill bytes, instruction counts, and a hash
     of its instruction text."""
     ptx, t = compile_ptx(kernel, head_dim, causal, dtype, tiles, cc)
-    if kernel.startswith("attn_"):  # the SIMT pass's own tiling out of the KernelTiles
-        part = {"attn_forward": "forward", "attn_backward_dkdv": "dkdv",
-                "attn_backward_dq": "dq"}.get(kernel, "preprocess_threads")
-        t = getattr(t, part, t)
     with tempfile.TemporaryDirectory() as d:
         cubin, report = assemble(ptx, cc, d, ptxas_opts)
         sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True,
@@ -341,13 +381,12 @@ def main(argv=None):
     if a.all:
         records = run_all(a, cc)
     else:
-        from flashcore.backends.numba_cuda.tile_product_tc import TCTiles
-
         tiles = None
         if a.tiles:
+            from flashcore.backends.numba_cuda.tilings import TCTiles, Tiles
+
             nums = [int(x) for x in a.tiles.split(",")]
             if a.kernel.startswith("attn_"):
-                from flashcore.backends.numba_cuda.tiles import Tiles
                 tiles = Tiles(*nums[:5], *(bool(x) for x in nums[5:7]), *nums[7:8])
             else:
                 tiles = TCTiles(*nums)

@@ -16,19 +16,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
-from flashcore.backends.numba_cuda import launch, tiles
-from gpu_bench import bench  # (tools/ is on sys.path when this script runs)
+from flashcore.backends.numba_cuda import launch, tilings
+from flashcore.backends.numba_cuda.variant import Variant
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashcore._checks import make_case
+from flashcore.bench import Prepared, time_runs
 
 OUT = os.environ.get("OUT", ".")
 DEV = "cuda"
-T = tiles.Tiles
+T = tilings.Tiles
 
 FORWARD = {
     64: [T(128, 64, 16, 16, 2, True), T(128, 64, 16, 16, 2, True, k_unroll=16),
@@ -50,6 +52,13 @@ DQ = {
 }
 
 
+def bench(fn, warmup=3, reps=15):
+    """Median milliseconds of ``reps`` runs of ``fn`` after ``warmup`` (CUDA events,
+    flashcore.bench.time_runs)."""
+    prep = Prepared(fn, timer="cuda_event", device=DEV)
+    return 1e3 * statistics.median(time_runs(prep, repeat=reps, warmup=warmup))
+
+
 def randn(*shape, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     return torch.randn(*shape, device=DEV, generator=g)
@@ -62,7 +71,7 @@ def name(t):
 
 
 def fits(t, words):
-    return t.threads <= 1024 and tiles.blocks_fit(words, t.min_blocks, (9, 0))
+    return t.threads <= 1024 and tilings.blocks_fit(words, t.min_blocks, (9, 0))
 
 
 class Problem:
@@ -143,12 +152,9 @@ def sdpa_eff(p, backward):
 
 def _compile(job):
     which, D, t, causal = job
-    if which == "fwd":
-        launch.forward_kernel(D, "float32", causal, 0, t)
-    elif which == "dkdv":
-        launch.dkdv_kernel(D, "float32", causal, 0, t)
-    else:
-        launch.dq_kernel(D, "float32", causal, 0, t)
+    kernel = {"fwd": "forward", "dkdv": "dkdv", "dq": "dq"}[which]
+    launch.kernel(Variant(kernel, "simt", D, "float32", causal, t,
+                          tilings.streams(t, "float32")), 0)
 
 
 def compile_only():
@@ -158,9 +164,9 @@ def compile_only():
 
     jobs = []
     for D in [int(x) for x in os.environ.get("SWEEP_DIMS", "64,128").split(",")]:
-        for which, cands, words in (("fwd", FORWARD[D], tiles.forward_smem_words),
-                                    ("dkdv", DKDV[D], tiles.dkdv_smem_words),
-                                    ("dq", DQ[D], tiles.dq_smem_words)):
+        for which, cands, words in (("fwd", FORWARD[D], tilings.forward_smem_words),
+                                    ("dkdv", DKDV[D], tilings.dkdv_smem_words),
+                                    ("dq", DQ[D], tilings.dq_smem_words)):
             jobs += [(which, D, t, causal) for t in cands if fits(t, words(t, D, "float32"))
                      for causal in ((False, True) if which == "fwd" else (False,))]
     with ProcessPoolExecutor(int(os.environ.get("SWEEP_JOBS", "6"))) as ex:
@@ -175,15 +181,15 @@ def main():
     do_fwd = "--bwd-only" not in sys.argv
     do_bwd = "--fwd-only" not in sys.argv
     for D in [int(x) for x in os.environ.get("SWEEP_DIMS", "64,128").split(",")]:
-        base = tiles.choose(D, "float32", False, (9, 0))
+        base = tilings.choose_simt(D, "float32", False, (9, 0))
         for causal in (False, True) if do_fwd else ():
             p = Problem(B, H, N, D, causal, seed=1)
             ref = sdpa_eff(p, False)
             rows.append(dict(D=D, causal=causal, pass_="fwd", tiling="sdpa_eff", ms=ref))
             for t in FORWARD[D]:
-                if not fits(t, tiles.forward_smem_words(t, D, "float32")):
+                if not fits(t, tilings.forward_smem_words(t, D, "float32")):
                     continue
-                kt = tiles.KernelTiles(forward=t, dkdv=base.dkdv, dq=base.dq)
+                kt = tilings.KernelTiles(forward=t, dkdv=base.dkdv, dq=base.dq)
                 try:
                     err = check(D, kt, "fwd") if not causal else math.nan
                     ms = bench(lambda kt=kt, p=p: p.forward(kt))
@@ -200,12 +206,12 @@ def main():
         p.forward(None)
         ref = sdpa_eff(p, True) - sdpa_eff(p, False)
         rows.append(dict(D=D, causal=False, pass_="bwd", tiling="sdpa_eff", ms=ref))
-        for which, cands, words in (("dkdv", DKDV[D], tiles.dkdv_smem_words),
-                                    ("dq", DQ[D], tiles.dq_smem_words)):
+        for which, cands, words in (("dkdv", DKDV[D], tilings.dkdv_smem_words),
+                                    ("dq", DQ[D], tilings.dq_smem_words)):
             for t in cands:
                 if not fits(t, words(t, D, "float32")):
                     continue
-                kt = tiles.KernelTiles(forward=base.forward,
+                kt = tilings.KernelTiles(forward=base.forward,
                                        dkdv=t if which == "dkdv" else base.dkdv,
                                        dq=t if which == "dq" else base.dq)
                 try:
