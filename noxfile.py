@@ -72,6 +72,18 @@ def tests_jax(session):
     _pytest(session, "jax and not gpu")
 
 
+@nox.session(name="tests-distributed")
+def tests_distributed(session):
+    """Ring attention: torch.distributed with gloo in 2-4 CPU processes, JAX shard_map on
+    4 forced host devices (on a GPU host, ``tools/gpu_session.sh`` runs the NCCL case).
+
+    Usage: ``nox -s tests-distributed [-- PYTEST_ARGS]``
+    """
+    session.install(TORCH)
+    session.install("-e", ".[jax,test]", TORCH, JAX)
+    _pytest(session, "distributed and not gpu")
+
+
 @nox.session(name="tests-cupy")
 def tests_cupy(session):
     """CuPy arrays on a CUDA GPU (the numba_cuda backend on CuPy's current stream).

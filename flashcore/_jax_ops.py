@@ -98,17 +98,17 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", return_lse=Fa
     """Differentiable, jit- and vmap-able :func:`flashcore.attention` for JAX arrays.
     The option arrays (ALiBi slopes, mod_args) are inputs of the custom VJP without
     gradients; under ``vmap`` they must not be mapped."""
-    plan = _plan(q, k, v, causal, scale, layout, backend, options)
+    entries = plan(q, k, v, causal, scale, layout, backend, options)
     arrays = _mods.arrays_of(options)
-    if len(plan) == 1:
-        _, case, impl = plan[0]
+    if len(entries) == 1:
+        _, case, impl = entries[0]
         o, lse = _run(case, impl, q, k, v, *arrays, need_lse=return_lse)
     else:
         # Traced arrays on a machine with a GPU: whether this runs on the CPU or the GPU is
         # known only when jit lowers it, so each platform gets its own branch.
         o, lse = jax.lax.platform_dependent(
             q, k, v, *arrays, **{p: functools.partial(_run, case, impl, need_lse=True)
-                                 for p, case, impl in plan})
+                                 for p, case, impl in entries})
     if lse is not None:
         lse = jax.lax.stop_gradient(lse)
     return (o, lse) if return_lse else o
@@ -129,11 +129,11 @@ def _with(case, arrays):
     return replace(case, alibi_slopes=alibi, mod_args=tuple(arrays))
 
 
-#: Plans per kind of call; see _plan.
+#: Plans per kind of call; see plan.
 _PLANS = Memo(512)
 
 
-def _plan(q, k, v, causal, scale, layout, backend, options=None):
+def plan(q, k, v, causal, scale, layout, backend, options=None):
     """``((platform, case, backend), ...)``: one entry (platform None) for concrete arrays
     or a CPU-only machine, one per platform for traced arrays on a machine with a GPU.
     Cached per (shapes, dtypes, devices, options): the checks read nothing else, so a
@@ -181,18 +181,24 @@ def _make_plan(q, k, v, causal, scale, layout, backend, traced, options):
 
 
 @functools.cache
-def _numba_attention(name: str, case):
-    """``f(q, k, v) -> (o, lse)`` with a custom VJP, for one backend and one Case."""
+def numba_calls(name: str, case):
+    """``(forward, backward)`` of a Numba backend as traceable JAX calls for one Case:
+    ``forward(q, k, v, *arrays) -> (o, lse)`` and ``backward(do, q, k, v, o, lse, *arrays)
+    -> (dq, dk, dv)`` (no autodiff of their own; the ring's custom VJP calls them too)."""
     o_type = jax.ShapeDtypeStruct(_shape(case, "q"), np.dtype(_dtype(case)))
     lse_type = jax.ShapeDtypeStruct((case.batch, case.heads_q, case.seqlen_q), np.float32)
     kv_type = jax.ShapeDtypeStruct(_shape(case, "k"), np.dtype(_dtype(case)))
     fwd_types = (o_type, lse_type)
     bwd_types = (o_type, kv_type, kv_type)
-
     if case.on_gpu:
-        fwd_call, bwd_call = _gpu_calls(name, case, fwd_types, bwd_types, lse_type)
-    else:
-        fwd_call, bwd_call = _cpu_calls(name, case, fwd_types, bwd_types)
+        return _gpu_calls(name, case, fwd_types, bwd_types, lse_type)
+    return _cpu_calls(name, case, fwd_types, bwd_types)
+
+
+@functools.cache
+def _numba_attention(name: str, case):
+    """``f(q, k, v) -> (o, lse)`` with a custom VJP, for one backend and one Case."""
+    fwd_call, bwd_call = numba_calls(name, case)
 
     @jax.custom_vjp
     def f(q, k, v, *arrays):
@@ -245,7 +251,7 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
     opts = {"causal": case.causal, "scale": case.scale, "layout": case.layout}
     plans = {}  # the checked host Case and backend, per (direction, shapes, dtype)
 
-    def plan(direction, q4, k4, v4, arrays, extra=None):
+    def host_plan(direction, q4, k4, v4, arrays, extra=None):
         key = (direction, q4.shape, k4.shape, q4.dtype)
         options = _host_options(case, arrays)
         hit = plans.get(key)
@@ -257,7 +263,7 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
 
     def fwd_host(q, k, v, *arrays):
         q4, k4, v4 = (_fold(x, 4) for x in (q, k, v))
-        host, impl = plan("forward", q4, k4, v4, arrays)
+        host, impl = host_plan("forward", q4, k4, v4, arrays)
         o, lse = impl.forward(q4, k4, v4, host)
         return (np.asarray(o, dtype=q4.dtype).reshape(np.shape(q)),
                 np.asarray(lse, dtype=np.float32).reshape(*np.shape(q)[:-3], *np.shape(lse)[1:]))
@@ -265,7 +271,8 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
     def bwd_host(do, q, k, v, o, lse, *arrays):
         do4, q4, k4, v4, o4 = (_fold(x, 4) for x in (do, q, k, v, o))
         lse3 = _fold(lse, 3)
-        host, impl = plan("backward", q4, k4, v4, arrays, {"do": do4, "o": o4, "lse": lse3})
+        host, impl = host_plan("backward", q4, k4, v4, arrays,
+                               {"do": do4, "o": o4, "lse": lse3})
         grads = impl.backward(do4, q4, k4, v4, o4, lse3, host)
         return tuple(np.asarray(g, dtype=x4.dtype).reshape(np.shape(x))
                      for g, x4, x in zip(grads, (q4, k4, v4), (q, k, v)))

@@ -17,6 +17,9 @@
 #           kernel the stall samples per loop (tools/ncu_regions.py) and the key metrics;
 #           needs a kind where ncu reads the counters (nvidia-h100-x1, not nvidia-h200)
 #   sass    tools/sass.py --all: registers, spills, instruction counts per kernel
+#   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink
+#           multicast off): ring attention against one GPU, then the scaling table
+#           ($RING_ARGS); on nvidia-h200-x2
 #
 # What comes back under $OUT (at most 8 files): session.log (facts, summary), one
 # STAGE.log per stage, and files.tar.gz with the data (bench.json, simt_sweep.json,
@@ -29,7 +32,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass"
+STAGES="tests bench tune sweep host ncu sass ring"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -177,6 +180,13 @@ stage_sass() {
       --jobs "$JOBS" --json "$FILES/sass.json" ${SASS_ARGS:-}
 }
 
+stage_ring() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  precompile
+  RING_JSON=$FILES/ring.json timeout "${RING_TIMEOUT:-420}" python3 -m torch.distributed.run \
+      --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" tools/ring_gpu.py ${RING_ARGS:-}
+}
+
 result() {  # one line for the summary table
   local log=$OUT/$1.log
   case $1 in
@@ -185,6 +195,7 @@ result() {  # one line for the summary table
   host)  grep -E "^flashcore.attention" "$log" | tail -1 ;;
   ncu)   grep -hE "^ *Duration" "$log" | xargs ;;
   sass)  echo "$(grep -c ' registers' "$log") kernels, $(grep -c Error "$log") errors (sass.json)" ;;
+  ring)  grep -hE "^N=" "$log" | tail -1 ;;
   esac > "$WORK/result"
   [ -s "$WORK/result" ] || grep -v '^\s*$' "$log" | tail -1 > "$WORK/result"
   cut -c1-90 "$WORK/result"
