@@ -2,13 +2,12 @@
 import numpy as np
 from numba import njit, prange
 
-from ._mods import EMPTY, FULL, PARTIAL
-
 
 @njit(parallel=True)
-def classify(mask_mod, classes, Nq, Nk, block, mod_args):
-    """classes[b, h, qt, kt] <- EMPTY, PARTIAL or FULL for mask_mod's visible elements of
-    query rows ``qt*block ...`` and keys ``kt*block ...``."""
+def classify(mask_mod, classes, Nq, Nk, block, mod_args, EMPTY, PARTIAL, FULL):
+    """classes[b, h, qt, kt] <- EMPTY, PARTIAL or FULL (flashcore._mods's class numbers,
+    passed in) for mask_mod's visible elements of query rows ``qt*block ...`` and keys
+    ``kt*block ...``."""
     B, H, nqt, nkt = classes.shape
     for job in prange(B * H * nqt):
         b = job // (H * nqt)

@@ -333,7 +333,7 @@ def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False):
     classes = np.zeros((B, H, nqt, nkt), np.int8)
     if classes.size:
         try:
-            classify(fn, classes, Nq, Nk, block, host_args)
+            classify(fn, classes, Nq, Nk, block, host_args, EMPTY, PARTIAL, FULL)
         except Exception as err:  # numba's typing errors
             if type(err).__module__.startswith("numba"):
                 raise compile_error("mask_mod", mask_mod, err) from None
