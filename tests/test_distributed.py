@@ -78,20 +78,25 @@ def _agree(rank, world, port, causal, balanced, layout, N, dtype):
         dist.destroy_process_group()
 
 
+slow = pytest.mark.slow  # (CI runs one case per world size; nox all)
 CASES = [  # world, causal, balanced, layout, N, dtype
     (2, True, True, "bhnd", 64, torch.float64),
-    (2, False, True, "bnhd", 37, torch.float32),
+    pytest.param(2, False, True, "bnhd", 37, torch.float32, marks=slow),
     (3, True, False, "bnhd", 61, torch.float32),
-    (3, True, True, "bhnd", 50, torch.float64),
+    pytest.param(3, True, True, "bhnd", 50, torch.float64, marks=slow),
     (4, True, True, "bnhd", 13, torch.float32),  # chunks of 2: the last three are empty
-    (4, False, False, "bhnd", 30, torch.float32),
+    pytest.param(4, False, False, "bhnd", 30, torch.float32, marks=slow),
 ]
 
 
+def _case_id(c):
+    c = c.values if hasattr(c, "values") else c
+    return (f"W{c[0]}-{'causal' if c[1] else 'full'}-{'zigzag' if c[2] else 'contiguous'}-"
+            f"{c[3]}-N{c[4]}")
+
+
 @pytest.mark.parametrize("world,causal,balanced,layout,N,dtype", CASES,
-                         ids=[f"W{c[0]}-{'causal' if c[1] else 'full'}-"
-                              f"{'zigzag' if c[2] else 'contiguous'}-{c[3]}-N{c[4]}"
-                              for c in CASES])
+                         ids=[_case_id(c) for c in CASES])
 def test_ring_equals_single_process(world, causal, balanced, layout, N, dtype):
     mp.spawn(_agree, args=(world, _port(), causal, balanced, layout, N, dtype), nprocs=world)
 
@@ -119,7 +124,8 @@ def _bad(rank, world, port, what):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("what", ["heads", "length", "short", "kv"])
+@pytest.mark.parametrize("what", ["heads", "length", pytest.param("short", marks=slow),
+                                  pytest.param("kv", marks=slow)])
 def test_bad_input_raises_on_every_rank(what):
     """Each rank raises the same ValueError (a rank that did not would hang its peers)."""
     mp.spawn(_bad, args=(2, _port(), what), nprocs=2)

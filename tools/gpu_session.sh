@@ -86,7 +86,8 @@ trap finish EXIT
 
 {
   echo "== $(date -u +%FT%TZ) stages: $*"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown (no .git)}")"
+  # The device's copy of the tree may carry a stale .git: pass COMMIT=... from here.
+  echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no .git)")}"
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
   lscpu | grep -E "^(Model name|CPU\(s\)|Thread\(s\) per core)"
   echo "CPU flags: $(lscpu | sed -n 's/^Flags: *//p' | tr ' ' '\n' |
