@@ -169,9 +169,9 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default=os.environ.get("RING_JSON", "ring.json"))
     args = p.parse_args()
-    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
     out = []
     errs = check(args.check_n, rank, world)
     if rank == 0:
