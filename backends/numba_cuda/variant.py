@@ -42,6 +42,8 @@ class Variant:
     causal: bool
     tiles: object
     streamed: bool = False
+    #: Sliding window (left, right), each >= 0 or -1 for an unbounded side; () for none.
+    window: tuple = ()
 
     def __post_init__(self):
         if self.kernel not in ENTRY:
@@ -50,6 +52,11 @@ class Variant:
             raise ValueError(f"family={self.family!r} is not one of {FAMILIES}")
         if self.family == "tensor_core" and self.kernel == "preprocess":
             raise ValueError("the preprocess kernel has no tensor-core form")
+
+    @property
+    def bounds(self) -> tuple:
+        """``(LEFT, RIGHT)`` as the kernels take them: -1 for an unbounded side."""
+        return tuple(self.window) if self.window else (-1, -1)
 
     @property
     def entry(self) -> str:
@@ -89,6 +96,8 @@ class Variant:
         and profiles name the variant."""
         d, t = self.head_dim, self.tiles
         mask = "causal" if self.causal else "full"
+        if self.window:
+            mask += "_w{}_{}".format(*(("n" if w < 0 else w) for w in self.window))
         if self.kernel == "preprocess":
             return f"{self.entry}_d{d}_t{t}"
         if self.family == "tensor_core":
