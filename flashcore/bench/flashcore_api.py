@@ -49,7 +49,8 @@ class FlashcoreContender(Contender):
 
         q, k, v, do = (to_library(a, self.library, self.device) for a in host)
         opts = dict(causal=config.causal, backend=self.backend,
-                    **masks.flashcore_options(config, self.library, self.device))
+                    **masks.flashcore_options(
+                        config, lambda a: to_library(a, self.library, self.device)))
         if direction == "fwd":
             def call():
                 return flashcore.attention_forward(q, k, v, **opts)

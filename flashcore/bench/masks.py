@@ -185,11 +185,11 @@ def alibi_slopes(heads: int) -> np.ndarray:
     return (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
 
 
-def flashcore_options(config, library: str = "numpy", device: str = "cpu") -> dict:
-    """The keyword arguments of :func:`flashcore.attention` for ``config.mask`` (arrays in
-    ``library`` on ``device``); ``docs`` makes its BlockMask here, once."""
-    from .config import to_library
-
+def flashcore_options(config, convert=None) -> dict:
+    """The keyword arguments of :func:`flashcore.attention` for ``config.mask``, its arrays
+    passed through ``convert`` (NumPy array -> the contender's library and device; None:
+    kept as they are); ``docs`` makes its BlockMask here, once."""
+    convert = convert or (lambda a: a)
     m = parse_mask(config.mask)
     if m.kind == "none":
         return {}
@@ -202,13 +202,13 @@ def flashcore_options(config, library: str = "numpy", device: str = "cpu") -> di
     if m.kind == "relpos":
         return {"score_mod": relpos}
     if m.kind == "alibi":
-        return {"alibi_slopes": to_library(alibi_slopes(config.heads), library, device)}
+        return {"alibi_slopes": convert(alibi_slopes(config.heads))}
     import flashcore
 
     doc = doc_ids(config.batch, config.seqlen, int(m.value))
     bm = flashcore.create_block_mask(same_doc, config.batch, None, config.seqlen,
                                      config.seqlen, mod_args=(doc,))
-    return {"mask_mod": same_doc, "mod_args": (to_library(doc, library, device),),
+    return {"mask_mod": same_doc, "mod_args": (convert(doc),),
             "block_mask": bm}
 
 
@@ -233,22 +233,23 @@ def dense_visible(config) -> np.ndarray | None:
 
 
 def dense_bias(config) -> np.ndarray | None:
-    """The float32 additive bias of ``alibi`` (``(1, H, N, N)``) or ``relpos`` (``(1, 1, N,
-    N)``), ``-inf`` above the diagonal when causal; None for the other masks."""
+    """The additive bias of ``alibi`` (``(1, H, N, N)``) or ``relpos`` (``(1, 1, N, N)``),
+    ``-inf`` above the diagonal when causal, float64 for float64 configs, else float32; None
+    for the other masks."""
     m = parse_mask(config.mask)
     if m.kind not in ("alibi", "relpos"):
         return None
+    dt = np.float64 if config.dtype == "float64" else np.float32
     n = config.seqlen
-    d = (np.arange(n)[None, :] - np.arange(n)[:, None]).astype(np.float32)  # j - i
+    d = (np.arange(n)[None, :] - np.arange(n)[:, None]).astype(dt)  # j - i
     if m.kind == "relpos":
         bias = (RELPOS_SLOPE * d)[None, None]
     else:
-        bias = -alibi_slopes(config.heads)[:, None, None] * np.abs(d)[None]
-        bias = bias[None]
-    bias = bias.astype(np.float32)
+        slopes = alibi_slopes(config.heads).astype(dt)
+        bias = (-slopes[:, None, None] * np.abs(d)[None])[None]
     if config.causal:
-        bias = np.where(d > 0, np.float32(-np.inf), bias).astype(np.float32)
-    return bias
+        bias = np.where(d > 0, -np.inf, bias)
+    return bias.astype(dt, copy=False)
 
 
 def dense_bytes(config) -> int:

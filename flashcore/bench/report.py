@@ -157,7 +157,8 @@ def format_ratios(report: dict, against) -> str:
     for r in rs:
         times[(_config_key(r), r["direction"], r["contender"])] = r["median_s"]
     cols = [f"/ {n}" for n in against]
-    header = f"{'direction':<17} {'config':<44} {'contender':<24} " + " ".join(cols)
+    w = max([44] + [len(Config(**r["config"]).label()) for r in rs])  # 44: without masks
+    header = f"{'direction':<17} {'config':<{w}} {'contender':<24} " + " ".join(cols)
     out = ["\ntime / the named contender's time (same config and direction)", header,
            "-" * len(header)]
     for r in rs:
@@ -168,7 +169,7 @@ def format_ratios(report: dict, against) -> str:
         for n in against:
             ref = times.get((*key, n))
             cells.append(f"{r['median_s'] / ref:.2f}" if ref and r["median_s"] else "-")
-        out.append(f"{DIRECTION_LABEL[r['direction']]:<17} {Config(**r['config']).label():<44} "
+        out.append(f"{DIRECTION_LABEL[r['direction']]:<17} {Config(**r['config']).label():<{w}} "
                    f"{r['contender']:<24} "
                    + " ".join(f"{c:>{len(col)}}" for c, col in zip(cells, cols)))
     return "\n".join(out)

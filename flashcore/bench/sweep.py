@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from .config import DIRECTION_LABEL, DIRECTIONS, Config
-from .masks import canonical
 from .machine import machine_info, measure_ceilings
+from .masks import canonical
 from .measure import first_line, host_seconds_per_call, measure
 from .registry import default_contenders, get_contender
 from .report import SCHEMA

@@ -40,12 +40,12 @@ def flex_mods(config, device: str = "cpu"):
         slopes = torch.from_numpy(masks.alibi_slopes(config.heads)).to(device)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx).abs()
+            return score - (slopes[h] * (q_idx - kv_idx).abs()).to(score.dtype)
     elif m.kind == "relpos":
         slope = masks.RELPOS_SLOPE
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return score + slope * (kv_idx - q_idx)
+            return score + slope * (kv_idx - q_idx).to(score.dtype)
     if m.kind == "window":
         left, right = m.window()
         right = 0 if causal else right
