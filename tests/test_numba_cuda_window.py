@@ -1,4 +1,4 @@
-"""The sliding window in the CUDA kernels (SIMT and tensor-core; forward, dK/dV, dQ): under
+"""The sliding window and the softcap in the CUDA kernels (SIMT and tensor-core; forward, dK/dV, dQ): under
 numba's CUDA simulator on small shapes, compiled to PTX for sm_90 without a GPU, and on a
 GPU, each against the float64 reference with the same window.
 
@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not i
 # (B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout, window)
 SIMT_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=13, Nk=19, D=8, dtype="float32", causal=True, layout="bhnd",
-         window=(5, None)),
+         window=(5, None), softcap=0.7),
+    dict(B=1, Hq=2, Hkv=1, Nq=11, Nk=9, D=16, dtype="float32", causal=False, layout="bhnd",
+         window=None, softcap=1.3),
     dict(B=1, Hq=2, Hkv=2, Nq=12, Nk=12, D=16, dtype="float32", causal=False, layout="bnhd",
          window=(3, 2)),
     dict(B=1, Hq=2, Hkv=1, Nq=9, Nk=14, D=4, dtype="float16", causal=False, layout="bhnd",
@@ -37,7 +39,7 @@ SIMT_CASES = [
 ]
 TC_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=52, D=64, dtype="bfloat16", causal=True, layout="bhnd",
-         window=(17, 0)),
+         window=(17, 0), softcap=0.9),
     dict(B=1, Hq=1, Hkv=1, Nq=37, Nk=37, D=64, dtype="float16", causal=False, layout="bnhd",
          window=(9, 20)),
 ]
@@ -56,7 +58,8 @@ def _inputs(c):
 
 
 def _opts(c):
-    return dict(causal=c["causal"], layout=c["layout"], window=c["window"])
+    return dict(causal=c["causal"], layout=c["layout"], window=c["window"],
+                softcap=c.get("softcap"))
 
 
 def _reference(q, k, v, do, c):
@@ -124,7 +127,8 @@ else:
 
 
 def test_numba_cuda_takes_the_window_only():
-    """numba_cuda serves a window and declines the other mask options, naming them."""
+    """numba_cuda serves a window and a softcap and declines the other mask options,
+    naming them."""
     from flashcore import _dispatch
     from flashcore._checks import make_case
 
@@ -136,10 +140,10 @@ def test_numba_cuda_takes_the_window_only():
                               "block_mask": None})
     assert impl.supports(case) is None
     case = make_case(q, q, q, causal=False, scale=None, layout="bhnd", explicit=True,
-                     options={"window": (2, 2), "softcap": 3.0, "alibi_slopes": None,
-                              "score_mod": None, "mask_mod": None, "mod_args": (),
-                              "block_mask": None})
-    assert "softcap" in impl.supports(case)
+                     options={"window": (2, 2), "softcap": 3.0,
+                              "alibi_slopes": np.ones(2, np.float32), "score_mod": None,
+                              "mask_mod": None, "mod_args": (), "block_mask": None})
+    assert "alibi_slopes" in impl.supports(case)
 
 
 def _ptx(v, cc, monkeypatch):
@@ -173,13 +177,14 @@ def test_window_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
     cc = (9, 0)
     if dtype == "float32":
         kt = tilings.choose_simt(head_dim, dtype, True, cc)
-        variants = launch.simt_variants(head_dim, dtype, True, kt, window=(64, 0))
+        variants = launch.simt_variants(head_dim, dtype, True, kt, window=(64, 0),
+                                        softcap=30.0)
     else:
-        variants = launch.tc_variants(head_dim, dtype, True, cc, window=(64, 0))
+        variants = launch.tc_variants(head_dim, dtype, True, cc, window=(64, 0), softcap=30.0)
     for v in variants:
         if v.kernel == "preprocess":
             continue
-        assert "_w64_0" in v.tag
+        assert "_w64_0_sc30" in v.tag
         ptx = _ptx(v, cc, monkeypatch)
         entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
         assert len(re.findall(r"\.param\s+\.(\w+)", entry.group(1))) == len(
@@ -188,7 +193,7 @@ def test_window_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
             assert "ld.local" not in ptx and "st.local" not in ptx, v.tag
         if v.family == "tensor_core" and v.kernel == "dkdv":
             spills = []
-            for w in (ptx, _ptx(replace(v, window=()), cc, monkeypatch)):
+            for w in (ptx, _ptx(replace(v, window=(), softcap=0.0), cc, monkeypatch)):
                 report = ptxas_report(w, cc)
                 if report is None:
                     break
@@ -200,6 +205,10 @@ def test_window_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
 @pytest.mark.parametrize("c", [
     dict(B=2, Hq=4, Hkv=2, Nq=1000, Nk=1000, D=128, dtype="bfloat16", causal=True,
          layout="bnhd", window=(256, 0)),
+    dict(B=1, Hq=4, Hkv=2, Nq=800, Nk=800, D=128, dtype="bfloat16", causal=True,
+         layout="bhnd", window=(300, 0), softcap=2.5),
+    dict(B=1, Hq=2, Hkv=2, Nq=500, Nk=700, D=64, dtype="float32", causal=False,
+         layout="bnhd", window=None, softcap=1.5),
     dict(B=1, Hq=4, Hkv=4, Nq=700, Nk=900, D=64, dtype="float16", causal=False,
          layout="bhnd", window=(100, 50)),
     dict(B=1, Hq=2, Hkv=1, Nq=600, Nk=600, D=64, dtype="float32", causal=False,

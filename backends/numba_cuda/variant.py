@@ -44,6 +44,8 @@ class Variant:
     streamed: bool = False
     #: Sliding window (left, right), each >= 0 or -1 for an unbounded side; () for none.
     window: tuple = ()
+    #: Logit softcap c (s -> c tanh(s / c) on the scaled score); 0.0 for none.
+    softcap: float = 0.0
 
     def __post_init__(self):
         if self.kernel not in ENTRY:
@@ -98,6 +100,8 @@ class Variant:
         mask = "causal" if self.causal else "full"
         if self.window:
             mask += "_w{}_{}".format(*(("n" if w < 0 else w) for w in self.window))
+        if self.softcap:
+            mask += "_sc" + format(self.softcap, "g").replace(".", "p").replace("-", "m")
         if self.kernel == "preprocess":
             return f"{self.entry}_d{d}_t{t}"
         if self.family == "tensor_core":

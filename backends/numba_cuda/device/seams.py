@@ -22,7 +22,11 @@ these functions and the variant that parametrizes them, not the kernels.
 """
 from __future__ import annotations
 
-from .constants import NEG_INF
+import math
+
+from numba import float32
+
+from .constants import LOG2E, NEG_INF
 from .convert import device_function
 
 
@@ -49,6 +53,19 @@ def query_range(k0, cols, step, causal_offset, CAUSAL):
         m_begin = max(0, k0 - causal_offset) // step * step
     m_full = k0 + cols - 1 - causal_offset
     return m_begin, m_full
+
+
+@device_function
+def softcap(x, cap):
+    """``(cap tanh(x / cap), 1 - tanh^2)``: a score through the softcap (``cap`` in the
+    score's own units) and its derivative, the factor dS takes. tanh as
+    ``1 - 2 / (2^(2 x log2(e) / cap) + 1)``: one ex2 and one reciprocal instead of
+    libdevice's tanhf, whose register use made the tensor-core dK/dV kernel spill; exact at
+    both ends (±1 as the power over- or underflows), ~1e-7 absolute near 0."""
+    # (capped at 2^64, past which t is 1 in fp32: the simulator's exp2 would overflow)
+    e = math.exp2(min(x * float32(2.0 * LOG2E) / cap, float32(64.0)))
+    t = float32(1.0) - float32(2.0) / (e + float32(1.0))
+    return cap * t, float32(1.0) - t * t
 
 
 @device_function

@@ -32,6 +32,7 @@ from ..device.seams import (
     hides,
     key_range,
     query_range,
+    softcap,
     visible,
     window_key_range,
     window_query_range,
@@ -86,6 +87,8 @@ def make_attn_backward_dkdv(v):
     CAUSAL = bool(v.causal)
     LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
     WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
+    CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                            causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -191,14 +194,21 @@ def make_attn_backward_dkdv(v):
                 i = m0 + col
                 for a in range(RM):
                     row = tr * RM + a
-                    p = math.exp2(s[a, bb] - ls)
+                    x = s[a, bb]
+                    g = float32(1.0)
+                    if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
+                        x, g = softcap(x, CAP_L2)
+                    p = math.exp2(x - ls)
                     if masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
+                    ds = p * (dp[a, bb] - dl)
+                    if CAP:
+                        ds *= g
                     if ONE_PS:  # dS waits in registers until P V has been read
-                        dp[a, bb] = p * (dp[a, bb] - dl)
+                        dp[a, bb] = ds
                     else:
-                        smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
+                        smem[DS_OFF + col * LDP + row] = ds
             cuda.syncthreads()
             tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, QJ, QD, BN, tr, tc,
                          RM, RD, TC, KU)
@@ -250,6 +260,8 @@ def make_attn_backward_dq(v):
     CAUSAL = bool(v.causal)
     LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
     WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
+    CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
@@ -334,10 +346,17 @@ def make_attn_backward_dq(v):
                 i = q0 + row
                 for bb in range(RN):
                     col = tc + TC * bb
-                    p = math.exp2(s[a, bb] - ls[a])
+                    x = s[a, bb]
+                    g = float32(1.0)
+                    if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
+                        x, g = softcap(x, CAP_L2)
+                    p = math.exp2(x - ls[a])
                     if masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
-                    smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
+                    ds = p * (dp[a, bb] - dl[a])
+                    if CAP:
+                        ds *= g
+                    smem[DS_OFF + col * LDP + row] = ds
             cuda.syncthreads()
             tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, KJ, KD, BN, tr, tc,
                          RM, RD, TC, KU)

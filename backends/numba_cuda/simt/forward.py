@@ -20,7 +20,7 @@ from ..device.constants import LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, ld4, load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, score, window_key_range
+from ..device.seams import key_range, score, softcap, window_key_range
 from .tile_product import column, tile_product
 
 
@@ -121,6 +121,8 @@ def make_attn_forward(v):
     CAUSAL = bool(v.causal)
     LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
     WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c; scores here are in log2 units: c log2(e) tanh(s / that)
+    CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
     # With several blocks per SM (min_blocks > 1), row maxima by warp shuffles where a
     # row's TC threads are lanes of one warp (and the block whole warps), and the barrier
     # between S and the softmax, which then only guards K, goes: the next K is copied after
@@ -187,6 +189,10 @@ def make_attn_forward(v):
                     s[a, bb] = float32(0.0)
             tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, KD, KJ, DP, tr, tc,
                          RM, RN, TC, KU)
+            if CAP:  # (compile-time) the softcap, before the masks
+                for a in range(RM):
+                    for bb in range(RN):
+                        s[a, bb], _ = softcap(s[a, bb], CAP_L2)
             if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 for a in range(RM):
                     i = q0 + tr * RM + a

@@ -48,6 +48,7 @@ from ..device.seams import (
     hides,
     key_range,
     query_range,
+    softcap,
     visible,
     window_key_range,
     window_query_range,
@@ -57,7 +58,24 @@ from .fragments import load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
 
 @device_function
-def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
+def capped(x, CAP, capr):
+    """``(score, d score / d raw score)`` through the softcap (``CAP``, compile-time; cap
+    ``capr`` in raw-score units): ``(capr tanh(x / capr), 1 - tanh^2)``, else ``(x, 1)``."""
+    if CAP:
+        return softcap(x, capr)
+    return x, float32(1.0)
+
+
+@device_function
+def chain(ds, g, CAP):
+    """dS through the softcap: ``ds * g`` (``CAP``), else ``ds`` as it is."""
+    if CAP:
+        return ds * g
+    return ds
+
+
+@device_function
+def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, capr):
     """``Pᵀ`` into ``s`` and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` for a query step
     that needs no mask (every query of it exists, none is above the diagonal): element
     ``(4 jn + 2 r + e)`` of this lane is query column ``8 jn + e`` past ``lofs`` (lse,
@@ -68,14 +86,15 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
                                  True)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
-                p = math.exp2(s[x] * sl2 - ls)
+                sx, g = capped(s[x], CAP, capr)
+                p = math.exp2(sx * sl2 - ls)
                 s[x] = p
-                dp[x] = p * (dp[x] - dl)
+                dp[x] = chain(p * (dp[x] - dl), g, CAP)
 
 
 @device_function
 def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
-                       sl2, CAUSAL, LEFT, RIGHT, NTILES, tq):
+                       sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr):
     """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
     +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask hides from query ``i`` get P = 0
     (keys past ``Nk`` need not: their dK/dV rows are not stored)."""
@@ -85,36 +104,39 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
             ls, dl = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):  # keys j0 and j0 + 8
                 x = 4 * jn + 2 * r + e
-                p = math.exp2(s[x] * sl2 - ls)
+                sx, g = capped(s[x], CAP, capr)
+                p = math.exp2(sx * sl2 - ls)
                 if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                     p = float32(0.0)
                 s[x] = p
-                dp[x] = p * (dp[x] - dl)
+                dp[x] = chain(p * (dp[x] - dl), g, CAP)
 
 
 @device_function
-def dq_scores(s, dp, base, ls, dl, sl2, NTILES):
+def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, capr):
     """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this lane's rows (``base`` 0 or 2;
     its lse ``ls`` in the log2 domain and its ``dl``) on a tile that needs no mask."""
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            dp[x] = math.exp2(s[x] * sl2 - ls) * (dp[x] - dl)
+            sx, g = capped(s[x], CAP, capr)
+            dp[x] = chain(math.exp2(sx * sl2 - ls) * (dp[x] - dl), g, CAP)
 
 
 @device_function
 def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, LEFT, RIGHT,
-                     NTILES, tq):
+                     NTILES, tq, CAP, capr):
     """:func:`dq_scores` on a diagonal or tail tile: keys past ``Nk`` or above row ``i``'s
     diagonal get P = 0."""
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e  # this element's key
             x = base + 4 * jn + e
-            p = math.exp2(s[x] * sl2 - ls)
+            sx, g = capped(s[x], CAP, capr)
+            p = math.exp2(sx * sl2 - ls)
             if not visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
                 p = float32(0.0)
-            dp[x] = p * (dp[x] - dl)
+            dp[x] = chain(p * (dp[x] - dl), g, CAP)
 
 
 @device_function
@@ -123,7 +145,7 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
               gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
               j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
               DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT, RIGHT,
-              WINDOW):
+              WINDOW, CAP, capr):
     """One pass of the dK/dV kernel over every query step of its key tile (K and V are in
     shared memory or in flight; their copies complete with the first step's Q and dO,
     committed here): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
@@ -169,10 +191,10 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
             edge = m0 < m_full or m0 + BN - 1 > m_last
         if edge or m0 + BN > Nq:  # a diagonal, edge or tail step
             dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
-                               causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq)
+                               causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
-                        dbase + m0 + 2 * tq, sl2, NTILES)
+                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, capr)
 
         mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
@@ -213,6 +235,8 @@ def make_attn_backward_dkdv_tc(v):
      BF16) = _sizes(v)
     LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
     WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
+    CAP_C = float32(v.softcap) if CAP else float32(1.0)
     SPLITS = t.d_splits
     DOUT = head_dim // SPLITS  # dK, dV columns per pass (DTILES, NACC count these)
     K_OFF = 0
@@ -238,6 +262,7 @@ def make_attn_backward_dkdv_tc(v):
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
         sl2 = float32(scale * LOG2E)
+        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
@@ -267,7 +292,7 @@ def make_attn_backward_dkdv_tc(v):
                   gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
                   j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
                   DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT,
-                  RIGHT, WINDOW)
+                  RIGHT, WINDOW, CAP, capr)
         if SPLITS > 1:
             cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
             dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk,
@@ -275,7 +300,7 @@ def make_attn_backward_dkdv_tc(v):
                       qsb, qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn,
                       dvsd, lsb, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
                       NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
-                      BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW)
+                      BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW, CAP, capr)
 
     attn_backward_dkdv_tc.__qualname__ = v.tag
     return attn_backward_dkdv_tc
@@ -291,6 +316,8 @@ def make_attn_backward_dq_tc(v):
      BF16) = _sizes(v)
     LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
     WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
+    CAP_C = float32(v.softcap) if CAP else float32(1.0)
     if t.d_splits != 1:
         raise ValueError(f"the dQ kernel takes d_splits=1, not {t}")
     Q_OFF = 0
@@ -314,6 +341,7 @@ def make_attn_backward_dq_tc(v):
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
         sl2 = float32(scale * LOG2E)
+        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
@@ -365,12 +393,12 @@ def make_attn_backward_dq_tc(v):
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
                 dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
             else:
-                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES)
-                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES)
+                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, capr)
+                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, capr)
 
             mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)

@@ -36,7 +36,7 @@ from ..device.constants import FLT_MIN, LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, score, window_key_range
+from ..device.seams import key_range, score, softcap, window_key_range
 from ..tilings import PAD
 from .fragments import load_rows, mma, mma_frags_rows, store_frags
 
@@ -141,6 +141,8 @@ def make_attn_forward_tc(v):
     CAUSAL = bool(v.causal)
     LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
     WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
+    CAP_C = float32(v.softcap) if CAP else float32(1.0)
     BF16 = dtype == "bfloat16"
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -162,6 +164,7 @@ def make_attn_forward_tc(v):
         vbase = b * vsb + hk * vsh
         # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
         sl2 = float32(max(scale * LOG2E, FLT_MIN))
+        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_begin = 0
@@ -243,6 +246,9 @@ def make_attn_forward_tc(v):
                             BF16, a0, a1, a2, a3, b2, b3, s[j + 4], s[j + 5], s[j + 6],
                             s[j + 7])
 
+            if CAP:  # (compile-time) the softcap, before the masks
+                for e in range(NS_ALL):
+                    s[e], _ = softcap(s[e], capr)
             # online softmax, in the log2 domain, row by row of this lane (rows written out
             # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
             i = q0 + r0 + g
