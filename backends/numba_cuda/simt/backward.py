@@ -89,6 +89,8 @@ def make_attn_backward_dkdv(v):
     WINDOW = bool(v.window)
     CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
+    CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                            causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -197,7 +199,7 @@ def make_attn_backward_dkdv(v):
                     x = s[a, bb]
                     g = float32(1.0)
                     if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
-                        x, g = softcap(x, CAP_L2)
+                        x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
                     p = math.exp2(x - ls)
                     if masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
@@ -262,6 +264,8 @@ def make_attn_backward_dq(v):
     WINDOW = bool(v.window)
     CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
+    CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
@@ -349,7 +353,7 @@ def make_attn_backward_dq(v):
                     x = s[a, bb]
                     g = float32(1.0)
                     if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
-                        x, g = softcap(x, CAP_L2)
+                        x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
                     p = math.exp2(x - ls[a])
                     if masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)

@@ -123,6 +123,8 @@ def make_attn_forward(v):
     WINDOW = bool(v.window)
     CAP = bool(v.softcap)  # softcap c; scores here are in log2 units: c log2(e) tanh(s / that)
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
+    CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
     # With several blocks per SM (min_blocks > 1), row maxima by warp shuffles where a
     # row's TC threads are lanes of one warp (and the block whole warps), and the barrier
     # between S and the softmax, which then only guards K, goes: the next K is copied after
@@ -192,7 +194,7 @@ def make_attn_forward(v):
             if CAP:  # (compile-time) the softcap, before the masks
                 for a in range(RM):
                     for bb in range(RN):
-                        s[a, bb], _ = softcap(s[a, bb], CAP_L2)
+                        s[a, bb], _ = softcap(s[a, bb], CAP_L2, CAP_INV, APPROX)
             if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 for a in range(RM):
                     i = q0 + tr * RM + a

@@ -60,9 +60,10 @@ from .fragments import load_rows, mma_frags_rows, mma_rows_rows, store_frags
 @device_function
 def capped(x, CAP, capr):
     """``(score, d score / d raw score)`` through the softcap (``CAP``, compile-time; cap
-    ``capr`` in raw-score units): ``(capr tanh(x / capr), 1 - tanh^2)``, else ``(x, 1)``."""
+    and its reciprocal ``capr`` in raw-score units): ``(cap tanh(x / cap), 1 - tanh^2)``,
+    else ``(x, 1)``."""
     if CAP:
-        return softcap(x, capr)
+        return softcap(x, capr[0], capr[1], True)
     return x, float32(1.0)
 
 
@@ -262,7 +263,8 @@ def make_attn_backward_dkdv_tc(v):
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
         sl2 = float32(scale * LOG2E)
-        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
+        # (used where CAP) the cap in raw-score units and its reciprocal
+        capr = (CAP_C / float32(scale), float32(scale) / CAP_C)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
@@ -341,7 +343,8 @@ def make_attn_backward_dq_tc(v):
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
         sl2 = float32(scale * LOG2E)
-        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
+        # (used where CAP) the cap in raw-score units and its reciprocal
+        capr = (CAP_C / float32(scale), float32(scale) / CAP_C)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 

@@ -165,6 +165,7 @@ def make_attn_forward_tc(v):
         # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
         sl2 = float32(max(scale * LOG2E, FLT_MIN))
         capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
+        rcapr = float32(scale) / CAP_C
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_begin = 0
@@ -248,7 +249,7 @@ def make_attn_forward_tc(v):
 
             if CAP:  # (compile-time) the softcap, before the masks
                 for e in range(NS_ALL):
-                    s[e], _ = softcap(s[e], capr)
+                    s[e], _ = softcap(s[e], capr, rcapr, True)
             # online softmax, in the log2 domain, row by row of this lane (rows written out
             # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
             i = q0 + r0 + g
