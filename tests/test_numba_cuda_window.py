@@ -188,10 +188,9 @@ def _ptx(v, cc, monkeypatch):
 def test_window_variants_compile_to_ptx(dtype, head_dim, mask, monkeypatch):
     """Every kernel of a case class with a window and a softcap or ALiBi compiles for sm_90
     without a GPU, keeps its register tiles out of local memory (SIMT), and the tensor-core
-    dK/dV kernel (the one nearest its register limit) spills little more than without
-    them (ptxas, where installed): window and softcap at most 16 bytes more, with ALiBi
-    too at most 48 (measured at D=128 bf16 causal: 12 bytes plain, 44 with all three).
-    (The SIMT fp32 dK/dV kernel with all three at D=64 puts its score tile in local
+    dK/dV kernel (the one nearest its register limit) spills at most 16 bytes more than
+    without them (ptxas, where installed; measured at D=128 bf16 causal: 12 bytes plain,
+    12 with all three). (The SIMT fp32 dK/dV kernel with all three at D=64 puts its score tile in local
     memory: LLVM stops unrolling its loops there.)"""
     import re
     from dataclasses import replace
@@ -218,14 +217,13 @@ def test_window_variants_compile_to_ptx(dtype, head_dim, mask, monkeypatch):
             assert "ld.local" not in ptx and "st.local" not in ptx, v.tag
         if v.family == "tensor_core" and v.kernel == "dkdv":
             spills = []
-            for w in (ptx, _ptx(replace(v, alibi=False), cc, monkeypatch),  # (all three here)
-                      _ptx(replace(v, window=(), softcap=0.0, alibi=False), cc, monkeypatch)):
+            for w in (ptx, _ptx(replace(v, window=(), softcap=0.0, alibi=False), cc,
+                                monkeypatch)):
                 report = ptxas_report(w, cc)
                 if report is None:
                     break
                 spills.append(int(re.search(r"(\d+) bytes spill stores", report).group(1)))
-            assert not spills or (spills[0] <= spills[2] + 48
-                                  and spills[1] <= spills[2] + 16), (v.tag, spills)
+            assert not spills or spills[0] <= spills[1] + 16, (v.tag, spills)
 
 
 @pytest.mark.gpu

@@ -79,11 +79,12 @@ def chain(ds, g, CAP):
 
 
 @device_function
-def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr):
+def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr, ALIBI, d0):
     """``Pᵀ`` into ``s`` and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` for a query step
     that needs no mask (every query of it exists, none is above the diagonal): element
     ``(4 jn + 2 r + e)`` of this lane is query column ``8 jn + e`` past ``lofs`` (lse,
-    stride ``lsn``) and ``dofs`` (delta)."""
+    stride ``lsn``) and ``dofs`` (delta). ``d0`` (``ALIBI``): the distance of this lane's
+    first query from its first key."""
     for jn in range(NTILES):
         for e in range(2):
             ls, dl = query_stats(lse, delta, lofs + (8 * jn + e) * lsn, dofs + 8 * jn + e,
@@ -91,6 +92,8 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr):
             for r in range(2):
                 x = 4 * jn + 2 * r + e
                 sx, g = capped(s[x], CAP, modr)
+                if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
+                    sx = alibi(sx, d0 + float32(8 * jn + e - 8 * r), modr[2])
                 p = math.exp2(sx * sl2 - ls)
                 s[x] = p
                 dp[x] = chain(p * (dp[x] - dl), g, CAP)
@@ -101,8 +104,7 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
                        sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI):
     """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
     +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask hides from query ``i`` get P = 0
-    (keys past ``Nk`` need not: their dK/dV rows are not stored). With ``ALIBI`` every
-    step comes here (the bias needs each element's query and key)."""
+    (keys past ``Nk`` need not: their dK/dV rows are not stored)."""
     d0 = distance(m0 + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
     for jn in range(NTILES):
         for e in range(2):
@@ -121,13 +123,16 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
 
 
 @device_function
-def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, modr):
+def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, modr, ALIBI, d0):
     """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this lane's rows (``base`` 0 or 2;
-    its lse ``ls`` in the log2 domain and its ``dl``) on a tile that needs no mask."""
+    its lse ``ls`` in the log2 domain and its ``dl``) on a tile that needs no mask; ``d0``
+    (``ALIBI``): the row's distance from this lane's first key."""
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
             sx, g = capped(s[x], CAP, modr)
+            if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
+                sx = alibi(sx, d0 - float32(8 * jn + e), modr[2])
             dp[x] = chain(math.exp2(sx * sl2 - ls) * (dp[x] - dl), g, CAP)
 
 
@@ -135,7 +140,7 @@ def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, modr):
 def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, LEFT, RIGHT,
                      NTILES, tq, CAP, modr, ALIBI):
     """:func:`dq_scores` on a diagonal or tail tile: keys past ``Nk`` or above row ``i``'s
-    diagonal get P = 0. With ``ALIBI`` every tile comes here."""
+    diagonal get P = 0."""
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e  # this element's key
@@ -199,16 +204,17 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         dbase = (b * Hq + h) * Nq
         if ALIBI:  # (compile-time) this step's query head's slope, in raw-score units
             modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
-        edge = ALIBI or (CAUSAL and m0 < m_full)
+        edge = CAUSAL and m0 < m_full
         if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
-            edge = ALIBI or m0 < m_full or m0 + BN - 1 > m_last
-        if edge or m0 + BN > Nq:  # a diagonal, edge or tail step (every step with ALiBi)
+            edge = m0 < m_full or m0 + BN - 1 > m_last
+        if edge or m0 + BN > Nq:  # a diagonal, edge or tail step
             dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
                                causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
                                ALIBI)
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
-                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr)
+                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr, ALIBI,
+                        distance(m0 + 2 * tq, j0, causal_offset))
 
         mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
@@ -417,15 +423,15 @@ def make_attn_backward_dq_tc(v):
             mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            # (every tile with ALiBi: the bias needs each element's query and key)
-            if ALIBI or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
                                  CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI)
                 dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
                                  CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI)
             else:
-                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr)
-                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr)
+                d0 = distance(i0, n0 + 2 * tq, causal_offset)  # (used where ALIBI)
+                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0)
+                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr, ALIBI, d0 + float32(8))
 
             mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)
