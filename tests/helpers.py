@@ -119,3 +119,37 @@ def grad_floor(do, q, k, v, causal=False, scale=None, layout="bhnd"):
     dk = scale * np.swapaxes(ads, -1, -2) @ np.abs(q)
     dv = np.swapaxes(p, -1, -2) @ np.abs(do)
     return tuple(1e-3 * np.linalg.norm(x) for x in (dq, dk, dv))
+
+
+#: (Nq, Nk) for the NaN tests: square, Nq < Nk, and Nq > Nk (causal: leading rows see no key)
+NAN_SHAPES = [(16, 16), (12, 20), (20, 16)]
+
+
+def nan_inputs(rng, Nq, Nk, causal, q_row=5, key=None, D=8):
+    """float32 q, k, v (B=1, Hq=4, Hkv=2, bhnd) with a NaN in query row ``q_row`` of head 0
+    and in key ``key`` (default ``Nk // 2``) of key/value head 1, and the (1, 4, Nq) boolean
+    rows whose o and lse must be NaN: that query row if it sees a key, and the rows of
+    query heads 2 and 3 (key head 1's group) that see that key. No other row."""
+    key = Nk // 2 if key is None else key
+    q, k, v = qkv(rng, B=1, Hq=4, Hkv=2, Nq=Nq, Nk=Nk, D=D)
+    q[0, 0, q_row, 1] = np.nan
+    k[0, 1, key, 0] = np.nan
+    seen = _rules.visible(np, Nq, Nk, causal)
+    seen = np.ones((Nq, Nk), bool) if seen is None else seen
+    bad = np.zeros((1, 4, Nq), bool)
+    bad[0, 0, q_row] = seen[q_row].any()
+    bad[0, 2:] = seen[:, key]
+    return q, k, v, bad
+
+
+def assert_nan_rows(o, lse, bad):
+    """o (bhnd) and lse are NaN exactly in rows ``bad``; every other row is NaN-free
+    (``lse`` None: o only)."""
+    o = np.asarray(o, dtype=np.float64)
+    rows = np.isnan(o).any(axis=-1)
+    assert (rows == bad).all(), (f"NaN rows {np.argwhere(rows).tolist()}, "
+                                 f"expected {np.argwhere(bad).tolist()}")
+    assert np.isnan(o[bad]).all(), "a row that sees a NaN is NaN in every column"
+    if lse is not None:
+        lse = np.asarray(lse, dtype=np.float64)
+        assert (np.isnan(lse) == bad).all(), f"NaN lse {np.argwhere(np.isnan(lse)).tolist()}"

@@ -11,7 +11,18 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp
-from helpers import TOL_BWD, TOL_FWD, oracle_backward, oracle_forward, qkv, rand, rel_err
+from helpers import (
+    NAN_SHAPES,
+    TOL_BWD,
+    TOL_FWD,
+    assert_nan_rows,
+    nan_inputs,
+    oracle_backward,
+    oracle_forward,
+    qkv,
+    rand,
+    rel_err,
+)
 
 import flashcore
 from flashcore import _dispatch, _jax_ops
@@ -310,3 +321,12 @@ def test_functional_api_under_jit_matches_eager(layout):
     refs = oracle_backward(*(np.asarray(x) for x in (do, q, k, v)), **opts)
     for g, r in zip(grads, refs):
         assert rel_err(np.asarray(g), r) <= TOL_BWD["float32"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", NAN_SHAPES, ids=str)
+@pytest.mark.parametrize("backend", ["reference", "numba_cpu", "jax"])
+def test_nan_reaches_exactly_the_rows_that_see_it(backend, shape, causal):
+    q, k, v, bad = nan_inputs(np.random.default_rng(), *shape, causal)
+    o, lse = flashcore.attention_forward(j(q), j(k), j(v), causal=causal, backend=backend)
+    assert_nan_rows(o, lse, bad)
