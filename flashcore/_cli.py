@@ -86,6 +86,17 @@ def _choice_list(choices):
     return parse
 
 
+def _mask_list(text):
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated masks, got {text!r}")
+    try:
+        masks = tuple(bench.parse_mask(t).text for t in items)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return tuple(dict.fromkeys(masks))  # in order, once each
+
+
 def _backend_names():
     from ._dispatch import REGISTRY
 
@@ -392,8 +403,13 @@ def _bench_parser():
                    metavar="D,D,...", help="head dims (64)")
     p.add_argument("--dtypes", type=_choice_list(DTYPES), default=("float32",),
                    metavar="DT,...", help=f"dtypes among {', '.join(DTYPES)} (float32)")
-    p.add_argument("--causal", choices=("no", "yes", "both"), default="both",
-                   help="causal masks to run (both)")
+    p.add_argument("--causal", choices=("no", "yes", "both"), default=None,
+                   help="causal masks to run (both; no when --masks names a mask)")
+    p.add_argument("--masks", type=_mask_list, default=("none",), metavar="MASK,...",
+                   help="masks to run: none, window:W (W keys per query), docs:K (K equal "
+                   "documents by a mask_mod; flashcore gets a BlockMask made untimed), "
+                   "softcap:C, softcap-py:C (softcap as a Python score_mod), alibi, relpos "
+                   "(score_mod s + 0.01(j-i)); e.g. none,window:512,docs:8 (none)")
     p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="(1)")
     p.add_argument("--heads", type=_positive_int, default=8, metavar="H", help="(8)")
     p.add_argument("--directions", type=_choice_list(bench.DIRECTIONS),
@@ -448,7 +464,7 @@ def run_bench(argv):
     opts = bench.SweepOptions(
         batch=args.batch, heads=args.heads, seqlens=args.seqlens, head_dims=args.head_dims,
         dtypes=args.dtypes, causal={"no": (False,), "yes": (True,), "both": (False, True)}[
-            args.causal], directions=args.directions, repeat=args.repeat,
+            args.causal or ("no" if args.masks != ("none",) else "both")], masks=args.masks, directions=args.directions, repeat=args.repeat,
         budget_s=args.budget, memory=not args.no_memory, device=args.device,
         contenders=args.contenders, ceilings=not args.no_ceilings)
     ratio_to, host_overhead = args.ratio_to, args.host_overhead
@@ -459,15 +475,18 @@ def run_bench(argv):
     if args.quick:
         opts.seqlens, opts.causal, opts.repeat = (256, 512), (False,), min(args.repeat, 3)
     chosen = ([bench.get_contender(n) for n in opts.contenders] if opts.contenders
-              else bench.default_contenders(opts.device))
+              else bench.default_contenders(opts.device, masked=opts.masked))
     if not chosen:
         print("flashcore bench: nothing can run here", file=sys.stderr)
         return 2
     print(f"flashcore bench: {', '.join(c.name for c in chosen)}; "
           f"N={','.join(map(str, opts.seqlens))} D={','.join(map(str, opts.head_dims))} "
-          f"{','.join(opts.dtypes)}", flush=True)
+          f"{','.join(opts.dtypes)}"
+          + (f" masks {','.join(opts.masks)}" if opts.masked else ""), flush=True)
     report = bench.run_sweep(opts, progress=not args.no_progress, host_overhead=host_overhead)
     print(bench.format_tables(report))
+    if opts.masked:
+        print(bench.format_mask_ratios(report))
     if ratio_to:
         print(bench.format_ratios(report, ratio_to))
     if host_overhead:

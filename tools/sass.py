@@ -161,13 +161,15 @@ def histogram(sass):
 
 def instruction_text(sass):
     """The instructions alone (no addresses, encodings, labels or section headers; mangled
-    symbol names, which hold the Python module path and a per-compile id, as ``<symbol>``),
-    one a line: equal for two cubins that execute the same code."""
+    symbol names, which hold the Python module path and a per-compile id, as ``<symbol>``;
+    runs of blanks as one: nvdisasm pads annotations such as ``(*"SpillRefill"*)`` to the
+    longest line, which the symbol names' length sets), one a line: equal for two cubins
+    that execute the same code."""
     out = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
         if m:
-            out.append(re.sub(r"_Z\w+", "<symbol>", m.group(1)))
+            out.append(re.sub(r"\s+", " ", re.sub(r"_Z\w+", "<symbol>", m.group(1))))
     return "\n".join(out)
 
 

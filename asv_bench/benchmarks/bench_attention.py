@@ -13,6 +13,10 @@ a contender that materializes the score matrix).
 - ``track_extra_host_mib``: the growth of the resident set during one call, outputs
   included, inputs excluded (see flashcore.bench: VmHWM reset per call on Linux).
 - ``track_gpu_peak_mib``: peak device memory above the baseline during one call.
+
+``MaskedForwardCPU`` / ``MaskedForwardBackwardCPU``: numba_cpu and torch SDPA at B=1 H=4
+N=2048 D=64 float32, without a mask, with ``window:512`` and with ``docs:8`` (see
+``flashcore.bench.masks``); ``track_gflops`` counts the visible pairs only.
 """
 import os
 
@@ -108,3 +112,36 @@ class LongSequenceMemoryCPU(_Attention):
         return None if extra is None else extra / 2**20
 
     track_extra_host_mib.unit = "MiB"
+
+
+class _MaskedCPU(_Attention):
+    """flashcore next to torch SDPA (given the same mask as a boolean ``attn_mask``) without a
+    mask, with a 512-key sliding window and with 8 equal documents (flashcore: the mask_mod
+    ``same_doc`` and a BlockMask made in setup), at a size a 2-core machine measures in
+    seconds. The FLOP model counts the visible pairs only (``runner.masks``); the time is
+    what the issue's targets compare: window and docs against full, flashcore against SDPA."""
+
+    batch, heads = 1, 4
+    param_names = ["contender", "mask"]
+    params = [["flashcore:numba_cpu", "torch_sdpa"], ["none", "window:512", "docs:8"]]
+    seqlen, head_dim, dtype = 2048, 64, "float32"
+
+    def setup(self, contender, mask):
+        self.config = runner.Config(self.batch, self.heads, self.seqlen, self.head_dim,
+                                    self.dtype, False, mask)
+        self.prep = prepare(contender, self.config, self.direction)
+
+    def track_gflops(self, *params):
+        """Nominal GFLOP/s over the visible pairs, from the median of 3 timed runs."""
+        times = runner.time_runs(self.prep, repeat=3, warmup=0)
+        return self.config.flops(self.direction) / sorted(times)[1] / 1e9
+
+    track_gflops.unit = "GFLOP/s"
+
+
+class MaskedForwardCPU(_MaskedCPU):
+    direction = "fwd"
+
+
+class MaskedForwardBackwardCPU(_MaskedCPU):
+    direction = "fwdbwd"

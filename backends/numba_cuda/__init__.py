@@ -53,8 +53,10 @@ def unavailable_reason():
 def supports(case):
     """None when this backend can serve ``case``, else why not."""
     if case.mods is not None:
-        return (f"the CUDA kernels do not compute {', '.join(case.mods.names())} yet; "
-                "numba_cpu and reference do")
+        rest = [n for n in case.mods.names() if n not in ("window", "softcap")]
+        if rest:
+            return (f"the CUDA kernels compute window and softcap but not {', '.join(rest)} "
+                    "yet; numba_cpu and reference do")
     if case.dtype not in _DTYPES:
         return (f"dtype {case.dtype} is not computed by numba_cuda (it computes float32, "
                 "float16 and bfloat16 with fp32 accumulation); use backend='reference'")

@@ -141,18 +141,19 @@ def _fp32_rows_aligned(case, q, k, v, do=None) -> bool:
     return do is None or (rows_aligned(q, sq) and rows_aligned(do, sq))
 
 
-def simt_variants(head_dim, dtype, causal, kt, aligned=True):
+def simt_variants(head_dim, dtype, causal, kt, aligned=True, window=(), softcap=0.0):
     """The SIMT variants of one case class under tilings ``kt`` (tilings.KernelTiles):
     forward, preprocess, dK/dV, dQ."""
     def one(kernel, t):
         return Variant(kernel, "simt", head_dim, dtype, causal, t,
-                       tilings.streams(t, dtype, aligned))
+                       tilings.streams(t, dtype, aligned), window, softcap)
     return [one("forward", kt.forward),
             Variant("preprocess", "simt", head_dim, dtype, False, kt.preprocess_threads),
             one("dkdv", kt.dkdv), one("dq", kt.dq)]
 
 
-def tc_variants(head_dim, dtype, causal, cc=None, gpu=None, simulator=False):
+def tc_variants(head_dim, dtype, causal, cc=None, gpu=None, simulator=False, window=(),
+                softcap=0.0):
     """The tensor-core variants of one case class (forward, dK/dV, dQ) with the tilings
     chosen for compute capability ``cc`` (the built-in tables if None); kernels without a
     fitting tiling are left out."""
@@ -160,18 +161,19 @@ def tc_variants(head_dim, dtype, causal, cc=None, gpu=None, simulator=False):
     for name in ("forward", "dkdv", "dq"):
         t = tilings.choose_tc(name, head_dim, dtype, causal, cc, gpu=gpu, simulator=simulator)
         if t is not None:
-            out.append(Variant(name, "tensor_core", head_dim, dtype, causal, t))
+            out.append(Variant(name, "tensor_core", head_dim, dtype, causal, t,
+                               window=window, softcap=softcap))
     return out
 
 
-def case_variants(head_dim, dtype, causal, cc, aligned=True):
+def case_variants(head_dim, dtype, causal, cc, aligned=True, window=(), softcap=0.0):
     """Every variant a case class may launch on compute capability ``cc``: the SIMT ones
     (fp32 streamed where ``aligned``) and, for fp16/bf16 at the head dims they serve, the
     tensor-core ones. The precompile list and the PTX tests enumerate exactly these."""
     kt = tilings.choose_simt(head_dim, dtype, causal, cc)
-    out = simt_variants(head_dim, dtype, causal, kt, aligned)
+    out = simt_variants(head_dim, dtype, causal, kt, aligned, window, softcap)
     if dtype in _TC_DTYPES and head_dim in tilings.HEAD_DIMS:
-        out += tc_variants(head_dim, dtype, causal, cc)
+        out += tc_variants(head_dim, dtype, causal, cc, window=window, softcap=softcap)
     return out
 
 
@@ -182,21 +184,39 @@ _PLANS: dict = {}
 def _plan(direction, case, device, tiles, aligned, tc):
     """``(forward kernel, block_m)`` or ``(preprocess, threads, dkdv, block_m, dq,
     block_m)`` for one kind of call."""
-    key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc)
+    w, cap = window_of(case), softcap_of(case)
+    key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc, w,
+           cap)
     plan = _PLANS.get(key)
     if plan is None:
         d, dt, c = case.head_dim, case.dtype, case.causal
         kt = tilings.choose_simt(d, dt, c, device_cc(device), simulator=SIMULATOR,
                                  override=tiles)
-        simt = simt_variants(d, dt, c, kt, aligned)
+        simt = simt_variants(d, dt, c, kt, aligned, w, cap)
         if tc:
             cc, gpu = _gpu(device)
-            fam = tc_variants(d, dt, c, cc, gpu=gpu, simulator=SIMULATOR)
+            fam = tc_variants(d, dt, c, cc, gpu=gpu, simulator=SIMULATOR, window=w,
+                              softcap=cap)
         else:
             fam = [simt[0], simt[2], simt[3]]
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
     return plan
+
+
+def window_of(case) -> tuple:
+    """The call's window as a Variant takes it: () for none, else (left, right) with -1
+    for an unbounded side."""
+    if case.mods is None or case.mods.window is None:
+        return ()
+    return case.mods.window_ints
+
+
+def softcap_of(case) -> float:
+    """The call's softcap as a Variant takes it (0.0: none)."""
+    if case.mods is None or case.mods.softcap is None:
+        return 0.0
+    return float(case.mods.softcap)
 
 
 def forget_plans():

@@ -42,6 +42,10 @@ class Variant:
     causal: bool
     tiles: object
     streamed: bool = False
+    #: Sliding window (left, right), each >= 0 or -1 for an unbounded side; () for none.
+    window: tuple = ()
+    #: Logit softcap c (s -> c tanh(s / c) on the scaled score); 0.0 for none.
+    softcap: float = 0.0
 
     def __post_init__(self):
         if self.kernel not in ENTRY:
@@ -50,6 +54,11 @@ class Variant:
             raise ValueError(f"family={self.family!r} is not one of {FAMILIES}")
         if self.family == "tensor_core" and self.kernel == "preprocess":
             raise ValueError("the preprocess kernel has no tensor-core form")
+
+    @property
+    def bounds(self) -> tuple:
+        """``(LEFT, RIGHT)`` as the kernels take them: -1 for an unbounded side."""
+        return tuple(self.window) if self.window else (-1, -1)
 
     @property
     def entry(self) -> str:
@@ -89,6 +98,10 @@ class Variant:
         and profiles name the variant."""
         d, t = self.head_dim, self.tiles
         mask = "causal" if self.causal else "full"
+        if self.window:
+            mask += "_w{}_{}".format(*(("n" if w < 0 else w) for w in self.window))
+        if self.softcap:
+            mask += "_sc" + format(self.softcap, "g").replace(".", "p").replace("-", "m")
         if self.kernel == "preprocess":
             return f"{self.entry}_d{d}_t{t}"
         if self.family == "tensor_core":

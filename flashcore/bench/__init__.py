@@ -7,11 +7,13 @@ framework at module import time; each contender imports its library when it is p
 Modules, each importing only those above it
 -------------------------------------------
 ``libraries``      lazy framework imports; which library reaches which device; waiting
+``masks``          the masked cases (``window:W``, ``docs:K``, ``softcap:C``, ``alibi``, ...):
+                   parsing, visible fraction, how each contender is given them
 ``config``         :class:`Config` (one problem size) and the seeded inputs
 ``measure``        :class:`Prepared`, time of a run, peak extra memory, :func:`measure`
 ``machine``        the machine's name, versions, memory and bandwidth/GEMM ceilings
 ``contender``      :class:`Contender`, the memory guard, whether a backend answers
-``flashcore_api``, ``torch_sdpa``, ``jax_dpa``, ``naive``
+``flashcore_api``, ``torch_sdpa``, ``torch_flex``, ``jax_dpa``, ``naive``
                    the contenders, one module per family
 ``registry``       the contenders by name, and the default choice
 ``report``         the report's schema, JSON, text tables;  ``plots``: the PNG figures
@@ -20,7 +22,8 @@ Modules, each importing only those above it
 Vocabulary
 ----------
 Config
-    One problem size: batch, heads, sequence length (queries = keys), head dim, dtype, causal.
+    One problem size: batch, heads, sequence length (queries = keys), head dim, dtype, causal,
+    and a mask (``"none"`` by default; see :mod:`flashcore.bench.masks`).
 Contender
     One way to compute attention: a flashcore backend called through the public API
     (``"flashcore:numba_cpu"``), or a peer (``"torch_sdpa"``, ``"torch_sdpa_flash"``,
@@ -40,6 +43,8 @@ FLOPs
     The convention of the FlashAttention papers: forward ``4·B·H·Nq·Nk·D`` (two matmuls),
     backward 2.5× that (five matmuls), halved when causal; the same nominal count for every
     contender, so GFLOP/s compare times (a naive causal kernel does the full work anyway).
+    Masked configs count only the visible (query, key) pairs (``window:W`` about ``W/N``,
+    ``docs:K`` about ``1/K``), so FLOP/s of a masked case stay comparable with a full one.
 Bytes
     A model of the memory traffic, used for the roofline: the compulsory traffic (read q, k, v,
     write o and lse; backward also reads o, do, lse and writes dq, dk, dv) for kernels that
@@ -68,6 +73,7 @@ from .flashcore_api import FlashcoreContender
 from .jax_dpa import JaxDpa
 from .libraries import gpu_library, has_module, import_jax, import_torch, library_reason
 from .machine import machine_info, measure_ceilings
+from .masks import Mask, parse_mask
 from .measure import (
     Prepared,
     gpu_peak_extra_bytes,
@@ -81,6 +87,7 @@ from .naive import Naive, naive_backward, naive_forward
 from .plots import plot
 from .registry import (
     NOT_BY_DEFAULT,
+    WITH_MASKS,
     all_contenders,
     contender_names,
     contenders,
@@ -91,6 +98,7 @@ from .report import (
     RESULT_KEYS,
     SCHEMA,
     format_host_overhead,
+    format_mask_ratios,
     format_ratios,
     format_tables,
     validate_report,
@@ -105,17 +113,18 @@ from .sweep import (
     measure_host_overhead,
     run_sweep,
 )
+from .torch_flex import TorchFlex
 from .torch_sdpa import TorchSdpa
 
 __all__ = [
     "Config", "Contender", "DIRECTIONS", "DIRECTION_LABEL", "DTYPES", "FlashcoreContender",
-    "JaxDpa", "MEMORY_GUARD", "NOT_BY_DEFAULT", "Naive", "Prepared", "Progress", "RESULT_KEYS",
-    "SCHEMA", "SIDE_BY_SIDE", "SIDE_BY_SIDE_PEERS", "SweepOptions", "TorchSdpa", "add_ratios",
+    "JaxDpa", "MEMORY_GUARD", "Mask", "NOT_BY_DEFAULT", "Naive", "Prepared", "Progress", "RESULT_KEYS",
+    "SCHEMA", "SIDE_BY_SIDE", "SIDE_BY_SIDE_PEERS", "SweepOptions", "TorchFlex", "TorchSdpa", "WITH_MASKS", "add_ratios",
     "all_contenders", "backend_reason", "contender_names", "contenders", "default_contenders",
-    "format_host_overhead", "format_ratios", "format_tables", "get_contender", "gpu_library",
+    "format_host_overhead", "format_mask_ratios", "format_ratios", "format_tables", "get_contender", "gpu_library",
     "gpu_peak_extra_bytes", "has_module", "host_inputs", "host_peak_method",
     "host_seconds_per_call", "import_jax", "import_torch", "library_reason", "machine_info",
     "measure", "measure_ceilings", "measure_host_overhead", "naive_backward", "naive_forward",
-    "peak_extra_host_bytes", "plot", "run_sweep", "time_runs", "to_library", "validate_report",
+    "parse_mask", "peak_extra_host_bytes", "plot", "run_sweep", "time_runs", "to_library", "validate_report",
     "write_json",
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .libraries import LIBRARIES, import_jax, import_torch
+from .masks import canonical, visible_fraction
 
 DIRECTIONS = ("fwd", "fwdbwd")
 DIRECTION_LABEL = {"fwd": "forward", "fwdbwd": "forward+backward"}
@@ -16,7 +17,8 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 @dataclass(frozen=True)
 class Config:
-    """One problem size: q, k, v of shape ``(batch, heads, seqlen, head_dim)`` ("bhnd")."""
+    """One problem size: q, k, v of shape ``(batch, heads, seqlen, head_dim)`` ("bhnd"), and
+    the mask (``"none"``, ``"window:512"``, ``"docs:8"``, ...: see :mod:`.masks`)."""
 
     batch: int = 1
     heads: int = 8
@@ -24,6 +26,7 @@ class Config:
     head_dim: int = 64
     dtype: str = "float32"
     causal: bool = False
+    mask: str = "none"
 
     def __post_init__(self):
         for name in ("batch", "heads", "seqlen", "head_dim"):
@@ -32,6 +35,7 @@ class Config:
                 raise ValueError(f"{name} must be a positive integer; got {name}={value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        object.__setattr__(self, "mask", canonical(self.mask))  # ValueError if unknown
 
     @property
     def shape(self):
@@ -45,11 +49,18 @@ class Config:
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
 
+    def visible_fraction(self) -> float:
+        """The fraction of the N² scores the FLOP and byte models count: 1, or 1/2 when
+        causal, without a sparse mask (score modifiers such as softcap, alibi, relpos change
+        no count); for ``window:W`` and ``docs:K`` the exact fraction of visible (query, key)
+        pairs (about W/N and 1/K), so FLOP/s of a masked case compare with an unmasked one."""
+        return visible_fraction(self.mask, self.seqlen, self.causal)
+
     def flops(self, direction: str) -> float:
-        """Nominal FLOPs: forward 4·B·H·N²·D, backward 2.5× forward, halved when causal."""
+        """Nominal FLOPs: forward 4·B·H·N²·D, backward 2.5× forward, times the visible
+        fraction (halved when causal; about W/N for ``window:W``, 1/K for ``docs:K``)."""
         f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
-        if self.causal:
-            f /= 2
+        f *= self.visible_fraction()
         return f if direction == "fwd" else 3.5 * f
 
     def scores(self) -> int:
@@ -57,14 +68,15 @@ class Config:
         return self.batch * self.heads * self.seqlen * self.seqlen
 
     def io_bytes(self, direction: str, materializes: bool = False) -> float:
-        """Modelled memory traffic (see :mod:`flashcore.bench`)."""
+        """Modelled memory traffic (see :mod:`flashcore.bench`); the score-matrix traffic of a
+        materializing contender is counted over the visible fraction, like the FLOPs."""
         x = self.batch * self.heads * self.seqlen * self.head_dim * self.itemsize  # one tensor
         lse = 4 * self.batch * self.heads * self.seqlen
         fwd = 4 * x + lse  # read q, k, v; write o and lse
         # backward: read q, k, v, o, do, lse; write dq, dk, dv
         total = fwd if direction == "fwd" else fwd + 8 * x + lse
         if materializes:
-            s = self.scores() * max(self.itemsize, 4) * (0.5 if self.causal else 1.0)
+            s = self.scores() * max(self.itemsize, 4) * self.visible_fraction()
             # forward: write S, read S, write P, read P;
             # backward: read P, write and read dP, write and read dS
             total += 4 * s if direction == "fwd" else 9 * s
@@ -72,11 +84,17 @@ class Config:
 
     def label(self) -> str:
         c = "causal" if self.causal else "non-causal"
+        m = "" if self.mask == "none" else f" {self.mask}"
         return (f"B={self.batch} H={self.heads} N={self.seqlen} D={self.head_dim} "
-                f"{self.dtype} {c}")
+                f"{self.dtype} {c}{m}")
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; ``mask`` only when there is one (a bench without masks writes the
+        JSON it always wrote)."""
+        d = dataclasses.asdict(self)
+        if self.mask == "none":
+            del d["mask"]
+        return d
 
 
 def host_inputs(config: Config, seed: int = 0, with_grad: bool = True):

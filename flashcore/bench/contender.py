@@ -25,6 +25,8 @@ class Contender:
     def unavailable_reason(self, config: Config | None = None) -> str | None:
         """None if this contender can run ``config`` here, else why not."""
         why = library_reason(self.library, self.device)
+        if why is None and config is not None:
+            why = self.mask_reason(config)
         if why is None and config is not None and self.materializes:
             why = memory_guard(self, config)
         return why
@@ -47,6 +49,17 @@ class Contender:
         """Rough extra memory of a materializing run (score-sized temporaries)."""
         s = config.scores() * max(config.itemsize, 4)
         return (3 if direction == "fwd" else 6) * s
+
+    def mask_reason(self, config: Config) -> str | None:
+        """None if this contender can be given ``config.mask``, else why not (a contender
+        that knows no masks says so for every mask but ``none``)."""
+        if config.mask == "none":
+            return None
+        return f"the bench gives {self.name} no masks (mask {config.mask})"
+
+    def mask_how(self, config: Config) -> str:
+        """How this contender is given ``config.mask`` (for the report)."""
+        return ""
 
     def info(self) -> dict:
         return {"name": self.name, "kind": self.kind, "library": self.library,

@@ -1,6 +1,7 @@
 """flashcore's own backends as contenders, called through the public API."""
 from __future__ import annotations
 
+from . import masks
 from .config import to_library
 from .contender import Contender, backend_reason, memory_guard
 from .libraries import gpu_memory_for, library_reason, sync_for, timer_for
@@ -9,7 +10,10 @@ from .measure import Prepared
 
 class FlashcoreContender(Contender):
     """A flashcore backend called through the public API (``attention_forward`` and, for
-    fwd+bwd, ``attention_backward``) on arrays of the library that backend serves."""
+    fwd+bwd, ``attention_backward``) on arrays of the library that backend serves. A masked
+    config passes the options of :func:`flashcore.bench.masks.flashcore_options` (a
+    ``docs`` BlockMask is made in ``prepare``, untimed); a backend that does not serve them
+    declines on the first (untimed) call, and the bench reports its reason as the skip."""
 
     kind = "flashcore"
 
@@ -30,6 +34,12 @@ class FlashcoreContender(Contender):
             return memory_guard(self, config)
         return None
 
+    def mask_reason(self, config):
+        return None  # the backend itself says whether it serves the options
+
+    def mask_how(self, config):
+        return masks.flashcore_how(config)
+
     def estimated_extra_bytes(self, config, direction="fwdbwd"):
         s = config.scores() * 8  # the reference computes in float64
         return (3 if direction == "fwd" else 6) * s
@@ -38,7 +48,9 @@ class FlashcoreContender(Contender):
         import flashcore
 
         q, k, v, do = (to_library(a, self.library, self.device) for a in host)
-        opts = dict(causal=config.causal, backend=self.backend)
+        opts = dict(causal=config.causal, backend=self.backend,
+                    **masks.flashcore_options(
+                        config, lambda a: to_library(a, self.library, self.device)))
         if direction == "fwd":
             def call():
                 return flashcore.attention_forward(q, k, v, **opts)

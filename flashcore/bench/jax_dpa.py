@@ -19,6 +19,12 @@ class JaxDpa(Contender):
         self.materializes = implementation == "xla"
         self.description = f"jax.nn.dot_product_attention(implementation={implementation!r})"
 
+    def mask_reason(self, config):
+        if config.mask == "none":
+            return None
+        return (f"the bench gives jax.nn.dot_product_attention no masks yet (mask "
+                f"{config.mask})")
+
     def unavailable_reason(self, config=None):
         if self.implementation == "cudnn" and self.device == "cpu":
             return "cuDNN needs a GPU"

@@ -245,6 +245,8 @@ def measure(contender, config: Config, direction: str, *, repeat: int = 5,
            "times_s": [], "median_s": None, "gflops_per_s": None,
            "peak_extra_host_bytes": None, "host_peak_method": None,
            "peak_extra_gpu_bytes": None, "skipped": None, "error": None}
+    if config.mask != "none":
+        rec["mask_how"] = contender.mask_how(config)
     why = contender.unavailable_reason(config)
     if why is not None:
         rec["skipped"] = why

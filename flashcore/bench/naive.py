@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from . import masks
 from .config import to_library
 from .contender import Contender
 from .libraries import array_device, gpu_memory_for, sync_for, timer_for
@@ -16,7 +17,10 @@ from .measure import Prepared
 class Naive(Contender):
     """softmax(Q Kᵀ · scale) V written plainly with the library's own array functions
     (Array API), materializing the scores; fwd+bwd adds the textbook backward. float16 and
-    bfloat16 inputs are computed in float32 (NumPy has no fast half-precision matmul)."""
+    bfloat16 inputs are computed in float32 (NumPy has no fast half-precision matmul).
+    Masked configs apply the boolean mask or additive bias of :mod:`flashcore.bench.masks` to
+    the score matrix (made in ``prepare``, untimed); softcap forward only (the textbook
+    backward has no softcap chain factor, so softcap fwd+bwd is skipped)."""
 
     materializes = True
 
@@ -24,6 +28,12 @@ class Naive(Contender):
         self.library, self.device = library, device
         self.name = f"{library}_naive" + ("" if device == "cpu" else "@gpu")
         self.description = f"naive softmax(QK^T)V in {library} ({device})"
+
+    def mask_reason(self, config):
+        return None
+
+    def mask_how(self, config):
+        return masks.dense_how(config, "score matrix")
 
     def _prepare(self, config, direction, host):
         if self.library == "numpy" and config.dtype in ("float16", "bfloat16"):
@@ -33,28 +43,51 @@ class Naive(Contender):
 
         xp = array_api_compat.array_namespace(q)
         scale, causal = config.scale, config.causal
+        m = masks.parse_mask(config.mask)
+        kw = {}
+        if m.kind in ("softcap", "softcap-py"):
+            kw["softcap"] = float(m.value)
+        vis, bias = masks.dense_visible(config), masks.dense_bias(config)
+        if vis is not None:
+            kw["visible"] = to_library(vis, self.library, self.device)
+        if bias is not None:
+            kw["bias"] = to_library(bias, self.library, self.device)
         if direction == "fwd":
             def call():
-                return naive_forward(xp, q, k, v, scale, causal)[0]
+                return naive_forward(xp, q, k, v, scale, causal, **kw)[0]
+        elif "softcap" in kw:
+            def call():  # declines on the first, untimed call: reported as the skip
+                raise NotImplementedError(
+                    "the naive backward has no softcap chain factor (forward only)")
         else:
             def call():
-                o, p = naive_forward(xp, q, k, v, scale, causal)
+                o, p = naive_forward(xp, q, k, v, scale, causal, **kw)
                 return naive_backward(xp, do, q, k, v, o, p, scale)
         return Prepared(call, sync_for(self.library, self.device),
                         timer_for(self.library, self.device),
                         gpu_memory_for(self.library, self.device))
 
 
-def naive_forward(xp, q, k, v, scale, causal):
+def naive_forward(xp, q, k, v, scale, causal, *, visible=None, bias=None, softcap=None):
     """``(o, p)``: output and probabilities of softmax(q kᵀ · scale) v, with flashcore's
     mask rule (``flashcore._rules.visible``: bottom-right causal).
+
+    ``softcap``: ``s = softcap * tanh(s / softcap)``; ``bias``: added to the scores (causal
+    already folded in as ``-inf``); ``visible``: a boolean mask that replaces the causal
+    rule (causal already folded in). Every row must see at least one key.
 
     Written as a careful user would: augmented assignments, which update NumPy, PyTorch and
     CuPy arrays in place (and rebind JAX's), so only the score matrix itself is allocated."""
     from flashcore import _rules
 
     s = xp.matmul(q * scale, xp.matrix_transpose(k))
-    visible = _rules.visible(xp, q.shape[-2], k.shape[-2], causal, array_device(q))
+    if softcap is not None:
+        s = xp.tanh(s / softcap)
+        s *= softcap
+    if bias is not None:
+        s += bias
+    elif visible is None:
+        visible = _rules.visible(xp, q.shape[-2], k.shape[-2], causal, array_device(q))
     if visible is not None:
         s = _fill_where(xp, s, xp.logical_not(visible), -math.inf)
     s -= xp.max(s, axis=-1, keepdims=True)

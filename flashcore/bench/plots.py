@@ -27,14 +27,15 @@ def plot(report: dict, outdir) -> list[str]:
         drs = [r for r in rs if r["direction"] == direction]
         if not drs:
             continue
-        panels = sorted({(r["config"]["dtype"], r["config"]["head_dim"], r["config"]["causal"])
-                         for r in drs}, key=str)
+        panels = sorted({(r["config"]["dtype"], r["config"]["head_dim"], r["config"]["causal"],
+                          r["config"].get("mask", "none")) for r in drs}, key=str)
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-        for ax, (dt, d, causal) in zip(axes[0], panels):
+        for ax, (dt, d, causal, mask) in zip(axes[0], panels):
             for name in names:
                 pts = sorted((r["config"]["seqlen"], r["median_s"] * 1e3) for r in drs
                              if r["contender"] == name and r["config"]["dtype"] == dt
-                             and r["config"]["head_dim"] == d and r["config"]["causal"] == causal)
+                             and r["config"]["head_dim"] == d and r["config"]["causal"] == causal
+                             and r["config"].get("mask", "none") == mask)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=name, color=colors[name])
             ax.set_xscale("log", base=2)
@@ -42,7 +43,8 @@ def plot(report: dict, outdir) -> list[str]:
             ax.set_xlabel("sequence length N")
             ax.set_ylabel("time (ms, median)")
             ax.set_title(f"{DIRECTION_LABEL[direction]}: D={d} {dt} "
-                         f"{'causal' if causal else 'non-causal'}", fontsize=10)
+                         f"{'causal' if causal else 'non-causal'}"
+                         f"{'' if mask == 'none' else ' ' + mask}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()

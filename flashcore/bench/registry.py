@@ -6,10 +6,14 @@ from .flashcore_api import FlashcoreContender
 from .jax_dpa import JaxDpa
 from .libraries import gpu_library
 from .naive import Naive
+from .torch_flex import TorchFlex
 from .torch_sdpa import TorchSdpa
 
 #: Contenders left out of a default sweep (slow or redundant); name them to include them.
-NOT_BY_DEFAULT = {"flashcore:reference", "torch_sdpa_math", "flashcore:jax", "flashcore:torch"}
+NOT_BY_DEFAULT = {"flashcore:reference", "torch_sdpa_math", "flashcore:jax", "flashcore:torch",
+                  "torch_flex@gpu"}
+#: Contenders a default sweep adds when it has masked configs (the peers made for masks).
+WITH_MASKS = {"torch_flex@gpu"}
 
 
 def contenders(device: str = "auto") -> list[Contender]:
@@ -37,6 +41,7 @@ def contenders(device: str = "auto") -> list[Contender]:
             TorchSdpa("flash", dev), TorchSdpa("cudnn", dev), TorchSdpa("efficient", dev),
             TorchSdpa("math", dev),
             JaxDpa("cudnn", dev), JaxDpa("xla", dev),
+            TorchFlex(dev),
             Naive("torch", dev),
         ]
     raise ValueError(f"device={device!r} is not one of ('auto', 'cpu', 'cuda')")
@@ -59,12 +64,14 @@ def contender_names() -> list[str]:
     return [c.name for c in all_contenders()]
 
 
-def default_contenders(device: str = "auto") -> list[Contender]:
-    """The contenders a default sweep runs: those available here, minus NOT_BY_DEFAULT; the
-    flashcore reference joins only when flashcore has no kernel backend here."""
+def default_contenders(device: str = "auto", masked: bool = False) -> list[Contender]:
+    """The contenders a default sweep runs: those available here, minus NOT_BY_DEFAULT (but
+    WITH_MASKS when the sweep has ``masked`` configs); the flashcore reference joins only
+    when flashcore has no kernel backend here."""
     cands = [c for c in contenders(device) if c.unavailable_reason() is None]
     own = [c for c in cands if c.kind == "flashcore" and c.backend not in ("reference",)]
-    chosen = [c for c in cands if c.name not in NOT_BY_DEFAULT]
+    chosen = [c for c in cands if c.name not in NOT_BY_DEFAULT
+              or (masked and c.name in WITH_MASKS)]
     if not own:
         chosen = [c for c in cands if c.name == "flashcore:reference"] + chosen
     return chosen

@@ -6,6 +6,7 @@ import json
 import os
 
 from .config import DIRECTION_LABEL, DIRECTIONS, Config
+from .masks import label as mask_label
 
 SCHEMA = "flashcore-bench/1"
 
@@ -66,8 +67,9 @@ def _fmt_mib(b):
 
 
 def format_tables(report: dict) -> str:
-    """The ratio tables: one per (dtype, head dim, causal) and direction, rows per seqlen and
-    contender, time relative to the fastest peer."""
+    """The ratio tables: one per (dtype, head dim, causal, mask) and direction, rows per
+    seqlen and contender, time relative to the fastest peer; a masked table ends with how
+    each contender was given the mask."""
     rs = report["results"]
     gpu = any(r["device"] != "cpu" for r in rs)
     unit, div = ("TFLOP/s", 1e3) if gpu else ("GFLOP/s", 1.0)
@@ -75,11 +77,14 @@ def format_tables(report: dict) -> str:
     groups = {}
     for r in rs:
         c = r["config"]
-        key = (c["dtype"], c["head_dim"], c["causal"], c["batch"], c["heads"], r["direction"])
+        key = (c["dtype"], c["head_dim"], c["causal"], c["batch"], c["heads"], r["direction"],
+               c.get("mask", "none"))
         groups.setdefault(key, []).append(r)
-    for (dt, d, causal, b, h, direction), grp in groups.items():
+    for (dt, d, causal, b, h, direction, mask), grp in groups.items():
+        m = "" if mask == "none" else f" mask {mask_label(mask)}"
         out.append(f"\n{DIRECTION_LABEL[direction]}: B={b} H={h} D={d} {dt} "
-                   f"{'causal' if causal else 'non-causal'}   (x peer = time / fastest peer's)")
+                   f"{'causal' if causal else 'non-causal'}{m}   "
+                   f"(x peer = time / fastest peer's)")
         mem_col = "GPU peak MiB" if gpu else "peak MiB"
         header = (f"{'N':>6}  {'contender':<24} {'time':>10} {'x peer':>7} {unit:>8} "
                   f"{'GB moved':>9} {mem_col:>12}")
@@ -98,6 +103,9 @@ def format_tables(report: dict) -> str:
                        f"{(f'{ratio:.2f}' if ratio else '-'):>7} "
                        f"{r['gflops_per_s'] / div:>8.3g} {r['bytes'] / 1e9:>9.3g} "
                        f"{_fmt_mib(mem):>12}")
+        hows = {r["contender"]: r.get("mask_how") for r in grp if r.get("mask_how")}
+        for name, how in hows.items():
+            out.append(f"        {name}: {how}")
     ceil = report.get("ceilings") or {}
     if "mem_bw_GBps" in ceil:
         out.append(f"\nthis machine: memory bandwidth {ceil['mem_bw_GBps']:.1f} GB/s, "
@@ -106,7 +114,37 @@ def format_tables(report: dict) -> str:
     out.append("time: median after a warm-up; FLOP/s: nominal FLOPs (4BHN^2D forward, 2.5x that "
                "backward, halved causal); GB moved: modelled traffic; peak: extra memory of one "
                "run, outputs included")
+    if any(r["config"].get("mask", "none") != "none" for r in rs):
+        out.append("masked: FLOPs and score traffic counted over the visible (query, key) "
+                   "pairs only (window:W about W/N, docs:K about 1/K)")
     return "\n".join(out)
+
+
+def format_mask_ratios(report: dict) -> str:
+    """Each masked result's time divided by the same contender's time without a mask (same
+    sizes, dtype, causal and direction): what the mask saves; empty without masks."""
+    rs = report["results"]
+    base = {}
+    for r in rs:
+        if r["config"].get("mask", "none") == "none" and r["median_s"]:
+            base[(_config_key(r, without_mask=True), r["direction"], r["contender"])] = r[
+                "median_s"]
+    rows = []
+    for r in rs:
+        mask = r["config"].get("mask", "none")
+        if mask == "none":
+            continue
+        ref = base.get((_config_key(r, without_mask=True), r["direction"], r["contender"]))
+        ratio = f"{r['median_s'] / ref:.3f}" if ref and r["median_s"] else "-"
+        speed = f"{ref / r['median_s']:.1f}x" if ref and r["median_s"] else "-"
+        rows.append(f"{DIRECTION_LABEL[r['direction']]:<17} {Config(**r['config']).label():<52} "
+                    f"{r['contender']:<24} {ratio:>8} {speed:>8}")
+    if not rows:
+        return ""
+    header = (f"{'direction':<17} {'config':<52} {'contender':<24} {'/ none':>8} "
+              f"{'faster':>8}")
+    return "\n".join(["\nmasked time / the same contender's time without a mask", header,
+                      "-" * len(header), *rows])
 
 
 def format_ratios(report: dict, against) -> str:
@@ -119,7 +157,8 @@ def format_ratios(report: dict, against) -> str:
     for r in rs:
         times[(_config_key(r), r["direction"], r["contender"])] = r["median_s"]
     cols = [f"/ {n}" for n in against]
-    header = f"{'direction':<17} {'config':<44} {'contender':<24} " + " ".join(cols)
+    w = max([44] + [len(Config(**r["config"]).label()) for r in rs])  # 44: without masks
+    header = f"{'direction':<17} {'config':<{w}} {'contender':<24} " + " ".join(cols)
     out = ["\ntime / the named contender's time (same config and direction)", header,
            "-" * len(header)]
     for r in rs:
@@ -130,14 +169,16 @@ def format_ratios(report: dict, against) -> str:
         for n in against:
             ref = times.get((*key, n))
             cells.append(f"{r['median_s'] / ref:.2f}" if ref and r["median_s"] else "-")
-        out.append(f"{DIRECTION_LABEL[r['direction']]:<17} {Config(**r['config']).label():<44} "
+        out.append(f"{DIRECTION_LABEL[r['direction']]:<17} {Config(**r['config']).label():<{w}} "
                    f"{r['contender']:<24} "
                    + " ".join(f"{c:>{len(col)}}" for c, col in zip(cells, cols)))
     return "\n".join(out)
 
 
-def _config_key(r):
-    c = r["config"]
+def _config_key(r, without_mask=False):
+    c = dict(r["config"])
+    if without_mask:
+        c.pop("mask", None)
     return tuple(c[k] for k in sorted(c))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .config import DIRECTION_LABEL, DIRECTIONS, Config
 from .machine import machine_info, measure_ceilings
+from .masks import canonical
 from .measure import first_line, host_seconds_per_call, measure
 from .registry import default_contenders, get_contender
 from .report import SCHEMA
@@ -61,6 +62,7 @@ class SweepOptions:
     head_dims: tuple = (64,)
     dtypes: tuple = ("float32",)
     causal: tuple = (False, True)
+    masks: tuple = ("none",)  # see flashcore.bench.masks: "window:512", "docs:8", ...
     directions: tuple = DIRECTIONS
     repeat: int = 5
     budget_s: float = 2.0
@@ -72,9 +74,14 @@ class SweepOptions:
     extra: dict = field(default_factory=dict)
 
     def configs(self) -> list[Config]:
-        return [Config(self.batch, self.heads, n, d, dt, c)
+        return [Config(self.batch, self.heads, n, d, dt, c, m)
                 for dt in self.dtypes for d in self.head_dims for c in self.causal
-                for n in self.seqlens]
+                for m in self.masks for n in self.seqlens]
+
+    @property
+    def masked(self) -> bool:
+        """Whether any config has a mask (a default sweep then adds the mask peers)."""
+        return any(canonical(m) != "none" for m in self.masks)
 
     def host_overhead_config(self) -> Config:
         """The tiny input whose forward call :func:`measure_host_overhead` times: B=1, H=1,
@@ -102,7 +109,7 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
     if opts.contenders:
         chosen = [get_contender(n) for n in opts.contenders]
     else:
-        chosen = default_contenders(opts.device)
+        chosen = default_contenders(opts.device, masked=opts.masked)
     configs = opts.configs()
     steps = [(cfg, d, c) for cfg in configs for d in opts.directions for c in chosen]
     extra_steps = (1 if opts.ceilings else 0) + (len(chosen) if host_overhead else 0)
@@ -132,6 +139,8 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
     bar.close()
     add_ratios(results)
     options = dataclasses.asdict(opts)
+    if not opts.masked:  # a sweep without masks writes the options it always wrote
+        del options["masks"]
     report = {"schema": SCHEMA,
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"),

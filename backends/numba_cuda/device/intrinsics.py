@@ -58,6 +58,7 @@ __all__ = [
     "pack_bf16x2",
     "pack_f16x2",
     "shfl_xor_f32",
+    "tanh_approx",
 ]
 
 
@@ -222,6 +223,10 @@ if SIMULATOR:
         lane, vals = _warp_exchange(np.float32(v))
         return vals[lane ^ int(mask)]
 
+    def tanh_approx(x):
+        """tanh of an fp32 (``tanh.approx.f32`` on the GPU: max relative error ~2^-11)."""
+        return np.float32(np.tanh(np.float32(x)))
+
     def cp_async16(smem, sidx, src, gidx, nbytes):
         """16 bytes (8 b16 or 4 fp32 elements, by ``smem``'s dtype) from ``src[gidx:]`` to
         ``smem[sidx:]``: the first ``nbytes`` copied, the rest zero-filled (``nbytes`` 0:
@@ -333,6 +338,18 @@ else:
 
     pack_bf16x2 = _pack_intrinsic("bf16")
     pack_f16x2 = _pack_intrinsic("f16")
+
+    @intrinsic
+    def tanh_approx(typingctx, x):
+        """tanh of an fp32 in one MUFU instruction (``tanh.approx.f32``, sm_75+; max
+        relative error ~2^-11, FlashAttention's softcap uses the same)."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _F32, [args[0]], "tanh.approx.f32 $0, $1;", "=f,f",
+                        side_effect=False)
+
+        return sig, codegen
 
     def _cp_async_intrinsic(nbytes, cache):
         text = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "

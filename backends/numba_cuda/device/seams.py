@@ -12,15 +12,23 @@ same two in ``numba_cpu/seams.py``).
    ``-inf`` where ``j`` is masked; :func:`visible` is the mask with the key bound, as the
    backward passes use it (P = 0 where not visible), :func:`hides` the mask alone.
 
-The variant's mask options arrive as compile-time arguments (``CAUSAL``), so after
-inlining each kernel keeps only the arithmetic its variant needs. Masks and score
+The variant's mask options arrive as compile-time arguments (``CAUSAL``; the window's
+``LEFT``/``RIGHT``, -1 for an unbounded side or no window), so after inlining each kernel
+keeps only the arithmetic its variant needs. A kernel of a windowed variant takes its
+ranges from :func:`window_key_range`/:func:`window_query_range` (which also give a first
+tile and a last row), the others from :func:`key_range`/:func:`query_range` as before. Masks and score
 modifiers (window, softcap, ALiBi, user functions), varlen bounds and paged caches extend
 these functions and the variant that parametrizes them, not the kernels.
 """
 from __future__ import annotations
 
+import math
+
+from numba import float32
+
 from .constants import NEG_INF
 from .convert import device_function
+from .intrinsics import tanh_approx
 
 
 @device_function
@@ -49,23 +57,92 @@ def query_range(k0, cols, step, causal_offset, CAUSAL):
 
 
 @device_function
-def hides(i, j, causal_offset, CAUSAL):
+def softcap(x, cap, inv_cap, APPROX):
+    """``(cap tanh(x / cap), 1 - tanh^2)``: a score through the softcap (``cap`` in the
+    score's own units, ``inv_cap`` its reciprocal) and its derivative, the factor dS takes.
+    ``APPROX`` (compile-time; the fp16/bf16 variants): tanh is one ``tanh.approx.f32``
+    (relative error ~2^-11, below those dtypes' rounding), since libdevice's tanhf made the
+    tensor-core dK/dV kernel spill and a tanh from ex2 and a reciprocal costs two MUFU
+    operations per score where the softmax spends one (the forward ran 2.9x slower with it
+    on an H100); fp32 variants keep libdevice's tanhf for their accuracy."""
+    if APPROX:
+        t = tanh_approx(x * inv_cap)
+    else:
+        t = math.tanh(x * inv_cap)
+    return cap * t, float32(1.0) - t * t
+
+
+@device_function
+def reach(CAUSAL, RIGHT):
+    """How far right of the diagonal a query sees: -1 unbounded, else the window's right
+    bound, capped at 0 by causal."""
+    if CAUSAL:
+        return 0 if RIGHT < 0 else min(RIGHT, 0)
+    return RIGHT
+
+
+@device_function
+def window_key_range(q0, rows, step, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
+    """:func:`key_range` with a window (``LEFT``/``RIGHT``: compile-time bounds, -1 for an
+    unbounded side): ``(n_begin, n_end, n_lo, n_full)``. Rows ``q0 .. q0 + rows - 1`` visit
+    keys ``[n_begin, n_end)`` (``n_begin`` a multiple of ``step``); a key tile inside
+    ``[n_lo, n_full)`` is seen whole by every row (no mask)."""
+    r = reach(CAUSAL, RIGHT)
+    last = q0 + rows - 1
+    n_end = Nk
+    n_full = Nk
+    if r >= 0:
+        n_end = max(0, min(Nk, last + causal_offset + r + 1))
+        n_full = min(Nk, q0 + causal_offset + r + 1)
+    n_begin = 0
+    n_lo = 0
+    if LEFT >= 0:
+        n_begin = max(0, q0 + causal_offset - LEFT) // step * step
+        n_lo = last + causal_offset - LEFT
+    return n_begin, n_end, n_lo, n_full
+
+
+@device_function
+def window_query_range(k0, cols, step, Nq, causal_offset, CAUSAL, LEFT, RIGHT):
+    """:func:`query_range` with a window: ``(m_begin, m_end, m_full, m_last)``. Query rows
+    ``[m_begin, m_end)`` see some key of ``k0 .. k0 + cols - 1`` (``m_begin`` a multiple of
+    ``step``); rows in ``[m_full, m_last]`` see all of them (a query tile inside needs no
+    mask)."""
+    r = reach(CAUSAL, RIGHT)
+    k_last = k0 + cols - 1
+    m_begin = 0
+    m_full = 0
+    if r >= 0:
+        m_begin = max(0, k0 - causal_offset - r) // step * step
+        m_full = k_last - causal_offset - r
+    m_end = Nq
+    m_last = Nq
+    if LEFT >= 0:
+        m_end = max(0, min(Nq, k_last - causal_offset + LEFT + 1))
+        m_last = k0 - causal_offset + LEFT
+    return m_begin, m_end, m_full, m_last
+
+
+@device_function
+def hides(i, j, causal_offset, CAUSAL, LEFT, RIGHT):
     """Whether the mask hides key ``j`` from query ``i`` (causal: ``j`` after the diagonal
-    of ``i`` aligned to the bottom right), bounds aside. The dK/dV pass uses it alone: a
-    key past ``Nk`` only feeds a dK/dV row that is never stored."""
-    return CAUSAL and j > i + causal_offset
+    of ``i`` aligned to the bottom right; a window: ``j`` more than ``RIGHT`` after it or
+    ``LEFT`` before it), bounds aside. The dK/dV pass uses it alone: a key past ``Nk`` only
+    feeds a dK/dV row that is never stored."""
+    return ((CAUSAL and j > i + causal_offset) or (RIGHT >= 0 and j > i + causal_offset + RIGHT)
+            or (LEFT >= 0 and j < i + causal_offset - LEFT))
 
 
 @device_function
-def visible(i, j, Nk, causal_offset, CAUSAL):
+def visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
     """Whether query ``i`` sees key ``j``: ``j`` is a key, and the mask does not hide it."""
-    return j < Nk and not hides(i, j, causal_offset, CAUSAL)
+    return j < Nk and not hides(i, j, causal_offset, CAUSAL, LEFT, RIGHT)
 
 
 @device_function
-def score(s, i, j, Nk, causal_offset, CAUSAL):
+def score(s, i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
     """The score the softmax sees for query ``i`` and key ``j``: ``s``, or ``-inf`` where
     ``j`` is masked."""
-    if visible(i, j, Nk, causal_offset, CAUSAL):
+    if visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
         return s
     return NEG_INF

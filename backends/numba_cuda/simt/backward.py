@@ -28,7 +28,15 @@ from ..device.constants import LOG2E, SMEM_ALIGN
 from ..device.convert import load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
-from ..device.seams import hides, key_range, query_range, visible
+from ..device.seams import (
+    hides,
+    key_range,
+    query_range,
+    softcap,
+    visible,
+    window_key_range,
+    window_query_range,
+)
 from .forward import copy_rows, load_tile_t
 from .tile_product import column, tile_product
 
@@ -77,6 +85,12 @@ def make_attn_backward_dkdv(v):
     STAGE = lay["STAGE"]
     ONE_PS = DS_OFF == P_OFF  # (t.one_ps_buffer) P and dS take turns in one buffer
     CAUSAL = bool(v.causal)
+    LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
+    WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
+    CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
+    CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                            causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -113,8 +127,13 @@ def make_attn_backward_dkdv(v):
 
         # Query tiles before m_begin see none of our keys; from m_full on, all (no mask).
         m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
+        m_end = Nq
+        m_last = Nq
+        if WINDOW:  # (compile-time) the window also ends the rows that see our keys
+            m_begin, m_end, m_full, m_last = window_query_range(k0, BM, BN, Nq, causal_offset,
+                                                                CAUSAL, LEFT, RIGHT)
         # One step per (query head of the group, query tile), in that order.
-        n_m = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
+        n_m = (m_end - m_begin + BN - 1) // BN if m_end > m_begin else 0
         steps = group * n_m
         if ASYNC and steps > 0:
             h = hk * group
@@ -168,6 +187,8 @@ def make_attn_backward_dkdv(v):
             tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, QD, QJ, DP, tr, tc, RM, RN,
                          TC, KU)
             masked = CAUSAL and m0 < m_full
+            if WINDOW:
+                masked = m0 < m_full or m0 + BN - 1 > m_last
             for bb in range(RN):
                 col = tc + TC * bb
                 ls = smem[LS_OFF + col]
@@ -175,14 +196,21 @@ def make_attn_backward_dkdv(v):
                 i = m0 + col
                 for a in range(RM):
                     row = tr * RM + a
-                    p = math.exp2(s[a, bb] - ls)
-                    if masked and hides(i, k0 + row, causal_offset, CAUSAL):
+                    x = s[a, bb]
+                    g = float32(1.0)
+                    if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
+                        x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
+                    p = math.exp2(x - ls)
+                    if masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
+                    ds = p * (dp[a, bb] - dl)
+                    if CAP:
+                        ds *= g
                     if ONE_PS:  # dS waits in registers until P V has been read
-                        dp[a, bb] = p * (dp[a, bb] - dl)
+                        dp[a, bb] = ds
                     else:
-                        smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl)
+                        smem[DS_OFF + col * LDP + row] = ds
             cuda.syncthreads()
             tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, QJ, QD, BN, tr, tc,
                          RM, RD, TC, KU)
@@ -232,6 +260,12 @@ def make_attn_backward_dq(v):
     Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF = lay["Q"], lay["DO"], lay["K"], lay["V"], lay["DS"]
     STAGE = lay["STAGE"]
     CAUSAL = bool(v.causal)
+    LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
+    WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
+    CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
+    CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
@@ -270,16 +304,21 @@ def make_attn_backward_dq(v):
                 dq_acc[a, dd] = float32(0.0)
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
+        n_begin = 0
+        n_lo = 0
+        if WINDOW:  # (compile-time) the window's first tile and left edge too
+            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
+                                                            CAUSAL, LEFT, RIGHT)
 
         if ASYNC:
-            copy_rows(smem, K_OFF, KJ, k, kbase, 0, Nk, ksn, BN, D, DP, tid, NT)
-            copy_rows(smem, V_OFF, KJ, v, vbase, 0, Nk, vsn, BN, D, DP, tid, NT)
+            copy_rows(smem, K_OFF, KJ, k, kbase, n_begin, Nk, ksn, BN, D, DP, tid, NT)
+            copy_rows(smem, V_OFF, KJ, v, vbase, n_begin, Nk, vsn, BN, D, DP, tid, NT)
             cp_async_commit()
-        for n0 in range(0, n_end, BN):
+        for n0 in range(n_begin, n_end, BN):
             k_off = K_OFF
             v_off = V_OFF
             if ASYNC:
-                stage = (n0 // BN) & 1
+                stage = ((n0 - n_begin) // BN) & 1
                 k_off += stage * STAGE
                 v_off += stage * STAGE
                 if n0 + BN < n_end:  # the next K and V into the other stage
@@ -305,16 +344,23 @@ def make_attn_backward_dq(v):
             tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, KD, KJ, DP, tr, tc, RM, RN,
                          TC, KU)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            masked = n0 + BN > n_full
+            masked = n0 + BN > n_full or (WINDOW and n0 < n_lo)
             for a in range(RM):
                 row = tr * RM + a
                 i = q0 + row
                 for bb in range(RN):
                     col = tc + TC * bb
-                    p = math.exp2(s[a, bb] - ls[a])
-                    if masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL):
+                    x = s[a, bb]
+                    g = float32(1.0)
+                    if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
+                        x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
+                    p = math.exp2(x - ls[a])
+                    if masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
-                    smem[DS_OFF + col * LDP + row] = p * (dp[a, bb] - dl[a])
+                    ds = p * (dp[a, bb] - dl[a])
+                    if CAP:
+                        ds *= g
+                    smem[DS_OFF + col * LDP + row] = ds
             cuda.syncthreads()
             tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, KJ, KD, BN, tr, tc,
                          RM, RD, TC, KU)

@@ -20,7 +20,7 @@ from ..device.constants import LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, ld4, load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, score
+from ..device.seams import key_range, score, softcap, window_key_range
 from .tile_product import column, tile_product
 
 
@@ -119,6 +119,12 @@ def make_attn_forward(v):
     Q_OFF, K_OFF, V_OFF, P_OFF = lay["Q"], lay["K"], lay["V"], lay["P"]
     RED_OFF = lay["RED"]  # [i][tc]: per-thread partial row max / row sum
     CAUSAL = bool(v.causal)
+    LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
+    WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c; scores here are in log2 units: c log2(e) tanh(s / that)
+    CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
+    CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
     # With several blocks per SM (min_blocks > 1), row maxima by warp shuffles where a
     # row's TC threads are lanes of one warp (and the block whole warps), and the barrier
     # between S and the softmax, which then only guards K, goes: the next K is copied after
@@ -162,11 +168,16 @@ def make_attn_forward(v):
 
         # Keys this tile visits, and those every row sees (tiles there need no mask).
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
+        n_begin = 0
+        n_lo = 0
+        if WINDOW:  # (compile-time) the window's first tile and left edge too
+            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
+                                                            CAUSAL, LEFT, RIGHT)
 
         if ASYNC:
-            copy_rows(smem, K_OFF, KJ, k, kbase, 0, Nk, ksn, BN, D, DP, tid, NT)
+            copy_rows(smem, K_OFF, KJ, k, kbase, n_begin, Nk, ksn, BN, D, DP, tid, NT)
             cp_async_commit()
-        for n0 in range(0, n_end, BN):
+        for n0 in range(n_begin, n_end, BN):
             if ASYNC:  # V of this tile in flight during S = Q Kᵀ
                 copy_rows(smem, V_OFF, KJ, v, vbase, n0, Nk, vsn, BN, D, DP, tid, NT)
                 cp_async_commit()
@@ -180,12 +191,16 @@ def make_attn_forward(v):
                     s[a, bb] = float32(0.0)
             tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, KD, KJ, DP, tr, tc,
                          RM, RN, TC, KU)
-            if n0 + BN > n_full:  # a diagonal or tail tile: mask
+            if CAP:  # (compile-time) the softcap, before the masks
+                for a in range(RM):
+                    for bb in range(RN):
+                        s[a, bb], _ = softcap(s[a, bb], CAP_L2, CAP_INV, APPROX)
+            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 for a in range(RM):
                     i = q0 + tr * RM + a
                     for bb in range(RN):
                         s[a, bb] = score(s[a, bb], i, n0 + tc + TC * bb, Nk, causal_offset,
-                                         CAUSAL)
+                                         CAUSAL, LEFT, RIGHT)
             for a in range(RM):
                 mx = s[a, 0]
                 for bb in range(1, RN):

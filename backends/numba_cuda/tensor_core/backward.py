@@ -44,13 +44,39 @@ from ..device.constants import LOG2E, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
-from ..device.seams import hides, key_range, query_range, visible
+from ..device.seams import (
+    hides,
+    key_range,
+    query_range,
+    softcap,
+    visible,
+    window_key_range,
+    window_query_range,
+)
 from ..tilings import PAD
 from .fragments import load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
 
 @device_function
-def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
+def capped(x, CAP, capr):
+    """``(score, d score / d raw score)`` through the softcap (``CAP``, compile-time; cap
+    and its reciprocal ``capr`` in raw-score units): ``(cap tanh(x / cap), 1 - tanh^2)``,
+    else ``(x, 1)``."""
+    if CAP:
+        return softcap(x, capr[0], capr[1], True)
+    return x, float32(1.0)
+
+
+@device_function
+def chain(ds, g, CAP):
+    """dS through the softcap: ``ds * g`` (``CAP``), else ``ds`` as it is."""
+    if CAP:
+        return ds * g
+    return ds
+
+
+@device_function
+def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, capr):
     """``Pᵀ`` into ``s`` and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` for a query step
     that needs no mask (every query of it exists, none is above the diagonal): element
     ``(4 jn + 2 r + e)`` of this lane is query column ``8 jn + e`` past ``lofs`` (lse,
@@ -61,14 +87,15 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES):
                                  True)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
-                p = math.exp2(s[x] * sl2 - ls)
+                sx, g = capped(s[x], CAP, capr)
+                p = math.exp2(sx * sl2 - ls)
                 s[x] = p
-                dp[x] = p * (dp[x] - dl)
+                dp[x] = chain(p * (dp[x] - dl), g, CAP)
 
 
 @device_function
 def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
-                       sl2, CAUSAL, NTILES, tq):
+                       sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr):
     """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
     +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask hides from query ``i`` get P = 0
     (keys past ``Nk`` need not: their dK/dV rows are not stored)."""
@@ -78,36 +105,39 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
             ls, dl = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):  # keys j0 and j0 + 8
                 x = 4 * jn + 2 * r + e
-                p = math.exp2(s[x] * sl2 - ls)
-                if hides(i, j0 + 8 * r, causal_offset, CAUSAL):
+                sx, g = capped(s[x], CAP, capr)
+                p = math.exp2(sx * sl2 - ls)
+                if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                     p = float32(0.0)
                 s[x] = p
-                dp[x] = p * (dp[x] - dl)
+                dp[x] = chain(p * (dp[x] - dl), g, CAP)
 
 
 @device_function
-def dq_scores(s, dp, base, ls, dl, sl2, NTILES):
+def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, capr):
     """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this lane's rows (``base`` 0 or 2;
     its lse ``ls`` in the log2 domain and its ``dl``) on a tile that needs no mask."""
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            dp[x] = math.exp2(s[x] * sl2 - ls) * (dp[x] - dl)
+            sx, g = capped(s[x], CAP, capr)
+            dp[x] = chain(math.exp2(sx * sl2 - ls) * (dp[x] - dl), g, CAP)
 
 
 @device_function
-def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, NTILES,
-                     tq):
+def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, LEFT, RIGHT,
+                     NTILES, tq, CAP, capr):
     """:func:`dq_scores` on a diagonal or tail tile: keys past ``Nk`` or above row ``i``'s
     diagonal get P = 0."""
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e  # this element's key
             x = base + 4 * jn + e
-            p = math.exp2(s[x] * sl2 - ls)
-            if not visible(i, j, Nk, causal_offset, CAUSAL):
+            sx, g = capped(s[x], CAP, capr)
+            p = math.exp2(sx * sl2 - ls)
+            if not visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
                 p = float32(0.0)
-            dp[x] = p * (dp[x] - dl)
+            dp[x] = chain(p * (dp[x] - dl), g, CAP)
 
 
 @device_function
@@ -115,7 +145,8 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
               per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb, qsh, qsn,
               gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
               j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
-              DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16):
+              DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT, RIGHT,
+              WINDOW, CAP, capr):
     """One pass of the dK/dV kernel over every query step of its key tile (K and V are in
     shared memory or in flight; their copies complete with the first step's Q and dO,
     committed here): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
@@ -156,12 +187,15 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
 
         lbase = b * lsb + h * lsh
         dbase = (b * Hq + h) * Nq
-        if (CAUSAL and m0 < m_full) or m0 + BN > Nq:  # a diagonal or tail step
+        edge = CAUSAL and m0 < m_full
+        if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
+            edge = m0 < m_full or m0 + BN - 1 > m_last
+        if edge or m0 + BN > Nq:  # a diagonal, edge or tail step
             dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
-                               causal_offset, sl2, CAUSAL, NTILES, tq)
+                               causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
-                        dbase + m0 + 2 * tq, sl2, NTILES)
+                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, capr)
 
         mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
@@ -200,6 +234,10 @@ def make_attn_backward_dkdv_tc(v):
     # scores, k-steps of the second product, n-tiles of the output, register fragments)
     (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
      BF16) = _sizes(v)
+    LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
+    WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
+    CAP_C = float32(v.softcap) if CAP else float32(1.0)
     SPLITS = t.d_splits
     DOUT = head_dim // SPLITS  # dK, dV columns per pass (DTILES, NACC count these)
     K_OFF = 0
@@ -225,12 +263,19 @@ def make_attn_backward_dkdv_tc(v):
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
         sl2 = float32(scale * LOG2E)
+        # (used where CAP) the cap in raw-score units and its reciprocal
+        capr = (CAP_C / float32(scale), float32(scale) / CAP_C)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
         # Query tiles before m_begin see none of our keys; from m_full on, all (no mask).
         m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
-        per_head = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
+        m_end = Nq
+        m_last = Nq
+        if WINDOW:  # (compile-time) the window also ends the rows that see our keys
+            m_begin, m_end, m_full, m_last = window_query_range(k0, BM, BN, Nq, causal_offset,
+                                                                CAUSAL, LEFT, RIGHT)
+        per_head = (m_end - m_begin + BN - 1) // BN if m_end > m_begin else 0
         n_steps = group * per_head
 
         load_rows(smem, K_OFF, k, kbase, k0, Nk, ksn, BM, LDS, CH, tid, NT)
@@ -248,7 +293,8 @@ def make_attn_backward_dkdv_tc(v):
                   per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb, qsh, qsn,
                   gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
                   j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
-                  DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16)
+                  DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT,
+                  RIGHT, WINDOW, CAP, capr)
         if SPLITS > 1:
             cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
             dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk,
@@ -256,7 +302,7 @@ def make_attn_backward_dkdv_tc(v):
                       qsb, qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn,
                       dvsd, lsb, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
                       NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
-                      BUF, CAUSAL, BF16)
+                      BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW, CAP, capr)
 
     attn_backward_dkdv_tc.__qualname__ = v.tag
     return attn_backward_dkdv_tc
@@ -270,6 +316,10 @@ def make_attn_backward_dq_tc(v):
     # scores, k-steps of the second product, n-tiles of the output, register fragments)
     (BM, BN, NT, LDS, CH, KSTEPS, NTILES, PSTEPS, DTILES, NACC, NS, CAUSAL,
      BF16) = _sizes(v)
+    LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
+    WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
+    CAP_C = float32(v.softcap) if CAP else float32(1.0)
     if t.d_splits != 1:
         raise ValueError(f"the dQ kernel takes d_splits=1, not {t}")
     Q_OFF = 0
@@ -293,17 +343,26 @@ def make_attn_backward_dq_tc(v):
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
         sl2 = float32(scale * LOG2E)
+        # (used where CAP) the cap in raw-score units and its reciprocal
+        capr = (CAP_C / float32(scale), float32(scale) / CAP_C)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
+        n_begin = 0
+        n_lo = 0
+        if WINDOW:  # (compile-time) the window's first tile and left edge too
+            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
+                                                            CAUSAL, LEFT, RIGHT)
         n_tiles = (n_end + BN - 1) // BN
+        if WINDOW:
+            n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         load_rows(smem, Q_OFF, q, b * qsb + h * qsh, q0, Nq, qsn, BM, LDS, CH, tid, NT)
         load_rows(smem, DO_OFF, do, b * gsb + h * gsh, q0, Nq, gsn, BM, LDS, CH, tid, NT)
         if n_tiles > 0:
-            load_rows(smem, K_OFF, k, kbase, 0, Nk, ksn, BN, LDS, CH, tid, NT)
-            load_rows(smem, V_OFF, v, vbase, 0, Nk, vsn, BN, LDS, CH, tid, NT)
+            load_rows(smem, K_OFF, k, kbase, n_begin, Nk, ksn, BN, LDS, CH, tid, NT)
+            load_rows(smem, V_OFF, v, vbase, n_begin, Nk, vsn, BN, LDS, CH, tid, NT)
         cp_async_commit()
 
         i0 = q0 + warp * 16 + g  # this lane's two rows: i0, i0 + 8
@@ -320,7 +379,7 @@ def make_attn_backward_dq_tc(v):
         wrow = warp * 16 * LDS
 
         for it in range(n_tiles):
-            n0 = it * BN
+            n0 = n_begin + it * BN
             cp_async_wait(0)  # K, V of tile it
             cuda.syncthreads()
             if it + 1 < n_tiles:
@@ -335,14 +394,14 @@ def make_attn_backward_dq_tc(v):
             mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            if n0 + BN > n_full:  # a diagonal or tail tile
+            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
-                                 CAUSAL, NTILES, tq)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
                 dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
-                                 CAUSAL, NTILES, tq)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
             else:
-                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES)
-                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES)
+                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, capr)
+                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, capr)
 
             mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)

@@ -36,20 +36,21 @@ from ..device.constants import FLT_MIN, LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, score
+from ..device.seams import key_range, score, softcap, window_key_range
 from ..tilings import PAD
 from .fragments import load_rows, mma, mma_frags_rows, store_frags
 
 
 @device_function
-def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
-    """Scores of one of this lane's rows (``s[base + 4 jn + e]``) at keys past ``Nk`` or,
-    causal, past ``i + causal_offset`` set to -inf (diagonal and tail tiles only)."""
+def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq):
+    """Scores of one of this lane's rows (``s[base + 4 jn + e]``) at keys past ``Nk`` or
+    hidden by the mask (causal, the window) set to -inf (diagonal, edge and tail tiles
+    only)."""
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e
             s[base + 4 * jn + e] = score(s[base + 4 * jn + e], i, j, Nk, causal_offset,
-                                         CAUSAL)
+                                         CAUSAL, LEFT, RIGHT)
 
 
 @device_function
@@ -138,6 +139,10 @@ def make_attn_forward_tc(v):
     V_OFF = K_OFF + 2 * BN * LDS
     BUF = BN * LDS
     CAUSAL = bool(v.causal)
+    LEFT, RIGHT = v.bounds  # the window (-1: unbounded side)
+    WINDOW = bool(v.window)
+    CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
+    CAP_C = float32(v.softcap) if CAP else float32(1.0)
     BF16 = dtype == "bfloat16"
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -159,17 +164,26 @@ def make_attn_forward_tc(v):
         vbase = b * vsb + hk * vsh
         # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
         sl2 = float32(max(scale * LOG2E, FLT_MIN))
+        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
+        rcapr = float32(scale) / CAP_C
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
+        n_begin = 0
+        n_lo = 0
+        if WINDOW:  # (compile-time) the window's first tile and left edge too
+            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
+                                                            CAUSAL, LEFT, RIGHT)
         n_tiles = (n_end + BN - 1) // BN
+        if WINDOW:
+            n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         # groups in flight, oldest first: {Q, K0}, {V0}
         load_rows(smem, Q_OFF, q, qbase, q0, Nq, qsn, BM, LDS, CH, tid, NT)
         if n_tiles > 0:
-            load_rows(smem, K_OFF, k, kbase, 0, Nk, ksn, BN, LDS, CH, tid, NT)
+            load_rows(smem, K_OFF, k, kbase, n_begin, Nk, ksn, BN, LDS, CH, tid, NT)
         cp_async_commit()
         if n_tiles > 0:
-            load_rows(smem, V_OFF, v, vbase, 0, Nk, vsn, BN, LDS, CH, tid, NT)
+            load_rows(smem, V_OFF, v, vbase, n_begin, Nk, vsn, BN, LDS, CH, tid, NT)
         cp_async_commit()
         cp_async_wait(1)
         cuda.syncthreads()
@@ -195,7 +209,7 @@ def make_attn_forward_tc(v):
         kcol = 8 * ((lane >> 3) & 1)
 
         for it in range(n_tiles):
-            n0 = it * BN
+            n0 = n_begin + it * BN
             kb = K_OFF + (it & 1) * BUF
             vb = V_OFF + (it & 1) * BUF
             if it > 0:
@@ -233,15 +247,20 @@ def make_attn_forward_tc(v):
                             BF16, a0, a1, a2, a3, b2, b3, s[j + 4], s[j + 5], s[j + 6],
                             s[j + 7])
 
+            if CAP:  # (compile-time) the softcap, before the masks
+                for e in range(NS_ALL):
+                    s[e], _ = softcap(s[e], capr, rcapr, True)
             # online softmax, in the log2 domain, row by row of this lane (rows written out
             # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
             i = q0 + r0 + g
-            if n0 + BN > n_full:  # a diagonal or tail tile
-                mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
-                mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
+            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
+                mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
+                mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
                 if MT > 1:
-                    mask_row(s, NS, n0, i + 16, Nk, causal_offset, CAUSAL, NTILES, tq)
-                    mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, NTILES, tq)
+                    mask_row(s, NS, n0, i + 16, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
+                             NTILES, tq)
+                    mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
+                             NTILES, tq)
             ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES)
             la = la * al + ps
             rescale_row(acc, 0, al, DTILES)
