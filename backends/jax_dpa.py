@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 
 from flashcore import _rules
+from flashcore._errors import BackendUnavailableError
 
 NAME = "jax"
 
@@ -82,7 +83,7 @@ def forward(q, k, v, case):
     if case.need_lse:
         why = supports(case)
         if why is not None:
-            raise NotImplementedError(f"backend 'jax' cannot return lse here: {why}")
+            raise BackendUnavailableError(f"backend 'jax' cannot return lse here: {why}")
     to_bnhd = (lambda x: x) if case.layout == "bnhd" else (lambda x: jnp.swapaxes(x, 1, 2))
     qb, kb, vb = (to_bnhd(x) for x in (q, k, v))
     B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim

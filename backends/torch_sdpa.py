@@ -14,8 +14,9 @@ SDPA does not:
 - ``lse``: SDPA does not return it, so ``need_lse`` calls go to the aten kernels that do:
   ``_scaled_dot_product_flash_attention_for_cpu`` on the CPU, and on CUDA
   ``_scaled_dot_product_flash_attention`` (fp16/bf16) or ``_efficient_attention_forward``
-  (fp32). float64 on CUDA (and devices other than CPU and CUDA) have no lse: named
-  explicitly, the backend raises NotImplementedError; "auto" moves on.
+  (fp32). float64 on CUDA (and devices other than CPU and CUDA) have no lse: such a call
+  is declined in ``supports`` (named explicitly: BackendUnavailableError saying why;
+  "auto" moves on), while calls that do not need lse are served.
 
 The backward pass recomputes the forward under torch's autograd and asks it for the
 gradients (torch's backward kernels), so it does not depend on the lse handed in.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 
 from flashcore import _rules
+from flashcore._errors import BackendUnavailableError
 
 NAME = "torch"
 #: Head dims the CUDA lse kernels take are padded to a multiple of this (zeros change
@@ -59,9 +61,8 @@ def supports(case):
                 "numba_cpu and reference compute them")
     if case.direction == "forward" and case.need_lse:
         why = _lse_unavailable(case)
-        # Named explicitly, forward() raises NotImplementedError with this reason.
-        if why is not None and not case.explicit:
-            return why
+        if why is not None:
+            return f"it cannot return lse here: {why}"
     return None
 
 
@@ -168,8 +169,8 @@ def forward(q, k, v, case):
     skip = _rules.leading_empty_rows(Nq, case.seqlen_k, case.causal)
     if case.need_lse:
         why = _lse_unavailable(case)
-        if why is not None:
-            raise NotImplementedError(
+        if why is not None:  # (supports() says so first; this is for direct callers)
+            raise BackendUnavailableError(
                 f"backend 'torch' cannot return lse here: {why}; use backend='auto' or "
                 "another backend for return_lse=True / attention_forward")
     lse = None

@@ -180,11 +180,21 @@ def _make_plan(q, k, v, causal, scale, layout, backend, traced, options):
 # --- the custom_vjp around a Numba backend -----------------------------------------------
 
 
-@functools.cache
+#: The traceable calls and the jitted custom-VJP function per (backend, Case): bounded like
+#: the plans, so a serving loop whose sequence lengths keep changing does not keep a jitted
+#: function for every length it ever saw.
+_CALLS = Memo(256)
+_ATTENTIONS = Memo(256)
+
+
 def numba_calls(name: str, case):
     """``(forward, backward)`` of a Numba backend as traceable JAX calls for one Case:
     ``forward(q, k, v, *arrays) -> (o, lse)`` and ``backward(do, q, k, v, o, lse, *arrays)
     -> (dq, dk, dv)`` (no autodiff of their own; the ring's custom VJP calls them too)."""
+    return _CALLS.get_or_build((name, case), _make_numba_calls, name, case)
+
+
+def _make_numba_calls(name, case):
     o_type = jax.ShapeDtypeStruct(_shape(case, "q"), np.dtype(_dtype(case)))
     lse_type = jax.ShapeDtypeStruct((case.batch, case.heads_q, case.seqlen_q), np.float32)
     kv_type = jax.ShapeDtypeStruct(_shape(case, "k"), np.dtype(_dtype(case)))
@@ -195,9 +205,12 @@ def numba_calls(name: str, case):
     return _cpu_calls(name, case, fwd_types, bwd_types)
 
 
-@functools.cache
 def _numba_attention(name: str, case):
     """``f(q, k, v) -> (o, lse)`` with a custom VJP, for one backend and one Case."""
+    return _ATTENTIONS.get_or_build((name, case), _make_numba_attention, name, case)
+
+
+def _make_numba_attention(name, case):
     fwd_call, bwd_call = numba_calls(name, case)
 
     @jax.custom_vjp

@@ -96,11 +96,11 @@ def _make_plan(q, k, v, causal, scale, layout, backend, return_lse, options) -> 
     try:
         impl = _dispatch.select(case, backend)
     except BackendUnavailableError:
-        if return_lse or backend != "auto":
+        if return_lse:
             raise
         # lse is only a residual here: a backend that cannot return it (torch SDPA in
-        # float64 on CUDA) may serve the forward, and then the backward too, which it does
-        # without lse.
+        # float64 on CUDA), named or chosen by "auto", may serve the forward, and then the
+        # backward too, which it does without lse.
         case = replace(case, need_lse=False)
         impl = _dispatch.select(case, backend)
         if getattr(impl, "NAME", None) in _DIFFERENTIABLE:

@@ -110,6 +110,23 @@ def test_custom_vjp_glue_with_reference_kernels():
         _check(fn, rng, layout="bnhd", causal=True, shape=SHAPES[1], jit=True)
 
 
+def test_numba_call_caches_are_bounded():
+    # A serving loop with ever new sequence lengths once kept a jitted function per length.
+    from dataclasses import replace
+
+    rng = np.random.default_rng(4)
+    q, k, v = (j(x) for x in qkv(rng, Nq=4, D=8))
+    case = _jax_ops._case(q, k, v, causal=False, scale=None, layout="bhnd", need_lse=True,
+                          backend="auto", device="cpu")
+    bound = _jax_ops._ATTENTIONS.max_size
+    for n in range(1, bound + 20):
+        c = replace(case, seqlen_q=n, seqlen_k=n)
+        assert _jax_ops._numba_attention("numba_cpu", c) is _jax_ops._numba_attention(
+            "numba_cpu", c)
+    assert 0 < len(_jax_ops._ATTENTIONS) <= bound
+    assert 0 < len(_jax_ops._CALLS) <= _jax_ops._CALLS.max_size
+
+
 def test_grad_function_and_lse_is_a_constant():
     rng = np.random.default_rng(5)
     q, k, v = (j(x) for x in qkv(rng, Nq=8, D=8))

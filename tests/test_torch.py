@@ -249,12 +249,27 @@ def test_torch_backend_declines_other_libraries_and_lse_it_cannot_give():
     assert "float64" in mod.supports(_case(device="cuda:0", dtype="float64", need_lse=True))
     assert mod.supports(_case(device="mps:0", need_lse=False)) is None
     assert "lse" in mod.supports(_case(device="mps:0", need_lse=True))
-    # Named explicitly, the missing lse is a NotImplementedError that says why.
+    # Named explicitly too: one rule for every backend (the reason reaches the user as a
+    # BackendUnavailableError, see the test below); forward() called directly says so too.
     case = _case(device="mps:0", need_lse=True, explicit=True)
-    assert mod.supports(case) is None
+    assert "lse" in mod.supports(case)
     x = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="lse"):
+    with pytest.raises(flashcore.BackendUnavailableError, match="lse"):
         mod.forward(x, x, x, case)
+
+
+def test_named_torch_backend_without_lse_raises_backend_unavailable(monkeypatch):
+    from flashcore.backends import torch_sdpa
+
+    monkeypatch.setattr(torch_sdpa, "_lse_unavailable", lambda case: "no lse in this test")
+    q, k, v = (t(x, grad=True) for x in qkv(np.random.default_rng(21)))
+    for call in (lambda: flashcore.attention_forward(q, k, v, backend="torch"),
+                 lambda: flashcore.attention(q, k, v, backend="torch", return_lse=True)):
+        with pytest.raises(flashcore.BackendUnavailableError, match="no lse in this test"):
+            call()
+    o = flashcore.attention(q, k, v, backend="torch", causal=True)  # lse only a residual
+    o.sum().backward()
+    assert torch.isfinite(q.grad).all()
 
 
 def test_torch_backend_is_not_picked_for_numpy():
@@ -386,9 +401,9 @@ def test_cuda_torch_backend_with_lse(dtype, layout, causal, shape, D):
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_torch_backend_float64_lse_is_not_implemented():
+def test_cuda_torch_backend_float64_lse_is_unavailable():
     q, k, v = (t(x, "cuda") for x in qkv(np.random.default_rng(23), dtype="float64"))
-    with pytest.raises(NotImplementedError, match="float64"):
+    with pytest.raises(flashcore.BackendUnavailableError, match="float64"):
         flashcore.attention_forward(q, k, v, backend="torch")
     o = flashcore.attention(q, k, v, backend="torch", causal=True)  # no lse needed: fine
     assert rel_err(host(o), oracle_forward(*(host(x) for x in (q, k, v)), causal=True)[0]) \
