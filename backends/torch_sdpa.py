@@ -174,6 +174,7 @@ def forward(q, k, v, case):
                 f"backend 'torch' cannot return lse here: {why}; use backend='auto' or "
                 "another backend for return_lse=True / attention_forward")
     lse = None
+    lse_dtype = getattr(torch, _rules.lse_dtype(case.dtype))
     if skip == Nq or B == 0:
         o = qb.new_zeros((B, Hq, Nq, D))
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -181,14 +182,14 @@ def forward(q, k, v, case):
             link = qb.sum() + kb.sum() + vb.sum()
             o = o + torch.where(torch.zeros((), dtype=torch.bool, device=o.device), link, 0)
         if case.need_lse:
-            lse = torch.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=torch.float32,
+            lse = torch.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=lse_dtype,
                              device=q.device)
         return _from_bhnd(o, case.layout), lse
     qt = qb[:, :, skip:] if skip else qb
     if case.need_lse:
         run = _with_lse_cpu if case.device == "cpu" else _with_lse_cuda
         o, lse = run(torch, qt, kb, vb, case)
-        lse = lse.detach().to(torch.float32)  # lse is not differentiable (as in FA2)
+        lse = lse.detach().to(lse_dtype)  # lse is not differentiable (as in FA2)
     else:
         o = _sdpa(torch, qt, kb, vb, case)
     if skip:

@@ -161,7 +161,8 @@ def forward(q, k, v, case):
     o = xp.matmul(p, _grouped(xp, vb, case, case.heads_kv))
     B, Hq, Nq = case.batch, case.heads_q, case.seqlen_q
     o = xp.reshape(o, (B, Hq, Nq, case.head_dim))
-    return _from_bhnd(xp, o, case.layout, q.dtype), xp.astype(xp.reshape(lse, (B, Hq, Nq)), xp.float32)
+    lse = xp.astype(xp.reshape(lse, (B, Hq, Nq)), getattr(xp, _rules.lse_dtype(case.dtype)))
+    return _from_bhnd(xp, o, case.layout, q.dtype), lse
 
 
 def backward(do, q, k, v, o, lse, case):
