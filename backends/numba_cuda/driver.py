@@ -11,8 +11,10 @@ the device) and on disk (numba's ``cache=True``), so a warm process pays no comp
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import logging
 import struct
 import threading
 
@@ -165,7 +167,7 @@ class Prepared:
         self._cur_ref = ctypes.byref(self._cur)
         self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=FASTMATH,
                                     **jit_options(launch_bounds))
-        with cuda.gpus[device]:
+        with cuda.gpus[device], compile_notice(self.name, device):
             self.kernel = self._dispatcher.compile(sig)
             cufunc = self.kernel._codelibrary.get_cufunc()
             from numba.cuda.cudadrv.driver import binding, driver
@@ -215,6 +217,53 @@ class Prepared:
                     lib.cuCtxPopCurrent_v2(self._cur_ref)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed: {error_text(err)}")
+
+
+#: Seconds a kernel build may take before the one-line notice: loading from numba's disk
+#: cache takes well under this, a compile 15-20 s.
+NOTICE_AFTER_S = 2.0
+_log = logging.getLogger("flashcore")
+_notice_lock = threading.Lock()
+_noticed = False
+
+
+@contextlib.contextmanager
+def compile_notice(name: str, device: int):
+    """Around a kernel build: once per process, when a build runs past NOTICE_AFTER_S (a
+    compile, not a cache load), log one line saying what is compiled and where it is cached.
+    At WARNING, so it reaches stderr without any logging set up (logging's last resort)."""
+    if _noticed:
+        yield
+        return
+    timer = threading.Timer(NOTICE_AFTER_S, _notice, (name, device))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _notice(name, device):
+    global _noticed
+    with _notice_lock:
+        if _noticed:
+            return
+        _noticed = True
+    _log.warning(
+        "flashcore: compiling CUDA kernel %s for GPU %d on its first use (15-20 s per kernel "
+        "variant, once: cached in %s); `python -m flashcore warmup` compiles them ahead",
+        name, device, cache_location())
+
+
+def cache_location() -> str:
+    """Where numba keeps compiled kernels, in words."""
+    from numba.core import config
+
+    if config.CACHE_DIR:
+        return f"NUMBA_CACHE_DIR={config.CACHE_DIR}"
+    return ("numba's cache, __pycache__ beside flashcore's kernels (or the user cache "
+            "directory where that is read-only; NUMBA_CACHE_DIR chooses another)")
 
 
 def jit_options(launch_bounds):
