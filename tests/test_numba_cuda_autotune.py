@@ -120,12 +120,13 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
     st = (N * D * H, N * D, D, 1)
     lst = (N * H, N, 1)
     scale = D ** -0.5
+    no_slopes = (delta, 0, 0)  # (no ALiBi: a float32 buffer no kernel reads, zero strides)
     expected = {
-        "forward": (q, k, v, o, lse, N, N, H, 1, 0, *st, *st, *st, *st, scale),
+        "forward": (q, k, v, o, lse, N, N, H, 1, 0, *st, *st, *st, *st, scale, *no_slopes),
         "dkdv": (q, k, v, do, lse, delta, dk, dv, N, N, H, H, 1, 0, *st, *st, *st, *st, *st,
-                 *st, *lst, scale),
+                 *st, *lst, scale, *no_slopes),
         "dq": (q, k, v, do, lse, delta, dq, N, N, H, 1, 0, *st, *st, *st, *st, *st, *lst,
-               scale),
+               scale, *no_slopes),
     }[kernel]
     assert args == expected
     assert len(args) == len(launch.signature(f"attn_{'backward_' if kernel != 'forward' else ''}"

@@ -89,13 +89,20 @@ def _rocm_reason(library):
     return None
 
 
+#: the masks and score modifiers the CUDA kernels compute (as Variant fields)
+_MODS = ("window", "softcap", "alibi_slopes")
+
+
 def supports(case):
     """None when this backend can serve ``case``, else why not."""
     if case.mods is not None:
-        rest = [n for n in case.mods.names() if n not in ("window", "softcap")]
+        rest = [n for n in case.mods.names() if n not in _MODS]
         if rest:
-            return (f"the CUDA kernels compute window and softcap but not {', '.join(rest)} "
+            return (f"the CUDA kernels compute {', '.join(_MODS)} but not {', '.join(rest)} "
                     "yet; numba_cpu and reference do")
+        if case.library == "jax" and case.mods.alibi is not None:
+            return ("alibi_slopes with JAX arrays: the XLA buffer path does not pass the "
+                    "slopes to the CUDA kernels yet (torch, CuPy and NumPy arrays do)")
     if case.dtype not in _DTYPES:
         return (f"dtype {case.dtype} is not computed by numba_cuda (it computes float32, "
                 "float16 and bfloat16 with fp32 accumulation); use backend='reference'")

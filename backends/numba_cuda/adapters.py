@@ -10,6 +10,7 @@ import functools
 import math
 import sys
 import threading
+from dataclasses import replace
 
 import numpy as np
 
@@ -55,7 +56,8 @@ class _Adapter:
         lay = case.layout
         view = self.view
         launch.run_forward(case, dev, stream, view(q, lay, keep), view(k, lay, keep),
-                           view(v, lay, keep), view(o, lay, keep), lse_at)
+                           view(v, lay, keep), view(o, lay, keep), lse_at,
+                           slopes=self.slopes(case, keep))
         if self.synchronous:
             synchronize(stream, dev)
         return o, lse
@@ -77,7 +79,8 @@ class _Adapter:
         launch.run_backward(case, dev, stream, view(do, lay, keep), view(q, lay, keep),
                             view(k, lay, keep), view(v, lay, keep), view(o, lay, keep),
                             view(lse, None, keep), self.address(delta, keep),
-                            view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep))
+                            view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep),
+                            slopes=self.slopes(case, keep))
         if self.synchronous:
             synchronize(stream, dev)
         return dq, dk, dv
@@ -88,6 +91,15 @@ class _Adapter:
         if layout is not None:
             strides = launch.bhnd(strides, layout)
         return handle, strides
+
+    def slopes(self, case, keep):
+        """The call's ALiBi slopes as the kernels take them, ``(handle, (batch stride,
+        head stride))`` (a batch stride 0 for slopes of shape (Hq,)), or None."""
+        x = case.alibi_slopes
+        if x is None:
+            return None
+        handle, strides = self.raw(x, keep)
+        return handle, (0, *strides) if len(strides) == 1 else strides
 
     def address(self, x, keep):
         """The handle of a contiguous buffer (lse, delta) the kernels index flat."""
@@ -297,6 +309,8 @@ class _NumPy(_Adapter):
 
     def _run_on_device(self, direction, ins, case):
         arrays = [a for a, _ in ins]
+        if case.alibi_slopes is not None:
+            case = replace(case, alibi_slopes=self._to_device(case.alibi_slopes)[0])
         dtype = ins[1][1] if direction == "backward" else ins[0][1]  # q's dtype
         outs = getattr(_Adapter, direction)(_NumbaDevice(), *arrays, case)
         synchronize(0, _device_index(case.device))

@@ -57,15 +57,17 @@ def build(v: Variant):
 
 def signature(kernel: str, dtype: str) -> tuple:
     """Argument types of a kernel entry (variant.ENTRY): pointers (inputs and outputs in the
-    stored dtype, lse and delta float32), then int64 sizes and strides, then the float64
-    scale. Both families take the same arguments."""
+    stored dtype, lse and delta float32), then int64 sizes and strides, the float64 scale,
+    then the ALiBi slopes (float32) and their batch and head strides (read only by ALiBi
+    variants; others get any float32 buffer). Both families take the same arguments."""
     e = types.CPointer(_ELEM[dtype])
     f32 = types.CPointer(types.float32)
     return {
-        "attn_forward": (e, e, e, e, f32) + (_I64,) * 21 + (_F64,),
+        "attn_forward": (e, e, e, e, f32) + (_I64,) * 21 + (_F64, f32, _I64, _I64),
         "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
-        "attn_backward_dkdv": (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,),
-        "attn_backward_dq": (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,),
+        "attn_backward_dkdv": (e, e, e, e, f32, f32, e, e) + (_I64,) * 33
+        + (_F64, f32, _I64, _I64),
+        "attn_backward_dq": (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64, f32, _I64, _I64),
     }[kernel]
 
 
@@ -141,39 +143,38 @@ def _fp32_rows_aligned(case, q, k, v, do=None) -> bool:
     return do is None or (rows_aligned(q, sq) and rows_aligned(do, sq))
 
 
-def simt_variants(head_dim, dtype, causal, kt, aligned=True, window=(), softcap=0.0):
+def simt_variants(head_dim, dtype, causal, kt, aligned=True, **mask):
     """The SIMT variants of one case class under tilings ``kt`` (tilings.KernelTiles):
-    forward, preprocess, dK/dV, dQ."""
+    forward, preprocess, dK/dV, dQ. ``mask``: the Variant's mask fields (window, softcap,
+    alibi; :func:`mask_options`)."""
     def one(kernel, t):
         return Variant(kernel, "simt", head_dim, dtype, causal, t,
-                       tilings.streams(t, dtype, aligned), window, softcap)
+                       tilings.streams(t, dtype, aligned), **mask)
     return [one("forward", kt.forward),
             Variant("preprocess", "simt", head_dim, dtype, False, kt.preprocess_threads),
             one("dkdv", kt.dkdv), one("dq", kt.dq)]
 
 
-def tc_variants(head_dim, dtype, causal, cc=None, gpu=None, simulator=False, window=(),
-                softcap=0.0):
+def tc_variants(head_dim, dtype, causal, cc=None, gpu=None, simulator=False, **mask):
     """The tensor-core variants of one case class (forward, dK/dV, dQ) with the tilings
     chosen for compute capability ``cc`` (the built-in tables if None); kernels without a
-    fitting tiling are left out."""
+    fitting tiling are left out. ``mask`` as in :func:`simt_variants`."""
     out = []
     for name in ("forward", "dkdv", "dq"):
         t = tilings.choose_tc(name, head_dim, dtype, causal, cc, gpu=gpu, simulator=simulator)
         if t is not None:
-            out.append(Variant(name, "tensor_core", head_dim, dtype, causal, t,
-                               window=window, softcap=softcap))
+            out.append(Variant(name, "tensor_core", head_dim, dtype, causal, t, **mask))
     return out
 
 
-def case_variants(head_dim, dtype, causal, cc, aligned=True, window=(), softcap=0.0):
+def case_variants(head_dim, dtype, causal, cc, aligned=True, **mask):
     """Every variant a case class may launch on compute capability ``cc``: the SIMT ones
     (fp32 streamed where ``aligned``) and, for fp16/bf16 at the head dims they serve, the
     tensor-core ones. The precompile list and the PTX tests enumerate exactly these."""
     kt = tilings.choose_simt(head_dim, dtype, causal, cc)
-    out = simt_variants(head_dim, dtype, causal, kt, aligned, window, softcap)
+    out = simt_variants(head_dim, dtype, causal, kt, aligned, **mask)
     if dtype in _TC_DTYPES and head_dim in tilings.HEAD_DIMS:
-        out += tc_variants(head_dim, dtype, causal, cc, window=window, softcap=softcap)
+        out += tc_variants(head_dim, dtype, causal, cc, **mask)
     return out
 
 
@@ -184,19 +185,18 @@ _PLANS: dict = {}
 def _plan(direction, case, device, tiles, aligned, tc):
     """``(forward kernel, block_m)`` or ``(preprocess, threads, dkdv, block_m, dq,
     block_m)`` for one kind of call."""
-    w, cap = window_of(case), softcap_of(case)
-    key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc, w,
-           cap)
+    mask = mask_options(case)
+    key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
+           *mask.values())
     plan = _PLANS.get(key)
     if plan is None:
         d, dt, c = case.head_dim, case.dtype, case.causal
         kt = tilings.choose_simt(d, dt, c, device_cc(device), simulator=SIMULATOR,
                                  override=tiles)
-        simt = simt_variants(d, dt, c, kt, aligned, w, cap)
+        simt = simt_variants(d, dt, c, kt, aligned, **mask)
         if tc:
             cc, gpu = _gpu(device)
-            fam = tc_variants(d, dt, c, cc, gpu=gpu, simulator=SIMULATOR, window=w,
-                              softcap=cap)
+            fam = tc_variants(d, dt, c, cc, gpu=gpu, simulator=SIMULATOR, **mask)
         else:
             fam = [simt[0], simt[2], simt[3]]
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
@@ -204,19 +204,14 @@ def _plan(direction, case, device, tiles, aligned, tc):
     return plan
 
 
-def window_of(case) -> tuple:
-    """The call's window as a Variant takes it: () for none, else (left, right) with -1
-    for an unbounded side."""
-    if case.mods is None or case.mods.window is None:
-        return ()
-    return case.mods.window_ints
-
-
-def softcap_of(case) -> float:
-    """The call's softcap as a Variant takes it (0.0: none)."""
-    if case.mods is None or case.mods.softcap is None:
-        return 0.0
-    return float(case.mods.softcap)
+def mask_options(case) -> dict:
+    """The call's mask options as the Variant fields that take them, in a fixed order:
+    ``window`` (() for none, else (left, right) with -1 for an unbounded side),
+    ``softcap`` (0.0: none), ``alibi`` (whether the call has slopes)."""
+    mods = case.mods
+    window = () if mods is None or mods.window is None else mods.window_ints
+    cap = 0.0 if mods is None or mods.softcap is None else float(mods.softcap)
+    return {"window": window, "softcap": cap, "alibi": case.alibi_slopes is not None}
 
 
 def forget_plans():
@@ -226,42 +221,46 @@ def forget_plans():
     tilings.forget_tuned()
 
 
-def launch_forward(kern, bm, case, stream, q, k, v, o, lse):
+def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes):
     """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
     tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
-    lse is a handle of a contiguous float32 (B, Hq, Nq) buffer."""
+    lse is a handle of a contiguous float32 (B, Hq, Nq) buffer; slopes a (handle, (batch
+    stride, head stride)) pair (:func:`no_slopes` without ALiBi)."""
     kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
-          *o[1], float(case.scale)))
+          *o[1], float(case.scale), slopes[0], *slopes[1]))
 
 
-def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv):
+def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes):
     """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nk + bm - 1) // bm, B * Hkv), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
-          Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale)))
+          Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
+          slopes[0], *slopes[1]))
 
 
-def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq):
+def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes):
     """One dQ launch (``bm`` queries per block)."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nq + bm - 1) // bm, B * Hq), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
-          *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale)))
+          *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
+          *slopes[1]))
 
 
-def run_forward(case, device, stream, q, k, v, o, lse, tiles=None):
+def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None):
     """Launch the forward: the tensor-core kernel where :func:`tc_serves`, else the SIMT
     kernel (always the SIMT kernel with an explicit SIMT ``tiles``); arguments as in
-    :func:`launch_forward`."""
+    :func:`launch_forward` (``slopes`` None: the call has no ALiBi)."""
     tc = tiles is None and tc_serves(case, device, q, k, v)
     kern, bm = _plan("forward", case, device, tiles, _fp32_rows_aligned(case, q, k, v), tc)
-    launch_forward(kern, bm, case, stream, q, k, v, o, lse)
+    launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse))
 
 
-def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None):
+def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None,
+                 slopes=None):
     """Launch the preprocess kernel, then the dK/dV and dQ kernels (tensor-core ones where
     :func:`tc_serves`, as in :func:`run_forward`). Arrays are (handle, strides) pairs; lse
     has three strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch
@@ -272,8 +271,18 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
     Nq, Hq = case.seqlen_q, case.heads_q
     pre(((Nq + pt - 1) // pt, case.batch * Hq), stream,
         (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
-    launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv)
-    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq)
+    slopes = slopes or no_slopes(delta)
+    launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes)
+    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes)
+
+
+def no_slopes(buffer):
+    """The slopes argument of a call without ALiBi: a float32 buffer of the call (its
+    variants never read it) with zero strides. The simulator copies each array argument
+    back after the launch, so there it is a buffer of its own, not one the kernel writes."""
+    if SIMULATOR:
+        return np.zeros(1, np.float32), (0, 0)
+    return buffer, (0, 0)
 
 
 def bhnd(strides, layout):

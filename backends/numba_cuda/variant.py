@@ -46,6 +46,8 @@ class Variant:
     window: tuple = ()
     #: Logit softcap c (s -> c tanh(s / c) on the scaled score); 0.0 for none.
     softcap: float = 0.0
+    #: ALiBi: the kernel adds -slope[b, h] |i' - j| to each score (slopes a launch argument).
+    alibi: bool = False
 
     def __post_init__(self):
         if self.kernel not in ENTRY:
@@ -102,6 +104,8 @@ class Variant:
             mask += "_w{}_{}".format(*(("n" if w < 0 else w) for w in self.window))
         if self.softcap:
             mask += "_sc" + format(self.softcap, "g").replace(".", "p").replace("-", "m")
+        if self.alibi:
+            mask += "_alibi"
         if self.kernel == "preprocess":
             return f"{self.entry}_d{d}_t{t}"
         if self.family == "tensor_core":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from numba import float32
+from numba import float32, int32
 
 from .constants import NEG_INF
 from .convert import device_function
@@ -70,6 +70,34 @@ def softcap(x, cap, inv_cap, APPROX):
     else:
         t = math.tanh(x * inv_cap)
     return cap * t, float32(1.0) - t * t
+
+
+@device_function
+def slope_of(slopes, b, h, ssb, ssh, unit, ALIBI):
+    """The ALiBi slope of batch ``b``, query head ``h`` times ``unit`` (the factor that
+    takes a natural-units score to the kernel's units), or 0 without ALiBi (``ALIBI``
+    compile-time: the slopes are then never read)."""
+    if ALIBI:
+        return float32(slopes[b * ssb + h * ssh]) * unit
+    return float32(0.0)
+
+
+@device_function
+def distance(i, j, causal_offset):
+    """The signed distance ``i + causal_offset - j`` of query ``i`` from key ``j`` (bottom-
+    right aligned, as the causal mask) as a float32 (exact below 2^24 positions), computed
+    in 32-bit integers: 64-bit ones cost the register-bound tensor-core kernels spills.
+    A kernel that walks a fragment takes one distance per lane and subtracts the
+    fragment's constant offsets from it."""
+    return float32(int32(i) + int32(causal_offset) - int32(j))
+
+
+@device_function
+def alibi(s, d, slope):
+    """``s`` with the ALiBi bias at distance ``d`` (:func:`distance`): ``s - slope |d|``,
+    ``slope`` in the score's units (:func:`slope_of`). After the softcap, before the
+    masks."""
+    return s - slope * abs(d)
 
 
 @device_function

@@ -29,9 +29,12 @@ from ..device.convert import load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
+    alibi,
+    distance,
     hides,
     key_range,
     query_range,
+    slope_of,
     softcap,
     visible,
     window_key_range,
@@ -90,13 +93,14 @@ def make_attn_backward_dkdv(v):
     CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                            causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                            vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
                            dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
-                           lsb, lsh, lsn, scale):
+                           lsb, lsh, lsn, scale, slopes, ssb, ssh):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -147,6 +151,7 @@ def make_attn_backward_dkdv(v):
             g = it // n_m
             m0 = m_begin + (it - g * n_m) * BN
             h = hk * group + g
+            slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
             qbase = b * qsb + h * qsh
             gbase = b * gsb + h * gsh
             lbase = b * lsb + h * lsh
@@ -200,6 +205,8 @@ def make_attn_backward_dkdv(v):
                     g = float32(1.0)
                     if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
                         x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
+                    if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
+                        x = alibi(x, distance(i, k0 + row, causal_offset), slope)
                     p = math.exp2(x - ls)
                     if masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
@@ -265,11 +272,13 @@ def make_attn_backward_dq(v):
     CAP = bool(v.softcap)  # softcap in log2 units (scores carry scale * log2 e)
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
+    ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
-                         gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale):
+                         gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
+                         slopes, ssb, ssh):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -280,6 +289,7 @@ def make_attn_backward_dq(v):
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
         sl2 = float32(scale * LOG2E)
+        slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
         qbase = b * qsb + h * qsh
         gbase = b * gsb + h * gsh
         kbase = b * ksb + hk * ksh
@@ -354,6 +364,8 @@ def make_attn_backward_dq(v):
                     g = float32(1.0)
                     if CAP:  # (compile-time) through the softcap: dS times 1 - tanh^2
                         x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
+                    if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
+                        x = alibi(x, distance(i, n0 + col, causal_offset), slope)
                     p = math.exp2(x - ls[a])
                     if masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)

@@ -20,7 +20,7 @@ from ..device.constants import LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, ld4, load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, score, softcap, window_key_range
+from ..device.seams import alibi, distance, key_range, score, slope_of, softcap, window_key_range
 from .tile_product import column, tile_product
 
 
@@ -125,6 +125,7 @@ def make_attn_forward(v):
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
+    ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
     # With several blocks per SM (min_blocks > 1), row maxima by warp shuffles where a
     # row's TC threads are lanes of one warp (and the block whole warps), and the barrier
     # between S and the softmax, which then only guards K, goes: the next K is copied after
@@ -135,7 +136,7 @@ def make_attn_forward(v):
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
-                     vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale):
+                     vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -149,6 +150,7 @@ def make_attn_forward(v):
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
         sl2 = float32(scale * LOG2E)
+        slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
 
         load_tile_t(smem, Q_OFF, LDQ, q, qbase, q0, Nq, qsn, qsd, BM, D, DP, sl2, tid, NT)
 
@@ -195,6 +197,12 @@ def make_attn_forward(v):
                 for a in range(RM):
                     for bb in range(RN):
                         s[a, bb], _ = softcap(s[a, bb], CAP_L2, CAP_INV, APPROX)
+            if ALIBI:  # (compile-time) the distance bias, after the softcap
+                for a in range(RM):
+                    i = q0 + tr * RM + a
+                    for bb in range(RN):
+                        s[a, bb] = alibi(s[a, bb], distance(i, n0 + tc + TC * bb, causal_offset),
+                                         slope)
             if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 for a in range(RM):
                     i = q0 + tr * RM + a

@@ -45,9 +45,12 @@ from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
+    alibi,
+    distance,
     hides,
     key_range,
     query_range,
+    slope_of,
     softcap,
     visible,
     window_key_range,
@@ -58,12 +61,12 @@ from .fragments import load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
 
 @device_function
-def capped(x, CAP, capr):
-    """``(score, d score / d raw score)`` through the softcap (``CAP``, compile-time; cap
-    and its reciprocal ``capr`` in raw-score units): ``(cap tanh(x / cap), 1 - tanh^2)``,
-    else ``(x, 1)``."""
+def capped(x, CAP, modr):
+    """``(score, d score / d raw score)`` through the softcap (``CAP``, compile-time;
+    ``modr`` holds the modifiers' constants in raw-score units: the cap, its reciprocal,
+    the ALiBi slope): ``(cap tanh(x / cap), 1 - tanh^2)``, else ``(x, 1)``."""
     if CAP:
-        return softcap(x, capr[0], capr[1], True)
+        return softcap(x, modr[0], modr[1], True)
     return x, float32(1.0)
 
 
@@ -76,7 +79,7 @@ def chain(ds, g, CAP):
 
 
 @device_function
-def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, capr):
+def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr):
     """``Pᵀ`` into ``s`` and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` for a query step
     that needs no mask (every query of it exists, none is above the diagonal): element
     ``(4 jn + 2 r + e)`` of this lane is query column ``8 jn + e`` past ``lofs`` (lse,
@@ -87,7 +90,7 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, capr):
                                  True)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
-                sx, g = capped(s[x], CAP, capr)
+                sx, g = capped(s[x], CAP, modr)
                 p = math.exp2(sx * sl2 - ls)
                 s[x] = p
                 dp[x] = chain(p * (dp[x] - dl), g, CAP)
@@ -95,17 +98,21 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, capr):
 
 @device_function
 def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
-                       sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr):
+                       sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI):
     """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
     +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask hides from query ``i`` get P = 0
-    (keys past ``Nk`` need not: their dK/dV rows are not stored)."""
+    (keys past ``Nk`` need not: their dK/dV rows are not stored). With ``ALIBI`` every
+    step comes here (the bias needs each element's query and key)."""
+    d0 = distance(m0 + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
     for jn in range(NTILES):
         for e in range(2):
             i = m0 + 8 * jn + 2 * tq + e  # this element's query
             ls, dl = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):  # keys j0 and j0 + 8
                 x = 4 * jn + 2 * r + e
-                sx, g = capped(s[x], CAP, capr)
+                sx, g = capped(s[x], CAP, modr)
+                if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
+                    sx = alibi(sx, d0 + float32(8 * jn + e - 8 * r), modr[2])
                 p = math.exp2(sx * sl2 - ls)
                 if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                     p = float32(0.0)
@@ -114,26 +121,29 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
 
 
 @device_function
-def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, capr):
+def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, modr):
     """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this lane's rows (``base`` 0 or 2;
     its lse ``ls`` in the log2 domain and its ``dl``) on a tile that needs no mask."""
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            sx, g = capped(s[x], CAP, capr)
+            sx, g = capped(s[x], CAP, modr)
             dp[x] = chain(math.exp2(sx * sl2 - ls) * (dp[x] - dl), g, CAP)
 
 
 @device_function
 def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, LEFT, RIGHT,
-                     NTILES, tq, CAP, capr):
+                     NTILES, tq, CAP, modr, ALIBI):
     """:func:`dq_scores` on a diagonal or tail tile: keys past ``Nk`` or above row ``i``'s
-    diagonal get P = 0."""
+    diagonal get P = 0. With ``ALIBI`` every tile comes here."""
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e  # this element's key
             x = base + 4 * jn + e
-            sx, g = capped(s[x], CAP, capr)
+            sx, g = capped(s[x], CAP, modr)
+            if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
+                sx = alibi(sx, distance(i, n0 + 2 * tq, causal_offset) - float32(8 * jn + e),
+                           modr[2])
             p = math.exp2(sx * sl2 - ls)
             if not visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
                 p = float32(0.0)
@@ -146,7 +156,7 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
               gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
               j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
               DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT, RIGHT,
-              WINDOW, CAP, capr):
+              WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh):
     """One pass of the dK/dV kernel over every query step of its key tile (K and V are in
     shared memory or in flight; their copies complete with the first step's Q and dO,
     committed here): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
@@ -187,15 +197,18 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
 
         lbase = b * lsb + h * lsh
         dbase = (b * Hq + h) * Nq
-        edge = CAUSAL and m0 < m_full
+        if ALIBI:  # (compile-time) this step's query head's slope, in raw-score units
+            modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
+        edge = ALIBI or (CAUSAL and m0 < m_full)
         if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
-            edge = m0 < m_full or m0 + BN - 1 > m_last
-        if edge or m0 + BN > Nq:  # a diagonal, edge or tail step
+            edge = ALIBI or m0 < m_full or m0 + BN - 1 > m_last
+        if edge or m0 + BN > Nq:  # a diagonal, edge or tail step (every step with ALiBi)
             dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
-                               causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
+                               causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
+                               ALIBI)
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
-                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, capr)
+                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr)
 
         mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
@@ -238,6 +251,7 @@ def make_attn_backward_dkdv_tc(v):
     WINDOW = bool(v.window)
     CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
+    ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
     SPLITS = t.d_splits
     DOUT = head_dim // SPLITS  # dK, dV columns per pass (DTILES, NACC count these)
     K_OFF = 0
@@ -250,7 +264,7 @@ def make_attn_backward_dkdv_tc(v):
                               causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                               vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
                               dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
-                              lsb, lsh, lsn, scale):
+                              lsb, lsh, lsn, scale, slopes, ssb, ssh):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -263,8 +277,10 @@ def make_attn_backward_dkdv_tc(v):
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
         sl2 = float32(scale * LOG2E)
-        # (used where CAP) the cap in raw-score units and its reciprocal
-        capr = (CAP_C / float32(scale), float32(scale) / CAP_C)
+        # the cap in raw-score units and its reciprocal (used where CAP), the ALiBi slope
+        # (set per query head where ALIBI) and the factor to raw-score units
+        modr = (CAP_C / float32(scale), float32(scale) / CAP_C, float32(0.0),
+                float32(1.0) / float32(scale))
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
@@ -294,7 +310,7 @@ def make_attn_backward_dkdv_tc(v):
                   gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
                   j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
                   DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT,
-                  RIGHT, WINDOW, CAP, capr)
+                  RIGHT, WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh)
         if SPLITS > 1:
             cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
             dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk,
@@ -302,7 +318,8 @@ def make_attn_backward_dkdv_tc(v):
                       qsb, qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn,
                       dvsd, lsb, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
                       NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
-                      BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW, CAP, capr)
+                      BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW, CAP, modr, ALIBI, slopes,
+                      ssb, ssh)
 
     attn_backward_dkdv_tc.__qualname__ = v.tag
     return attn_backward_dkdv_tc
@@ -320,6 +337,7 @@ def make_attn_backward_dq_tc(v):
     WINDOW = bool(v.window)
     CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
+    ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
     if t.d_splits != 1:
         raise ValueError(f"the dQ kernel takes d_splits=1, not {t}")
     Q_OFF = 0
@@ -330,7 +348,8 @@ def make_attn_backward_dq_tc(v):
 
     def attn_backward_dq_tc(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                             qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
-                            gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale):
+                            gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
+                            slopes, ssb, ssh):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -343,8 +362,12 @@ def make_attn_backward_dq_tc(v):
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
         sl2 = float32(scale * LOG2E)
-        # (used where CAP) the cap in raw-score units and its reciprocal
-        capr = (CAP_C / float32(scale), float32(scale) / CAP_C)
+        # the cap in raw-score units and its reciprocal (used where CAP), the ALiBi slope
+        # (set per query head where ALIBI) and the factor to raw-score units
+        modr = (CAP_C / float32(scale), float32(scale) / CAP_C, float32(0.0),
+                float32(1.0) / float32(scale))
+        if ALIBI:  # (compile-time) this query head's slope, in raw-score units
+            modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
 
@@ -394,14 +417,15 @@ def make_attn_backward_dq_tc(v):
             mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
+            # (every tile with ALiBi: the bias needs each element's query and key)
+            if ALIBI or n0 + BN > n_full or (WINDOW and n0 < n_lo):
                 dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI)
                 dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, capr)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI)
             else:
-                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, capr)
-                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, capr)
+                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr)
+                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr)
 
             mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)

@@ -36,7 +36,7 @@ from ..device.constants import FLT_MIN, LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, score, softcap, window_key_range
+from ..device.seams import alibi, distance, key_range, score, slope_of, softcap, window_key_range
 from ..tilings import PAD
 from .fragments import load_rows, mma, mma_frags_rows, store_frags
 
@@ -51,6 +51,18 @@ def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
             j = n0 + 8 * jn + 2 * tq + e
             s[base + 4 * jn + e] = score(s[base + 4 * jn + e], i, j, Nk, causal_offset,
                                          CAUSAL, LEFT, RIGHT)
+
+
+@device_function
+def alibi_row(s, base, n0, i, causal_offset, slope, NTILES, tq):
+    """The ALiBi bias (``slope`` in raw-score units) added to one of this lane's rows, on
+    every tile the row visits: one distance per row, less each element's constant key
+    offset ``8 jn + e``."""
+    d0 = distance(i, n0 + 2 * tq, causal_offset)
+    for jn in range(NTILES):
+        for e in range(2):
+            s[base + 4 * jn + e] = alibi(s[base + 4 * jn + e], d0 - float32(8 * jn + e),
+                                         slope)
 
 
 @device_function
@@ -143,11 +155,12 @@ def make_attn_forward_tc(v):
     WINDOW = bool(v.window)
     CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
+    ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
     BF16 = dtype == "bfloat16"
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                         qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
-                        vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale):
+                        vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -166,6 +179,7 @@ def make_attn_forward_tc(v):
         sl2 = float32(max(scale * LOG2E, FLT_MIN))
         capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
         rcapr = float32(scale) / CAP_C
+        slope = slope_of(slopes, b, h, ssb, ssh, float32(1.0) / float32(scale), ALIBI)
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_begin = 0
@@ -253,6 +267,12 @@ def make_attn_forward_tc(v):
             # online softmax, in the log2 domain, row by row of this lane (rows written out
             # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
             i = q0 + r0 + g
+            if ALIBI:  # (compile-time) the distance bias, after the softcap
+                alibi_row(s, 0, n0, i, causal_offset, slope, NTILES, tq)
+                alibi_row(s, 2, n0, i + 8, causal_offset, slope, NTILES, tq)
+                if MT > 1:
+                    alibi_row(s, NS, n0, i + 16, causal_offset, slope, NTILES, tq)
+                    alibi_row(s, NS + 2, n0, i + 24, causal_offset, slope, NTILES, tq)
             if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
                 mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
                 mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
