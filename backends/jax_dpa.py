@@ -13,6 +13,10 @@ semantics kept around it.
 - The backward pass is JAX's autodiff of the same computation (``jax.vjp``).
 - float32 inputs are multiplied at float32 precision (``default_matmul_precision
   ("highest")``; XLA's default on GPUs is TF32, about 1e-3 relative error).
+- float64 inputs do not go to ``jax.nn.dot_product_attention``: its XLA path casts the
+  scores to float32 whatever the inputs (o and lse ~1e-7 off a float64 oracle). The same
+  computation (it materializes the scores too) is written out in float64 instead, and lse
+  is float64 (the contract for float64 inputs).
 
 Everything here is JAX code: it runs eagerly, under ``jax.jit`` and under ``jax.vmap``, and
 is differentiable as it is. JAX is imported inside functions only.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 
 from flashcore import _rules
+from flashcore._errors import BackendUnavailableError
 
 NAME = "jax"
 
@@ -54,11 +59,31 @@ def supports(case):
     return None
 
 
+def _attend_float64(q, k, v, case):
+    """(o, lse) as :func:`_attend`, in float64 throughout."""
+    import jax
+    import jax.numpy as jnp
+
+    nq, nk = q.shape[1], k.shape[1]
+    group = q.shape[2] // k.shape[2]  # query head h reads key/value head h // group
+    k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * case.scale
+    seen = _rules.visible(jnp, nq, nk, case.causal)
+    if seen is not None:
+        s = jnp.where(seen, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # a NaN score makes its row NaN, as in the kernels
+    o = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v, precision="highest")
+    return o, lse
+
+
 def _attend(q, k, v, case, need_lse):
     """(o, lse or None) for bnhd q (B, n, Hq, D) whose rows each see at least one key."""
     import jax
     import jax.numpy as jnp
 
+    if q.dtype == jnp.float64:
+        o, lse = _attend_float64(q, k, v, case)
+        return o, (jax.lax.stop_gradient(lse) if need_lse else None)
     nq, nk = q.shape[1], k.shape[1]
     kw = {"scale": case.scale}
     if case.causal and nq != nk:
@@ -70,7 +95,8 @@ def _attend(q, k, v, case, need_lse):
     with jax.default_matmul_precision(precision):
         if need_lse:
             o, lse = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
-            lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
+            lse = jnp.transpose(lse, (0, 2, 1)).astype(_rules.lse_dtype(case.dtype))
+            lse = jax.lax.stop_gradient(lse)
             return o, lse
         return jax.nn.dot_product_attention(q, k, v, **kw), None
 
@@ -82,14 +108,14 @@ def forward(q, k, v, case):
     if case.need_lse:
         why = supports(case)
         if why is not None:
-            raise NotImplementedError(f"backend 'jax' cannot return lse here: {why}")
+            raise BackendUnavailableError(f"backend 'jax' cannot return lse here: {why}")
     to_bnhd = (lambda x: x) if case.layout == "bnhd" else (lambda x: jnp.swapaxes(x, 1, 2))
     qb, kb, vb = (to_bnhd(x) for x in (q, k, v))
     B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
     skip = _rules.leading_empty_rows(Nq, case.seqlen_k, case.causal)
     if skip == Nq or B == 0:
         o = jnp.zeros((B, Nq, Hq, D), dtype=q.dtype)
-        lse = (jnp.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=jnp.float32)
+        lse = (jnp.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=_rules.lse_dtype(case.dtype))
                if case.need_lse else None)
     else:
         o, lse = _attend(qb[:, skip:], kb, vb, case, case.need_lse)
@@ -97,7 +123,7 @@ def forward(q, k, v, case):
             o = jnp.concatenate([jnp.zeros((B, skip, Hq, D), dtype=o.dtype), o], axis=1)
             if lse is not None:
                 lse = jnp.concatenate(
-                    [jnp.full((B, Hq, skip), _rules.EMPTY_ROW_LSE, dtype=jnp.float32), lse],
+                    [jnp.full((B, Hq, skip), _rules.EMPTY_ROW_LSE, dtype=lse.dtype), lse],
                     axis=2)
     return to_bnhd(o), lse
 

@@ -14,8 +14,9 @@ SDPA does not:
 - ``lse``: SDPA does not return it, so ``need_lse`` calls go to the aten kernels that do:
   ``_scaled_dot_product_flash_attention_for_cpu`` on the CPU, and on CUDA
   ``_scaled_dot_product_flash_attention`` (fp16/bf16) or ``_efficient_attention_forward``
-  (fp32). float64 on CUDA (and devices other than CPU and CUDA) have no lse: named
-  explicitly, the backend raises NotImplementedError; "auto" moves on.
+  (fp32). float64 on CUDA (and devices other than CPU and CUDA) have no lse: such a call
+  is declined in ``supports`` (named explicitly: BackendUnavailableError saying why;
+  "auto" moves on), while calls that do not need lse are served.
 
 The backward pass recomputes the forward under torch's autograd and asks it for the
 gradients (torch's backward kernels), so it does not depend on the lse handed in.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 
 from flashcore import _rules
+from flashcore._errors import BackendUnavailableError
 
 NAME = "torch"
 #: Head dims the CUDA lse kernels take are padded to a multiple of this (zeros change
@@ -59,9 +61,8 @@ def supports(case):
                 "numba_cpu and reference compute them")
     if case.direction == "forward" and case.need_lse:
         why = _lse_unavailable(case)
-        # Named explicitly, forward() raises NotImplementedError with this reason.
-        if why is not None and not case.explicit:
-            return why
+        if why is not None:
+            return f"it cannot return lse here: {why}"
     return None
 
 
@@ -168,11 +169,12 @@ def forward(q, k, v, case):
     skip = _rules.leading_empty_rows(Nq, case.seqlen_k, case.causal)
     if case.need_lse:
         why = _lse_unavailable(case)
-        if why is not None:
-            raise NotImplementedError(
+        if why is not None:  # (supports() says so first; this is for direct callers)
+            raise BackendUnavailableError(
                 f"backend 'torch' cannot return lse here: {why}; use backend='auto' or "
                 "another backend for return_lse=True / attention_forward")
     lse = None
+    lse_dtype = getattr(torch, _rules.lse_dtype(case.dtype))
     if skip == Nq or B == 0:
         o = qb.new_zeros((B, Hq, Nq, D))
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -180,14 +182,14 @@ def forward(q, k, v, case):
             link = qb.sum() + kb.sum() + vb.sum()
             o = o + torch.where(torch.zeros((), dtype=torch.bool, device=o.device), link, 0)
         if case.need_lse:
-            lse = torch.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=torch.float32,
+            lse = torch.full((B, Hq, Nq), _rules.EMPTY_ROW_LSE, dtype=lse_dtype,
                              device=q.device)
         return _from_bhnd(o, case.layout), lse
     qt = qb[:, :, skip:] if skip else qb
     if case.need_lse:
         run = _with_lse_cpu if case.device == "cpu" else _with_lse_cuda
         o, lse = run(torch, qt, kb, vb, case)
-        lse = lse.detach().to(torch.float32)  # lse is not differentiable (as in FA2)
+        lse = lse.detach().to(lse_dtype)  # lse is not differentiable (as in FA2)
     else:
         o = _sdpa(torch, qt, kb, vb, case)
     if skip:

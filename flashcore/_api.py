@@ -112,7 +112,8 @@ def attention_forward(q, k, v, *, causal=False, window=None, softcap=None, alibi
     Returns
     -------
     o : array of q's shape, dtype, library and device
-    lse : float32 array ``(B, Hq, Nq)``, the log-sum-exp of each row's final scores
+    lse : array ``(B, Hq, Nq)``, the log-sum-exp of each row's final scores: float64 for
+        float64 inputs, float32 otherwise
     """
     options = _options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args,
                        block_mask)

@@ -111,7 +111,8 @@ def make_case(q, k, v, *, causal, scale, layout, direction="forward", need_lse=F
             raise ValueError(f"lse must have shape (B, Hq, Nq) = {(B, Hq, Nq)}; got lse.shape={s}")
         dt = _interop.dtype_name(lse)
         if dt not in ("float32", "float64"):
-            raise TypeError(f"lse must be float32 (as attention_forward returns it); got {dt}")
+            raise TypeError("lse must be float32 or float64 (attention_forward returns "
+                            f"float64 for float64 inputs, else float32); got lse.dtype={dt}")
     mods, arrays = None, {}
     if options:
         mods = check_mods(**options, library=library, device=device, B=B, Hq=Hq, Nq=Nq, Nk=Nk)

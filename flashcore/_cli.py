@@ -1,4 +1,4 @@
-"""The command line: ``python -m flashcore`` (the main job), ``info`` and ``bench``.
+"""The command line: ``python -m flashcore`` (the main job), ``info``, ``bench``, ``warmup``.
 
 ``python -m flashcore [options]``
     Runs attention forward at a realistic size on the best backend this machine has, checks
@@ -9,6 +9,8 @@
     Backends (usable, or why not), devices, versions.
 ``python -m flashcore bench [options]``
     The side-by-side sweep of flashcore's backends and their peers (see flashcore.bench).
+``python -m flashcore warmup [options]``
+    Compiles numba_cuda's kernel variants into numba's disk cache (see flashcore._warmup).
 
 All measuring is done by :mod:`flashcore.bench`; this module only parses, chooses and prints.
 """
@@ -503,7 +505,13 @@ def run_bench(argv):
 # --- entry point -------------------------------------------------------------------------
 
 
-COMMANDS = {"info": run_info, "bench": run_bench}
+def run_warmup(argv) -> int:
+    from ._warmup import run_warmup as warmup
+
+    return warmup(argv)
+
+
+COMMANDS = {"info": run_info, "bench": run_bench, "warmup": run_warmup}
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,8 @@ Every backend is a module that answers one small contract:
 ``forward(q, k, v, case) -> (o, lse)``
 ``backward(do, q, k, v, o, lse, case) -> (dq, dk, dv)``
     Arrays in and out belong to the caller's library and device; ``o`` has q's layout
-    and dtype, ``lse`` is float32 ``(B, Hq, Nq)``.
+    and dtype, ``lse`` is ``(B, Hq, Nq)`` of ``_rules.lse_dtype`` (float64 for float64
+    inputs, else float32).
 ``buffer_launcher(view, outputs, stream)`` (optional)
     For a framework that owns the buffers and the stream (JAX's ``buffer_callback`` under
     ``jit``): an object with the same ``forward``/``backward`` that reads arrays through

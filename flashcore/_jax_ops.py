@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _dispatch, _interop, _mods
+from . import _dispatch, _interop, _mods, _rules
 from ._checks import make_case
 from ._errors import BackendUnavailableError
 from ._memo import Memo
@@ -180,13 +180,24 @@ def _make_plan(q, k, v, causal, scale, layout, backend, traced, options):
 # --- the custom_vjp around a Numba backend -----------------------------------------------
 
 
-@functools.cache
+#: The traceable calls and the jitted custom-VJP function per (backend, Case): bounded like
+#: the plans, so a serving loop whose sequence lengths keep changing does not keep a jitted
+#: function for every length it ever saw.
+_CALLS = Memo(256)
+_ATTENTIONS = Memo(256)
+
+
 def numba_calls(name: str, case):
     """``(forward, backward)`` of a Numba backend as traceable JAX calls for one Case:
     ``forward(q, k, v, *arrays) -> (o, lse)`` and ``backward(do, q, k, v, o, lse, *arrays)
     -> (dq, dk, dv)`` (no autodiff of their own; the ring's custom VJP calls them too)."""
+    return _CALLS.get_or_build((name, case), _make_numba_calls, name, case)
+
+
+def _make_numba_calls(name, case):
     o_type = jax.ShapeDtypeStruct(_shape(case, "q"), np.dtype(_dtype(case)))
-    lse_type = jax.ShapeDtypeStruct((case.batch, case.heads_q, case.seqlen_q), np.float32)
+    lse_type = jax.ShapeDtypeStruct((case.batch, case.heads_q, case.seqlen_q),
+                                    np.dtype(_rules.lse_dtype(case.dtype)))
     kv_type = jax.ShapeDtypeStruct(_shape(case, "k"), np.dtype(_dtype(case)))
     fwd_types = (o_type, lse_type)
     bwd_types = (o_type, kv_type, kv_type)
@@ -195,9 +206,12 @@ def numba_calls(name: str, case):
     return _cpu_calls(name, case, fwd_types, bwd_types)
 
 
-@functools.cache
 def _numba_attention(name: str, case):
     """``f(q, k, v) -> (o, lse)`` with a custom VJP, for one backend and one Case."""
+    return _ATTENTIONS.get_or_build((name, case), _make_numba_attention, name, case)
+
+
+def _make_numba_attention(name, case):
     fwd_call, bwd_call = numba_calls(name, case)
 
     @jax.custom_vjp
@@ -265,8 +279,9 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
         q4, k4, v4 = (_fold(x, 4) for x in (q, k, v))
         host, impl = host_plan("forward", q4, k4, v4, arrays)
         o, lse = impl.forward(q4, k4, v4, host)
+        lse = np.asarray(lse, dtype=_rules.lse_dtype(host.dtype))
         return (np.asarray(o, dtype=q4.dtype).reshape(np.shape(q)),
-                np.asarray(lse, dtype=np.float32).reshape(*np.shape(q)[:-3], *np.shape(lse)[1:]))
+                lse.reshape(*np.shape(q)[:-3], *np.shape(lse)[1:]))
 
     def bwd_host(do, q, k, v, o, lse, *arrays):
         do4, q4, k4, v4, o4 = (_fold(x, 4) for x in (do, q, k, v, o))
@@ -376,7 +391,8 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
                        ctx.stream)
         run.backward(*(_Folded(x, 4) for x in (do, q, k, v, o)), _Folded(lse, 3), c)
 
-    delta_type = lse_type  # scratch: D = rowsum(dO * O), float32 (B, Hq, Nq)
+    # scratch: D = rowsum(dO * O), float32 (B, Hq, Nq); the GPU kernels take no float64
+    delta_type = jax.ShapeDtypeStruct(lse_type.shape, np.float32)
     fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
     bwd = buffer_callback(bwd_cb, (*bwd_types, delta_type), vmap_method="broadcast_all")
 

@@ -12,6 +12,13 @@ import math
 EMPTY_ROW_LSE = -math.inf
 
 
+def lse_dtype(dtype: str) -> str:
+    """The dtype of lse for inputs of ``dtype``: float64 for float64 (the backward's
+    ``P = exp(S - lse)`` would otherwise inherit float32 rounding, and float64 gradients
+    would be float32-accurate), float32 for float16, bfloat16 and float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
 def causal_offset(seqlen_q: int, seqlen_k: int) -> int:
     """Bottom-right alignment: query ``i`` sees key ``j`` iff ``j <= i + causal_offset``."""
     return seqlen_k - seqlen_q

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _dispatch, _mods
+from . import _dispatch, _mods, _rules
 from ._checks import check_options, make_case
 from ._errors import BackendUnavailableError
 from ._memo import Memo
@@ -96,11 +96,11 @@ def _make_plan(q, k, v, causal, scale, layout, backend, return_lse, options) -> 
     try:
         impl = _dispatch.select(case, backend)
     except BackendUnavailableError:
-        if return_lse or backend != "auto":
+        if return_lse:
             raise
         # lse is only a residual here: a backend that cannot return it (torch SDPA in
-        # float64 on CUDA) may serve the forward, and then the backward too, which it does
-        # without lse.
+        # float64 on CUDA), named or chosen by "auto", may serve the forward, and then the
+        # backward too, which it does without lse.
         case = replace(case, need_lse=False)
         impl = _dispatch.select(case, backend)
         if getattr(impl, "NAME", None) in _DIFFERENTIABLE:
@@ -121,8 +121,12 @@ def _forward(q, k, v, case, impl):
         o, lse = impl.forward(q, k, v, case)
     if lse is None:
         lse = o.new_full((case.batch, case.heads_q, case.seqlen_q), math.nan,
-                         dtype=torch.float32)
+                         dtype=_lse_dtype(case))
     return o, lse
+
+
+def _lse_dtype(case):
+    return getattr(torch, _rules.lse_dtype(case.dtype))
 
 
 # --- layer 1: raw ops ---------------------------------------------------------------------
@@ -177,7 +181,8 @@ def _options(mods: int, arrays) -> dict | None:
 def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
                          layout: str, backend: str, mods: int,
                          arrays: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """``(o, lse)``: o of q's shape and dtype, lse float32 ``(B, Hq, Nq)``."""
+    """``(o, lse)``: o of q's shape and dtype, lse ``(B, Hq, Nq)`` (float64 for float64
+    inputs, float32 otherwise)."""
     plan = _plan(q, k, v, causal, scale, layout, backend, True, _options(mods, arrays))
     o, lse = _forward(q, k, v, plan.case, plan.impl)
     return _dense(o), _dense(lse)
@@ -187,7 +192,7 @@ def attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
 def _attention_forward_fake(q, k, v, causal, scale, layout, backend, mods, arrays):
     case = make_case(q, k, v, causal=causal, scale=scale, layout=layout, need_lse=True,
                      explicit=backend != "auto", options=_options(mods, arrays))
-    lse = q.new_empty((case.batch, case.heads_q, case.seqlen_q), dtype=torch.float32)
+    lse = q.new_empty((case.batch, case.heads_q, case.seqlen_q), dtype=_lse_dtype(case))
     return q.new_empty(q.shape), lse
 
 

@@ -62,7 +62,7 @@ def _grouped(xp, x, case, heads):
 
 def _probabilities(xp, dev, q, k, case, lse=None):
     """Scaled scores, modified and masked; returns (P, lse, g) with P = exp(S - lse), rows
-    that see no key giving P = 0 and lse = -inf, and g the derivative of the final score
+    that see no key giving P = 0 and lse = -inf (rows with a NaN score: NaN), and g the derivative of the final score
     in the scaled one (None where it is 1)."""
     qg = _grouped(xp, q, case, case.heads_q)
     kg = _grouped(xp, k, case, case.heads_kv)
@@ -79,9 +79,11 @@ def _probabilities(xp, dev, q, k, case, lse=None):
             (*s.shape[:-1], 1), -math.inf, dtype=s.dtype, device=dev)
         m = xp.where(xp.isinf(m) & (m < 0), xp.zeros_like(m), m)
         total = xp.sum(xp.exp(s - m), axis=-1, keepdims=True)
-        seen = total > 0
-        lse = xp.where(seen, xp.log(xp.where(seen, total, xp.ones_like(total))) + m,
-                       xp.full_like(total, -math.inf))
+        # Only a row that sees no key sums to 0; a NaN score (in its query or in a key it
+        # sees) makes the sum NaN, and lse, P and the row's output NaN, as in the kernels.
+        empty = total == 0
+        lse = xp.where(empty, xp.full_like(total, -math.inf),
+                       xp.log(xp.where(empty, xp.ones_like(total), total)) + m)
     else:
         lse = xp.reshape(xp.astype(lse, s.dtype), (*s.shape[:-1], 1))
     empty = xp.isinf(lse) & (lse < 0)
@@ -159,7 +161,8 @@ def forward(q, k, v, case):
     o = xp.matmul(p, _grouped(xp, vb, case, case.heads_kv))
     B, Hq, Nq = case.batch, case.heads_q, case.seqlen_q
     o = xp.reshape(o, (B, Hq, Nq, case.head_dim))
-    return _from_bhnd(xp, o, case.layout, q.dtype), xp.astype(xp.reshape(lse, (B, Hq, Nq)), xp.float32)
+    lse = xp.astype(xp.reshape(lse, (B, Hq, Nq)), getattr(xp, _rules.lse_dtype(case.dtype)))
+    return _from_bhnd(xp, o, case.layout, q.dtype), lse
 
 
 def backward(do, q, k, v, o, lse, case):

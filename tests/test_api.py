@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import qkv, rand
+from helpers import NAN_SHAPES, assert_nan_rows, nan_inputs, qkv, rand
 
 import flashcore
 from flashcore import BackendUnavailableError
@@ -186,3 +186,13 @@ def test_checked_calls_are_planned_once_per_kind(rng):
     with pytest.raises(ValueError, match="scale"):
         flashcore.attention(q, k, v, scale=-1.0)
     assert len(_api._PLANS) == 3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", NAN_SHAPES, ids=str)
+@pytest.mark.parametrize("backend", ["reference", "numba_cpu"])
+def test_nan_reaches_exactly_the_rows_that_see_it(rng, backend, shape, causal):
+    # The reference once gave a row with a NaN query output 0 (as if it saw no key).
+    q, k, v, bad = nan_inputs(rng, *shape, causal)
+    o, lse = flashcore.attention_forward(q, k, v, causal=causal, backend=backend)
+    assert_nan_rows(o, lse, bad)

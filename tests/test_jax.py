@@ -11,7 +11,18 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp
-from helpers import TOL_BWD, TOL_FWD, oracle_backward, oracle_forward, qkv, rand, rel_err
+from helpers import (
+    NAN_SHAPES,
+    TOL_BWD,
+    TOL_FWD,
+    assert_nan_rows,
+    nan_inputs,
+    oracle_backward,
+    oracle_forward,
+    qkv,
+    rand,
+    rel_err,
+)
 
 import flashcore
 from flashcore import _dispatch, _jax_ops
@@ -97,6 +108,23 @@ def test_custom_vjp_glue_with_reference_kernels():
 
     with jax.default_device(jax.devices("cpu")[0]):  # the CPU callbacks, also on a GPU host
         _check(fn, rng, layout="bnhd", causal=True, shape=SHAPES[1], jit=True)
+
+
+def test_numba_call_caches_are_bounded():
+    # A serving loop with ever new sequence lengths once kept a jitted function per length.
+    from dataclasses import replace
+
+    rng = np.random.default_rng(4)
+    q, k, v = (j(x) for x in qkv(rng, Nq=4, D=8))
+    case = _jax_ops._case(q, k, v, causal=False, scale=None, layout="bhnd", need_lse=True,
+                          backend="auto", device="cpu")
+    bound = _jax_ops._ATTENTIONS.max_size
+    for n in range(1, bound + 20):
+        c = replace(case, seqlen_q=n, seqlen_k=n)
+        assert _jax_ops._numba_attention("numba_cpu", c) is _jax_ops._numba_attention(
+            "numba_cpu", c)
+    assert 0 < len(_jax_ops._ATTENTIONS) <= bound
+    assert 0 < len(_jax_ops._CALLS) <= _jax_ops._CALLS.max_size
 
 
 def test_grad_function_and_lse_is_a_constant():
@@ -310,3 +338,12 @@ def test_functional_api_under_jit_matches_eager(layout):
     refs = oracle_backward(*(np.asarray(x) for x in (do, q, k, v)), **opts)
     for g, r in zip(grads, refs):
         assert rel_err(np.asarray(g), r) <= TOL_BWD["float32"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", NAN_SHAPES, ids=str)
+@pytest.mark.parametrize("backend", ["reference", "numba_cpu", "jax"])
+def test_nan_reaches_exactly_the_rows_that_see_it(backend, shape, causal):
+    q, k, v, bad = nan_inputs(np.random.default_rng(), *shape, causal)
+    o, lse = flashcore.attention_forward(j(q), j(k), j(v), causal=causal, backend=backend)
+    assert_nan_rows(o, lse, bad)

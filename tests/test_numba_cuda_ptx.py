@@ -39,6 +39,7 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
 
 from flashcore.backends.numba_cuda import driver, launch
 from flashcore.backends.numba_cuda import tilings as tiles
+from ptx_addresses import narrowed_addresses
 
 #: One head dim per tiling class of tilings.choose_simt, plus dims that are not a multiple of the
 #: thread columns (padded head-dim columns).
@@ -79,6 +80,9 @@ def _check(cc, head_dim, dtype, causal, only=None):
             f"{name}: the raw launch packs 8-byte words; PTX has {set(params)}")
         assert "ld.local" not in ptx and "st.local" not in ptx, (
             f"{name} ({head_dim=}, {dtype}, {causal=}) spills register tiles to local memory")
+        assert not narrowed_addresses(ptx), (
+            f"{name} ({head_dim=}, {dtype}, {causal=}) computes global addresses in 32 bits: "
+            f"{narrowed_addresses(ptx)[:3]}")
         assert smem_words * 4 <= tiles.SMEM_LIMIT[cc], (
             f"{name}: {smem_words * 4} bytes of shared memory, over {arch}'s")
         assert threads <= 1024
@@ -112,3 +116,24 @@ def test_ptx_sm80(target_cc, head_dim, causal):
 @pytest.mark.parametrize("head_dim", ODD_DIMS, ids=lambda d: f"D{d}")
 def test_ptx_padded_head_dims(target_cc, head_dim):
     _check(target_cc, head_dim, "float16", True)
+
+
+def test_the_address_check_finds_32_bit_indexing():
+    # The check itself: the same store indexed in 64 bits passes, in 32 bits it is found.
+    import numba
+    from numba.cuda import types
+
+    def narrow(p, row, stride):  # (numba widens int32 * int32 to int64: cast it back)
+        p[numba.int32(numba.int32(row) * numba.int32(stride)) + cuda.threadIdx.x] = 1.0
+
+    def wide(p, row, stride):
+        p[row * stride + cuda.threadIdx.x] = 1.0
+
+    def divided(p, n, heads):  # LLVM divides in 32 bits when the operands fit: exact
+        p[(n // heads) * n + n % heads] = 1.0
+
+    sig = (types.CPointer(types.float32), types.int64, types.int64)
+    found = {f.__name__: narrowed_addresses(cuda.compile_ptx(f, sig, cc=(9, 0))[0])
+             for f in (narrow, wide, divided)}
+    assert found["narrow"] and "st.global" in found["narrow"][0]
+    assert found["wide"] == [] and found["divided"] == []

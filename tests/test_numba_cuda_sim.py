@@ -19,7 +19,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TOL_BWD, TOL_FWD, oracle_backward, oracle_forward, qkv, rand, rel_err
+from helpers import (
+    NAN_SHAPES,
+    TOL_BWD,
+    TOL_FWD,
+    assert_nan_rows,
+    nan_inputs,
+    oracle_backward,
+    oracle_forward,
+    qkv,
+    rand,
+    rel_err,
+)
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
@@ -114,6 +125,20 @@ else:
         assert np.all(dq[0, 0, :6] == 0)
         for g in (dq, dk, dv):
             assert np.all(np.isfinite(g))
+
+    @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+    @pytest.mark.parametrize("shape", NAN_SHAPES, ids=str)
+    def test_nan_reaches_exactly_the_rows_that_see_it(shape, causal):
+        q, k, v, bad = nan_inputs(np.random.default_rng(5), *shape, causal, D=4)
+        o, _ = flashcore.attention_forward(q, k, v, causal=causal, backend="numba_cuda")
+        assert_nan_rows(o, None, bad)
+
+    @pytest.mark.xfail(strict=True, reason="the SIMT forward writes lse = -inf where the row "
+                       "sum is NaN (simt/forward.py: `if lsum > 0`)")
+    def test_nan_reaches_lse():
+        q, k, v, bad = nan_inputs(np.random.default_rng(5), 12, 20, True, D=4)
+        o, lse = flashcore.attention_forward(q, k, v, causal=True, backend="numba_cuda")
+        assert_nan_rows(o, lse, bad)
 
     def test_empty_keys_and_queries():
         rng = np.random.default_rng(3)

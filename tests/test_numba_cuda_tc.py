@@ -221,6 +221,7 @@ else:
         # the dtype changes only the mma and cvt suffixes: one per target keeps CI short
         dtype = "bfloat16" if cc == (9, 0) else "float16"
         kind = "bf16" if dtype == "bfloat16" else "f16"
+        from ptx_addresses import narrowed_addresses
         from test_numba_cuda_mma import ptxas_report
 
         for v in launch.tc_variants(head_dim, dtype, causal, cc):
@@ -232,6 +233,7 @@ else:
                     pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
                 raise
             assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: spilled"
+            assert not narrowed_addresses(ptx), (name, narrowed_addresses(ptx)[:3])
             per_tile = _mma_per_tile(name, v.tiles, head_dim)
             assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") \
                 == per_tile, name

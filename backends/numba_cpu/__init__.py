@@ -1,13 +1,14 @@
 """Numba CPU backend: tiled FlashAttention kernels parallel over (batch, head, tile).
 
 Inputs are read in place through strides (NumPy views of torch/JAX CPU buffers included);
-float16 and bfloat16 are computed in float32, float32 and float64 in their own precision.
+float16 and bfloat16 are computed in float32, float32 and float64 in their own precision;
+lse is float64 for float64 inputs and float32 otherwise (_rules.lse_dtype).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from flashcore import _interop, _poison
+from flashcore import _interop, _poison, _rules
 
 from .tiles import choose_tiles, q_tiles_per_job
 
@@ -67,7 +68,7 @@ def forward(q, k, v, case):
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
     qk, kk, vk = (_kernel_view(x, case) for x in (q, k, v))
     o, ok = _alloc_like(q, case)
-    lse = _empty((case.batch, case.heads_q, case.seqlen_q), np.float32)
+    lse = _empty((case.batch, case.heads_q, case.seqlen_q), _rules.lse_dtype(case.dtype))
     if o.size or lse.size:
         import numba
 
@@ -85,7 +86,8 @@ def backward(do, q, k, v, o, lse, case):
 
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
     dok, qk, kk, vk, ok = (_kernel_view(x, case) for x in (do, q, k, v, o))
-    lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library), dtype=np.float32)
+    lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library),
+                                 dtype=_rules.lse_dtype(case.dtype))
     dq, dqk = _alloc_like(q, case)
     dk, dkk = _alloc_like(k, case)
     dv, dvk = _alloc_like(v, case)
@@ -154,7 +156,7 @@ def _masked_forward(q, k, v, case):
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
     qk, kk, vk = (_kernel_view(x, case) for x in (q, k, v))
     o, ok = _alloc_like(q, case)
-    lse = _empty((case.batch, case.heads_q, case.seqlen_q), np.float32)
+    lse = _empty((case.batch, case.heads_q, case.seqlen_q), _rules.lse_dtype(case.dtype))
     if o.size or lse.size:
         import numba
 
@@ -171,7 +173,8 @@ def _masked_backward(do, q, k, v, o, lse, case):
     made, opts, alibi, classes, block, args = _mod_inputs(case)
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
     dok, qk, kk, vk, ok = (_kernel_view(x, case) for x in (do, q, k, v, o))
-    lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library), dtype=np.float32)
+    lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library),
+                                 dtype=_rules.lse_dtype(case.dtype))
     dq, dqk = _alloc_like(q, case)
     dk, dkk = _alloc_like(k, case)
     dv, dvk = _alloc_like(v, case)

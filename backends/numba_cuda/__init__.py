@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 
 NAME = "numba_cuda"
 #: Largest head dim the kernels are specialized for.
 MAX_HEAD_DIM = 256
 _DTYPES = ("float32", "float16", "bfloat16")
 _GPU_LIBRARIES = ("torch", "cupy", "jax")
+#: Oldest compute capability the kernels are built for.
+MIN_CC = (7, 0)
 
 
 @functools.cache
@@ -42,11 +45,47 @@ def unavailable_reason():
     try:
         if not cuda.is_available():
             return "no CUDA GPU found (numba.cuda.is_available() is False)"
-        cc = cuda.get_current_device().compute_capability
+        # (read from each device's attributes: no context is opened on any GPU)
+        ccs = [tuple(gpu.compute_capability) for gpu in cuda.gpus]
     except Exception as e:  # noqa: BLE001  (any driver failure means: not usable here)
         return f"no usable CUDA GPU ({e})"
-    if tuple(cc) < (7, 0):
-        return f"the GPU has compute capability {cc}; numba_cuda needs 7.0 or newer"
+    if not any(cc >= MIN_CC for cc in ccs):
+        return (f"the GPUs have compute capabilities {ccs}; numba_cuda needs "
+                f"{MIN_CC[0]}.{MIN_CC[1]} or newer")
+    return None
+
+
+@functools.cache
+def _device_reason(device: str):
+    """None when GPU ``device`` ("cuda:N") can run the kernels, else why not. Each device
+    is asked for itself: a host may mix GPUs of different compute capabilities."""
+    from numba import cuda
+
+    if cuda.config.ENABLE_CUDASIM:
+        return None
+    index = int(device.split(":")[1]) if ":" in device else 0
+    try:
+        cc = tuple(cuda.gpus[index].compute_capability)
+    except Exception as e:  # noqa: BLE001
+        return f"{device} is not a usable CUDA GPU ({e})"
+    if cc < MIN_CC:
+        return (f"{device} has compute capability {cc[0]}.{cc[1]}; numba_cuda needs "
+                f"{MIN_CC[0]}.{MIN_CC[1]} or newer")
+    return None
+
+
+def _rocm_reason(library):
+    """Why ``library``'s "cuda" arrays are not CUDA ones (a ROCm build), or None."""
+    if library == "torch":
+        hip = getattr(getattr(sys.modules.get("torch"), "version", None), "hip", None)
+        if hip:
+            return (f"this PyTorch is a ROCm build (HIP {hip}): its 'cuda' devices are AMD "
+                    "GPUs, and numba_cuda's kernels run on NVIDIA GPUs only")
+    elif library == "cupy":
+        runtime = getattr(getattr(sys.modules.get("cupy"), "cuda", None), "runtime", None)
+        if getattr(runtime, "is_hip", False):
+            return ("this CuPy is a ROCm build: its devices are AMD GPUs, and numba_cuda's "
+                    "kernels run on NVIDIA GPUs only")
     return None
 
 
@@ -73,9 +112,15 @@ def supports(case):
         if not case.explicit:
             return ("NumPy arrays live on the host; numba_cuda copies them to the GPU only "
                     "when named explicitly (backend='numba_cuda')")
+        why = unavailable_reason() or _device_reason("cuda:0")  # (they are copied to GPU 0)
+        if why is not None:
+            return why
     elif case.library in _GPU_LIBRARIES:
         if not case.on_gpu:
             return f"{case.library} arrays on {case.device} are not on a CUDA GPU"
+        why = _rocm_reason(case.library) or unavailable_reason() or _device_reason(case.device)
+        if why is not None:
+            return why
     else:
         return f"arrays of {case.library!r} are not supported (torch, cupy, jax or numpy)"
     if case.batch * max(case.heads_q, case.heads_kv) > 65535:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -149,6 +150,7 @@ def _torch():
 
 #: GPU index -> the torch lse scratch buffer of _Adapter.scratch (kept for the process)
 _TORCH_SCRATCH: dict = {}
+_SCRATCH_LOCK = threading.Lock()  # one allocation per GPU, also when threads race to it
 
 
 class _Torch(_Adapter):
@@ -169,9 +171,12 @@ class _Torch(_Adapter):
             return None
         buf = _TORCH_SCRATCH.get(dev)
         if buf is None:
-            torch = _torch()
-            buf = _TORCH_SCRATCH[dev] = torch.empty(SCRATCH_WORDS, dtype=torch.float32,
-                                                    device=like.device)
+            with _SCRATCH_LOCK:
+                buf = _TORCH_SCRATCH.get(dev)
+                if buf is None:
+                    torch = _torch()
+                    buf = _TORCH_SCRATCH[dev] = torch.empty(
+                        SCRATCH_WORDS, dtype=torch.float32, device=like.device)
         return buf.data_ptr()
 
     def empty(self, like, shape, dtype, dev, poison=True):

@@ -11,8 +11,10 @@ the device) and on disk (numba's ``cache=True``), so a warm process pays no comp
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import logging
 import struct
 import threading
 
@@ -50,6 +52,7 @@ def _libcuda():
         ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
         ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
         ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
+        ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
     ]:
         f = getattr(lib, name)
         f.argtypes = args
@@ -65,6 +68,18 @@ def _libcuda():
     return lib
 
 
+def error_text(err) -> str:
+    """``"CUDA_ERROR_ILLEGAL_ADDRESS (700)"``: a CUresult's name (cuGetErrorName) and
+    number; the number alone where the driver has no name for it."""
+    err = int(err)
+    name = ctypes.c_char_p()
+    try:
+        ok = (_LIBCUDA or _libcuda()).cuGetErrorName(err, ctypes.byref(name)) == _CUDA_SUCCESS
+    except Exception:  # noqa: BLE001  (an error message must not raise another error)
+        ok = False
+    return f"{name.value.decode()} ({err})" if ok and name.value else f"CUDA error {err}"
+
+
 @functools.cache
 def _primary_context(device: int) -> int:
     """The primary context of GPU ``device`` (the one numba, torch, CuPy and JAX use)."""
@@ -74,7 +89,7 @@ def _primary_context(device: int) -> int:
     for err in (lib.cuDeviceGet(ctypes.byref(dev), device),
                 lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):
         if err != _CUDA_SUCCESS:
-            raise RuntimeError(f"no primary context for GPU {device}: CUDA error {err}")
+            raise RuntimeError(f"no primary context for GPU {device}: {error_text(err)}")
     return ctx.value
 
 
@@ -98,7 +113,7 @@ class _OnDevice:
         if self.pushed:
             err = lib.cuCtxPushCurrent_v2(self.ctx)
             if err != _CUDA_SUCCESS:
-                raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {err}")
+                raise RuntimeError(f"cuCtxPushCurrent failed: {error_text(err)}")
         return self
 
     def __exit__(self, *exc):
@@ -152,7 +167,7 @@ class Prepared:
         self._cur_ref = ctypes.byref(self._cur)
         self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=FASTMATH,
                                     **jit_options(launch_bounds))
-        with cuda.gpus[device]:
+        with cuda.gpus[device], compile_notice(self.name, device):
             self.kernel = self._dispatcher.compile(sig)
             cufunc = self.kernel._codelibrary.get_cufunc()
             from numba.cuda.cudadrv.driver import binding, driver
@@ -180,25 +195,75 @@ class Prepared:
             return
         lib = _LIBCUDA or _libcuda()
         # (the buffers are shared; cuLaunchKernel copies the arguments before returning).
-        # The context check is _OnDevice's, written out: it runs on every launch.
+        # The context check is _OnDevice's, written out: it runs on every launch. Whatever
+        # raises after the push (bad arguments to pack, the binding) still pops it.
         with self._lock:
             lib.cuCtxGetCurrent(self._cur_ref)
             pushed = self._cur.value != self._ctx
             if pushed:
                 err = lib.cuCtxPushCurrent_v2(self._ctx)
                 if err != _CUDA_SUCCESS:
-                    raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {err}")
-            struct.pack_into(self._fmt, self._buf, 0, *args)
-            if _BINDINGS_LAUNCH is not None:
-                err = _BINDINGS_LAUNCH(self.handle, grid[0], grid[1], 1, self.threads, 1, 1,
-                                       self.smem, stream, self._params, 0)[0]
-            else:
-                err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], 1, self.threads, 1,
-                                         1, self.smem, stream, self._ptrs, None)
-            if pushed:
-                lib.cuCtxPopCurrent_v2(self._cur_ref)
+                    raise RuntimeError(f"cuCtxPushCurrent failed: {error_text(err)}")
+            try:
+                struct.pack_into(self._fmt, self._buf, 0, *args)
+                if _BINDINGS_LAUNCH is not None:
+                    err = _BINDINGS_LAUNCH(self.handle, grid[0], grid[1], 1, self.threads, 1,
+                                           1, self.smem, stream, self._params, 0)[0]
+                else:
+                    err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], 1, self.threads,
+                                             1, 1, self.smem, stream, self._ptrs, None)
+            finally:
+                if pushed:
+                    lib.cuCtxPopCurrent_v2(self._cur_ref)
         if err != _CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA error {err}")
+            raise RuntimeError(f"cuLaunchKernel({self.name}) failed: {error_text(err)}")
+
+
+#: Seconds a kernel build may take before the one-line notice: loading from numba's disk
+#: cache takes well under this, a compile 15-20 s.
+NOTICE_AFTER_S = 2.0
+_log = logging.getLogger("flashcore")
+_notice_lock = threading.Lock()
+_noticed = False
+
+
+@contextlib.contextmanager
+def compile_notice(name: str, device: int):
+    """Around a kernel build: once per process, when a build runs past NOTICE_AFTER_S (a
+    compile, not a cache load), log one line saying what is compiled and where it is cached.
+    At WARNING, so it reaches stderr without any logging set up (logging's last resort)."""
+    if _noticed:
+        yield
+        return
+    timer = threading.Timer(NOTICE_AFTER_S, _notice, (name, device))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _notice(name, device):
+    global _noticed
+    with _notice_lock:
+        if _noticed:
+            return
+        _noticed = True
+    _log.warning(
+        "flashcore: compiling CUDA kernel %s for GPU %d on its first use (15-20 s per kernel "
+        "variant, once: cached in %s); `python -m flashcore warmup` compiles them ahead",
+        name, device, cache_location())
+
+
+def cache_location() -> str:
+    """Where numba keeps compiled kernels, in words."""
+    from numba.core import config
+
+    if config.CACHE_DIR:
+        return f"NUMBA_CACHE_DIR={config.CACHE_DIR}"
+    return ("numba's cache, __pycache__ beside flashcore's kernels (or the user cache "
+            "directory where that is read-only; NUMBA_CACHE_DIR chooses another)")
 
 
 def jit_options(launch_bounds):
@@ -212,23 +277,33 @@ def synchronize(stream: int, device: int = 0):
         with _OnDevice(device):
             err = _libcuda().cuStreamSynchronize(stream)
         if err != _CUDA_SUCCESS:
-            raise RuntimeError(f"cuStreamSynchronize failed with CUDA error {err}")
+            raise RuntimeError(f"cuStreamSynchronize failed: {error_text(err)}")
 
 
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _BUILDING only: held for a dict lookup, never a build
 _PREPARED: dict = {}
+_BUILDING: dict = {}  # key -> the lock of that key's build (while one may be under way)
 
 
 def prepared(key, build):
     """The :class:`Prepared` kernel stored under ``key``, built by ``build()`` on first use
-    (once, also when threads ask at the same time)."""
+    (once, also when threads ask at the same time). Each key has its own lock: a thread
+    waits only for the build of the kernel it needs, not behind every build queued before
+    it. Numba still runs one compiler at a time per process (its global compiler lock), so
+    builds of different kernels overlap only outside it (loading, the disk cache, the
+    module load on each GPU); compiling many variants at once takes separate processes."""
     p = _PREPARED.get(key)
-    if p is None:
-        with _lock:
-            p = _PREPARED.get(key)
-            if p is None:
-                p = _PREPARED[key] = build()
+    if p is not None:
+        return p
+    with _lock:
+        key_lock = _BUILDING.setdefault(key, threading.Lock())
+    with key_lock:
+        p = _PREPARED.get(key)
+        if p is None:
+            p = _PREPARED[key] = build()  # (raises: nothing kept; the next caller retries)
+    with _lock:
+        _BUILDING.pop(key, None)
     return p
 
 

@@ -3,10 +3,10 @@
 The same ring as the torch one (``_torch_ring``): W unrolled steps, the key/value block
 moving one device on by ``lax.ppermute`` (XLA schedules the transfer beside the step's
 kernel), partial outputs merged by lse, and a ``custom_vjp`` whose backward is a second ring
-carrying float32 dK/dV home with their block. Shards are equal (``shard_map`` cuts equal
-pieces), so every step's shapes are static; which part of a block a device computes depends
-on its index, a traced value, so each step is a ``lax.cond`` between the two parts its
-devices may need (contiguous causal: all or nothing; balanced: the block's first chunk for
+carrying float32 dK/dV (float64 for float64 inputs, as lse) home with their block. Shards
+are equal (``shard_map`` cuts equal pieces), so every step's shapes are static; which part
+of a block a device computes depends on its index, a traced value, so each step is a
+``lax.cond`` between the two parts its devices may need (contiguous causal: all or nothing; balanced: the block's first chunk for
 all queries, or all of it for the second query chunk).
 """
 from __future__ import annotations
@@ -94,6 +94,12 @@ def _step_choice(cfg, s, rank):
     return "whole", None, rank >= s
 
 
+def _acc(x):
+    """The dtype the ring accumulates o, lse and the gradients in: float64 for float64
+    inputs (as the kernels' lse), float32 otherwise."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def _fwd_part(q, k, v, part, cfg):
     """(o, lse) of the part, spread over all local rows (zeros, -inf elsewhere)."""
     ax = _ax(cfg)
@@ -102,7 +108,7 @@ def _fwd_part(q, k, v, part, cfg):
     qs, ks, vs = _rows(q, ax, qa, qb), _rows(k, ax, ka, kb), _rows(v, ax, ka, kb)
     fwd, _ = _calls(qs, ks, vs, causal, cfg)
     o, lse = fwd(qs, ks, vs)
-    o = o.astype(jnp.float32)
+    o = o.astype(_acc(q))
     if (qa, qb) != (0, n):
         pad = [(0, 0)] * 4
         pad[ax] = (qa, n - qb)
@@ -114,7 +120,7 @@ def _fwd_part(q, k, v, part, cfg):
 def _skip_fwd(q, cfg):
     B, Hq = q.shape[0], q.shape[1 if cfg.layout == "bhnd" else 2]
     n = q.shape[_ax(cfg)]
-    return jnp.zeros(q.shape, jnp.float32), jnp.full((B, Hq, n), -jnp.inf, jnp.float32)
+    return jnp.zeros(q.shape, _acc(q)), jnp.full((B, Hq, n), -jnp.inf, _acc(q))
 
 
 def _merge(o, lse, o_b, lse_b, cfg):
@@ -172,7 +178,7 @@ def _ring_forward(q, k, v, cfg):
 
 
 def _bwd_part(do, q, k, v, o, lse, part, cfg):
-    """(dq, dk, dv) in float32 of the part, spread over all local rows."""
+    """(dq, dk, dv) in the accumulator dtype (_acc) of the part, spread over all local rows."""
     ax = _ax(cfg)
     n = q.shape[ax]
     (qa, qb), (ka, kb), causal = _parts(cfg, n)[part]
@@ -182,7 +188,7 @@ def _bwd_part(do, q, k, v, o, lse, part, cfg):
     dq, dk, dv = bwd(r(do, qa, qb), qs, ks, vs, r(o, qa, qb), lse[:, :, qa:qb])
 
     def spread(x, a, b):
-        x = x.astype(jnp.float32)
+        x = x.astype(_acc(x))
         if (a, b) == (0, n):
             return x
         pad = [(0, 0)] * 4
@@ -194,9 +200,8 @@ def _bwd_part(do, q, k, v, o, lse, part, cfg):
 
 def _ring_backward(do, q, k, v, o, lse, cfg):
     rank = lax.axis_index(cfg.axis_name)
-    dq, dk, dv = (_varying(jnp.zeros(x.shape, jnp.float32), cfg.axis_name) for x in (q, k, v))
-    zeros = lambda *a: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),  # noqa
-                        jnp.zeros(v.shape, jnp.float32))
+    dq, dk, dv = (_varying(jnp.zeros(x.shape, _acc(x)), cfg.axis_name) for x in (q, k, v))
+    zeros = lambda *a: tuple(jnp.zeros(x.shape, _acc(x)) for x in (q, k, v))  # noqa: E731
     for s in range(cfg.world):
         then, other, pred = _step_choice(cfg, s, rank)
         run = lambda part: (lambda *a: _bwd_part(*a, part, cfg))  # noqa: E731

@@ -5,8 +5,9 @@ The forward pass runs W steps: at step s rank r computes its queries against the
 block of rank ``(r - s) mod W`` with flashcore's kernels, merges the partial output by
 log-sum-exp, and meanwhile receives the next block (``batch_isend_irecv``, so the transfer
 overlaps the kernel). The backward pass is a second ring: each key/value block travels with
-float32 dK/dV accumulators that every rank adds its contribution to (the kernels take the
-global lse, so each block's P is the global one), and one last hop brings them home.
+float32 dK/dV accumulators (float64 for float64 inputs, as lse) that every rank adds its
+contribution to (the kernels take the global lse, so each block's P is the global one),
+and one last hop brings them home.
 
 Which part of a step's block a rank computes (``_step``): with ``causal``, in contiguous
 order a block from an earlier rank is seen whole, the rank's own block is causal and a
@@ -122,13 +123,14 @@ def _bhnd(x, layout):
 
 
 def _merge(o_acc, lse_acc, o_b, lse_b):
-    """Fold a block's (o, lse) into the running ones (in place; o float32, bhnd views)."""
+    """Fold a block's (o, lse) into the running ones (in place; o in the accumulator dtype
+    (_acc), bhnd views)."""
     new = torch.logaddexp(lse_acc, lse_b)
     empty = torch.isneginf(new)
     safe = torch.where(empty, torch.zeros_like(new), new)
     w_old = torch.where(empty, torch.zeros_like(new), torch.exp(lse_acc - safe))
     w_new = torch.where(empty, torch.zeros_like(new), torch.exp(lse_b - safe))
-    o_acc.mul_(w_old.unsqueeze(-1)).add_(o_b.float() * w_new.unsqueeze(-1))
+    o_acc.mul_(w_old.unsqueeze(-1)).add_(o_b.to(o_acc.dtype) * w_new.unsqueeze(-1))
     lse_acc.copy_(new)
 
 
@@ -168,11 +170,17 @@ def _wait(reqs):
         r.wait()
 
 
+def _acc(x):
+    """The dtype the ring accumulates o, lse and the gradients in: float64 for float64
+    inputs (as the kernels' lse), float32 otherwise."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def ring_forward(q, k, v, ring, causal, scale, layout, backend):
     ax = _seq_axis(layout)
     B, Hq, n, D = _bhnd(q, layout).shape
-    o_acc = torch.zeros((B, Hq, n, D), dtype=torch.float32, device=q.device)
-    lse_acc = torch.full((B, Hq, n), -torch.inf, dtype=torch.float32, device=q.device)
+    o_acc = torch.zeros((B, Hq, n, D), dtype=_acc(q), device=q.device)
+    lse_acc = torch.full((B, Hq, n), -torch.inf, dtype=_acc(q), device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for s in range(ring.world):
         src = ring.src(s)
@@ -198,9 +206,9 @@ def ring_forward(q, k, v, ring, causal, scale, layout, backend):
 def ring_backward(do, q, k, v, o, lse, ring, causal, scale, layout, backend):
     ax = _seq_axis(layout)
     n = q.shape[ax]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dk_cur = torch.zeros(k.shape, dtype=_acc(k), device=k.device)
     dv_cur = torch.zeros_like(dk_cur)
     do = do.contiguous()
     for s in range(ring.world):

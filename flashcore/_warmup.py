@@ -1,0 +1,139 @@
+"""``python -m flashcore warmup``: compile numba_cuda's kernel variants ahead of time.
+
+A kernel variant (head dim, dtype, causal, tiling) costs 15-20 s to compile the first time
+it is called, once per machine: numba keeps the result in its disk cache (``cache=True``),
+so later processes load it in well under a second. Run this once after installing (or
+after upgrading flashcore, numba or the driver) so that the first training step does not
+stall: jobs of one (head dim, causal) each compile every variant a launch on the chosen
+GPU may pick, for the dtypes asked, in parallel processes (Numba compiles one kernel at a
+time per process).
+
+Each variant has its own cache index file, and the preprocess kernel, which does not
+depend on causality, is compiled by non-causal jobs only, so no two jobs write one file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+#: Head dims the kernels serve (anything else is padded to the next of these).
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 192, 256)
+DTYPES = ("float32", "float16", "bfloat16")
+CAUSAL = {"both": (False, True), "true": (True,), "false": (False,)}
+
+
+def _int_list(text):
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--head-dims must be integers separated by commas; "
+                                         f"got {text!r}") from None
+    bad = [d for d in dims if not 1 <= d <= HEAD_DIMS[-1]]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"--head-dims must lie in 1..{HEAD_DIMS[-1]}; got {','.join(map(str, bad))}")
+    return dims
+
+
+def _dtype_list(text):
+    dtypes = tuple(text.split(","))
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"--dtypes must be among {','.join(DTYPES)} (numba_cuda's dtypes); got "
+            f"{','.join(bad)}")
+    return dtypes
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flashcore warmup",
+        description="Compile numba_cuda's kernels ahead of time into numba's disk cache "
+                    "(NUMBA_CACHE_DIR, else __pycache__ beside the kernels or the user cache "
+                    "directory), so that first calls load them instead of compiling.")
+    p.add_argument("--head-dims", type=_int_list, default=(64, 128), metavar="D,...",
+                   help="head dims (64,128); 'all' is not a value: list them "
+                        f"({','.join(map(str, HEAD_DIMS))})")
+    p.add_argument("--dtypes", type=_dtype_list, default=("bfloat16", "float16", "float32"),
+                   metavar="DT,...", help="dtypes (bfloat16,float16,float32)")
+    p.add_argument("--causal", choices=tuple(CAUSAL), default="both",
+                   help="causal variants, non-causal ones or both (both)")
+    p.add_argument("--device", type=int, default=0, help="GPU index whose kernels (0)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="parallel processes (default: one per job, at most the CPU count)")
+    return p
+
+
+def jobs(head_dims, dtypes, causal) -> list:
+    """``(head_dim, causal, dtypes)`` per job, in a stable order."""
+    return [(d, c, tuple(dtypes)) for d in head_dims for c in CAUSAL[causal]]
+
+
+def job(args):
+    """Compile (or load from the disk cache) every variant of one job on GPU ``device``;
+    returns ``(head_dim, causal, variants, seconds)``."""
+    head_dim, causal, dtypes, device = args
+    t0 = time.perf_counter()
+    from flashcore.backends.numba_cuda import launch, tilings
+    from flashcore.backends.numba_cuda.driver import device_cc
+
+    cc, gpu = device_cc(device), launch._gpu(device)[1]  # (the name; None in the simulator)
+    n = 0
+    for dtype in dtypes:
+        kt = tilings.choose_simt(head_dim, dtype, causal, cc)
+        variants = [v for v in launch.simt_variants(head_dim, dtype, causal, kt)
+                    if not (causal and v.kernel == "preprocess")]
+        if dtype != "float32" and head_dim in tilings.HEAD_DIMS:
+            variants += launch.tc_variants(head_dim, dtype, causal, cc, gpu=gpu)
+        for v in variants:
+            launch.kernel(v, device)
+        n += len(variants)
+    return head_dim, causal, n, time.perf_counter() - t0
+
+
+def _bar(done, total, width=24):
+    filled = width * done // total
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def run_warmup(argv) -> int:
+    args = parser().parse_args(argv)
+    from . import _dispatch
+
+    why = _dispatch.unavailable_reason("numba_cuda")
+    if why is not None:
+        print(f"flashcore warmup: numba_cuda cannot run here: {why}", file=sys.stderr)
+        return 2
+    todo = jobs(args.head_dims, args.dtypes, args.causal)
+    procs = args.processes or min(len(todo), os.cpu_count() or 1)
+    if procs < 1:
+        print(f"flashcore warmup: --processes must be at least 1; got {args.processes}",
+              file=sys.stderr)
+        return 2
+    print(f"flashcore warmup: {len(todo)} jobs (head dims {','.join(map(str, args.head_dims))}; "
+          f"{','.join(args.dtypes)}; causal {args.causal}) on GPU {args.device} in {procs} "
+          "processes", flush=True)
+    t0 = time.perf_counter()
+    work = [(*j, args.device) for j in todo]
+    results = _run(work, procs)
+    for done, (d, c, n, s) in enumerate(results, 1):
+        print(f"{_bar(done, len(work))} D={d} {'causal' if c else 'full'}: {n} kernels in "
+              f"{s:.1f} s", flush=True)
+    print(f"flashcore warmup: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+def _run(work, procs):
+    """Job results as they finish: in this process for one process, else in a pool."""
+    if procs == 1:
+        yield from map(job, work)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn: a forked child would inherit a CUDA context the parent may already hold
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for f in as_completed([ex.submit(job, w) for w in work]):
+            yield f.result()

@@ -1,0 +1,213 @@
+"""The numba_cuda host side without a GPU: libcuda and builds stood in for, to check what
+happens around a launch (contexts popped on errors, errors named), the compile cache's
+locking, and the torch scratch buffer under threads."""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+import time
+
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0"):
+    pytest.skip("the raw launch path is not taken under the CUDA simulator",
+                allow_module_level=True)
+
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+
+from flashcore.backends.numba_cuda import driver
+
+ILLEGAL_ADDRESS = 700
+
+
+class FakeLibcuda:
+    """libcuda's functions that a launch calls, recording the context stack."""
+
+    def __init__(self, current=1, launch_err=0):
+        self.stack = [current]
+        self.launch_err = launch_err
+
+    def cuCtxGetCurrent(self, ref):
+        ref._obj.value = self.stack[-1]
+        return 0
+
+    def cuCtxPushCurrent_v2(self, ctx):
+        self.stack.append(ctx)
+        return 0
+
+    def cuCtxPopCurrent_v2(self, ref):
+        ref._obj.value = self.stack.pop()
+        return 0
+
+    def cuLaunchKernel(self, *args):
+        return self.launch_err
+
+    def cuStreamSynchronize(self, stream):
+        return ILLEGAL_ADDRESS
+
+    def cuGetErrorName(self, err, ref):
+        if err != ILLEGAL_ADDRESS:
+            return 1  # CUDA_ERROR_INVALID_VALUE: no name
+        ref._obj.value = b"CUDA_ERROR_ILLEGAL_ADDRESS"
+        return 0
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    lib = FakeLibcuda()
+    monkeypatch.setattr(driver, "_LIBCUDA", lib)
+    monkeypatch.setattr(driver, "_libcuda", lambda: lib)
+    monkeypatch.setattr(driver, "_BINDINGS_LAUNCH", None)
+    monkeypatch.setattr(driver, "_primary_context", lambda device: 2)
+    return lib
+
+
+def _prepared(nargs=3):
+    """A Prepared as __init__ leaves it on a GPU, for a kernel of ``nargs`` int64 words
+    (context 2, while the thread's current context is 1), without compiling anything."""
+    p = object.__new__(driver.Prepared)
+    p.name, p.threads, p.smem, p.device, p.handle = "attn_forward", 128, 0, 0, 0
+    p._fmt = "<" + "q" * nargs
+    p._buf = (ctypes.c_int64 * nargs)()
+    base = ctypes.addressof(p._buf)
+    p._ptrs = (ctypes.c_void_p * nargs)(*range(base, base + 8 * nargs, 8))
+    p._params = ctypes.addressof(p._ptrs)
+    p._lock = threading.Lock()
+    p._ctx = 2
+    p._cur = ctypes.c_void_p()
+    p._cur_ref = ctypes.byref(p._cur)
+    return p
+
+
+def test_launch_pops_the_context_it_pushed_when_packing_raises(fake):
+    p = _prepared()
+    p((1, 1), 0, (1, 2, 3))
+    assert fake.stack == [1]
+    with pytest.raises(struct.error):
+        p((1, 1), 0, (1, "not an int", 3))
+    assert fake.stack == [1], "the device's context stayed pushed on the calling thread"
+
+
+def test_launch_errors_are_named(fake):
+    fake.launch_err = ILLEGAL_ADDRESS
+    with pytest.raises(RuntimeError, match=r"CUDA_ERROR_ILLEGAL_ADDRESS \(700\)"):
+        _prepared()((1, 1), 0, (1, 2, 3))
+    assert fake.stack == [1]
+    with pytest.raises(RuntimeError, match=r"CUDA_ERROR_ILLEGAL_ADDRESS"):
+        driver.synchronize(7, 0)
+    fake.launch_err = 12345  # no name: the number
+    with pytest.raises(RuntimeError, match="CUDA error 12345"):
+        _prepared()((1, 1), 0, (1, 2, 3))
+
+
+def test_compiles_of_different_kernels_do_not_wait_for_each_other(monkeypatch):
+    monkeypatch.setattr(driver, "_PREPARED", {})
+    builds = []
+
+    def slow_build(key):
+        def build():
+            builds.append(key)
+            time.sleep(0.5)
+            return key
+        return build
+
+    got = []
+    threads = [threading.Thread(target=lambda k=k: got.append(driver.prepared(k, slow_build(k))))
+               for k in ("a", "b", "a", "a")]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    assert sorted(builds) == ["a", "b"], "one build per key"
+    assert sorted(got) == ["a", "a", "a", "b"]
+    assert took < 0.9, f"two builds of 0.5 s took {took:.2f} s: they ran one after the other"
+    assert driver._BUILDING == {}
+
+
+def test_a_failed_build_keeps_nothing_and_is_tried_again(monkeypatch):
+    monkeypatch.setattr(driver, "_PREPARED", {})
+
+    def broken():
+        raise RuntimeError("nvvm failed")
+
+    with pytest.raises(RuntimeError, match="nvvm"):
+        driver.prepared("k", broken)
+    assert driver.prepared("k", lambda: "built") == "built"
+
+
+def test_torch_scratch_is_allocated_once_under_threads(monkeypatch):
+    from flashcore.backends.numba_cuda import adapters
+
+    made = []
+
+    class Buffer:
+        def data_ptr(self):
+            return id(self)
+
+    def empty(n, dtype, device):
+        made.append(device)
+        time.sleep(0.2)  # the window in which a second thread once allocated too
+        return Buffer()
+
+    monkeypatch.setattr(adapters, "_TORCH_SCRATCH", {})
+    monkeypatch.setattr(adapters, "_torch", lambda: type("T", (), {
+        "empty": staticmethod(empty), "float32": "float32"}))
+    like = type("Like", (), {"device": "cuda:3"})()
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(
+        adapters.ADAPTERS["torch"].scratch(like, 10, 3))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == ["cuda:3"] and len(set(got)) == 1
+
+
+def _gpu_case(library="torch", device="cuda:1"):
+    from flashcore._case import Case
+
+    return Case(library=library, device=device, dtype="float16", batch=1, heads_q=2,
+                heads_kv=2, seqlen_q=8, seqlen_k=8, head_dim=64, causal=False, scale=0.125,
+                layout="bhnd")
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """GPU 0 an sm_80, GPU 1 an sm_61 (numba's device attributes stood in for)."""
+    import types
+
+    import flashcore.backends.numba_cuda as nc
+    from numba import cuda
+
+    gpus = [types.SimpleNamespace(compute_capability=(8, 0)),
+            types.SimpleNamespace(compute_capability=(6, 1))]
+    monkeypatch.setattr(cuda, "gpus", gpus, raising=False)
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "get_current_device", lambda: pytest.fail(
+        "the check opened a context on the current GPU"), raising=False)
+    nc.unavailable_reason.cache_clear()
+    nc._device_reason.cache_clear()
+    yield nc
+    nc.unavailable_reason.cache_clear()
+    nc._device_reason.cache_clear()
+
+
+def test_each_gpu_is_checked_for_itself(two_gpus):
+    assert two_gpus.unavailable_reason() is None  # GPU 0 can serve
+    assert two_gpus.supports(_gpu_case(device="cuda:0")) is None
+    why = two_gpus.supports(_gpu_case(device="cuda:1"))
+    assert why is not None and "cuda:1" in why and "6.1" in why
+
+
+def test_rocm_builds_are_declined_clearly(two_gpus, monkeypatch):
+    import sys
+    import types
+
+    torch = types.SimpleNamespace(version=types.SimpleNamespace(hip="6.2.41133", cuda=None))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    why = two_gpus.supports(_gpu_case(device="cuda:0"))
+    assert why is not None and "ROCm" in why
