@@ -52,6 +52,8 @@ def unavailable_reason():
 
 def supports(case):
     """None when this backend can serve ``case``, else why not."""
+    if case.packed:
+        return "the CUDA kernels do not serve varlen or KV-cache calls yet; numba_cpu does"
     if case.mods is not None:
         rest = [n for n in case.mods.names() if n not in ("window", "softcap")]
         if rest:
