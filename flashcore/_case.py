@@ -131,3 +131,9 @@ class Case:
         """Floating-point operations of the forward pass (two matmuls), halved when causal."""
         f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         return f / 2 if self.causal else f
+
+
+def lse_dtype(dtype: str) -> str:
+    """The dtype of lse for inputs of ``dtype``: the one rule every packed path reads (the
+    same as :func:`flashcore.attention_forward`'s)."""
+    return "float32"
