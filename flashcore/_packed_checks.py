@@ -152,8 +152,9 @@ def check_num_splits(num_splits):
 
 def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, *,
                       causal, scale, num_splits, need_lse=False, explicit=False, options=None,
-                      values=True) -> Case:
-    """Check a KV-cache call and describe it (``values=False``: shapes and dtypes only)."""
+                      values=True, in_place=True) -> Case:
+    """Check a KV-cache call and describe it (``values=False``: shapes and dtypes only;
+    ``in_place=False``: the caller appends the new keys itself, as the JAX glue does)."""
     if (k is None) != (v is None):
         raise ValueError(f"k and v must be given together; got k={_what(k)}, v={_what(v)}")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
@@ -185,7 +186,7 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
                 raise ValueError(f"{name} must have shape (B, Nnew, Hkv, D) = {want}; got "
                                  f"{name}.shape={s}")
         n_new = want[1]
-        if library == "numpy":
+        if in_place and library == "numpy":
             for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if not x.flags.writeable:
                     raise ValueError(f"{name} is read-only; the new keys are written into it "

@@ -63,3 +63,23 @@ def q_tiles_per_job(n_tiles: int, threads: int, block_q: int) -> int:
     """As many query tiles per job as keeps at least 4 jobs per thread (load balance)."""
     per = n_tiles // (4 * max(threads, 1))
     return max(1, min(MAX_ROWS_PER_JOB // block_q, per))
+
+
+#: Split-KV (decoding): at least this many keys per split, and at most this many splits.
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
+
+
+def choose_splits(asked: int, jobs: int, longest: int, threads: int, block_k: int) -> int:
+    """How many key ranges each (sequence, head, query rows) job is split into.
+
+    ``asked`` 0: enough splits that the ``jobs`` (sequences x heads x query-row jobs) give
+    every thread about 4 jobs, each split keeping at least :data:`MIN_KEYS_PER_SPLIT` keys,
+    at most :data:`MAX_SPLITS`; a batch that already fills the threads is not split.
+    Otherwise ``asked``, capped at the number of key tiles (more splits would be empty).
+    """
+    tiles = max(1, -(-longest // block_k))
+    if asked:
+        return max(1, min(asked, tiles))
+    want = -(-4 * max(threads, 1) // max(jobs, 1))
+    return max(1, min(want, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS, tiles))
