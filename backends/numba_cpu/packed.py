@@ -25,8 +25,17 @@ def _packed_view(a, case):
     return _as_kernel_view(a[None], case)
 
 
+def _read_only(a):
+    """An input's kernel view, marked read-only: NumPy and torch buffers arrive writable and
+    JAX's read-only, and Numba compiles a kernel per kind, so every input is made one kind
+    (the caller's array keeps its own flag)."""
+    a = a.view()
+    a.flags.writeable = False
+    return a
+
+
 def _host_packed(x, case):
-    return _packed_view(_interop.host_view(x, case.library), case)
+    return _read_only(_packed_view(_interop.host_view(x, case.library), case))
 
 
 def _alloc_packed(x, case):
@@ -76,8 +85,8 @@ def varlen_backward(do, q, k, v, o, lse, case):
     made, opts, alibi, classes, block, args = _mod_inputs(case)
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
     dok, qk, kk, vk, ok = (_host_packed(x, case) for x in (do, q, k, v, o))
-    lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library),
-                                 dtype=np.dtype(lse_dtype(case.dtype)))[None]
+    lse_h = _read_only(np.ascontiguousarray(_interop.host_view(lse, case.library),
+                                            dtype=np.dtype(lse_dtype(case.dtype)))[None])
     dq, dqk = _alloc_packed(q, case)
     dk, dkk = _alloc_packed(k, case)
     dv, dvk = _alloc_packed(v, case)
@@ -119,8 +128,12 @@ def _kvcache_forward(q, k_cache, v_cache, case):
     jobs = case.batch * case.heads_q * -(-case.seqlen_q // (tiles.block_q * per_job))
     n_splits = choose_splits(kv.num_splits, jobs, longest, numba.get_num_threads(),
                              tiles.block_k)
-    qk, kk, vk = (_as_kernel_view(_interop.host_view(x, case.library), case)
-                  for x in (q, k_cache, v_cache))
+    kk, vk = (_read_only(_as_kernel_view(_interop.host_view(x, case.library), case))
+              for x in (k_cache, v_cache))
+    # q is a few rows: copied dense, so one compiled kernel serves every Nq (a (B, Hq, 1, D)
+    # view of one query row would be C-contiguous, a new kind for Numba, and others not).
+    qk = _read_only(np.ascontiguousarray(_as_kernel_view(_interop.host_view(q, case.library),
+                                                         case)))
     o = _empty(tuple(int(n) for n in q.shape), _interop.np_dtype(case.dtype))
     ok = _as_kernel_view(o, case)
     lse = _lse((case.batch, case.heads_q, case.seqlen_q), case)
