@@ -238,19 +238,3 @@ def test_lse_is_the_log_of_the_softmax_sum():
                                                 np.array([0, 1], np.int32), backend="reference")
     assert math.isclose(float(lse[0, 0]), 2.0 / 2.0, rel_tol=1e-6)
 
-
-def test_packed_calls_on_numpy_import_no_framework():
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, numpy as np, flashcore\n"
-        "q = np.ones((5, 2, 8)); cu = np.array([0, 2, 5], np.int32)\n"
-        "flashcore.attention_varlen(q, q, q, cu, cu, backend='reference')\n"
-        "c = np.zeros((2, 4, 2, 8)); n = np.array([1, 2], np.int32)\n"
-        "flashcore.attention_with_kvcache(q[:4].reshape(2, 2, 2, 8), c, c, cache_seqlens=n,\n"
-        "                                 backend='reference')\n"
-        "print(','.join(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"packed calls pulled in {out.stdout.strip()}"
