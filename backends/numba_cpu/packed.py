@@ -17,7 +17,7 @@ from flashcore._case import lse_dtype
 from flashcore._packed_checks import host_ints
 
 from . import _NO_ROWS, _NO_TABLE, _as_kernel_view, _empty, _give, _mod_inputs, _work
-from .tiles import choose_splits, choose_tiles, q_tiles_per_job
+from .tiles import choose_splits, choose_tiles, decode_tiles, q_tiles_per_job
 
 
 def _packed_view(a, case):
@@ -123,11 +123,12 @@ def _kvcache_forward(q, k_cache, v_cache, case):
         _paging.append_in_place(kc, vc, kn, vn, seqlens, table, kv.page_size, np.asarray)
     lengths = seqlens + kv.n_new
     longest = int(lengths.max()) if lengths.size else 0
-    tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
-    per_job = _per_job(case, tiles.block_q)
-    jobs = case.batch * case.heads_q * -(-case.seqlen_q // (tiles.block_q * per_job))
-    n_splits = choose_splits(kv.num_splits, jobs, longest, numba.get_num_threads(),
-                             tiles.block_k)
+    block_q, block_k = decode_tiles(case.seqlen_q, case.head_dim,
+                                    choose_tiles(case.head_dim, case.dtype, case.causal),
+                                    longest, kv.num_splits)
+    per_job = _per_job(case, block_q)
+    jobs = case.batch * case.heads_q * -(-case.seqlen_q // (block_q * per_job))
+    n_splits = choose_splits(kv.num_splits, jobs, longest, numba.get_num_threads(), block_k)
     kk, vk = (_read_only(_as_kernel_view(_interop.host_view(x, case.library), case))
               for x in (k_cache, v_cache))
     # q is a few rows: copied dense, so one compiled kernel serves every Nq (a (B, Hq, 1, D)
@@ -142,8 +143,8 @@ def _kvcache_forward(q, k_cache, v_cache, case):
         shape = (n_splits * case.batch, case.heads_q, case.seqlen_q, case.head_dim)
         o_part, lse_part = np.empty(shape, work), np.empty(shape[:3], work)
         pages = (_NO_TABLE if table is None else np.ascontiguousarray(table), kv.page_size)
-        made[0](qk, kk, vk, o_part, lse_part, case.scale, tiles.block_q, tiles.block_k,
-                per_job, work, opts, alibi, classes, block, args,
+        made[0](qk, kk, vk, o_part, lse_part, case.scale, block_q, block_k, per_job, work,
+                opts, alibi, classes, block, args,
                 (_NO_ROWS, _NO_ROWS, np.ascontiguousarray(lengths)),
                 (case.batch, case.seqlen_q, longest), pages, n_splits)
         merge_splits(o_part, lse_part, n_splits, ok, lse)

@@ -83,3 +83,25 @@ def choose_splits(asked: int, jobs: int, longest: int, threads: int, block_k: in
         return max(1, min(asked, tiles))
     want = -(-4 * max(threads, 1) // max(jobs, 1))
     return max(1, min(want, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS, tiles))
+
+
+#: Longest key tile of the KV-cache forward (decoding): few query rows make each product
+#: small, so longer key tiles cut the per-tile overhead.
+MAX_DECODE_BLOCK_K = 512
+
+
+def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
+                 splits_asked: int) -> tuple[int, int]:
+    """(block_q, block_k) of the KV-cache forward: query tiles no taller than the queries
+    (a power of two >= Nq, so decoding one token does not compute 31 padding rows), key
+    tiles as long as the single-thread BLAS bound allows, up to MAX_DECODE_BLOCK_K, and
+    short enough (down to 16) that an explicit split count finds that many key tiles
+    (splits are runs of whole tiles)."""
+    block_q = min(base.block_q, 1 << max(0, int(seqlen_q) - 1).bit_length())
+    block_k = base.block_k
+    while (block_k * 2 <= MAX_DECODE_BLOCK_K
+           and block_q * block_k * 2 * head_dim <= BLAS_SINGLE_THREAD_MNK):
+        block_k *= 2
+    while splits_asked > 1 and block_k > 16 and -(-longest // block_k) < splits_asked:
+        block_k //= 2
+    return block_q, block_k
