@@ -48,6 +48,9 @@ def _has_residual():
 def supports(case):
     if case.library != "jax":
         return f"it serves only JAX arrays; got {case.library} arrays"
+    if case.packed:
+        return ("varlen and KV-cache calls are not given to jax.nn.dot_product_attention; "
+                "numba_cpu and reference serve them")
     if case.mods is not None:
         return (f"jax.nn.dot_product_attention is not given {', '.join(case.mods.names())} "
                 "by flashcore; numba_cpu and reference compute them")

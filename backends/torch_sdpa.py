@@ -56,6 +56,9 @@ def _lse_unavailable(case):
 def supports(case):
     if case.library != "torch":
         return f"it serves only PyTorch tensors; got {case.library} arrays"
+    if case.packed:
+        return (
+            "varlen and KV-cache calls are not given to SDPA; numba_cpu and reference serve them")
     if case.mods is not None:
         return (f"SDPA is not given {', '.join(case.mods.names())} by flashcore; "
                 "numba_cpu and reference compute them")

@@ -7,13 +7,19 @@
 """
 from ._api import attention, attention_backward, attention_forward, available_backends
 from ._errors import BackendUnavailableError
+from ._kvcache import attention_with_kvcache
 from ._mods import BlockMask, create_block_mask
+from ._varlen import attention_varlen, attention_varlen_backward, attention_varlen_forward
 
 __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_forward",
     "attention_backward",
+    "attention_varlen",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
+    "attention_with_kvcache",
     "available_backends",
     "BackendUnavailableError",
     "BlockMask",

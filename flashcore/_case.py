@@ -15,6 +15,70 @@ LAYOUTS = ("bhnd", "bnhd")
 
 
 @dataclass(frozen=True)
+class Varlen:
+    """Packed variable-length sequences (``flashcore.attention_varlen``).
+
+    q is ``(total_q, Hq, D)``, k and v ``(total_k, Hkv, D)``: token-major, like layout
+    ``"bnhd"`` without the batch axis. Sequence ``s`` owns query rows
+    ``cu_seqlens_q[s] : cu_seqlens_q[s + 1]`` and key rows
+    ``cu_seqlens_k[s] : cu_seqlens_k[s + 1]``, and is attended on its own with every rule of
+    dense attention (bottom-right causal with ``offset = n_k(s) - n_q(s)``, GQA, rows that
+    see no key give 0 and lse -inf). lse is ``(Hq, total_q)``.
+
+    On the :class:`Case`: ``batch`` is the number of sequences, ``seqlen_q``/``seqlen_k`` are
+    ``max_seqlen_q``/``max_seqlen_k`` (every sequence fits: checked on the host), ``layout``
+    is ``"bnhd"``. A kernel grid sized ``(batch, heads, ceil(max_seqlen / tile))`` covers
+    every sequence; jobs past a sequence's end do nothing. Mods see ``b`` = the sequence
+    index and ``i``, ``j`` = positions within the sequence.
+    """
+
+    total_q: int
+    total_k: int
+    # The offsets themselves, int32 (or int64) 1-D of length batch + 1 in the caller's
+    # library and device: per call, not part of the case's identity.
+    cu_seqlens_q: object = field(default=None, compare=False, hash=False, repr=False)
+    cu_seqlens_k: object = field(default=None, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Attention of new query rows against a key/value cache (``attention_with_kvcache``).
+
+    q is ``(B, Nq, Hq, D)`` (layout ``"bnhd"``). The cache is contiguous,
+    ``(B, capacity, Hkv, D)``, or paged, ``(num_pages, page_size, Hkv, D)`` with
+    ``block_table`` int32 ``(B, pages_per_seq)``: key position ``p`` of sequence ``b`` is
+    slot ``p % page_size`` of page ``block_table[b, p // page_size]``. Sequence ``b`` has
+    ``cache_seqlens[b]`` cached keys; when new keys are given (``n_new > 0``:
+    ``k_new``/``v_new`` ``(B, n_new, Hkv, D)``) a backend first writes them **in place** at
+    positions ``cache_seqlens[b] ... + n_new - 1`` (through the block table when paged), then
+    attends all ``cache_seqlens[b] + n_new`` keys, with the query rows aligned to the end
+    (bottom-right causal, ``offset = cache_seqlens[b] + n_new - Nq``). lse is
+    ``(B, Hq, Nq)``. Forward only.
+
+    On the :class:`Case`: ``seqlen_q`` is Nq, ``seqlen_k`` is a sequence's capacity in keys
+    (``capacity``, or ``pages_per_seq * page_size``), ``layout`` is ``"bnhd"``. The front
+    end has checked every value (lengths within capacity, pages inside the pool) before a
+    backend is called, so nothing is written on a rejected call.
+    """
+
+    paged: bool
+    page_size: int  # keys per page; the capacity for a contiguous cache
+    num_pages: int  # pages in the pool; B for a contiguous cache
+    pages_per_seq: int  # block_table's width; 1 for a contiguous cache
+    n_new: int  # new keys appended per sequence (0: none given)
+    num_splits: int  # split-KV count asked: 0 = the backend's heuristic, 1 = no split
+    # Per call, not part of the case's identity: int32 (B,) cached lengths before the
+    # append; int32 (B, pages_per_seq) or None; the new keys and values or None.
+    cache_seqlens: object = field(default=None, compare=False, hash=False, repr=False)
+    block_table: object = field(default=None, compare=False, hash=False, repr=False)
+    k_new: object = field(default=None, compare=False, hash=False, repr=False)
+    v_new: object = field(default=None, compare=False, hash=False, repr=False)
+    #: The longest key range after the append, max(cache_seqlens + n_new), read on the host
+    #: with the checks (split-KV heuristics need it; kernels read the lengths themselves).
+    max_seqlen_k: int = field(default=0, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
 class Case:
     """Sizes, dtype, options and origin of one call (hashable, so it can key caches).
 
@@ -41,6 +105,8 @@ class Case:
     # The arrays the mods read, this call's own (not part of the case's identity).
     alibi_slopes: object = field(default=None, compare=False, hash=False, repr=False)
     mod_args: tuple = field(default=(), compare=False, hash=False, repr=False)
+    varlen: Varlen | None = None  # packed variable-length sequences (None: a dense batch)
+    kvcache: KVCache | None = None  # attention over a key/value cache (None: k, v given whole)
 
     @property
     def group(self) -> int:
@@ -56,7 +122,14 @@ class Case:
         """Bottom-right alignment: query ``i`` sees key ``j`` iff ``j <= i + causal_offset``."""
         return _rules.causal_offset(self.seqlen_q, self.seqlen_k)
 
+    @property
+    def packed(self) -> bool:
+        """Varlen or KV cache: a backend that serves neither must decline such a case."""
+        return self.varlen is not None or self.kvcache is not None
+
     def flops(self) -> float:
         """Floating-point operations of the forward pass (two matmuls), halved when causal."""
         f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         return f / 2 if self.causal else f
+
+

@@ -68,6 +68,24 @@ def check_options(*, causal, scale, layout, head_dim):
     return scale
 
 
+def check_backward_inputs(extra, qs, dtype, lse_shape, lse_dims):
+    """``do`` and ``o`` like q (shape ``qs``, ``dtype``), ``lse`` of ``lse_shape``."""
+    for name in ("do", "o"):
+        s = tuple(int(t) for t in extra[name].shape)
+        if s != qs:
+            raise ValueError(f"{name} must have q's shape {qs}; got {name}.shape={s}")
+        dt = _interop.dtype_name(extra[name])
+        if dt != dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype}; got {name}.dtype={dt}")
+    s = tuple(int(t) for t in extra["lse"].shape)
+    if s != lse_shape:
+        raise ValueError(f"lse must have shape {lse_dims} = {lse_shape}; got lse.shape={s}")
+    dt = _interop.dtype_name(extra["lse"])
+    if dt not in ("float32", "float64"):
+        raise TypeError("lse must be float32 or float64 (the forward returns float64 for "
+                        f"float64 inputs, else float32); got lse.dtype={dt}")
+
+
 def make_case(q, k, v, *, causal, scale, layout, direction="forward", need_lse=False,
               explicit=False, extra=None, options=None) -> Case:
     """Check q, k, v (and, for the backward pass, ``extra`` = {"do", "o", "lse"}) and
@@ -98,21 +116,7 @@ def make_case(q, k, v, *, causal, scale, layout, direction="forward", need_lse=F
         )
     scale = check_options(causal=causal, scale=scale, layout=layout, head_dim=D)
     if extra:
-        for name in ("do", "o"):
-            s = tuple(int(t) for t in extra[name].shape)
-            if s != qs:
-                raise ValueError(f"{name} must have q's shape {qs}; got {name}.shape={s}")
-            dt = _interop.dtype_name(extra[name])
-            if dt != dtype:
-                raise TypeError(f"{name} must have q's dtype {dtype}; got {name}.dtype={dt}")
-        lse = extra["lse"]
-        s = tuple(int(t) for t in lse.shape)
-        if s != (B, Hq, Nq):
-            raise ValueError(f"lse must have shape (B, Hq, Nq) = {(B, Hq, Nq)}; got lse.shape={s}")
-        dt = _interop.dtype_name(lse)
-        if dt not in ("float32", "float64"):
-            raise TypeError("lse must be float32 or float64 (attention_forward returns "
-                            f"float64 for float64 inputs, else float32); got lse.dtype={dt}")
+        check_backward_inputs(extra, qs, dtype, (B, Hq, Nq), "(B, Hq, Nq)")
     mods, arrays = None, {}
     if options:
         mods = check_mods(**options, library=library, device=device, B=B, Hq=Hq, Nq=Nq, Nk=Nk)

@@ -11,6 +11,11 @@ Every backend is a module that answers one small contract:
     Arrays in and out belong to the caller's library and device; ``o`` has q's layout
     and dtype, ``lse`` is ``(B, Hq, Nq)`` of ``_rules.lse_dtype`` (float64 for float64
     inputs, else float32).
+    Packed calls use the same two functions: with ``case.varlen`` q, k, v are packed
+    ``(total, H, D)`` and lse is ``(Hq, total_q)``; with ``case.kvcache`` k and v are the
+    cache, the forward first appends ``case.kvcache.k_new``/``v_new`` to it in place, and
+    there is no backward (see :class:`~flashcore._case.Varlen`, :class:`~flashcore._case.KVCache`).
+    A backend that serves neither declines ``case.packed`` in ``supports``.
 ``buffer_launcher(view, outputs, stream)`` (optional)
     For a framework that owns the buffers and the stream (JAX's ``buffer_callback`` under
     ``jit``): an object with the same ``forward``/``backward`` that reads arrays through

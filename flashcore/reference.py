@@ -21,6 +21,7 @@ def unavailable_reason():
 
 
 def supports(case):
+    # For packed calls an upper bound: every sequence as long as the longest.
     n = case.batch * case.heads_q * case.seqlen_q * case.seqlen_k
     if not case.explicit and n > AUTO_MAX_SCORES:
         return (f"it materializes B*Hq*Nq*Nk = {n} scores (auto allows {AUTO_MAX_SCORES}); "
@@ -154,6 +155,10 @@ def _fd_derivative(f, x, idx):
 
 
 def forward(q, k, v, case):
+    if case.varlen is not None:
+        return _varlen_forward(q, k, v, case)
+    if case.kvcache is not None:
+        return _kvcache_forward(q, k, v, case)
     xp, dev = _namespace(q)
     ct = _compute_dtype(xp, q)
     qb, kb, vb = (_to_bhnd(xp, x, case.layout, ct) for x in (q, k, v))
@@ -166,6 +171,8 @@ def forward(q, k, v, case):
 
 
 def backward(do, q, k, v, o, lse, case):
+    if case.varlen is not None:
+        return _varlen_backward(do, q, k, v, o, lse, case)
     xp, dev = _namespace(q)
     ct = _compute_dtype(xp, q)
     qb, kb, vb, ob, dob = (_to_bhnd(xp, x, case.layout, ct) for x in (q, k, v, o, do))
@@ -186,3 +193,123 @@ def backward(do, q, k, v, o, lse, case):
     B, D = case.batch, case.head_dim
     dq = xp.reshape(dq, (B, case.heads_q, case.seqlen_q, D))
     return tuple(_from_bhnd(xp, x, case.layout, q.dtype) for x in (dq, dk, dv))
+
+
+# --- packed calls: one dense call per sequence, on host float64 copies ------------------------
+# Mods see the sequence as ``b`` and positions within the sequence as ``i``, ``j``: each
+# sequence is a dense call of batch 1 whose mods are told the sequence index.
+
+
+def _host64(x, case):
+    from . import _interop
+
+    return np.asarray(_interop.copy_to_host(x, case.library), dtype=np.float64)
+
+
+def _give_back(x64, like, dtype=None):
+    xp, dev = _namespace(like)
+    out = xp.asarray(x64, device=dev) if dev is not None else xp.asarray(x64)
+    return xp.astype(out, like.dtype if dtype is None else dtype)
+
+
+def _at_sequence(fn, s, has_score):
+    if fn is None:
+        return None
+    if has_score:
+        return lambda x, b, h, i, j, *args: fn(x, s, h, i, j, *args)
+    return lambda b, h, i, j, *args: fn(s, h, i, j, *args)
+
+
+def _sequence_case(case, s, nq, nk):
+    """The dense, batch-1, float64 NumPy Case of sequence ``s`` (``nq`` rows, ``nk`` keys)."""
+    from dataclasses import replace
+
+    from . import _interop
+    from ._case import Case
+
+    mods, extra = case.mods, {}
+    if mods is not None:
+        mods = replace(mods, score_mod=_at_sequence(mods.score_mod, s, True),
+                       mask_mod=_at_sequence(mods.mask_mod, s, False), block_mask=None,
+                       alibi=None if mods.alibi is None else (case.heads_q,))
+        slopes = None
+        if case.alibi_slopes is not None:
+            a = np.asarray(_interop.copy_to_host(case.alibi_slopes, case.library))
+            slopes = a.reshape(-1, case.heads_q)[s if a.ndim == 2 else 0]
+        extra = {"alibi_slopes": slopes, "mod_args": tuple(
+            _interop.copy_to_host(a, case.library) for a in case.mod_args)}
+    return Case(library="numpy", device="cpu", dtype="float64", batch=1,
+                heads_q=case.heads_q, heads_kv=case.heads_kv, seqlen_q=nq, seqlen_k=nk,
+                head_dim=case.head_dim, causal=case.causal, scale=case.scale, layout="bnhd",
+                explicit=True, mods=mods, **extra)
+
+
+def _offsets(case):
+    from ._packed_checks import host_ints
+
+    return (host_ints(case.varlen.cu_seqlens_q, case.library),
+            host_ints(case.varlen.cu_seqlens_k, case.library))
+
+
+def _lse_dtype(xp, case):
+    from ._rules import lse_dtype
+
+    return getattr(xp, lse_dtype(case.dtype))
+
+
+def _varlen_forward(q, k, v, case):
+    cq, ck = _offsets(case)
+    q64, k64, v64 = (_host64(x, case) for x in (q, k, v))
+    o = np.zeros_like(q64)
+    lse = np.full((case.heads_q, q64.shape[0]), -math.inf)
+    for s in range(case.batch):
+        rq, rk = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+        sub = _sequence_case(case, s, rq.stop - rq.start, rk.stop - rk.start)
+        os_, ls = forward(q64[None, rq], k64[None, rk], v64[None, rk], sub)
+        o[rq], lse[:, rq] = os_[0], ls[0]
+    xp, _ = _namespace(q)
+    return _give_back(o, q), _give_back(lse, q, _lse_dtype(xp, case))
+
+
+def _varlen_backward(do, q, k, v, o, lse, case):
+    cq, ck = _offsets(case)
+    do64, q64, k64, v64, o64, lse64 = (_host64(x, case) for x in (do, q, k, v, o, lse))
+    dq, dk, dv = np.zeros_like(q64), np.zeros_like(k64), np.zeros_like(v64)
+    for s in range(case.batch):
+        rq, rk = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+        sub = _sequence_case(case, s, rq.stop - rq.start, rk.stop - rk.start)
+        g = backward(do64[None, rq], q64[None, rq], k64[None, rk], v64[None, rk],
+                     o64[None, rq], lse64[None, :, rq], sub)
+        dq[rq], dk[rk], dv[rk] = (x[0] for x in g)
+    return _give_back(dq, q), _give_back(dk, k), _give_back(dv, v)
+
+
+def _kvcache_forward(q, k_cache, v_cache, case):
+    from . import _interop, _paging
+    from ._packed_checks import host_ints
+
+    kv = case.kvcache
+    seqlens = host_ints(kv.cache_seqlens, case.library)
+    table = None if kv.block_table is None else host_ints(kv.block_table, case.library)
+    if kv.n_new:
+        if case.library in ("numpy", "torch") and case.device == "cpu":
+            # Host views share the caller's memory: the write is the caller's cache.
+            kc, vc = (_interop.host_view(x, case.library) for x in (k_cache, v_cache))
+            kn, vn = (_interop.host_view(x, case.library) for x in (kv.k_new, kv.v_new))
+            _paging.append_in_place(kc, vc, kn, vn, seqlens, table, kv.page_size, np.asarray)
+        else:
+            xp, dev = _namespace(k_cache)
+            _paging.append_in_place(k_cache, v_cache, kv.k_new, kv.v_new, seqlens, table,
+                                    kv.page_size, lambda a: xp.asarray(a, device=dev))
+    q64, kc64, vc64 = (_host64(x, case) for x in (q, k_cache, v_cache))
+    B, Nq = case.batch, case.seqlen_q
+    o = np.zeros_like(q64)
+    lse = np.full((B, case.heads_q, Nq), -math.inf)
+    for b in range(B):
+        n = int(seqlens[b]) + kv.n_new
+        kb, vb = (_paging.sequence_keys(c, b, n, table, kv.page_size) for c in (kc64, vc64))
+        sub = _sequence_case(case, b, Nq, n)
+        ob, lb = forward(q64[b:b + 1], kb[None], vb[None], sub)
+        o[b], lse[b] = ob[0], lb[0]
+    xp, _ = _namespace(q)
+    return _give_back(o, q), _give_back(lse, q, _lse_dtype(xp, case))

@@ -61,6 +61,10 @@ def _give(a, case):
 
 
 def forward(q, k, v, case):
+    if case.packed:
+        from .packed import packed_forward
+
+        return packed_forward(q, k, v, case)
     if case.mods is not None:
         return _masked_forward(q, k, v, case)
     from .forward_kernels import attn_forward
@@ -80,6 +84,10 @@ def forward(q, k, v, case):
 
 
 def backward(do, q, k, v, o, lse, case):
+    if case.packed:
+        from .packed import varlen_backward
+
+        return varlen_backward(do, q, k, v, o, lse, case)
     if case.mods is not None:
         return _masked_backward(do, q, k, v, o, lse, case)
     from .backward_kernels import attn_backward
@@ -107,7 +115,7 @@ def _mod_inputs(case):
 
     from .masked_kernels import kernels
 
-    mods = case.mods
+    mods = case.mods if case.mods is not None else _mods.Mods()
     args = tuple(_interop.host_view(a, case.library) for a in case.mod_args)
     score_mod = mask_mod = None
     if mods.score_mod is not None:
@@ -151,6 +159,17 @@ def _checked(_mods, name, fn, leading, args):
     return disp
 
 
+_NO_ROWS = np.zeros(0, np.int64)
+_NO_TABLE = np.zeros((0, 0), np.int64)
+
+
+def dense_rows(case):
+    """The masked kernels' ``seqs``, ``sizes`` and ``pages`` for a dense batch: no offsets,
+    no page table (one sequence per batch entry, every row of it)."""
+    return ((_NO_ROWS, _NO_ROWS, _NO_ROWS), (case.batch, case.seqlen_q, case.seqlen_k),
+            (_NO_TABLE, 1))
+
+
 def _masked_forward(q, k, v, case):
     made, opts, alibi, classes, block, args = _mod_inputs(case)
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
@@ -163,7 +182,7 @@ def _masked_forward(q, k, v, case):
         n_tiles = case.batch * case.heads_q * -(-case.seqlen_q // tiles.block_q)
         per_job = q_tiles_per_job(n_tiles, numba.get_num_threads(), tiles.block_q)
         made[0](qk, kk, vk, ok, lse, case.scale, tiles.block_q, tiles.block_k, per_job,
-                _work(case), opts, alibi, classes, block, args)
+                _work(case), opts, alibi, classes, block, args, *dense_rows(case), 1)
     return _give(o, case), _give(lse, case)
 
 
@@ -185,8 +204,8 @@ def _masked_backward(do, q, k, v, o, lse, case):
     bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
     if dkk.size:
         made[1](dok, qk, kk, vk, lse_h, delta, dkk, dvk, case.scale, bq, bk, work, opts,
-                alibi, classes, block, args)
+                alibi, classes, block, args, *dense_rows(case)[:2])
     if dqk.size:
         made[2](dok, qk, kk, vk, lse_h, delta, dqk, case.scale, bq, bk, work, opts, alibi,
-                classes, block, args)
+                classes, block, args, *dense_rows(case)[:2])
     return _give(dq, case), _give(dk, case), _give(dv, case)

@@ -12,6 +12,11 @@ Per tile: :func:`seams.tile_class` says EMPTY (skipped: no product is computed),
 per-element mask) or PARTIAL; the score step applies, per element, softcap, ALiBi and
 score_mod, then the masks on PARTIAL tiles, and in the backward pass the derivative of the
 final score in the scaled one (the chain factor ``g`` that multiplies dS).
+
+These kernels also serve packed calls (varlen, KV cache): each job first asks
+``seams.query_rows``/``key_rows`` which rows its sequence owns, and the forward reads keys
+through ``pages.py`` (a page table, or dense rows) and may cover one split of the keys
+(split-KV). A dense batch passes empty offsets and is one sequence per batch entry.
 """
 import math
 
@@ -20,8 +25,18 @@ from numba import njit, prange
 
 from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabilities_tile, zero_tail
 from .forward_kernels import FASTMATH, load_tile, load_tile_t, online_softmax_tile
+from .pages import load_keys_t, load_values
 from .scalar import LOG2E, store
-from .seams import EMPTY, PARTIAL, key_bounds, query_bounds, tile_class
+from .seams import (
+    EMPTY,
+    PARTIAL,
+    key_bounds,
+    key_rows,
+    query_bounds,
+    query_rows,
+    split_keys,
+    tile_class,
+)
 
 #: Relative finite-difference step (flashcore._mods.FD_STEP, restated to keep the backend
 #: free of front-end imports inside kernels).
@@ -109,71 +124,98 @@ def _make(score_mod, mask_mod, has_score_mod):
                 if want_g:
                     g[r, c] = dx
 
+    @njit
+    def forward_rows(q, k, v, o, lse, ob, qb, q_base, kb, k_base, b, h, hk, row0, rows, nk_b,
+                     offset, split, n_splits, block_q, block_k, q_mult, work_dtype, opts,
+                     alibi, classes, block, mod_args, table, page_size):
+        """One job: query rows ``row0 .. row0 + rows - 1`` of sequence ``b`` (array rows from
+        ``q_base``), head ``h``, against that sequence's keys of split ``split``; writes o
+        and lse at batch index ``ob``."""
+        causal, left, right = opts[0], opts[1], opts[2]
+        D = q.shape[3]
+        rows_per_job = (rows + block_q - 1) // block_q * block_q
+        one = work_dtype(1.0)
+        qt = np.empty((rows_per_job, D), work_dtype)
+        kt_t = np.empty((D, block_k), work_dtype)
+        vt = np.empty((block_k, D), work_dtype)
+        s = np.empty((block_q, block_k), work_dtype)
+        g = np.empty((1, 1), work_dtype)
+        pv = np.empty((block_q, D), work_dtype)
+        acc = np.zeros((rows_per_job, D), work_dtype)
+        m_i = np.full(rows_per_job, -np.inf, work_dtype)
+        l_i = np.zeros(rows_per_job, work_dtype)
+        n_t = rows_per_job // block_q
+        cls = np.empty(n_t, np.int8)
+        load_tile(q, qb, h, q_base + row0, rows, qt, q_mult)
+        lo, hi = key_bounds(row0, rows, nk_b, offset, causal, left, right)
+        lo, hi = split_keys(lo, hi, split, n_splits, nk_b, block_k)
+        for j0 in range(lo // block_k * block_k, hi, block_k):
+            nk = min(block_k, hi - j0)
+            seen = False
+            for t in range(n_t):
+                nq = min(block_q, rows - t * block_q)
+                cls[t] = tile_class(classes, block, b, h, row0 + t * block_q, nq, j0, nk,
+                                    offset, causal, left, right)
+                seen = seen or cls[t] != EMPTY
+            if not seen:
+                continue
+            load_keys_t(k, table, page_size, kb, hk, k_base + j0, nk, kt_t, one)
+            load_values(v, table, page_size, kb, hk, k_base + j0, nk, vt, one)
+            if nk < block_k:
+                vt[nk:, :] = 0.0
+            for t in range(n_t):
+                if cls[t] == EMPTY:
+                    continue
+                t0 = t * block_q
+                i0 = row0 + t0
+                nq = min(block_q, rows - t0)
+                np.dot(qt[t0:t0 + block_q], kt_t, s)
+                scores(s, g, False, nq, nk, i0, j0, b, h, offset, opts, cls[t] == PARTIAL,
+                       alibi, mod_args)
+                online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
+                if nk < block_k:
+                    s[:, nk:] = 0.0
+                np.dot(s, vt, pv)
+                acc[t0:t0 + block_q] += pv
+        for r in range(rows):
+            empty = l_i[r] == 0.0
+            inv = 0.0 if empty else 1.0 / l_i[r]
+            for d in range(D):
+                o[ob, h, q_base + row0 + r, d] = store(acc[r, d] * inv, o[0, 0, 0, 0])
+            lse[ob, h, q_base + row0 + r] = (-np.inf if empty
+                                             else (m_i[r] + math.log2(l_i[r])) / LOG2E)
+
     @njit(parallel=True)
     def forward(q, k, v, o, lse, scale, block_q, block_k, q_tiles_per_job, work_dtype, opts,
-                alibi, classes, block, mod_args):
-        B, Hq, Nq, D = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
-        group = Hq // Hkv
-        offset = Nk - Nq
-        causal, left, right = opts[0], opts[1], opts[2]
+                alibi, classes, block, mod_args, seqs, sizes, pages, n_splits):
+        """Jobs over (sequence, query head, query rows, key split). ``seqs`` = (cu_q, cu_k,
+        len_k) and ``sizes`` = (B, Nq, Nk) say which rows each sequence owns
+        (seams.query_rows / key_rows; Nq, Nk the longest), ``pages`` = (table, page_size)
+        how keys are addressed (pages.py). With ``n_splits`` > 1, o and lse are the split
+        partials, (n_splits * B, Hq, Nq, ...), merged afterwards (split_kernels.py)."""
+        cu_q, cu_k, len_k = seqs
+        B, Nq, Nk = sizes
+        table, page_size = pages
+        Hq = q.shape[1]
+        group = Hq // k.shape[1]
         rows_per_job = block_q * q_tiles_per_job
         n_jobs = (Nq + rows_per_job - 1) // rows_per_job
         q_mult = work_dtype(scale * LOG2E)
-        one = work_dtype(1.0)
-        for job in prange(B * Hq * n_jobs):
-            b = job // (Hq * n_jobs)
-            h = (job // n_jobs) % Hq
-            hk = h // group
-            row0 = (job % n_jobs) * rows_per_job
-            rows = min(rows_per_job, Nq - row0)
-            qt = np.empty((rows_per_job, D), work_dtype)
-            kt_t = np.empty((D, block_k), work_dtype)
-            vt = np.empty((block_k, D), work_dtype)
-            s = np.empty((block_q, block_k), work_dtype)
-            g = np.empty((1, 1), work_dtype)
-            pv = np.empty((block_q, D), work_dtype)
-            acc = np.zeros((rows_per_job, D), work_dtype)
-            m_i = np.full(rows_per_job, -np.inf, work_dtype)
-            l_i = np.zeros(rows_per_job, work_dtype)
-            cls = np.empty(q_tiles_per_job, np.int8)
-            load_tile(q, b, h, row0, rows, qt, q_mult)
-            lo, hi = key_bounds(row0, rows, Nk, offset, causal, left, right)
-            for j0 in range(lo // block_k * block_k, hi, block_k):
-                nk = min(block_k, hi - j0)
-                seen = False
-                for t in range((rows + block_q - 1) // block_q):
-                    nq = min(block_q, rows - t * block_q)
-                    cls[t] = tile_class(classes, block, b, h, row0 + t * block_q, nq, j0, nk,
-                                        offset, causal, left, right)
-                    seen = seen or cls[t] != EMPTY
-                if not seen:
-                    continue
-                load_tile_t(k, b, hk, j0, nk, kt_t, one)
-                load_tile(v, b, hk, j0, nk, vt, one)
-                if nk < block_k:
-                    vt[nk:, :] = 0.0
-                for t in range((rows + block_q - 1) // block_q):
-                    if cls[t] == EMPTY:
-                        continue
-                    t0 = t * block_q
-                    i0 = row0 + t0
-                    nq = min(block_q, rows - t0)
-                    np.dot(qt[t0:t0 + block_q], kt_t, s)
-                    scores(s, g, False, nq, nk, i0, j0, b, h, offset, opts,
-                           cls[t] == PARTIAL, alibi, mod_args)
-                    online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
-                    if nk < block_k:
-                        s[:, nk:] = 0.0
-                    np.dot(s, vt, pv)
-                    acc[t0:t0 + block_q] += pv
-            for r in range(rows):
-                empty = l_i[r] == 0.0
-                inv = 0.0 if empty else 1.0 / l_i[r]
-                for d in range(D):
-                    o[b, h, row0 + r, d] = store(acc[r, d] * inv, o[0, 0, 0, 0])
-                lse[b, h, row0 + r] = (-np.inf if empty
-                                       else (m_i[r] + math.log2(l_i[r])) / LOG2E)
+        n_out = o.shape[0] // n_splits
+        for job in prange(B * Hq * n_jobs * n_splits):
+            split = job % n_splits
+            rest = job // n_splits
+            b = rest // (Hq * n_jobs)
+            h = (rest // n_jobs) % Hq
+            qb, q_base, nq_b = query_rows(b, cu_q, Nq)
+            kb, k_base, nk_b = key_rows(b, cu_k, len_k, Nk)
+            row0 = (rest % n_jobs) * rows_per_job
+            if row0 < nq_b:
+                forward_rows(q, k, v, o, lse, split * n_out + qb, qb, q_base, kb, k_base, b, h,
+                             h // group, row0, min(rows_per_job, nq_b - row0), nk_b,
+                             nk_b - nq_b, split, n_splits, block_q, block_k, q_mult,
+                             work_dtype, opts, alibi, classes, block, mod_args, table,
+                             page_size)
 
     @njit(fastmath=FASTMATH)
     def chain(dp, g, n_rows, n_cols):
@@ -184,11 +226,13 @@ def _make(score_mod, mask_mod, has_score_mod):
 
     @njit(parallel=True)
     def dkdv(do, q, k, v, lse, delta, dk, dv, scale, block_q, block_k, work_dtype, opts,
-             alibi, classes, block, mod_args):
-        B, Hq, Nq, D = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
+             alibi, classes, block, mod_args, seqs, sizes):
+        """Jobs over (sequence, key/value head, key tile); ``seqs``, ``sizes`` as forward's."""
+        cu_q, cu_k, len_k = seqs
+        B, Nq, Nk = sizes
+        Hq, D = q.shape[1], q.shape[3]
+        Hkv = k.shape[1]
         group = Hq // Hkv
-        offset = Nk - Nq
         causal, left, right, softcap, has_alibi = opts
         want_g = softcap > 0 or has_score_mod
         n_kt = (Nk + block_k - 1) // block_k
@@ -198,7 +242,12 @@ def _make(score_mod, mask_mod, has_score_mod):
             b = job // (Hkv * n_kt)
             hk = (job // n_kt) % Hkv
             j0 = (job % n_kt) * block_k
-            nk = min(block_k, Nk - j0)
+            qb, q_base, nq_b = query_rows(b, cu_q, Nq)
+            kb, k_base, nk_b = key_rows(b, cu_k, len_k, Nk)
+            if j0 >= nk_b:
+                continue
+            offset = nk_b - nq_b
+            nk = min(block_k, nk_b - j0)
             kt_t = np.zeros((D, block_k), work_dtype)
             vt_t = np.zeros((D, block_k), work_dtype)
             qt = np.zeros((block_q, D), work_dtype)
@@ -211,23 +260,23 @@ def _make(score_mod, mask_mod, has_score_mod):
             dk_acc = np.zeros((block_k, D), work_dtype)
             dv_acc = np.zeros((block_k, D), work_dtype)
             tmp = np.empty((block_k, D), work_dtype)
-            load_tile_t(k, b, hk, j0, nk, kt_t, one)
-            load_tile_t(v, b, hk, j0, nk, vt_t, one)
-            lo, hi = query_bounds(j0, nk, Nq, offset, causal, left, right)
+            load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
+            load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
+            lo, hi = query_bounds(j0, nk, nq_b, offset, causal, left, right)
             for h in range(hk * group, (hk + 1) * group):
                 for i0 in range(lo // block_q * block_q, hi, block_q):
-                    nq = min(block_q, Nq - i0)
+                    nq = min(block_q, nq_b - i0)
                     c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal,
                                    left, right)
                     if c == EMPTY:
                         continue
-                    load_tile(q, b, h, i0, nq, qt, q_mult)
-                    load_tile(do, b, h, i0, nq, dot, one)
+                    load_tile(q, qb, h, q_base + i0, nq, qt, q_mult)
+                    load_tile(do, qb, h, q_base + i0, nq, dot, one)
                     if nq < block_q:
                         qt[nq:, :] = 0.0
                         dot[nq:, :] = 0.0
-                    prepare_lse2(lse, b, h, i0, nq, lse2)
-                    load_rows(delta, b, h, i0, nq, dlt)
+                    prepare_lse2(lse, qb, h, q_base + i0, nq, lse2)
+                    load_rows(delta, qb, h, q_base + i0, nq, dlt)
                     np.dot(qt, kt_t, s)
                     scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts, c == PARTIAL,
                            alibi, mod_args)
@@ -245,16 +294,18 @@ def _make(score_mod, mask_mod, has_score_mod):
             dk_mult = work_dtype(1.0 / LOG2E)
             for r in range(nk):
                 for d in range(D):
-                    dk[b, hk, j0 + r, d] = store(dk_acc[r, d] * dk_mult, dk[0, 0, 0, 0])
-                    dv[b, hk, j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
+                    dk[kb, hk, k_base + j0 + r, d] = store(dk_acc[r, d] * dk_mult,
+                                                           dk[0, 0, 0, 0])
+                    dv[kb, hk, k_base + j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
 
     @njit(parallel=True)
     def dq(do, q, k, v, lse, delta, dq_out, scale, block_q, block_k, work_dtype, opts, alibi,
-           classes, block, mod_args):
-        B, Hq, Nq, D = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
-        group = Hq // Hkv
-        offset = Nk - Nq
+           classes, block, mod_args, seqs, sizes):
+        """Jobs over (sequence, query head, query tile); ``seqs``, ``sizes`` as forward's."""
+        cu_q, cu_k, len_k = seqs
+        B, Nq, Nk = sizes
+        Hq, D = q.shape[1], q.shape[3]
+        group = Hq // k.shape[1]
         causal, left, right, softcap, has_alibi = opts
         want_g = softcap > 0 or has_score_mod
         n_qt = (Nq + block_q - 1) // block_q
@@ -265,7 +316,12 @@ def _make(score_mod, mask_mod, has_score_mod):
             h = (job // n_qt) % Hq
             hk = h // group
             i0 = (job % n_qt) * block_q
-            nq = min(block_q, Nq - i0)
+            qb, q_base, nq_b = query_rows(b, cu_q, Nq)
+            kb, k_base, nk_b = key_rows(b, cu_k, len_k, Nk)
+            if i0 >= nq_b:
+                continue
+            offset = nk_b - nq_b
+            nq = min(block_q, nq_b - i0)
             qt = np.zeros((block_q, D), work_dtype)
             dot = np.zeros((block_q, D), work_dtype)
             kt = np.zeros((block_k, D), work_dtype)
@@ -278,20 +334,20 @@ def _make(score_mod, mask_mod, has_score_mod):
             dlt = np.empty(block_q, work_dtype)
             dq_acc = np.zeros((block_q, D), work_dtype)
             tmp = np.empty((block_q, D), work_dtype)
-            load_tile(q, b, h, i0, nq, qt, q_mult)
-            load_tile(do, b, h, i0, nq, dot, one)
-            prepare_lse2(lse, b, h, i0, nq, lse2)
-            load_rows(delta, b, h, i0, nq, dlt)
-            lo, hi = key_bounds(i0, nq, Nk, offset, causal, left, right)
+            load_tile(q, qb, h, q_base + i0, nq, qt, q_mult)
+            load_tile(do, qb, h, q_base + i0, nq, dot, one)
+            prepare_lse2(lse, qb, h, q_base + i0, nq, lse2)
+            load_rows(delta, qb, h, q_base + i0, nq, dlt)
+            lo, hi = key_bounds(i0, nq, nk_b, offset, causal, left, right)
             for j0 in range(lo // block_k * block_k, hi, block_k):
                 nk = min(block_k, hi - j0)
                 c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal, left,
                                right)
                 if c == EMPTY:
                     continue
-                load_tile(k, b, hk, j0, nk, kt, one)
-                load_tile_t(k, b, hk, j0, nk, kt_t, one)
-                load_tile_t(v, b, hk, j0, nk, vt_t, one)
+                load_tile(k, kb, hk, k_base + j0, nk, kt, one)
+                load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
+                load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
                 if nk < block_k:
                     kt[nk:, :] = 0.0
                     kt_t[:, nk:] = 0.0
@@ -310,6 +366,7 @@ def _make(score_mod, mask_mod, has_score_mod):
             dq_mult = work_dtype(scale)
             for r in range(nq):
                 for d in range(D):
-                    dq_out[b, h, i0 + r, d] = store(dq_acc[r, d] * dq_mult, dq_out[0, 0, 0, 0])
+                    dq_out[qb, h, q_base + i0 + r, d] = store(dq_acc[r, d] * dq_mult,
+                                                              dq_out[0, 0, 0, 0])
 
     return forward, dkdv, dq

@@ -135,3 +135,41 @@ def tile_class(classes, block, b, h, i0, n_rows, j0, n_cols, offset, causal, lef
     if m == EMPTY:
         return EMPTY
     return FULL if a == FULL and m == FULL else PARTIAL
+
+
+# --- which rows a sequence owns: dense batches, packed sequences, KV caches ----------------
+# ``cu_q``/``cu_k`` are packed offsets (empty for a dense batch), ``len_k`` per-sequence key
+# counts of a KV cache (empty otherwise). A dense batch indexes the arrays' batch axis; a
+# packed sequence is a row range of their single batch entry.
+
+
+@njit
+def query_rows(b, cu_q, Nq):
+    """(batch index into q, first row, rows) of sequence ``b``'s queries."""
+    if cu_q.shape[0] == 0:
+        return b, 0, Nq
+    return 0, cu_q[b], cu_q[b + 1] - cu_q[b]
+
+
+@njit
+def key_rows(b, cu_k, len_k, Nk):
+    """(batch index into k, first key position, keys) of sequence ``b``."""
+    if cu_k.shape[0] != 0:
+        return 0, cu_k[b], cu_k[b + 1] - cu_k[b]
+    if len_k.shape[0] != 0:
+        return b, 0, len_k[b]
+    return b, 0, Nk
+
+
+@njit
+def split_keys(lo, hi, split, n_splits, n_keys, block_k):
+    """Keys ``[lo, hi)`` narrowed to split ``split`` of ``n_splits`` (split-KV): the key range
+    ``[0, n_keys)`` is cut into ``n_splits`` equal runs of whole key tiles."""
+    if n_splits == 1:
+        return lo, hi
+    tiles = (n_keys + block_k - 1) // block_k
+    chunk = (tiles + n_splits - 1) // n_splits * block_k
+    s_lo = split * chunk
+    s_hi = min(n_keys, s_lo + chunk)
+    lo, hi = max(lo, s_lo), min(hi, s_hi)
+    return (lo, hi) if lo < hi else (0, 0)

@@ -63,3 +63,45 @@ def q_tiles_per_job(n_tiles: int, threads: int, block_q: int) -> int:
     """As many query tiles per job as keeps at least 4 jobs per thread (load balance)."""
     per = n_tiles // (4 * max(threads, 1))
     return max(1, min(MAX_ROWS_PER_JOB // block_q, per))
+
+
+#: Split-KV (decoding): at least this many keys per split, and at most this many splits.
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
+
+
+def choose_splits(asked: int, jobs: int, longest: int, threads: int, block_k: int) -> int:
+    """How many key ranges each (sequence, head, query rows) job is split into.
+
+    ``asked`` 0: enough splits that the ``jobs`` (sequences x heads x query-row jobs) give
+    every thread about 4 jobs, each split keeping at least :data:`MIN_KEYS_PER_SPLIT` keys,
+    at most :data:`MAX_SPLITS`; a batch that already fills the threads is not split.
+    Otherwise ``asked``, capped at the number of key tiles (more splits would be empty).
+    """
+    tiles = max(1, -(-longest // block_k))
+    if asked:
+        return max(1, min(asked, tiles))
+    want = -(-4 * max(threads, 1) // max(jobs, 1))
+    return max(1, min(want, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS, tiles))
+
+
+#: Longest key tile of the KV-cache forward (decoding): few query rows make each product
+#: small, so longer key tiles cut the per-tile overhead.
+MAX_DECODE_BLOCK_K = 512
+
+
+def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
+                 splits_asked: int) -> tuple[int, int]:
+    """(block_q, block_k) of the KV-cache forward: query tiles no taller than the queries
+    (a power of two >= Nq, so decoding one token does not compute 31 padding rows), key
+    tiles as long as the single-thread BLAS bound allows, up to MAX_DECODE_BLOCK_K, and
+    short enough (down to 16) that an explicit split count finds that many key tiles
+    (splits are runs of whole tiles)."""
+    block_q = min(base.block_q, 1 << max(0, int(seqlen_q) - 1).bit_length())
+    block_k = base.block_k
+    while (block_k * 2 <= MAX_DECODE_BLOCK_K
+           and block_q * block_k * 2 * head_dim <= BLAS_SINGLE_THREAD_MNK):
+        block_k *= 2
+    while splits_asked > 1 and block_k > 16 and -(-longest // block_k) < splits_asked:
+        block_k //= 2
+    return block_q, block_k

@@ -95,6 +95,8 @@ _MODS = ("window", "softcap", "alibi_slopes")
 
 def supports(case):
     """None when this backend can serve ``case``, else why not."""
+    if case.packed:
+        return "the CUDA kernels do not serve varlen or KV-cache calls yet; numba_cpu does"
     if case.mods is not None:
         rest = [n for n in case.mods.names() if n not in _MODS]
         if rest:

@@ -1,0 +1,38 @@
+"""Key and value loads of the kernels that read a KV cache: through a page table, or as
+dense rows. The page table is the one addressing seam the loads take: key position ``p`` of
+sequence ``b`` is slot ``p % page_size`` of page ``table[b, p // page_size]`` of a
+``(num_pages, Hkv, page_size, D)`` kernel view; an empty table means a dense
+``(B, Hkv, N, D)`` view.
+"""
+from numba import njit
+
+from .forward_kernels import load_tile, load_tile_t
+from .scalar import load
+
+
+@njit
+def load_keys_t(src, table, page_size, b, h, r0, n, out, mult):
+    """out[:, :n] = keys r0 .. r0+n-1 of sequence b, head h, transposed (see load_tile_t)."""
+    if table.shape[0] == 0:
+        load_tile_t(src, b, h, r0, n, out, mult)
+        return
+    for r in range(n):
+        p = r0 + r
+        page = table[b, p // page_size]
+        slot = p % page_size
+        for d in range(out.shape[0]):
+            out[d, r] = load(src[page, h, slot, d]) * mult
+
+
+@njit
+def load_values(src, table, page_size, b, h, r0, n, out, mult):
+    """out[:n] = values r0 .. r0+n-1 of sequence b, head h."""
+    if table.shape[0] == 0:
+        load_tile(src, b, h, r0, n, out, mult)
+        return
+    for r in range(n):
+        p = r0 + r
+        page = table[b, p // page_size]
+        slot = p % page_size
+        for d in range(out.shape[1]):
+            out[r, d] = load(src[page, h, slot, d]) * mult

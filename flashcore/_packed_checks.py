@@ -1,0 +1,248 @@
+"""Argument checks of the packed calls (varlen and KV cache): shapes, dtypes, and the values
+of the offsets, lengths and page table, read on the host. Errors name the argument and its
+value; everything is checked before a backend is called, so a rejected call writes nothing.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import _interop
+from ._case import Case, KVCache, Varlen
+from ._checks import _arrays, _dtype, check_backward_inputs, check_options
+from ._mods import check_mods
+
+#: Integer dtypes accepted for offsets, lengths and page tables (int32 is FA2's; int64 is
+#: what torch.arange and NumPy give by default).
+INDEX_DTYPES = ("int32", "int64")
+
+
+def _shape(name, x, ndim, dims):
+    shape = tuple(int(n) for n in x.shape)
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {dims}; got {name}.shape={shape}")
+    return shape
+
+
+def _index_array(name, x, ndim, dims):
+    dt = _interop.dtype_name(x)
+    if dt not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an integer array (int32); got {name}.dtype={dt}")
+    return _shape(name, x, ndim, dims)
+
+
+def _heads(qs, ks, hq_axis, hkv_axis, k_name="k"):
+    Hq, Hkv = qs[hq_axis], ks[hkv_axis]
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"q and {k_name} must have one head dim; got q.shape={qs}, "
+                         f"{k_name}.shape={ks}")
+    if qs[-1] < 1:
+        raise ValueError(f"the head dim must be at least 1; got q.shape={qs}")
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(f"the number of query heads must be a multiple of the key/value heads "
+                         f"(GQA/MQA); got Hq={Hq}, Hkv={Hkv} from q.shape={qs}, "
+                         f"{k_name}.shape={ks}")
+    return Hq, Hkv, qs[-1]
+
+
+def host_ints(x, library) -> np.ndarray:
+    """The values of an index array, as int64 on the host (a copy from a GPU)."""
+    return np.asarray(_interop.copy_to_host(x, library), dtype=np.int64)
+
+
+# --- varlen -------------------------------------------------------------------------------
+
+
+def check_cu_seqlens(name, cu, total):
+    """Offsets of length batch + 1: from 0, non-decreasing, ending at ``total``."""
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name} must have length batch + 1 >= 1; got an empty array")
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {name}[0]={int(cu[0])}")
+    steps = np.diff(cu)
+    if np.any(steps < 0):
+        s = int(np.argmax(steps < 0))
+        raise ValueError(f"{name} must be non-decreasing; got {name}[{s}]={int(cu[s])} > "
+                         f"{name}[{s + 1}]={int(cu[s + 1])}")
+    if cu[-1] != total:
+        side = "q" if name.endswith("_q") else "k"
+        raise ValueError(f"{name} must end at the total number of rows of {side} ({total}); "
+                         f"got {name}[-1]={int(cu[-1])}")
+    return int(steps.max()) if steps.size else 0
+
+
+def check_max_seqlen(name, given, longest):
+    if given is None:
+        return longest
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None; got {name}={given!r}")
+    if given < longest:
+        raise ValueError(f"{name}={int(given)} is less than the longest sequence ({longest})")
+    return int(given)
+
+
+def make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
+                     causal, scale, direction="forward", need_lse=False, explicit=False,
+                     extra=None, options=None, values=True) -> Case:
+    """Check a varlen call (``extra`` = {"do", "o", "lse"} for the backward) and describe
+    it. ``values=False`` checks shapes and dtypes only (traced arrays have no values; the
+    host side of the call checks them when it runs)."""
+    named = {"q": q, "k": k, "v": v}
+    library, device = _arrays({**named, "cu_seqlens_q": cu_seqlens_q,
+                               "cu_seqlens_k": cu_seqlens_k, **(extra or {})})
+    dtype = _dtype(named)
+    qs = _shape("q", q, 3, "(total_q, Hq, D)")
+    ks = _shape("k", k, 3, "(total_k, Hkv, D)")
+    vs = _shape("v", v, 3, "(total_k, Hkv, D)")
+    if ks != vs:
+        raise ValueError(f"k and v must have one shape; got k.shape={ks}, v.shape={vs}")
+    Hq, Hkv, D = _heads(qs, ks, 1, 1)
+    (cq,) = _index_array("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+    (ck,) = _index_array("cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)")
+    if cq != ck:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1); got "
+                         f"{cq} and {ck}")
+    if cq < 1:
+        raise ValueError("cu_seqlens_q must have length batch + 1 >= 1; got an empty array")
+    scale = check_options(causal=causal, scale=scale, layout="bnhd", head_dim=D)
+    if values:
+        lq = check_cu_seqlens("cu_seqlens_q", host_ints(cu_seqlens_q, library), qs[0])
+        lk = check_cu_seqlens("cu_seqlens_k", host_ints(cu_seqlens_k, library), ks[0])
+    else:
+        lq, lk = qs[0], ks[0]
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
+    batch = cq - 1
+    if extra:
+        check_backward_inputs(extra, qs, dtype, (Hq, qs[0]), "(Hq, total_q)")
+    mods, arrays = _mods_of(options, library, device, batch, Hq, max_q, max_k)
+    return Case(library=library, device=device, dtype=dtype, batch=batch, heads_q=Hq,
+                heads_kv=Hkv, seqlen_q=max_q, seqlen_k=max_k, head_dim=D, causal=bool(causal),
+                scale=scale, layout="bnhd", direction=direction, need_lse=need_lse,
+                explicit=explicit, mods=mods, **arrays,
+                varlen=Varlen(total_q=qs[0], total_k=ks[0], cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k))
+
+
+def _mods_of(options, library, device, B, Hq, Nq, Nk):
+    if not options:
+        return None, {}
+    if options.get("block_mask") is not None:
+        raise ValueError("block_mask is not taken by packed calls (their tiles are per "
+                         "sequence); pass mask_mod alone")
+    mods = check_mods(**options, library=library, device=device, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
+    if mods is None:
+        return None, {}
+    return mods, {"alibi_slopes": options.get("alibi_slopes"),
+                  "mod_args": tuple(options.get("mod_args") or ())}
+
+
+# --- KV cache -----------------------------------------------------------------------------
+
+
+def check_num_splits(num_splits):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int >= 0; got num_splits={num_splits!r}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: chosen by flashcore); got "
+                         f"num_splits={int(num_splits)}")
+    return int(num_splits)
+
+
+def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, *,
+                      causal, scale, num_splits, need_lse=False, explicit=False, options=None,
+                      values=True, in_place=True) -> Case:
+    """Check a KV-cache call and describe it (``values=False``: shapes and dtypes only;
+    ``in_place=False``: the caller appends the new keys itself, as the JAX glue does)."""
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v must be given together; got k={_what(k)}, v={_what(v)}")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if k is not None:
+        named.update(k=k, v=v)
+    everything = {**named, "cache_seqlens": cache_seqlens}
+    if block_table is not None:
+        everything["block_table"] = block_table
+    library, device = _arrays(everything)
+    dtype = _dtype(named)
+    qs = _shape("q", q, 4, "(B, Nq, Hq, D)")
+    cs = _shape("k_cache", k_cache, 4, "(B, capacity, Hkv, D) or (num_pages, page_size, Hkv, D)")
+    vcs = _shape("v_cache", v_cache, 4, "like k_cache")
+    if cs != vcs:
+        raise ValueError(f"k_cache and v_cache must have one shape; got k_cache.shape={cs}, "
+                         f"v_cache.shape={vcs}")
+    B, Nq = qs[0], qs[1]
+    Hq, Hkv, D = _heads(qs, cs, 2, 2, "k_cache")
+    (nb,) = _index_array("cache_seqlens", cache_seqlens, 1, "(B,)")
+    if nb != B:
+        raise ValueError(f"cache_seqlens must have shape (B,) = {(B,)}; got "
+                         f"cache_seqlens.shape={(nb,)}")
+    n_new = 0
+    if k is not None:
+        want = (B, int(k.shape[1]) if len(k.shape) == 4 else -1, Hkv, D)
+        for name, x in (("k", k), ("v", v)):
+            s = _shape(name, x, 4, "(B, Nnew, Hkv, D)")
+            if s != want:
+                raise ValueError(f"{name} must have shape (B, Nnew, Hkv, D) = {want}; got "
+                                 f"{name}.shape={s}")
+        n_new = want[1]
+        if in_place and library == "numpy":
+            for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not x.flags.writeable:
+                    raise ValueError(f"{name} is read-only; the new keys are written into it "
+                                     "in place")
+    if block_table is None:
+        if cs[0] != B:
+            raise ValueError(f"a contiguous k_cache must have shape (B, capacity, Hkv, D) with "
+                             f"B={B} (q's); got k_cache.shape={cs}")
+        paged, page_size, num_pages, pages_per_seq = False, cs[1], B, 1
+    else:
+        bs = _index_array("block_table", block_table, 2, "(B, max_pages_per_seq)")
+        if bs[0] != B:
+            raise ValueError(f"block_table must have shape (B, max_pages_per_seq) with B={B}; "
+                             f"got block_table.shape={bs}")
+        paged, page_size, num_pages, pages_per_seq = True, cs[1], cs[0], bs[1]
+    capacity = page_size * pages_per_seq
+    max_k = 0
+    if values:
+        max_k = _check_cache_values(host_ints(cache_seqlens, library), n_new, capacity, paged,
+                                    page_size, num_pages, block_table, library)
+    scale = check_options(causal=causal, scale=scale, layout="bnhd", head_dim=D)
+    num_splits = check_num_splits(num_splits)
+    mods, arrays = _mods_of(options, library, device, B, Hq, Nq, capacity)
+    kv = KVCache(paged=paged, page_size=page_size, num_pages=num_pages,
+                 pages_per_seq=pages_per_seq, n_new=n_new, num_splits=num_splits,
+                 cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
+                 max_seqlen_k=max_k)
+    return Case(library=library, device=device, dtype=dtype, batch=B, heads_q=Hq,
+                heads_kv=Hkv, seqlen_q=Nq, seqlen_k=capacity, head_dim=D, causal=bool(causal),
+                scale=scale, layout="bnhd", need_lse=need_lse, explicit=explicit, mods=mods,
+                **arrays, kvcache=kv)
+
+
+def _what(x):
+    return "None" if x is None else f"an array of shape {tuple(int(n) for n in x.shape)}"
+
+
+def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, block_table,
+                        library) -> int:
+    """Lengths within the capacity and used pages inside the pool; the longest key range."""
+    if np.any(seqlens < 0):
+        b = int(np.argmax(seqlens < 0))
+        raise ValueError(f"cache_seqlens must be >= 0; got cache_seqlens[{b}]={int(seqlens[b])}")
+    ends = seqlens + n_new
+    if np.any(ends > capacity):
+        b = int(np.argmax(ends > capacity))
+        where = (f"the pages of the block table ({capacity // page_size} pages of "
+                 f"{page_size})" if paged else "the cache's capacity")
+        raise ValueError(f"cache_seqlens[{b}] + Nnew = {int(seqlens[b])} + {n_new} = "
+                         f"{int(ends[b])} keys exceed {where}: {capacity}")
+    if paged:
+        table = host_ints(block_table, library)
+        used = np.arange(table.shape[1])[None, :] < -(-ends[:, None] // page_size)
+        bad = used & ((table < 0) | (table >= num_pages))
+        if np.any(bad):
+            b, p = (int(t[0]) for t in np.nonzero(bad))
+            raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside the page "
+                             f"pool of k_cache (pages 0..{num_pages - 1})")
+    return int(ends.max()) if ends.size else 0

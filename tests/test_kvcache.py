@@ -1,0 +1,272 @@
+"""attention_with_kvcache: numba_cpu (with and without split-KV) and the reference against
+a per-sequence float64 oracle over a plain loop's gather of the cache
+(tests/packed_helpers.py), on contiguous and paged caches with shuffled page tables, with
+and without in-place appends (checked element by element), GQA, causal and window, rows
+that see no key; every bad input, with the caches untouched after each rejected call;
+torch's mutating op and JAX's returned caches.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import TOL_FWD, rel_err
+from packed_helpers import oracle_kvcache
+
+import flashcore
+
+B, HQ, HKV, D = 3, 4, 2, 16
+PAGE = 8
+PAGES_PER_SEQ = 12  # capacity 96 per sequence
+#: Cached lengths: an empty cache (with Nq > Nnew, causal rows that see nothing), a
+#: short one, one across several pages and key tiles.
+SEQLENS = np.array([0, 5, 83], np.int32)
+
+
+def make_cache(rng, paged, dtype="float64"):
+    """(k_cache, v_cache, block_table): a paged pool with the sequences' pages shuffled
+    through it (and spare pages), or a contiguous cache; positions past each sequence's
+    length hold garbage that must never be read."""
+    if paged:
+        n_pages = B * PAGES_PER_SEQ + 5
+        table = rng.permutation(n_pages)[:B * PAGES_PER_SEQ].reshape(B, PAGES_PER_SEQ)
+        shape = (n_pages, PAGE, HKV, D)
+        table = table.astype(np.int32)
+    else:
+        table, shape = None, (B, PAGE * PAGES_PER_SEQ, HKV, D)
+    kc = rng.standard_normal(shape).astype(dtype)
+    vc = rng.standard_normal(shape).astype(dtype)
+    return kc, vc, table
+
+
+def expected_append(kc, vc, k, v, table):
+    """The caches after writing k, v at positions SEQLENS[b] + t, by a plain loop."""
+    kc, vc = kc.copy(), vc.copy()
+    for b in range(B):
+        for t in range(k.shape[1]):
+            p = int(SEQLENS[b]) + t
+            at = (b, p) if table is None else (table[b, p // PAGE], p % PAGE)
+            kc[at], vc[at] = k[b, t], v[b, t]
+    return kc, vc
+
+
+def inputs(seed, paged, nq=2, n_new=2, dtype="float64"):
+    """A cache, queries and new keys, and the caches the append must leave."""
+    rng = np.random.default_rng(seed)
+    kc, vc, table = make_cache(rng, paged, dtype)
+    q = rng.standard_normal((B, nq, HQ, D)).astype(kc.dtype)
+    k, v = (rng.standard_normal((B, n_new, HKV, D)).astype(kc.dtype) for _ in range(2))
+    return (kc, vc, table, q, k, v, *expected_append(kc, vc, k, v, table))
+
+
+@pytest.mark.parametrize("backend, num_splits", [("numba_cpu", 1), ("numba_cpu", 3),
+                                                 ("numba_cpu", 0), ("reference", 0)])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_append_and_attend(backend, num_splits, paged, causal):
+    n_new = 2
+    kc, vc, table, q, k, v, want_k, want_v = inputs(0, paged, nq=3, n_new=n_new)
+    o, lse = flashcore.attention_with_kvcache(
+        q, kc, vc, cache_seqlens=SEQLENS, k=k, v=v, block_table=table, causal=causal,
+        num_splits=num_splits, return_lse=True, backend=backend)
+    assert np.array_equal(kc, want_k) and np.array_equal(vc, want_v)  # in place, nothing else
+    ref_o, ref_lse = oracle_kvcache(q, want_k, want_v, SEQLENS + n_new, table, PAGE,
+                                    causal=causal)
+    assert rel_err(o, ref_o) < TOL_FWD["float64"]
+    assert lse.dtype == np.float32 and rel_err(lse, ref_lse) < 1e-6
+    if causal:  # sequence 0: 2 keys, 3 queries: the first row sees none
+        assert np.all(o[0, 0] == 0) and np.all(lse[0, :, 0] == -np.inf)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_loop(paged):
+    """Token by token, as a server decodes: each step appends one key and attends."""
+    rng = np.random.default_rng(1)
+    kc, vc, table = make_cache(rng, paged)
+    lengths = SEQLENS.copy()
+    for _ in range(3):
+        q = rng.standard_normal((B, 1, HQ, D))
+        k, v = (rng.standard_normal((B, 1, HKV, D)) for _ in range(2))
+        o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, k=k, v=v,
+                                             block_table=table, window=(40, 0), softcap=5.0)
+        lengths = lengths + 1
+        for b in range(B):
+            p = lengths[b] - 1
+            at = (b, p) if table is None else (table[b, p // PAGE], p % PAGE)
+            assert np.array_equal(kc[at], k[b, 0]) and np.array_equal(vc[at], v[b, 0])
+        ref, _ = oracle_kvcache(q, kc, vc, lengths, table, PAGE, window=(40, 0), softcap=5.0)
+        assert rel_err(o, ref) < TOL_FWD["float64"]
+
+
+def test_no_new_keys_and_alibi():
+    rng = np.random.default_rng(2)
+    kc, vc, table = make_cache(rng, True)
+    q = rng.standard_normal((B, 2, HQ, D))
+    slopes = rng.uniform(0.1, 0.5, (B, HQ)).astype(np.float32)
+    before = kc.copy()
+    o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=SEQLENS, block_table=table,
+                                         causal=True, alibi_slopes=slopes)
+    assert np.array_equal(kc, before)
+    ref, _ = oracle_kvcache(q, kc, vc, SEQLENS, table, PAGE, causal=True, alibi_slopes=slopes)
+    assert rel_err(o, ref) < TOL_FWD["float64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_dtypes(dtype):
+    kc, vc, table, q, k, v, want_k, want_v = inputs(3, True, dtype=dtype)
+    o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=SEQLENS, k=k, v=v,
+                                         block_table=table, causal=True, num_splits=2)
+    assert o.dtype == q.dtype
+    assert np.array_equal(kc.view(np.uint8), want_k.view(np.uint8))
+    ref, _ = oracle_kvcache(q, want_k, want_v, SEQLENS + 2, table, PAGE, causal=True)
+    assert rel_err(o, ref) < TOL_FWD[dtype]
+
+
+def _bad_cases():
+    return [
+        ({"k": "k", "v": None}, ValueError, "k and v must be given together"),
+        ({"cache_seqlens": np.array([0, 5, 95], np.int32)}, ValueError,
+         r"cache_seqlens\[2\] \+ Nnew = 95 \+ 2 = 97 keys exceed"),
+        ({"cache_seqlens": np.array([0, -1, 3], np.int32)}, ValueError,
+         r"cache_seqlens must be >= 0; got cache_seqlens\[1\]=-1"),
+        ({"cache_seqlens": np.array([0, 5, 3], np.float32)}, TypeError,
+         "cache_seqlens must be an integer"),
+        ({"cache_seqlens": np.array([0, 5], np.int32)}, ValueError, r"cache_seqlens must have shape"),
+        ({"block_table": "outside"}, ValueError, r"block_table\[2, 3\]=1000 points outside"),
+        ({"block_table": "float"}, TypeError, "block_table must be an integer"),
+        ({"block_table": "short"}, ValueError, r"exceed the pages of the block table"),
+        ({"k": "wrong_shape"}, ValueError, r"k must have shape \(B, Nnew, Hkv, D\)"),
+        ({"k": "float32"}, TypeError, "share one dtype"),
+        ({"num_splits": -1}, ValueError, "num_splits must be >= 0"),
+        ({"num_splits": 1.5}, TypeError, "num_splits must be an int"),
+        ({"q": "3d"}, ValueError, r"q must have 4 dimensions"),
+        ({"backend": "torch"}, flashcore.BackendUnavailableError, "torch"),
+    ]
+
+
+def _case_id(change):
+    return "-".join(f"{a}={b}" if isinstance(b, (str, int)) else a for a, b in change.items())
+
+
+@pytest.mark.parametrize("change, error, match", [
+    pytest.param(*c, id=f"{n}-{_case_id(c[0])}") for n, c in enumerate(_bad_cases())])
+def test_bad_inputs_leave_the_cache_untouched(change, error, match):
+    kc, vc, table, q, k, v, _, _ = inputs(4, True)
+    args = {"cache_seqlens": SEQLENS, "k": k, "v": v, "block_table": table, "q": q}
+    for name, what in change.items():
+        if not isinstance(what, str):
+            args[name] = what
+        elif what == "k":
+            args[name] = k
+        elif what == "outside":
+            table = table.copy()
+            table[2, 3] = 1000  # a page sequence 2 uses (83 + 2 keys span pages 0..10)
+            args["block_table"] = table
+        elif what == "float":
+            args["block_table"] = table.astype(np.float64)
+        elif what == "short":
+            args["block_table"] = table[:, :4]
+        elif what == "wrong_shape":
+            args["k"] = k[:, :, :1]
+        elif what == "float32":
+            args["k"] = k.astype(np.float32)
+        elif what == "3d":
+            args["q"] = q[0]
+        else:
+            args[name] = what
+    before = kc.copy(), vc.copy()
+    with pytest.raises(error, match=match):
+        flashcore.attention_with_kvcache(args.pop("q"), kc, vc, **args)
+    assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
+
+
+def test_read_only_cache_is_refused():
+    rng = np.random.default_rng(5)
+    kc, vc, _ = make_cache(rng, False)
+    kc.flags.writeable = False
+    k = rng.standard_normal((B, 1, HKV, D))
+    with pytest.raises(ValueError, match="k_cache is read-only"):
+        flashcore.attention_with_kvcache(rng.standard_normal((B, 1, HQ, D)), kc, vc,
+                                         cache_seqlens=SEQLENS, k=k, v=k)
+
+
+# --- frameworks ------------------------------------------------------------------------------
+
+
+@pytest.mark.torch
+def test_torch_writes_the_cache_in_place():
+    torch = pytest.importorskip("torch")
+    kc, vc, table, q, k, v, want_k, want_v = inputs(6, True)
+    tkc, tvc = torch.tensor(kc), torch.tensor(vc)
+    o = flashcore.attention_with_kvcache(torch.tensor(q), tkc, tvc,
+                                         cache_seqlens=torch.tensor(SEQLENS), k=torch.tensor(k),
+                                         v=torch.tensor(v), block_table=torch.tensor(table),
+                                         causal=True)
+    assert np.array_equal(tkc.numpy(), want_k) and np.array_equal(tvc.numpy(), want_v)
+    ref, _ = oracle_kvcache(q, want_k, want_v, SEQLENS + 2, table, PAGE, causal=True)
+    assert rel_err(o.numpy(), ref) < TOL_FWD["float64"]
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_torch_compile_sees_the_mutation():
+    torch = pytest.importorskip("torch")
+    kc, vc, table, q, k, v, want_k, want_v = inputs(7, False, nq=1, n_new=1)
+    tkc, tvc = torch.tensor(kc), torch.tensor(vc)
+    lengths = torch.tensor(SEQLENS)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, k, v):
+        return flashcore.attention_with_kvcache(q, tkc, tvc, cache_seqlens=lengths, k=k, v=v)
+
+    o = step(torch.tensor(q), torch.tensor(k), torch.tensor(v))
+    assert np.array_equal(tkc.numpy(), want_k) and np.array_equal(tvc.numpy(), want_v)
+    ref, _ = oracle_kvcache(q, want_k, want_v, SEQLENS + 1, None, PAGE * PAGES_PER_SEQ)
+    assert rel_err(o.numpy(), ref) < TOL_FWD["float64"]
+
+
+@pytest.mark.torch
+def test_torch_op_declares_the_mutation():
+    pytest.importorskip("torch")
+    from flashcore import _torch_varlen
+
+    schema = str(_torch_varlen.kvcache_op._opoverload._schema)
+    assert "Tensor(a1!) k_cache" in schema and "Tensor(a2!) v_cache" in schema
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jax_returns_the_updated_caches(jit):
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    kc, vc, table, q, k, v, want_k, want_v = inputs(8, True)
+    jkc, jvc = jnp.asarray(kc), jnp.asarray(vc)
+
+    def step(q, kc, vc, lengths, k, v, table):
+        return flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, k=k, v=v,
+                                                block_table=table, causal=True)
+
+    f = jax.jit(step) if jit else step
+    o, new_k, new_v = f(jnp.asarray(q), jkc, jvc, jnp.asarray(SEQLENS), jnp.asarray(k),
+                        jnp.asarray(v), jnp.asarray(table))
+    assert np.array_equal(np.asarray(new_k), want_k) and np.array_equal(np.asarray(new_v), want_v)
+    assert np.array_equal(np.asarray(jkc), kc)  # the caches given are unchanged
+    ref, _ = oracle_kvcache(q, want_k, want_v, SEQLENS + 2, table, PAGE, causal=True)
+    assert rel_err(np.asarray(o), ref) < TOL_FWD["float64"]
+
+
+def test_split_counts():
+    """num_splits=0 keeps a short or already parallel decode in one split and splits a
+    long one; an explicit count shortens the key tiles until it has that many."""
+    from flashcore.backends.numba_cpu.tiles import choose_splits, choose_tiles, decode_tiles
+
+    base = choose_tiles(64, "float32", False)
+    assert choose_splits(0, jobs=8, longest=300, threads=2, block_k=128) == 1
+    assert choose_splits(0, jobs=1, longest=32768, threads=2, block_k=512) == 8
+    assert choose_splits(0, jobs=1, longest=1 << 20, threads=64, block_k=512) == 64
+    assert choose_splits(5, jobs=1, longest=100, threads=2, block_k=512) == 1
+    assert decode_tiles(1, 64, base, 32768, 0) == (1, 512)
+    bq, bk = decode_tiles(3, 16, base, 85, 3)
+    assert bq == 4 and -(-85 // bk) >= 3
