@@ -378,15 +378,20 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
         return replace(case, batch=case.batch * lead, device=f"cuda:{dev}",
                        direction=direction, need_lse=True)
 
-    def fwd_cb(ctx, out, q, k, v):
+    def with_slopes(c, arrays):
+        # The only option arrays the GPU kernels take are ALiBi slopes (numba_cuda declines
+        # mod_args), broadcast to (B, Hq) by the calls below.
+        return replace(c, alibi_slopes=_Folded(arrays[0], 2)) if arrays else c
+
+    def fwd_cb(ctx, out, q, k, v, *arrays):
         o, lse = out
-        c = host_case(q, "forward")
+        c = with_slopes(host_case(q, "forward"), arrays)
         run = launcher([_Folded(o, 4), _Folded(lse, 3)], ctx.stream)
         run.forward(_Folded(q, 4), _Folded(k, 4), _Folded(v, 4), c)
 
-    def bwd_cb(ctx, out, do, q, k, v, o, lse):
+    def bwd_cb(ctx, out, do, q, k, v, o, lse, *arrays):
         dq, dk, dv, delta = out
-        c = host_case(q, "backward")
+        c = with_slopes(host_case(q, "backward"), arrays)
         run = launcher([_Folded(dq, 4), _Folded(dk, 4), _Folded(dv, 4), _Folded(delta, 3)],
                        ctx.stream)
         run.backward(*(_Folded(x, 4) for x in (do, q, k, v, o)), _Folded(lse, 3), c)
@@ -396,11 +401,19 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
     fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
     bwd = buffer_callback(bwd_cb, (*bwd_types, delta_type), vmap_method="broadcast_all")
 
-    def bwd_call(do, q, k, v, o, lse):
-        dq, dk, dv, _ = bwd(do, q, k, v, o, lse)
+    def per_batch(arrays):
+        # Slopes (Hq,) or (B, Hq) as (B, Hq), so that vmapped axes, which buffer_callback
+        # puts in front of every input, fold into the batch as they do for q.
+        return tuple(jnp.broadcast_to(a, (case.batch, case.heads_q)) for a in arrays)
+
+    def fwd_call(q, k, v, *arrays):
+        return fwd(q, k, v, *per_batch(arrays))
+
+    def bwd_call(do, q, k, v, o, lse, *arrays):
+        dq, dk, dv, _ = bwd(do, q, k, v, o, lse, *per_batch(arrays))
         return dq, dk, dv
 
-    return fwd, bwd_call
+    return fwd_call, bwd_call
 
 
 class _Folded:

@@ -263,6 +263,46 @@ def test_gpu_grad_matches_reference(jit):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_alibi_and_window_under_jit_grad_and_vmap():
+    """ALiBi slopes reach the CUDA kernels through buffer_callback (as a (B, Hq) buffer, so
+    vmap folds into the batch): forward and gradients under jit, and a vmapped forward,
+    against the float64 reference."""
+    rng = np.random.default_rng(17)
+    B, Hq, Hkv, N, D = 2, 4, 2, 100, 64
+    q, k, v = qkv(rng, B=B, Hq=Hq, Hkv=Hkv, Nq=N, Nk=N, D=D)
+    do = rand(rng, q.shape, "float32")
+    slopes = (2.0 ** -np.arange(1, Hq + 1)).astype(np.float32)
+    opts = dict(causal=True, window=(40, 0))
+    ro, _ = flashcore.attention_forward(*(x.astype(np.float64) for x in (q, k, v)),
+                                        alibi_slopes=slopes, backend="reference", **opts)
+    rg = flashcore.attention_backward(
+        do.astype(np.float64), *(x.astype(np.float64) for x in (q, k, v)), ro,
+        flashcore.attention_forward(*(x.astype(np.float64) for x in (q, k, v)),
+                                    alibi_slopes=slopes, backend="reference", **opts)[1],
+        alibi_slopes=slopes, backend="reference", **opts)
+
+    def loss(a, b, c, s):
+        return jnp.sum(flashcore.attention(a, b, c, alibi_slopes=s, **opts) * j(do))
+
+    o = jax.jit(lambda a, b, c, s: flashcore.attention(a, b, c, alibi_slopes=s, **opts))(
+        j(q), j(k), j(v), j(slopes))
+    assert rel_err(host(o), ro) <= TOL_FWD["float32"]
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(j(q), j(k), j(v), j(slopes))
+    for g, r in zip(grads, rg):
+        assert rel_err(host(g), r) <= TOL_BWD["float32"]
+    # two problems stacked by vmap, each with its own (B, Hq) slopes
+    s2 = np.stack([np.broadcast_to(slopes, (B, Hq)), np.broadcast_to(slopes[::-1], (B, Hq))])
+    out = jax.jit(jax.vmap(lambda s: flashcore.attention(j(q), j(k), j(v), alibi_slopes=s,
+                                                         **opts)))(j(s2.copy()))
+    for i in range(2):
+        ri, _ = flashcore.attention_forward(*(x.astype(np.float64) for x in (q, k, v)),
+                                            alibi_slopes=s2[i].copy(), backend="reference",
+                                            **opts)
+        assert rel_err(host(out[i]), ri) <= TOL_FWD["float32"]
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_jit_uses_buffer_callback_and_numba_cuda():
     rng = np.random.default_rng(13)
     q, k, v = (j(x) for x in qkv(rng, Nq=64, D=32, dtype="bfloat16"))

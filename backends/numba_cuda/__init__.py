@@ -102,9 +102,6 @@ def supports(case):
         if rest:
             return (f"the CUDA kernels compute {', '.join(_MODS)} but not {', '.join(rest)} "
                     "yet; numba_cpu and reference do")
-        if case.library == "jax" and case.mods.alibi is not None:
-            return ("alibi_slopes with JAX arrays: the XLA buffer path does not pass the "
-                    "slopes to the CUDA kernels yet (torch, CuPy and NumPy arrays do)")
     if case.dtype not in _DTYPES:
         return (f"dtype {case.dtype} is not computed by numba_cuda (it computes float32, "
                 "float16 and bfloat16 with fp32 accumulation); use backend='reference'")
