@@ -89,19 +89,43 @@ def _rocm_reason(library):
     return None
 
 
-#: the masks and score modifiers the CUDA kernels compute (as Variant fields)
-_MODS = ("window", "softcap", "alibi_slopes")
+#: mod_args dtypes the kernels take (bool arrays are read as their bytes)
+_ARG_DTYPES = ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8",
+               "uint16", "uint32", "uint64", "bool")
+
+
+def _mods_reason(case):
+    """Why the kernels cannot take this call's score_mod / mask_mod and mod_args, or None."""
+    from flashcore._interop import dtype_name
+
+    from .device.user_mods import MAX_ARGS, MAX_DIMS
+
+    m = case.mods
+    if m is None or (m.score_mod is None and m.mask_mod is None):
+        return None
+    if case.library == "jax":
+        return ("the CUDA kernels take score_mod / mask_mod from torch, CuPy and NumPy "
+                "arrays, not from JAX arrays yet; numba_cpu and reference do")
+    if len(case.mod_args) > MAX_ARGS:
+        return (f"the CUDA kernels take at most {MAX_ARGS} mod_args; this call has "
+                f"{len(case.mod_args)}")
+    for n, a in enumerate(case.mod_args):
+        if len(a.shape) > MAX_DIMS:
+            return (f"the CUDA kernels take mod_args of at most {MAX_DIMS} dims; mod_args[{n}] "
+                    f"has {len(a.shape)}")
+        dt = dtype_name(a)
+        if dt not in _ARG_DTYPES:
+            return f"the CUDA kernels do not take mod_args[{n}] of dtype {dt}"
+    return None
 
 
 def supports(case):
     """None when this backend can serve ``case``, else why not."""
     if case.packed:
         return "the CUDA kernels do not serve varlen or KV-cache calls yet; numba_cpu does"
-    if case.mods is not None:
-        rest = [n for n in case.mods.names() if n not in _MODS]
-        if rest:
-            return (f"the CUDA kernels compute {', '.join(_MODS)} but not {', '.join(rest)} "
-                    "yet; numba_cpu and reference do")
+    why = _mods_reason(case)
+    if why is not None:
+        return why
     if case.dtype not in _DTYPES:
         return (f"dtype {case.dtype} is not computed by numba_cuda (it computes float32, "
                 "float16 and bfloat16 with fp32 accumulation); use backend='reference'")

@@ -57,7 +57,7 @@ class _Adapter:
         view = self.view
         launch.run_forward(case, dev, stream, view(q, lay, keep), view(k, lay, keep),
                            view(v, lay, keep), view(o, lay, keep), lse_at,
-                           slopes=self.slopes(case, keep))
+                           slopes=self.slopes(case, keep), margs=self.mod_args(case, keep))
         if self.synchronous:
             synchronize(stream, dev)
         return o, lse
@@ -80,7 +80,7 @@ class _Adapter:
                             view(k, lay, keep), view(v, lay, keep), view(o, lay, keep),
                             view(lse, None, keep), self.address(delta, keep),
                             view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep),
-                            slopes=self.slopes(case, keep))
+                            slopes=self.slopes(case, keep), margs=self.mod_args(case, keep))
         if self.synchronous:
             synchronize(stream, dev)
         return dq, dk, dv
@@ -100,6 +100,22 @@ class _Adapter:
             return None
         handle, strides = self.raw(x, keep)
         return handle, (0, *strides) if len(strides) == 1 else strides
+
+    def mod_args(self, case, keep):
+        """The call's mod_args as the kernels take them (launch.mod_args: handles of C-
+        contiguous copies where an array is not, and shapes), or None without any."""
+        if not case.mod_args:
+            return None
+        views = []
+        for a in case.mod_args:
+            a = self.contiguous(a)
+            keep.append(a)
+            views.append((self.address(a, keep), tuple(int(n) for n in a.shape)))
+        return launch.mod_args(views)
+
+    def contiguous(self, x):
+        """``x``, or a C-contiguous copy of it (a mod_args array the kernels index flat)."""
+        return x
 
     def address(self, x, keep):
         """The handle of a contiguous buffer (lse, delta) the kernels index flat."""
@@ -166,6 +182,9 @@ class _Torch(_Adapter):
     def address(self, x, keep):
         return x.data_ptr()
 
+    def contiguous(self, x):
+        return x.contiguous()
+
     def scratch(self, like, n, dev):
         if n > SCRATCH_WORDS:
             return None
@@ -207,6 +226,11 @@ class _CuPy(_Adapter):
     def raw(self, x, keep):
         item = x.itemsize
         return x.data.ptr, tuple(s // item for s in x.strides)
+
+    def contiguous(self, x):
+        import cupy
+
+        return cupy.ascontiguousarray(x)
 
     def empty(self, like, shape, dtype, dev, poison=True):
         import cupy
@@ -279,6 +303,9 @@ class _NumPy(_Adapter):
         return self._run_on_device("backward", ins, case)
 
     # The simulator path: flat views of host memory stand for device pointers.
+    def contiguous(self, x):
+        return np.ascontiguousarray(x)
+
     def raw(self, x, keep):
         flat, strides = launch.host_flat(x)
         keep.append(flat)
@@ -311,6 +338,8 @@ class _NumPy(_Adapter):
         arrays = [a for a, _ in ins]
         if case.alibi_slopes is not None:
             case = replace(case, alibi_slopes=self._to_device(case.alibi_slopes)[0])
+        if case.mod_args:
+            case = replace(case, mod_args=tuple(self._to_device(a)[0] for a in case.mod_args))
         dtype = ins[1][1] if direction == "backward" else ins[0][1]  # q's dtype
         outs = getattr(_Adapter, direction)(_NumbaDevice(), *arrays, case)
         synchronize(0, _device_index(case.device))

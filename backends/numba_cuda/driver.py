@@ -145,7 +145,8 @@ class Prepared:
         "threads",
     )
 
-    def __init__(self, pyfunc, sig, threads, smem_words, device, launch_bounds=None):
+    def __init__(self, pyfunc, sig, threads, smem_words, device, launch_bounds=None,
+                 cache=True):
         self.name = pyfunc.__name__
         self.threads = threads
         self.smem = 4 * smem_words
@@ -165,7 +166,7 @@ class Prepared:
         self._ctx = _primary_context(device)
         self._cur = ctypes.c_void_p()
         self._cur_ref = ctypes.byref(self._cur)
-        self._dispatcher = cuda.jit(pyfunc, cache=True, fastmath=FASTMATH,
+        self._dispatcher = cuda.jit(pyfunc, cache=cache, fastmath=FASTMATH,
                                     **jit_options(launch_bounds))
         with cuda.gpus[device], compile_notice(self.name, device):
             self.kernel = self._dispatcher.compile(sig)

@@ -19,12 +19,13 @@ from numba.cuda import types
 
 from . import tilings
 from .device.convert import SIMULATOR
+from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
 from .simt import backward as _simt_bwd
 from .simt import forward as _simt_fwd
 from .tensor_core import backward as _tc_bwd
 from .tensor_core import forward as _tc_fwd
-from .variant import Variant
+from .variant import UserMods, Variant
 
 #: stored dtype name -> numba element type of the kernel's pointers (bf16 as raw bits)
 _ELEM = {"float32": types.float32, "float16": types.float16, "bfloat16": types.uint16}
@@ -55,27 +56,38 @@ def build(v: Variant):
     return FACTORIES[v.family, v.kernel](v)
 
 
-def signature(kernel: str, dtype: str) -> tuple:
+#: mod_args dtype name -> numba element type of its pointer (bool arrays as their bytes)
+_ARG_ELEM = {n: getattr(types, n) for n in (
+    "float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "uint32", "uint64")}
+_ARG_ELEM["bool"] = types.uint8
+
+
+def signature(kernel: str, dtype: str, mod_args: tuple = ()) -> tuple:
     """Argument types of a kernel entry (variant.ENTRY): pointers (inputs and outputs in the
     stored dtype, lse and delta float32), then int64 sizes and strides, the float64 scale,
     then the ALiBi slopes (float32) and their batch and head strides (read only by ALiBi
-    variants; others get any float32 buffer). Both families take the same arguments."""
+    variants; others get any float32 buffer), then the user mods' arrays: MAX_ARGS
+    pointers (typed by ``mod_args``, the variant's ``UserMods.args``; float32 past them)
+    and MAX_ARGS * MAX_DIMS int64 extents. Both families take the same arguments."""
     e = types.CPointer(_ELEM[dtype])
     f32 = types.CPointer(types.float32)
+    kinds = [a[0] for a in mod_args] + ["float32"] * (MAX_ARGS - len(mod_args))
+    mods = (f32, _I64, _I64) + tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (
+        _I64,) * (MAX_ARGS * MAX_DIMS)
     return {
-        "attn_forward": (e, e, e, e, f32) + (_I64,) * 21 + (_F64, f32, _I64, _I64),
+        "attn_forward": (e, e, e, e, f32) + (_I64,) * 21 + (_F64,) + mods,
         "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
-        "attn_backward_dkdv": (e, e, e, e, f32, f32, e, e) + (_I64,) * 33
-        + (_F64, f32, _I64, _I64),
-        "attn_backward_dq": (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64, f32, _I64, _I64),
+        "attn_backward_dkdv": (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods,
+        "attn_backward_dq": (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,) + mods,
     }[kernel]
 
 
 def kernel(v: Variant, device: int) -> Prepared:
     """Variant ``v`` compiled and loaded on GPU ``device`` (once per process)."""
     return prepared((v, device), lambda: Prepared(
-        build(v), signature(v.entry, v.dtype), v.threads, v.smem_words, device,
-        v.launch_bounds))
+        build(v), signature(v.entry, v.dtype, v.user.args if v.user else ()), v.threads,
+        v.smem_words, device, v.launch_bounds, cache=v.user is None))
 
 
 # --- which variants serve a case ------------------------------------------------------------
@@ -207,11 +219,23 @@ def _plan(direction, case, device, tiles, aligned, tc):
 def mask_options(case) -> dict:
     """The call's mask options as the Variant fields that take them, in a fixed order:
     ``window`` (() for none, else (left, right) with -1 for an unbounded side),
-    ``softcap`` (0.0: none), ``alibi`` (whether the call has slopes)."""
+    ``softcap`` (0.0: none), ``alibi`` (whether the call has slopes), ``user`` (the
+    score_mod / mask_mod and their arrays' kinds, a UserMods, or None)."""
     mods = case.mods
     window = () if mods is None or mods.window is None else mods.window_ints
     cap = 0.0 if mods is None or mods.softcap is None else float(mods.softcap)
-    return {"window": window, "softcap": cap, "alibi": case.alibi_slopes is not None}
+    user = None
+    if mods is not None and (mods.score_mod is not None or mods.mask_mod is not None):
+        user = UserMods(mods.score_mod, mods.mask_mod, mod_arg_kinds(case.mod_args))
+    return {"window": window, "softcap": cap, "alibi": case.alibi_slopes is not None,
+            "user": user}
+
+
+def mod_arg_kinds(mod_args) -> tuple:
+    """``(dtype name, ndim)`` of each mod_args array, as UserMods keeps them."""
+    from flashcore._interop import dtype_name
+
+    return tuple((dtype_name(a), len(a.shape)) for a in mod_args)
 
 
 def forget_plans():
@@ -221,46 +245,50 @@ def forget_plans():
     tilings.forget_tuned()
 
 
-def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes):
+def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs):
     """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
     tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
     lse is a handle of a contiguous float32 (B, Hq, Nq) buffer; slopes a (handle, (batch
-    stride, head stride)) pair (:func:`no_slopes` without ALiBi)."""
+    stride, head stride)) pair (:func:`no_slopes` without ALiBi); margs the MAX_ARGS
+    pointers and MAX_ARGS * MAX_DIMS extents of the mod_args (:func:`no_mod_args`)."""
     kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
-          *o[1], float(case.scale), slopes[0], *slopes[1]))
+          *o[1], float(case.scale), slopes[0], *slopes[1], *margs))
 
 
-def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes):
+def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs):
     """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nk + bm - 1) // bm, B * Hkv), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
           Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
-          slopes[0], *slopes[1]))
+          slopes[0], *slopes[1], *margs))
 
 
-def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes):
+def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs):
     """One dQ launch (``bm`` queries per block)."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nq + bm - 1) // bm, B * Hq), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
           *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
-          *slopes[1]))
+          *slopes[1], *margs))
 
 
-def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None):
+def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
+                margs=None):
     """Launch the forward: the tensor-core kernel where :func:`tc_serves`, else the SIMT
     kernel (always the SIMT kernel with an explicit SIMT ``tiles``); arguments as in
-    :func:`launch_forward` (``slopes`` None: the call has no ALiBi)."""
+    :func:`launch_forward` (``slopes`` None: the call has no ALiBi; ``margs`` None: no
+    mod_args)."""
     tc = tiles is None and tc_serves(case, device, q, k, v)
     kern, bm = _plan("forward", case, device, tiles, _fp32_rows_aligned(case, q, k, v), tc)
-    launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse))
+    launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
+                   margs or no_mod_args(lse))
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None,
-                 slopes=None):
+                 slopes=None, margs=None):
     """Launch the preprocess kernel, then the dK/dV and dQ kernels (tensor-core ones where
     :func:`tc_serves`, as in :func:`run_forward`). Arrays are (handle, strides) pairs; lse
     has three strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch
@@ -272,8 +300,9 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
     pre(((Nq + pt - 1) // pt, case.batch * Hq), stream,
         (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
     slopes = slopes or no_slopes(delta)
-    launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes)
-    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes)
+    margs = margs or no_mod_args(delta)
+    launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs)
+    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs)
 
 
 def no_slopes(buffer):
@@ -283,6 +312,24 @@ def no_slopes(buffer):
     if SIMULATOR:
         return np.zeros(1, np.float32), (0, 0)
     return buffer, (0, 0)
+
+
+def no_mod_args(buffer):
+    """The mod_args arguments of a call without them (:func:`no_slopes`'s buffer)."""
+    return (no_slopes(buffer)[0],) * MAX_ARGS + (0,) * (MAX_ARGS * MAX_DIMS)
+
+
+def mod_args(views) -> tuple:
+    """The mod_args arguments of a call from ``views``, a ``(handle, shape)`` per C-
+    contiguous array: MAX_ARGS handles (the first again past them), then each array's
+    extents padded with 1 to MAX_DIMS (and 1s past the arrays)."""
+    handles = [h for h, _ in views]
+    handles += [handles[0]] * (MAX_ARGS - len(handles))
+    ext = []
+    for _, shape in views:
+        ext += list(shape) + [1] * (MAX_DIMS - len(shape))
+    ext += [1] * (MAX_ARGS * MAX_DIMS - len(ext))
+    return (*handles, *ext)
 
 
 def bhnd(strides, layout):

@@ -26,6 +26,30 @@ FAMILIES = ("simt", "tensor_core")
 
 
 @dataclass(frozen=True)
+class UserMods:
+    """The user's ``score_mod`` and ``mask_mod`` (either may be None) and the kind of each
+    ``mod_args`` array, ``(dtype name, ndim)``: what a kernel compiles them for
+    (``device/user_mods.py``). Functions compare by identity."""
+
+    score_mod: object = None
+    mask_mod: object = None
+    args: tuple = ()
+
+    @property
+    def label(self) -> str:
+        """The functions' names, for kernel names and profiles."""
+        def name(f):
+            n = getattr(getattr(f, "py_func", f), "__name__", "fn")
+            return "".join(c if c.isalnum() else "_" for c in n)
+        parts = []
+        if self.score_mod is not None:
+            parts.append("sm_" + name(self.score_mod))
+        if self.mask_mod is not None:
+            parts.append("mm_" + name(self.mask_mod))
+        return "_".join(parts) + f"_a{len(self.args)}"
+
+
+@dataclass(frozen=True)
 class Variant:
     """One compiled kernel.
 
@@ -48,6 +72,10 @@ class Variant:
     softcap: float = 0.0
     #: ALiBi: the kernel adds -slope[b, h] |i' - j| to each score (slopes a launch argument).
     alibi: bool = False
+    #: The user's score_mod / mask_mod (a :class:`UserMods`), or None. Such variants are
+    #: compiled in each process (numba's disk cache keys a kernel by its name and source,
+    #: which cannot tell two user functions, or two values they close over, apart).
+    user: object = None
 
     def __post_init__(self):
         if self.kernel not in ENTRY:
@@ -106,6 +134,8 @@ class Variant:
             mask += "_sc" + format(self.softcap, "g").replace(".", "p").replace("-", "m")
         if self.alibi:
             mask += "_alibi"
+        if self.user is not None:
+            mask += "_" + self.user.label
         if self.kernel == "preprocess":
             return f"{self.entry}_d{d}_t{t}"
         if self.family == "tensor_core":

@@ -174,3 +174,34 @@ def score(s, i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
     if visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
         return s
     return NEG_INF
+
+
+@device_function
+def user_score(x, b, h, i, j, Nq, Nk, unit, inv, value, args):
+    """``x`` (a score in the kernel's units: the natural score times ``unit``; ``inv`` is
+    ``1 / unit``) through the
+    user's ``score_mod`` (``value``, :mod:`.user_mods`) for batch ``b``, query head ``h``,
+    query ``i``, key ``j``. Rows and keys past the ends (a tile's padding, whose scores are
+    masked or never stored) ask for the last row or key instead, so that the user's
+    function never indexes its arrays out of bounds."""
+    ii = min(i, Nq - 1)
+    jj = min(j, Nk - 1)
+    return value(x * inv, b, h, ii, jj, args) * unit
+
+
+@device_function
+def user_score_slope(x, b, h, i, j, Nq, Nk, unit, inv, value, slope, args):
+    """``(score, d score / d x)``: :func:`user_score` and the derivative the backward's dS
+    takes (in natural units, the same in the kernel's)."""
+    ii = min(i, Nq - 1)
+    jj = min(j, Nk - 1)
+    xn = x * inv
+    return value(xn, b, h, ii, jj, args) * unit, slope(xn, b, h, ii, jj, args)
+
+
+@device_function
+def user_keeps(b, h, i, j, Nq, Nk, keeps, args):
+    """The user's ``mask_mod`` (``keeps``) for query ``i`` and key ``j``; indices past the
+    ends are asked as the last row or key, as in :func:`user_score` (bounds are the other
+    seams' part)."""
+    return keeps(b, h, min(i, Nq - 1), min(j, Nk - 1), args)

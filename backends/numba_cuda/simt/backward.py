@@ -36,10 +36,13 @@ from ..device.seams import (
     query_range,
     slope_of,
     softcap,
+    user_keeps,
+    user_score_slope,
     visible,
     window_key_range,
     window_query_range,
 )
+from ..device.user_mods import kernel_mods
 from .forward import copy_rows, load_tile_t
 from .tile_product import column, tile_product
 
@@ -94,13 +97,16 @@ def make_attn_backward_dkdv(v):
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
+    SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
+    GRAD = CAP or SMOD  # dS takes a factor
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dkdv(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                            causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                            vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
                            dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
-                           lsb, lsh, lsn, scale, slopes, ssb, ssh):
+                           lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2,
+                           e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -110,6 +116,8 @@ def make_attn_backward_dkdv(v):
                             CAUSAL, False)
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
         sl2 = float32(scale * LOG2E)
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
@@ -207,12 +215,17 @@ def make_attn_backward_dkdv(v):
                         x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
                     if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
                         x = alibi(x, distance(i, k0 + row, causal_offset), slope)
+                    if SMOD:  # (compile-time) the user's score_mod and its derivative
+                        x, gu = user_score_slope(x, b, h, i, k0 + row, Nq, Nk, float32(LOG2E),
+                                                 float32(1.0 / LOG2E), VALUE, SLOPE, margs)
+                        g *= gu
                     p = math.exp2(x - ls)
-                    if masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT, RIGHT):
+                    if (masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT, RIGHT)) or (
+                            MMOD and not user_keeps(b, h, i, k0 + row, Nq, Nk, KEEPS, margs)):
                         p = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
                     ds = p * (dp[a, bb] - dl)
-                    if CAP:
+                    if GRAD:
                         ds *= g
                     if ONE_PS:  # dS waits in registers until P V has been read
                         dp[a, bb] = ds
@@ -273,12 +286,15 @@ def make_attn_backward_dq(v):
     CAP_L2 = float32(v.softcap * LOG2E) if CAP else float32(1.0)
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
+    SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
+    GRAD = CAP or SMOD  # dS takes a factor
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
     def attn_backward_dq(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
                          gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
-                         slopes, ssb, ssh):
+                         slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8,
+                         e9, e10, e11, e12, e13, e14, e15):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -288,6 +304,8 @@ def make_attn_backward_dq(v):
                             CAUSAL, True)
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
         sl2 = float32(scale * LOG2E)
         slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
         qbase = b * qsb + h * qsh
@@ -366,11 +384,17 @@ def make_attn_backward_dq(v):
                         x, g = softcap(x, CAP_L2, CAP_INV, APPROX)
                     if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
                         x = alibi(x, distance(i, n0 + col, causal_offset), slope)
+                    if SMOD:  # (compile-time) the user's score_mod and its derivative
+                        x, gu = user_score_slope(x, b, h, i, n0 + col, Nq, Nk, float32(LOG2E),
+                                                 float32(1.0 / LOG2E), VALUE, SLOPE, margs)
+                        g *= gu
                     p = math.exp2(x - ls[a])
-                    if masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
+                    if (masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL, LEFT,
+                                               RIGHT)) or (
+                            MMOD and not user_keeps(b, h, i, n0 + col, Nq, Nk, KEEPS, margs)):
                         p = float32(0.0)
                     ds = p * (dp[a, bb] - dl[a])
-                    if CAP:
+                    if GRAD:
                         ds *= g
                     smem[DS_OFF + col * LDP + row] = ds
             cuda.syncthreads()

@@ -20,7 +20,18 @@ from ..device.constants import LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, ld4, load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import alibi, distance, key_range, score, slope_of, softcap, window_key_range
+from ..device.seams import (
+    alibi,
+    distance,
+    key_range,
+    score,
+    slope_of,
+    softcap,
+    user_keeps,
+    user_score,
+    window_key_range,
+)
+from ..device.user_mods import kernel_mods
 from .tile_product import column, tile_product
 
 
@@ -126,6 +137,7 @@ def make_attn_forward(v):
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
     ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
+    SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
     # With several blocks per SM (min_blocks > 1), row maxima by warp shuffles where a
     # row's TC threads are lanes of one warp (and the block whole warps), and the barrier
     # between S and the softmax, which then only guards K, goes: the next K is copied after
@@ -136,7 +148,9 @@ def make_attn_forward(v):
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
-                     vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh):
+                     vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
+                     m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12,
+                     e13, e14, e15):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -151,6 +165,8 @@ def make_attn_forward(v):
         vbase = b * vsb + hk * vsh
         sl2 = float32(scale * LOG2E)
         slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
 
         load_tile_t(smem, Q_OFF, LDQ, q, qbase, q0, Nq, qsn, qsd, BM, D, DP, sl2, tid, NT)
 
@@ -203,12 +219,23 @@ def make_attn_forward(v):
                     for bb in range(RN):
                         s[a, bb] = alibi(s[a, bb], distance(i, n0 + tc + TC * bb, causal_offset),
                                          slope)
-            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
+            if SMOD:  # (compile-time) the user's score_mod, after the softcap and ALiBi
                 for a in range(RM):
                     i = q0 + tr * RM + a
                     for bb in range(RN):
-                        s[a, bb] = score(s[a, bb], i, n0 + tc + TC * bb, Nk, causal_offset,
-                                         CAUSAL, LEFT, RIGHT)
+                        s[a, bb] = user_score(s[a, bb], b, h, i, n0 + tc + TC * bb, Nq, Nk,
+                                              float32(LOG2E), float32(1.0 / LOG2E), VALUE,
+                                              margs)
+            # a diagonal, edge or tail tile; with a mask_mod, every tile
+            if MMOD or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+                for a in range(RM):
+                    i = q0 + tr * RM + a
+                    for bb in range(RN):
+                        j = n0 + tc + TC * bb
+                        x = score(s[a, bb], i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT)
+                        if MMOD and not user_keeps(b, h, i, j, Nq, Nk, KEEPS, margs):
+                            x = NEG_INF
+                        s[a, bb] = x
             for a in range(RM):
                 mx = s[a, 0]
                 for bb in range(1, RN):

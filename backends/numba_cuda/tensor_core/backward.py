@@ -52,10 +52,13 @@ from ..device.seams import (
     query_range,
     slope_of,
     softcap,
+    user_keeps,
+    user_score_slope,
     visible,
     window_key_range,
     window_query_range,
 )
+from ..device.user_mods import kernel_mods
 from ..tilings import PAD
 from .fragments import load_rows, mma_frags_rows, mma_rows_rows, store_frags
 
@@ -101,10 +104,13 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr, ALIB
 
 @device_function
 def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
-                       sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI):
-    """:func:`dkdv_scores` for a diagonal or tail step: queries past ``Nq`` read lse as
-    +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask hides from query ``i`` get P = 0
-    (keys past ``Nk`` need not: their dK/dV rows are not stored)."""
+                       sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD,
+                       value, slope, keeps, margs, b, h, Nk):
+    """:func:`dkdv_scores` for a diagonal or tail step (every step with a user mod): queries
+    past ``Nq`` read lse as +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask (or the
+    user's mask_mod ``keeps``, ``MMOD``) hides from query ``i`` get P = 0 (keys past ``Nk``
+    need not: their dK/dV rows are not stored). ``SMOD``: the user's score_mod (``value``)
+    and its derivative (``slope``) after the softcap and ALiBi."""
     d0 = distance(m0 + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
     for jn in range(NTILES):
         for e in range(2):
@@ -112,14 +118,20 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
             ls, dl = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):  # keys j0 and j0 + 8
                 x = 4 * jn + 2 * r + e
+                j = j0 + 8 * r
                 sx, g = capped(s[x], CAP, modr)
                 if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
                     sx = alibi(sx, d0 + float32(8 * jn + e - 8 * r), modr[2])
+                if SMOD:  # (compile-time) the user's score_mod and its derivative
+                    sx, gu = user_score_slope(sx, b, h, i, j, Nq, Nk, modr[3],
+                                              float32(1.0) / modr[3], value, slope, margs)
+                    g = g * gu
                 p = math.exp2(sx * sl2 - ls)
-                if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
+                if hides(i, j, causal_offset, CAUSAL, LEFT, RIGHT) or (
+                        MMOD and not user_keeps(b, h, i, j, Nq, Nk, keeps, margs)):
                     p = float32(0.0)
                 s[x] = p
-                dp[x] = chain(p * (dp[x] - dl), g, CAP)
+                dp[x] = chain(p * (dp[x] - dl), g, CAP or SMOD)
 
 
 @device_function
@@ -138,9 +150,11 @@ def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, modr, ALIBI, d0):
 
 @device_function
 def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, LEFT, RIGHT,
-                     NTILES, tq, CAP, modr, ALIBI):
-    """:func:`dq_scores` on a diagonal or tail tile: keys past ``Nk`` or above row ``i``'s
-    diagonal get P = 0."""
+                     NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD, value, slope, keeps, margs, b,
+                     h, Nq):
+    """:func:`dq_scores` on a diagonal or tail tile (every tile with a user mod): keys past
+    ``Nk``, hidden from row ``i`` by the mask or by the user's mask_mod get P = 0; the
+    user's score_mod as in :func:`dkdv_scores_masked`."""
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e  # this element's key
@@ -149,10 +163,15 @@ def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL,
             if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
                 sx = alibi(sx, distance(i, n0 + 2 * tq, causal_offset) - float32(8 * jn + e),
                            modr[2])
+            if SMOD:  # (compile-time) the user's score_mod and its derivative
+                sx, gu = user_score_slope(sx, b, h, i, j, Nq, Nk, modr[3],
+                                          float32(1.0) / modr[3], value, slope, margs)
+                g = g * gu
             p = math.exp2(sx * sl2 - ls)
-            if not visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
+            if not visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT) or (
+                    MMOD and not user_keeps(b, h, i, j, Nq, Nk, keeps, margs)):
                 p = float32(0.0)
-            dp[x] = chain(p * (dp[x] - dl), g, CAP)
+            dp[x] = chain(p * (dp[x] - dl), g, CAP or SMOD)
 
 
 @device_function
@@ -161,7 +180,8 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
               gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
               j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
               DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT, RIGHT,
-              WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh):
+              WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh, SMOD, MMOD, value, slope, keeps,
+              margs):
     """One pass of the dK/dV kernel over every query step of its key tile (K and V are in
     shared memory or in flight; their copies complete with the first step's Q and dO,
     committed here): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
@@ -207,10 +227,10 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         edge = CAUSAL and m0 < m_full
         if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
             edge = m0 < m_full or m0 + BN - 1 > m_last
-        if edge or m0 + BN > Nq:  # a diagonal, edge or tail step
+        if SMOD or MMOD or edge or m0 + BN > Nq:  # a diagonal, edge or tail step
             dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
                                causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
-                               ALIBI)
+                               ALIBI, SMOD, MMOD, value, slope, keeps, margs, b, h, Nk)
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
                         dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr, ALIBI,
@@ -258,6 +278,7 @@ def make_attn_backward_dkdv_tc(v):
     CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
+    SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
     SPLITS = t.d_splits
     DOUT = head_dim // SPLITS  # dK, dV columns per pass (DTILES, NACC count these)
     K_OFF = 0
@@ -270,7 +291,8 @@ def make_attn_backward_dkdv_tc(v):
                               causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                               vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
                               dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
-                              lsb, lsh, lsn, scale, slopes, ssb, ssh):
+                              lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0, e1,
+                              e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -289,6 +311,8 @@ def make_attn_backward_dkdv_tc(v):
                 float32(1.0) / float32(scale))
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
 
         # Query tiles before m_begin see none of our keys; from m_full on, all (no mask).
         m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
@@ -316,7 +340,8 @@ def make_attn_backward_dkdv_tc(v):
                   gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
                   j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
                   DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT,
-                  RIGHT, WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh)
+                  RIGHT, WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh, SMOD, MMOD, VALUE, SLOPE,
+                  KEEPS, margs)
         if SPLITS > 1:
             cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
             dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk,
@@ -325,7 +350,7 @@ def make_attn_backward_dkdv_tc(v):
                       dvsd, lsb, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
                       NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
                       BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW, CAP, modr, ALIBI, slopes,
-                      ssb, ssh)
+                      ssb, ssh, SMOD, MMOD, VALUE, SLOPE, KEEPS, margs)
 
     attn_backward_dkdv_tc.__qualname__ = v.tag
     return attn_backward_dkdv_tc
@@ -344,6 +369,7 @@ def make_attn_backward_dq_tc(v):
     CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
+    SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
     if t.d_splits != 1:
         raise ValueError(f"the dQ kernel takes d_splits=1, not {t}")
     Q_OFF = 0
@@ -355,7 +381,8 @@ def make_attn_backward_dq_tc(v):
     def attn_backward_dq_tc(q, k, v, do, lse, delta, dq, Nq, Nk, Hq, group, causal_offset,
                             qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
                             gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
-                            slopes, ssb, ssh):
+                            slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7,
+                            e8, e9, e10, e11, e12, e13, e14, e15):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -376,6 +403,8 @@ def make_attn_backward_dq_tc(v):
             modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_begin = 0
@@ -423,11 +452,14 @@ def make_attn_backward_dq_tc(v):
             mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
+            # a diagonal, edge or tail tile; with a user mod, every tile
+            if SMOD or MMOD or n0 + BN > n_full or (WINDOW and n0 < n_lo):
                 dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD,
+                                 VALUE, SLOPE, KEEPS, margs, b, h, Nq)
                 dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI)
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD,
+                                 VALUE, SLOPE, KEEPS, margs, b, h, Nq)
             else:
                 d0 = distance(i0, n0 + 2 * tq, causal_offset)  # (used where ALIBI)
                 dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0)

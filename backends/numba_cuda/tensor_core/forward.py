@@ -36,21 +36,46 @@ from ..device.constants import FLT_MIN, LN2, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import alibi, distance, key_range, score, slope_of, softcap, window_key_range
+from ..device.seams import (
+    alibi,
+    distance,
+    key_range,
+    score,
+    slope_of,
+    softcap,
+    user_keeps,
+    user_score,
+    window_key_range,
+)
+from ..device.user_mods import kernel_mods
 from ..tilings import PAD
 from .fragments import load_rows, mma, mma_frags_rows, store_frags
 
 
 @device_function
-def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq):
+def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq, MMOD, keeps,
+             args, b, h, Nq):
     """Scores of one of this lane's rows (``s[base + 4 jn + e]``) at keys past ``Nk`` or
-    hidden by the mask (causal, the window) set to -inf (diagonal, edge and tail tiles
-    only)."""
+    hidden by the mask (causal, the window, the user's mask_mod ``keeps`` where ``MMOD``)
+    set to -inf (diagonal, edge and tail tiles; every tile with a mask_mod)."""
     for jn in range(NTILES):
         for e in range(2):
             j = n0 + 8 * jn + 2 * tq + e
-            s[base + 4 * jn + e] = score(s[base + 4 * jn + e], i, j, Nk, causal_offset,
-                                         CAUSAL, LEFT, RIGHT)
+            x = score(s[base + 4 * jn + e], i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT)
+            if MMOD and not user_keeps(b, h, i, j, Nq, Nk, keeps, args):
+                x = NEG_INF
+            s[base + 4 * jn + e] = x
+
+
+@device_function
+def user_row(s, base, n0, i, Nk, NTILES, tq, value, args, b, h, Nq, unit, inv):
+    """The user's score_mod (``value``) on one of this lane's rows (raw scores are natural
+    ones times ``unit``, ``inv`` its reciprocal)."""
+    for jn in range(NTILES):
+        for e in range(2):
+            x = base + 4 * jn + e
+            s[x] = user_score(s[x], b, h, i, n0 + 8 * jn + 2 * tq + e, Nq, Nk, unit, inv,
+                              value, args)
 
 
 @device_function
@@ -156,11 +181,14 @@ def make_attn_forward_tc(v):
     CAP = bool(v.softcap)  # softcap c: raw scores s -> (c / scale) tanh(s scale / c)
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
+    SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
     BF16 = dtype == "bfloat16"
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                         qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
-                        vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh):
+                        vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
+                        m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                        e12, e13, e14, e15):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -180,6 +208,9 @@ def make_attn_forward_tc(v):
         capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
         rcapr = float32(scale) / CAP_C
         slope = slope_of(slopes, b, h, ssb, ssh, float32(1.0) / float32(scale), ALIBI)
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
+        unit = float32(1.0) / float32(scale)  # (SMOD) natural scores to raw ones
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_begin = 0
@@ -273,14 +304,26 @@ def make_attn_forward_tc(v):
                 if MT > 1:
                     alibi_row(s, NS, n0, i + 16, causal_offset, slope, NTILES, tq)
                     alibi_row(s, NS + 2, n0, i + 24, causal_offset, slope, NTILES, tq)
-            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
-                mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
-                mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
+            if SMOD:  # (compile-time) the user's score_mod, after the softcap and ALiBi
+                sc = float32(scale)
+                user_row(s, 0, n0, i, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
+                user_row(s, 2, n0, i + 8, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
+                if MT > 1:
+                    user_row(s, NS, n0, i + 16, Nk, NTILES, tq, VALUE, margs, b, h, Nq,
+                             unit, sc)
+                    user_row(s, NS + 2, n0, i + 24, Nk, NTILES, tq, VALUE, margs, b, h, Nq,
+                             unit, sc)
+            # a diagonal, edge or tail tile; with a mask_mod, every tile
+            if MMOD or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+                mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
+                         MMOD, KEEPS, margs, b, h, Nq)
+                mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
+                         MMOD, KEEPS, margs, b, h, Nq)
                 if MT > 1:
                     mask_row(s, NS, n0, i + 16, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
-                             NTILES, tq)
+                             NTILES, tq, MMOD, KEEPS, margs, b, h, Nq)
                     mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
-                             NTILES, tq)
+                             NTILES, tq, MMOD, KEEPS, margs, b, h, Nq)
             ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES)
             la = la * al + ps
             rescale_row(acc, 0, al, DTILES)

@@ -1,0 +1,177 @@
+"""The user's ``score_mod`` / ``mask_mod`` as device functions the kernels call.
+
+A variant that carries a :class:`~..variant.UserMods` gets four device functions from
+:func:`device_mods`, compiled with the kernel (once per variant and process):
+
+- ``views(m0, m1, m2, m3, e)``: the ``mod_args`` as arrays (C-contiguous, at most 4 of at
+  most 4 dims; ``e`` holds their 16 extents) from the raw pointers the launch passes;
+- ``value(s, b, h, i, j, args)``: ``score_mod(s, b, h, i, j, *args)`` as a float32;
+- ``slope(s, b, h, i, j, args)``: ``d score_mod / d s`` at ``s`` (the factor dS takes);
+- ``keeps(b, h, i, j, args)``: ``mask_mod(b, h, i, j, *args)`` as a bool.
+
+Precision, decided here (README documents it). The kernels compute scores in float32, and a
+Python float constant would make Numba compute the whole mod in float64 (float32 op float64
+is float64), which on a GPU costs a float64 tanh per score. So the mod the kernels call is
+the user's function with its float constants, float closure variables and float globals
+turned into float32 (as Triton, and so FlexAttention, reads them), the *float32 twin*; in
+fp16/bf16 variants ``math.tanh`` in it is ``tanh.approx.f32`` (relative error ~2^-11, below
+those dtypes' rounding: the built-in softcap makes the same choice). Integers mixed with
+floats still promote to float64 (write ``float32(i - j)`` to stay in float32).
+
+The derivative is a fourth-order central difference, ``(8 (f(s+h) - f(s-h)) - (f(s+2h) -
+f(s-2h))) / 12h``, exact for mods polynomial in ``s`` up to degree 4 (biases, scalings)
+but for rounding: in fp16/bf16 variants on the float32 twin with precise ``tanh`` and
+``h = 2^-6 max(1, |s|)`` (relative error ~1e-5, below those dtypes' rounding), in fp32
+variants on the user's own function in float64 with ``h = 1e-3 max(1, |s|)`` as on the CPU
+(``flashcore._mods.FD_STEP``; ~1e-12).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import types as pytypes
+
+import numpy as np
+from numba import cuda, float32, float64
+
+from .convert import SIMULATOR
+from .intrinsics import tanh_approx
+
+#: At most this many mod_args, each of at most MAX_DIMS dims, reach the CUDA kernels.
+MAX_ARGS = 4
+MAX_DIMS = 4
+
+
+def python_function(fn):
+    """The plain Python function of ``fn`` (a numba dispatcher's ``py_func``)."""
+    return getattr(fn, "py_func", fn)
+
+
+def float32_twin(fn, approx):
+    """``fn`` with its float constants, float closure cells and float globals as float32;
+    with ``approx``, ``math.tanh`` (by module or by name) is ``tanh.approx.f32``."""
+    fn = python_function(fn)
+    code = fn.__code__
+    code = code.replace(co_consts=tuple(np.float32(c) if type(c) is float else c
+                                        for c in code.co_consts))
+    g = dict(fn.__globals__)
+    for name in code.co_names:
+        val = g.get(name)
+        if type(val) is float:
+            g[name] = np.float32(val)
+        elif approx and val is math:
+            g[name] = _fast_math()
+        elif approx and val is math.tanh:
+            g[name] = tanh_approx
+    cells = None
+    if fn.__closure__ is not None:
+        cells = tuple(pytypes.CellType(np.float32(c.cell_contents))
+                      if type(c.cell_contents) is float else c for c in fn.__closure__)
+    twin = pytypes.FunctionType(code, g, fn.__name__, fn.__defaults__, cells)
+    twin.__qualname__ = fn.__qualname__
+    return twin
+
+
+@functools.cache
+def _fast_math():
+    """A stand-in for the ``math`` module whose ``tanh`` is ``tanh.approx.f32``."""
+    shim = pytypes.ModuleType("math")
+    shim.__dict__.update({n: getattr(math, n) for n in dir(math) if not n.startswith("__")})
+    shim.tanh = tanh_approx
+    return shim
+
+
+def _device(fn):
+    return fn if SIMULATOR else cuda.jit(device=True, forceinline=True)(fn)
+
+
+def _views_source(args):
+    """Source of ``views``: a tuple of the mod_args as arrays."""
+    parts = []
+    for n, (_, ndim) in enumerate(args):
+        shape = ", ".join(f"e[{4 * n + d}]" for d in range(ndim)) + ","
+        if SIMULATOR:  # (a flat NumPy array stands for the pointer)
+            parts.append(f"m{n}.reshape(({shape}))")
+        else:
+            parts.append(f"carray(m{n}, ({shape}))")
+    return ("def views(m0, m1, m2, m3, e):\n"
+            f"    return ({', '.join(parts)}{',' if parts else ''})\n")
+
+
+def _call(name, first, n):
+    return f"{name}({first}{''.join(f', a[{x}]' for x in range(n))})"
+
+
+def kernel_mods(v):
+    """``(SMOD, MMOD, views, value, slope, keeps)`` of variant ``v``: whether it has a
+    score_mod, a mask_mod, and the device functions of :func:`device_mods` (trivial ones
+    where it has neither)."""
+    u = v.user
+    fns = device_mods(u, v.dtype != "float32")
+    return (u is not None and u.score_mod is not None, u is not None and u.mask_mod is not None,
+            *fns)
+
+
+@functools.cache
+def device_mods(spec, half):
+    """``(views, value, slope, keeps)`` device functions of ``spec`` (a UserMods, or None)
+    for a variant whose inputs are 16-bit (``half``) or fp32."""
+    if spec is None:
+        return _NO_MODS
+    n = len(spec.args)
+    ns = {"float32": float32, "float64": float64, "abs": abs, "max": max}
+    if not SIMULATOR:
+        from numba.cuda.np.numpy_support import carray
+
+        ns["carray"] = carray
+    src = [_views_source(spec.args)]
+    if spec.score_mod is not None:
+        ns["F"] = _device(float32_twin(spec.score_mod, half))
+        src.append("def value(s, b, h, i, j, a):\n"
+                   f"    return float32({_call('F', 's, b, h, i, j', n)})\n")
+        if half:
+            ns["G"] = _device(float32_twin(spec.score_mod, False))
+            step, t, one = "float32(0.015625)", "float32", "float32(1.0)"
+        else:
+            ns["G"] = _device(python_function(spec.score_mod))
+            step, t, one = "1e-3", "float64", "1.0"
+        src.append(
+            "def slope(s, b, h, i, j, a):\n"
+            f"    x = {t}(s)\n"
+            f"    st = {step} * max({one}, abs(x))\n"
+            "    st2 = st + st\n"
+            f"    d1 = {t}({_call('G', 'x + st, b, h, i, j', n)}) - "
+            f"{t}({_call('G', 'x - st, b, h, i, j', n)})\n"
+            f"    d2 = {t}({_call('G', 'x + st2, b, h, i, j', n)}) - "
+            f"{t}({_call('G', 'x - st2, b, h, i, j', n)})\n"
+            f"    return float32(({t}(8.0) * d1 - d2) / ({t}(12.0) * st))\n")
+    else:
+        src.append("def value(s, b, h, i, j, a):\n    return s\n")
+        src.append("def slope(s, b, h, i, j, a):\n    return float32(1.0)\n")
+    if spec.mask_mod is not None:
+        ns["M"] = _device(float32_twin(spec.mask_mod, half))
+        src.append("def keeps(b, h, i, j, a):\n"
+                   f"    return bool({_call('M', 'b, h, i, j', n)})\n")
+    else:
+        src.append("def keeps(b, h, i, j, a):\n    return True\n")
+    exec(compile("".join(src), f"<flashcore user mods {spec.label}>", "exec"), ns)  # noqa: S102
+    return tuple(_device(ns[name]) for name in ("views", "value", "slope", "keeps"))
+
+
+def _trivial():
+    def views(m0, m1, m2, m3, e):
+        return ()
+
+    def value(s, b, h, i, j, a):
+        return s
+
+    def slope(s, b, h, i, j, a):
+        return float32(1.0)
+
+    def keeps(b, h, i, j, a):
+        return True
+
+    return tuple(_device(f) for f in (views, value, slope, keeps))
+
+
+_NO_MODS = _trivial()

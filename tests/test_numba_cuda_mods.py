@@ -1,0 +1,364 @@
+"""The user's ``score_mod`` / ``mask_mod`` (with ``mod_args``) in the CUDA kernels (SIMT and
+tensor-core; forward, dK/dV, dQ): under numba's CUDA simulator on small shapes, compiled
+to PTX for sm_90 without a GPU, and on a GPU, each against the float64 reference with the
+same functions.
+
+The mods here are plain Python, as users write them: a relative-position bias read from a
+table, document masking by per-token ids, a softcap written out, a prefix-LM mask; each
+case also combines them with the built-in options (causal, window, softcap, ALiBi).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import TOL_BWD, TOL_FWD, qkv, rand, rel_err
+
+import flashcore
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed")
+
+CAP = 1.7
+
+
+def rel_bias(s, b, h, i, j, table):
+    """A learned relative-position bias (T5-like), one row per head."""
+    return s + table[h, i - j + table.shape[1] // 2]
+
+
+def capped(s, b, h, i, j):
+    """The softcap, written as a score_mod."""
+    return CAP * math.tanh(s / CAP)
+
+
+def same_doc(b, h, i, j, doc):
+    """Document masking of packed sequences: a query sees keys of its own document."""
+    return doc[b, i] == doc[b, j]
+
+
+def prefix_lm(b, h, i, j, prefix):
+    """Prefix-LM: bidirectional within the first prefix[b] tokens, causal after."""
+    return j <= i or j < prefix[b]
+
+
+def squared(s, b, h, i, j, doc):
+    """A nonlinear mod that reads an array too (and takes every mod_args, as mods do)."""
+    return s * s * 0.25 + (0.5 if doc[b, j] == 0 else 0.0)
+
+
+# (shapes; mods: "rel" bias table, "cap", "doc" ids, "prefix" lengths, "sq" nonlinear;
+# built-ins: causal, window, softcap, alibi)
+SIMT_CASES = [
+    dict(B=1, Hq=2, Hkv=1, Nq=13, Nk=19, D=8, dtype="float32", causal=True, layout="bhnd",
+         mods="rel"),
+    dict(B=2, Hq=2, Hkv=2, Nq=12, Nk=12, D=16, dtype="float32", causal=False, layout="bnhd",
+         mods="doc", softcap=1.3),
+    dict(B=2, Hq=2, Hkv=1, Nq=11, Nk=11, D=4, dtype="float16", causal=False, layout="bhnd",
+         mods="prefix", alibi=True),
+    dict(B=1, Hq=1, Hkv=1, Nq=10, Nk=14, D=8, dtype="float32", causal=False, layout="bhnd",
+         mods="sq", window=(4, 3)),
+]
+TC_CASES = [
+    dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=52, D=32, dtype="bfloat16", causal=True, layout="bhnd",
+         mods="cap"),
+    dict(B=2, Hq=2, Hkv=1, Nq=37, Nk=37, D=32, dtype="float16", causal=False, layout="bnhd",
+         mods="doc", window=(20, 9)),
+    dict(B=1, Hq=2, Hkv=2, Nq=33, Nk=33, D=32, dtype="bfloat16", causal=False, layout="bhnd",
+         mods="rel+prefix", softcap=2.0, alibi=True),
+]
+
+
+def _case_id(c):
+    return "-".join(f"{k}{v}" for k, v in c.items()).replace(" ", "")
+
+
+def _inputs(c):
+    rng = np.random.default_rng(zlib.crc32(_case_id(c).encode()))
+    q, k, v = qkv(rng, B=c["B"], Hq=c["Hq"], Hkv=c["Hkv"], Nq=c["Nq"], Nk=c["Nk"], D=c["D"],
+                  dtype=c["dtype"], layout=c["layout"])
+    do = rand(rng, (c["B"], c["Hq"], c["Nq"], c["D"]), c["dtype"], c["layout"])
+    return q, k, v, do, _mods(c, rng)
+
+
+def _mods(c, rng):
+    """(score_mod, mask_mod, mod_args) of the case, arrays made from ``rng``."""
+    B, Hq, Nq, Nk = c["B"], c["Hq"], c["Nq"], c["Nk"]
+    names = c["mods"].split("+")
+    score_mod = mask_mod = None
+    args = []
+    if "rel" in names:
+        score_mod = rel_bias
+        args.append(rng.standard_normal((Hq, 2 * max(Nq, Nk) + 1)).astype(np.float32))
+    if "cap" in names:
+        score_mod = capped
+    if "doc" in names:
+        mask_mod = same_doc
+        # three documents of uneven lengths per batch entry
+        cuts = np.sort(rng.choice(np.arange(1, Nk), size=2, replace=False))
+        doc = np.zeros((B, Nk), np.int32)
+        for b in range(B):
+            doc[b, cuts[0] + b:] += 1
+            doc[b, cuts[1]:] += 1
+        args.append(doc)
+    if "prefix" in names:
+        mask_mod = prefix_lm
+        args.append(np.arange(3, 3 + 4 * B, 4).astype(np.int64))
+    if "sq" in names:
+        score_mod = squared
+        args.append((rng.random((B, Nk)) < 0.5).astype(np.int32))
+    if score_mod is not None and mask_mod is not None:  # each mod takes every mod_args
+        s0, m0 = score_mod, mask_mod
+        score_mod = _takes_all(s0, 0, len(args))
+        mask_mod = _takes_all(m0, 1, len(args))
+    return score_mod, mask_mod, tuple(args)
+
+
+def _takes_all(fn, which, n):
+    """``fn`` (reading mod_args[which]) as a mod that takes all ``n`` mod_args: what a user
+    writes when one call has a score_mod and a mask_mod reading different arrays."""
+    assert n == 2
+    if fn is rel_bias:
+        def rel_bias_all(s, b, h, i, j, table, prefix):
+            return s + table[h, i - j + table.shape[1] // 2]
+        return rel_bias_all
+
+    def prefix_lm_all(b, h, i, j, table, prefix):
+        return j <= i or j < prefix[b]
+    return prefix_lm_all
+
+
+def _slopes(c):
+    if not c.get("alibi"):
+        return None
+    return (2.0 ** (-8.0 * np.arange(1, c["Hq"] + 1) / c["Hq"])).astype(np.float32)
+
+
+def _opts(c, mods):
+    score_mod, mask_mod, args = mods
+    return dict(causal=c["causal"], layout=c["layout"], window=c.get("window"),
+                softcap=c.get("softcap"), alibi_slopes=_slopes(c), score_mod=score_mod,
+                mask_mod=mask_mod, mod_args=args)
+
+
+def _reference(q, k, v, do, c, mods):
+    x64 = [np.asarray(x, dtype=np.float64) for x in (q, k, v, do)]
+    o, lse = flashcore.attention_forward(*x64[:3], backend="reference", **_opts(c, mods))
+    grads = flashcore.attention_backward(x64[3], *x64[:3], o, lse, backend="reference",
+                                         **_opts(c, mods))
+    return o, lse, grads
+
+
+def _check(q, k, v, do, c, mods, o, lse, grads):
+    ro, rl, rg = _reference(q, k, v, do, c, mods)
+    o = np.asarray(o, dtype=np.float64)
+    assert rel_err(o, ro) < TOL_FWD[c["dtype"]], rel_err(o, ro)
+    fin = np.isfinite(rl)
+    lse = np.asarray(lse)
+    assert np.array_equal(np.isfinite(lse), fin)
+    tol_lse = 1e-4 if c["dtype"] == "float32" else 1e-3
+    assert np.abs(lse[fin] - rl[fin]).max() < tol_lse
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+        e = rel_err(np.asarray(g, dtype=np.float64), r)
+        assert e < TOL_BWD[c["dtype"]], f"{name}: {e}"
+
+
+def _run(c):
+    q, k, v, do, mods = _inputs(c)
+    o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **_opts(c, mods))
+    grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda",
+                                         **_opts(c, mods))
+    _check(q, k, v, do, c, mods, o, lse, grads)
+
+
+if not SIM:
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("family", ["simt", "tensor_core"])
+    def test_mods_under_simulator(family):
+        """Runs the cases below in a subprocess with the simulator on."""
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1",
+                   FLASHCORE_TENSOR_CORES="0" if family == "simt" else "1")
+        here = Path(__file__).resolve()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
+             f"sim_{family}"], cwd=here.parent.parent, env=env, capture_output=True,
+            text=True, timeout=1800, check=False)
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
+        assert " passed" in proc.stdout, tail
+
+else:
+
+    @pytest.mark.parametrize("c", SIMT_CASES, ids=_case_id)
+    def test_sim_simt(c):
+        _run(c)
+
+    @pytest.mark.parametrize("c", TC_CASES, ids=_case_id)
+    def test_sim_tensor_core(c, monkeypatch):
+        from flashcore.backends.numba_cuda import launch
+
+        served = []
+        real = launch.tc_serves
+        monkeypatch.setattr(launch, "tc_serves",
+                            lambda *a: served.append(real(*a)) or served[-1])
+        _run(c)
+        assert served == [True, True]
+
+
+def test_numba_cuda_takes_user_mods(monkeypatch):
+    """numba_cuda serves score_mod / mask_mod with mod_args from NumPy, torch and CuPy
+    arrays, and declines, naming why, what its kernels do not take (on any host: the
+    GPU's availability is taken as given)."""
+    from flashcore import _dispatch
+    from flashcore._checks import make_case
+
+    q = np.zeros((1, 2, 8, 16), np.float32)
+    impl = _dispatch.load("numba_cuda")
+    monkeypatch.setattr(impl, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(impl, "_device_reason", lambda device: None)
+
+    def case(**opts):
+        options = {"window": None, "softcap": None, "alibi_slopes": None, "score_mod": None,
+                   "mask_mod": None, "mod_args": (), "block_mask": None, **opts}
+        return make_case(q, q, q, causal=False, scale=None, layout="bhnd", explicit=True,
+                         options=options)
+
+    doc = np.zeros((1, 8), np.int32)
+    assert impl.supports(case(score_mod=capped)) is None
+    assert impl.supports(case(mask_mod=same_doc, mod_args=(doc,), window=(2, 2))) is None
+    many = tuple(np.zeros(3, np.float32) for _ in range(5))
+    assert "at most 4 mod_args" in impl.supports(case(score_mod=capped, mod_args=many))
+    deep = np.zeros((1, 1, 1, 1, 2), np.float32)
+    assert "at most 4 dims" in impl.supports(case(score_mod=capped, mod_args=(deep,)))
+
+
+def test_float32_twin_keeps_scores_in_float32():
+    """The mod the kernels call computes in float32: float constants, float closure cells
+    and float globals become float32, and (16-bit variants) math.tanh the approximate
+    instruction; the user's function itself is left as it was."""
+    from flashcore.backends.numba_cuda.device import user_mods
+
+    cap = 3.0
+
+    def closure(s, b, h, i, j):
+        return cap * math.tanh(s / cap) + 0.5
+
+    for fn in (closure, capped):
+        twin = user_mods.float32_twin(fn, approx=False)
+        out = twin(np.float32(0.3), 0, 0, 1, 2)
+        assert isinstance(out, np.float32), type(out)
+        assert abs(float(out) - fn(0.3, 0, 0, 1, 2)) < 1e-6
+    assert type(closure(np.float32(0.3), 0, 0, 1, 2)) is not np.float32
+    assert CAP == 1.7 and type(capped.__globals__["CAP"]) is float
+
+
+@pytest.mark.skipif(SIM, reason="compiles PTX for a real architecture")
+@pytest.mark.parametrize("dtype,head_dim", [
+    ("bfloat16", 128), pytest.param("float32", 64, marks=pytest.mark.slow)])
+def test_user_mod_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
+    """Every kernel of a case class with a score_mod, a mask_mod and a mod_args array
+    compiles for sm_90 without a GPU, with the parameters the launch packs; the mod's
+    arithmetic stays float32 in the forward (no float64 tanh: the twin's tanh is the
+    approximate instruction at 16 bits)."""
+    import re
+    import types as pytypes
+
+    import numba.cuda.dispatcher as nd
+    from flashcore.backends.numba_cuda import driver, launch
+    from flashcore.backends.numba_cuda.variant import UserMods
+    from numba import cuda
+
+    monkeypatch.setattr(nd, "get_current_device",
+                        lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+    user = UserMods(_takes_all(rel_bias, 0, 2), _takes_all(prefix_lm, 1, 2),
+                    (("float32", 2), ("int64", 1)))
+    for v in launch.case_variants(head_dim, dtype, True, (9, 0), user=user):
+        if v.kernel == "preprocess":
+            continue
+        assert user.label in v.tag
+        sig = launch.signature(v.entry, v.dtype, user.args)
+        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0), fastmath=driver.FASTMATH,
+                                  **driver.jit_options(v.launch_bounds))
+        entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
+        assert len(re.findall(r"\.param\s+\.(\w+)", entry.group(1))) == len(sig)
+        if v.kernel == "forward":
+            assert "cvt.f64.f32" not in ptx or dtype == "float32", v.tag
+
+
+def _torch_case(c, torch):
+    q, k, v, do, mods = _inputs(c)
+    dt = getattr(torch, c["dtype"])
+    to = lambda x: torch.from_numpy(np.asarray(x, dtype=np.float32)).cuda().to(dt)  # noqa: E731
+    score_mod, mask_mod, args = mods
+    targs = tuple(torch.from_numpy(a).cuda() for a in args)
+    slopes = _slopes(c)
+    opts = dict(_opts(c, mods), mod_args=targs,
+                alibi_slopes=None if slopes is None else torch.from_numpy(slopes).cuda())
+    return (to(q), to(k), to(v), to(do)), (q, k, v, do), mods, opts
+
+
+GPU_CASES = [
+    dict(B=2, Hq=4, Hkv=2, Nq=700, Nk=700, D=128, dtype="bfloat16", causal=True,
+         layout="bnhd", mods="cap"),
+    dict(B=2, Hq=4, Hkv=4, Nq=600, Nk=600, D=64, dtype="float16", causal=False,
+         layout="bhnd", mods="doc", window=(200, 100)),
+    dict(B=1, Hq=4, Hkv=2, Nq=500, Nk=650, D=128, dtype="bfloat16", causal=False,
+         layout="bhnd", mods="rel+prefix", softcap=20.0, alibi=True),
+    dict(B=2, Hq=2, Hkv=1, Nq=400, Nk=400, D=64, dtype="float32", causal=True,
+         layout="bhnd", mods="rel"),
+    dict(B=2, Hq=2, Hkv=2, Nq=300, Nk=450, D=64, dtype="float32", causal=False,
+         layout="bnhd", mods="sq"),
+    dict(B=1, Hq=2, Hkv=2, Nq=500, Nk=500, D=96, dtype="float16", causal=True,
+         layout="bhnd", mods="doc"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=_case_id)
+def test_user_mods_on_gpu(c):
+    """Forward and backward with the user's mods on torch CUDA tensors (tensor cores for
+    fp16/bf16, CUDA cores for fp32) against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    (q, k, v, do), host, mods, opts = _torch_case(c, torch)
+    o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+    grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
+    torch.cuda.synchronize()
+    hq, hk, hv, hdo = (x.float().cpu().numpy() for x in (q, k, v, do))
+    _check(hq, hk, hv, hdo, c, mods, o.float().cpu().numpy(), lse.cpu().numpy(),
+           [g.float().cpu().numpy() for g in grads])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_softcap_as_score_mod_matches_builtin_on_gpu(dtype):
+    """A softcap written as a score_mod gives what the built-in softcap gives (the same
+    kernels otherwise; both approximate tanh at 16 bits), forward and backward."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dt = getattr(torch, dtype)
+    q, k, v, do = (torch.randn(2, 4, 512, 128, device="cuda", generator=g).mul(1.5).to(dt)
+                   for _ in range(4))
+    out = []
+    for opts in (dict(softcap=CAP), dict(score_mod=capped)):
+        o, lse = flashcore.attention_forward(q, k, v, causal=True, backend="numba_cuda",
+                                             **opts)
+        grads = flashcore.attention_backward(do, q, k, v, o, lse, causal=True,
+                                             backend="numba_cuda", **opts)
+        out.append([o, *grads])
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for name, a, b in zip(("o", "dq", "dk", "dv"), *out):
+        e = rel_err(a.float().cpu().numpy(), b.float().cpu().numpy())
+        assert e < tol, f"{name}: {e}"
