@@ -121,8 +121,8 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
     lst = (N * H, N, 1)
     scale = D ** -0.5
     # (no ALiBi: a float32 buffer no kernel reads, zero strides; no mod_args: that buffer
-    # for each of the 4 pointers, extents 0)
-    no_slopes = (delta, 0, 0, delta, delta, delta, delta) + (0,) * 16
+    # for each of the 4 pointers, extents 0; no tile classes: that buffer, strides 0)
+    no_slopes = (delta, 0, 0, delta, delta, delta, delta) + (0,) * 16 + (delta, 0, 0, 0)
     expected = {
         "forward": (q, k, v, o, lse, N, N, H, 1, 0, *st, *st, *st, *st, scale, *no_slopes),
         "dkdv": (q, k, v, do, lse, delta, dk, dv, N, N, H, H, 1, 0, *st, *st, *st, *st, *st,

@@ -66,6 +66,13 @@ SIMT_CASES = [
          mods="prefix", alibi=True),
     dict(B=1, Hq=1, Hkv=1, Nq=10, Nk=14, D=8, dtype="float32", causal=False, layout="bhnd",
          mods="sq", window=(4, 3)),
+    # (cb: the tile classes' block, made small here so that the simulator sees every class
+    # on few rows; the kernels on a GPU compile it as 128, as the cases marked slow run it)
+    dict(B=1, Hq=1, Hkv=1, Nq=40, Nk=40, D=4, dtype="float32", causal=False, layout="bhnd",
+         mods="blocks", split=18, cb=8, block_mask=True),
+    pytest.param(dict(B=1, Hq=1, Hkv=1, Nq=300, Nk=300, D=4, dtype="float32", causal=False,
+                      layout="bhnd", mods="blocks", split=140, block_mask=True),
+                 marks=pytest.mark.slow),
 ]
 TC_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=52, D=32, dtype="bfloat16", causal=True, layout="bhnd",
@@ -74,10 +81,16 @@ TC_CASES = [
          mods="doc", window=(20, 9)),
     dict(B=1, Hq=2, Hkv=2, Nq=33, Nk=33, D=32, dtype="bfloat16", causal=False, layout="bhnd",
          mods="rel+prefix", softcap=2.0, alibi=True),
+    dict(B=1, Hq=1, Hkv=1, Nq=70, Nk=70, D=32, dtype="float16", causal=True, layout="bhnd",
+         mods="blocks", split=20, cb=16),
+    pytest.param(dict(B=1, Hq=1, Hkv=1, Nq=290, Nk=290, D=32, dtype="float16", causal=True,
+                      layout="bhnd", mods="blocks", split=140), marks=pytest.mark.slow),
 ]
 
 
 def _case_id(c):
+    if not isinstance(c, dict):  # (a pytest.param)
+        c = c.values[0]
     return "-".join(f"{k}{v}" for k, v in c.items()).replace(" ", "")
 
 
@@ -108,6 +121,11 @@ def _mods(c, rng):
         for b in range(B):
             doc[b, cuts[0] + b:] += 1
             doc[b, cuts[1]:] += 1
+        args.append(doc)
+    if "blocks" in names:  # two documents, split at row c["split"]: blocks of tile classes
+        mask_mod = same_doc  # that are empty, full and partial
+        doc = np.zeros((B, Nk), np.int32)
+        doc[:, c["split"]:] = 1
         args.append(doc)
     if "prefix" in names:
         mask_mod = prefix_lm
@@ -142,11 +160,22 @@ def _slopes(c):
     return (2.0 ** (-8.0 * np.arange(1, c["Hq"] + 1) / c["Hq"])).astype(np.float32)
 
 
+_BLOCK_MASKS: dict = {}
+
+
 def _opts(c, mods):
     score_mod, mask_mod, args = mods
+    bm = None
+    if c.get("block_mask"):  # one BlockMask per case, as a model makes one per mask
+        key = _case_id(c)
+        if key not in _BLOCK_MASKS:
+            _BLOCK_MASKS[key] = flashcore.create_block_mask(mask_mod, c["B"], None, c["Nq"],
+                                                            c["Nk"], mod_args=args)
+        bm = _BLOCK_MASKS[key]
+        assert 0 < bm.sparsity() < 1, bm
     return dict(causal=c["causal"], layout=c["layout"], window=c.get("window"),
                 softcap=c.get("softcap"), alibi_slopes=_slopes(c), score_mod=score_mod,
-                mask_mod=mask_mod, mod_args=args)
+                mask_mod=mask_mod, mod_args=args, block_mask=bm)
 
 
 def _reference(q, k, v, do, c, mods):
@@ -171,7 +200,13 @@ def _check(q, k, v, do, c, mods, o, lse, grads):
         assert e < TOL_BWD[c["dtype"]], f"{name}: {e}"
 
 
-def _run(c):
+def _run(c, monkeypatch):
+    if "cb" in c:  # (simulator only: the block is a compile-time constant on a GPU)
+        from flashcore import _mods
+        from flashcore.backends.numba_cuda.device import seams
+
+        monkeypatch.setattr(seams, "CLASS_BLOCK", c["cb"])
+        monkeypatch.setattr(_mods, "BLOCK", c["cb"])
     q, k, v, do, mods = _inputs(c)
     o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **_opts(c, mods))
     grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda",
@@ -199,8 +234,8 @@ if not SIM:
 else:
 
     @pytest.mark.parametrize("c", SIMT_CASES, ids=_case_id)
-    def test_sim_simt(c):
-        _run(c)
+    def test_sim_simt(c, monkeypatch):
+        _run(c, monkeypatch)
 
     @pytest.mark.parametrize("c", TC_CASES, ids=_case_id)
     def test_sim_tensor_core(c, monkeypatch):
@@ -210,7 +245,7 @@ else:
         real = launch.tc_serves
         monkeypatch.setattr(launch, "tc_serves",
                             lambda *a: served.append(real(*a)) or served[-1])
-        _run(c)
+        _run(c, monkeypatch)
         assert served == [True, True]
 
 

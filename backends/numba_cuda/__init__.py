@@ -96,13 +96,12 @@ _ARG_DTYPES = ("float32", "float64", "float16", "int8", "int16", "int32", "int64
 
 def _mods_reason(case):
     """Why the kernels cannot take this call's score_mod / mask_mod and mod_args, or None."""
-    from flashcore._interop import dtype_name
-
-    from .device.user_mods import MAX_ARGS, MAX_DIMS
-
     m = case.mods
     if m is None or (m.score_mod is None and m.mask_mod is None):
         return None
+    from flashcore._interop import dtype_name
+
+    from .device.user_mods import MAX_ARGS, MAX_DIMS  # (imports numba.cuda)
     if case.library == "jax":
         return ("the CUDA kernels take score_mod / mask_mod from torch, CuPy and NumPy "
                 "arrays, not from JAX arrays yet; numba_cpu and reference do")

@@ -16,6 +16,7 @@ import numpy as np
 
 from flashcore import _poison
 from flashcore._interop import cuda_raw
+from flashcore._memo import Memo
 
 from . import launch
 from .device.convert import SIMULATOR
@@ -57,7 +58,8 @@ class _Adapter:
         view = self.view
         launch.run_forward(case, dev, stream, view(q, lay, keep), view(k, lay, keep),
                            view(v, lay, keep), view(o, lay, keep), lse_at,
-                           slopes=self.slopes(case, keep), margs=self.mod_args(case, keep))
+                           slopes=self.slopes(case, keep), margs=self.mod_args(case, keep),
+                           classes=self.tile_classes(case, q, keep))
         if self.synchronous:
             synchronize(stream, dev)
         return o, lse
@@ -80,7 +82,8 @@ class _Adapter:
                             view(k, lay, keep), view(v, lay, keep), view(o, lay, keep),
                             view(lse, None, keep), self.address(delta, keep),
                             view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep),
-                            slopes=self.slopes(case, keep), margs=self.mod_args(case, keep))
+                            slopes=self.slopes(case, keep), margs=self.mod_args(case, keep),
+                           classes=self.tile_classes(case, q, keep))
         if self.synchronous:
             synchronize(stream, dev)
         return dq, dk, dv
@@ -117,6 +120,34 @@ class _Adapter:
         """``x``, or a C-contiguous copy of it (a mod_args array the kernels index flat)."""
         return x
 
+    def tile_classes(self, case, like, keep):
+        """The mask_mod's tile classes as the kernels take them, ``(handle, batch stride,
+        head stride, query-block stride)``, or None without a mask_mod: the BlockMask's, or
+        (without one) those flashcore._mods.block_classes computes from host copies of
+        the mod_args (kept by their contents, so a repeated mask costs one copy to the
+        host per call and no evaluation). Each host array of classes is uploaded once
+        per GPU (:data:`_UPLOADED`)."""
+        m = case.mods
+        if m is None or m.mask_mod is None:
+            return None
+        host = _host_classes(case)
+        key = (id(host), case.library, case.device)
+        hit = _UPLOADED.get(key)
+        if hit is None or hit[0] is not host:
+            if len(_UPLOADED) >= _UPLOADED.max_size:
+                _UPLOADED.clear()
+            hit = (host, self.upload(host, like))
+            _UPLOADED[key] = hit
+        dev = hit[1]
+        keep.append(dev)
+        nb, nh, nq, nk = host.shape
+        return (self.address(dev, keep), 0 if nb == 1 else nh * nq * nk,
+                0 if nh == 1 else nq * nk, nk)
+
+    def upload(self, host, like):
+        """A copy on ``like``'s device of the NumPy array ``host``."""
+        raise NotImplementedError
+
     def address(self, x, keep):
         """The handle of a contiguous buffer (lse, delta) the kernels index flat."""
         return self.raw(x, keep)[0]
@@ -129,6 +160,27 @@ class _Adapter:
         contents are never read, and it is never freed, so no write lands in memory that
         was handed to another tensor."""
         return None
+
+
+#: (id of host classes, library, device) -> (host classes, device copy): the uploads of
+#: _Adapter.tile_classes, bounded.
+_UPLOADED = Memo(64)
+
+
+def _host_classes(case):
+    """The int8 (B or 1, H or 1, query blocks, key blocks) tile classes of the call's
+    mask_mod (flashcore._mods)."""
+    from flashcore import _mods
+    from flashcore._interop import copy_to_host
+
+    m = case.mods
+    if m.block_mask is not None:
+        return m.block_mask.classes
+    args = tuple(np.ascontiguousarray(a.copy_to_host() if hasattr(a, "copy_to_host")
+                                      else copy_to_host(a, case.library))
+                 for a in case.mod_args)  # (numba device arrays: NumPy inputs on a GPU)
+    return _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
+                               case.seqlen_k, _mods.BLOCK, args, remember=True)
 
 
 #: Words of the per-GPU lse scratch buffer (1 MiB): calls with more query rows allocate
@@ -185,6 +237,9 @@ class _Torch(_Adapter):
     def contiguous(self, x):
         return x.contiguous()
 
+    def upload(self, host, like):
+        return _torch().from_numpy(host).to(like.device)
+
     def scratch(self, like, n, dev):
         if n > SCRATCH_WORDS:
             return None
@@ -231,6 +286,12 @@ class _CuPy(_Adapter):
         import cupy
 
         return cupy.ascontiguousarray(x)
+
+    def upload(self, host, like):
+        import cupy
+
+        with like.device:
+            return cupy.asarray(host)
 
     def empty(self, like, shape, dtype, dev, poison=True):
         import cupy
@@ -306,6 +367,9 @@ class _NumPy(_Adapter):
     def contiguous(self, x):
         return np.ascontiguousarray(x)
 
+    def upload(self, host, like):
+        return host
+
     def raw(self, x, keep):
         flat, strides = launch.host_flat(x)
         keep.append(flat)
@@ -350,6 +414,11 @@ class _NumPy(_Adapter):
 
 class _NumbaDevice(_Adapter):
     """numba device arrays, for NumPy inputs copied to the GPU (bf16 as uint16 bits)."""
+
+    def upload(self, host, like):
+        from numba import cuda
+
+        return cuda.to_device(host)
 
     def raw(self, x, keep):
         item = x.dtype.itemsize

@@ -70,14 +70,14 @@ def time_candidate(kernel, t, head_dim, causal, dtype, device, batch, heads, seq
         case = Case("numba", f"cuda:{device}", dtype, batch, heads, heads, seqlen, seqlen,
                     head_dim, bool(causal), head_dim ** -0.5, "bhnd")
         kern, bm = _kernel(kernel, head_dim, dtype, causal, device, t)
-        ns, nm = launch.no_slopes(dl), launch.no_mod_args(dl)
+        ns, nm, nc = launch.no_slopes(dl), launch.no_mod_args(dl), launch.no_classes(dl)
         run = {  # the launches of launch.run_forward / run_backward, with this kernel
             "forward": lambda: launch.launch_forward(kern, bm, case, 0, vq, vk, vv, vo, vl[0],
-                                                     ns, nm),
+                                                     ns, nm, nc),
             "dkdv": lambda: launch.launch_dkdv(kern, bm, case, 0, vq, vk, vv, vdo, vl, dl, vdk,
-                                               vdv, ns, nm),
+                                               vdv, ns, nm, nc),
             "dq": lambda: launch.launch_dq(kern, bm, case, 0, vq, vk, vv, vdo, vl, dl, vdq, ns,
-                                           nm),
+                                           nm, nc),
         }[kernel]
         for _ in range(3):
             run()

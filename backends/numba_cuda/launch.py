@@ -69,12 +69,14 @@ def signature(kernel: str, dtype: str, mod_args: tuple = ()) -> tuple:
     then the ALiBi slopes (float32) and their batch and head strides (read only by ALiBi
     variants; others get any float32 buffer), then the user mods' arrays: MAX_ARGS
     pointers (typed by ``mod_args``, the variant's ``UserMods.args``; float32 past them)
-    and MAX_ARGS * MAX_DIMS int64 extents. Both families take the same arguments."""
+    and MAX_ARGS * MAX_DIMS int64 extents, then the mask_mod's tile classes (int8, read by
+    variants with a mask_mod) with their batch, head and query-block strides. Both families
+    take the same arguments."""
     e = types.CPointer(_ELEM[dtype])
     f32 = types.CPointer(types.float32)
     kinds = [a[0] for a in mod_args] + ["float32"] * (MAX_ARGS - len(mod_args))
     mods = (f32, _I64, _I64) + tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (
-        _I64,) * (MAX_ARGS * MAX_DIMS)
+        _I64,) * (MAX_ARGS * MAX_DIMS) + (types.CPointer(types.int8), _I64, _I64, _I64)
     return {
         "attn_forward": (e, e, e, e, f32) + (_I64,) * 21 + (_F64,) + mods,
         "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
@@ -245,38 +247,43 @@ def forget_plans():
     tilings.forget_tuned()
 
 
-def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs):
+def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
+                   classes):
     """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
     tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
     lse is a handle of a contiguous float32 (B, Hq, Nq) buffer; slopes a (handle, (batch
     stride, head stride)) pair (:func:`no_slopes` without ALiBi); margs the MAX_ARGS
-    pointers and MAX_ARGS * MAX_DIMS extents of the mod_args (:func:`no_mod_args`)."""
+    pointers and MAX_ARGS * MAX_DIMS extents of the mod_args (:func:`no_mod_args`);
+    classes the mask_mod's tile classes, ``(handle, batch stride, head stride, query-block
+    stride)`` (:func:`no_classes`)."""
     kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
-          *o[1], float(case.scale), slopes[0], *slopes[1], *margs))
+          *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes))
 
 
-def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs):
+def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
+                classes):
     """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nk + bm - 1) // bm, B * Hkv), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
           Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
-          slopes[0], *slopes[1], *margs))
+          slopes[0], *slopes[1], *margs, *classes))
 
 
-def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs):
+def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs,
+              classes):
     """One dQ launch (``bm`` queries per block)."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nq + bm - 1) // bm, B * Hq), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
           *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
-          *slopes[1], *margs))
+          *slopes[1], *margs, *classes))
 
 
 def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
-                margs=None):
+                margs=None, classes=None):
     """Launch the forward: the tensor-core kernel where :func:`tc_serves`, else the SIMT
     kernel (always the SIMT kernel with an explicit SIMT ``tiles``); arguments as in
     :func:`launch_forward` (``slopes`` None: the call has no ALiBi; ``margs`` None: no
@@ -284,11 +291,11 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     tc = tiles is None and tc_serves(case, device, q, k, v)
     kern, bm = _plan("forward", case, device, tiles, _fp32_rows_aligned(case, q, k, v), tc)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
-                   margs or no_mod_args(lse))
+                   margs or no_mod_args(lse), classes or no_classes(lse))
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None,
-                 slopes=None, margs=None):
+                 slopes=None, margs=None, classes=None):
     """Launch the preprocess kernel, then the dK/dV and dQ kernels (tensor-core ones where
     :func:`tc_serves`, as in :func:`run_forward`). Arrays are (handle, strides) pairs; lse
     has three strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch
@@ -301,8 +308,10 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
         (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
     slopes = slopes or no_slopes(delta)
     margs = margs or no_mod_args(delta)
-    launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs)
-    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs)
+    classes = classes or no_classes(delta)
+    launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
+                classes)
+    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs, classes)
 
 
 def no_slopes(buffer):
@@ -317,6 +326,11 @@ def no_slopes(buffer):
 def no_mod_args(buffer):
     """The mod_args arguments of a call without them (:func:`no_slopes`'s buffer)."""
     return (no_slopes(buffer)[0],) * MAX_ARGS + (0,) * (MAX_ARGS * MAX_DIMS)
+
+
+def no_classes(buffer):
+    """The tile-classes arguments of a call without a mask_mod (never read)."""
+    return (no_slopes(buffer)[0], 0, 0, 0)
 
 
 def mod_args(views) -> tuple:

@@ -16,3 +16,7 @@ NEG_INF = np.float32(-np.inf)
 POS_INF = np.float32(np.inf)
 #: The smallest normal float32.
 FLT_MIN = 1.1754943508222875e-38
+#: Query and key rows per tile class of a BlockMask (flashcore._mods.BLOCK).
+CLASS_BLOCK = 128
+#: Tile classes (flashcore._mods: EMPTY, PARTIAL, FULL).
+EMPTY, PARTIAL, FULL = 0, 1, 2

@@ -26,7 +26,7 @@ import math
 
 from numba import float32, int32
 
-from .constants import NEG_INF
+from .constants import CLASS_BLOCK, EMPTY, FULL, NEG_INF, PARTIAL
 from .convert import device_function
 from .intrinsics import tanh_approx
 
@@ -205,3 +205,29 @@ def user_keeps(b, h, i, j, Nq, Nk, keeps, args):
     ends are asked as the last row or key, as in :func:`user_score` (bounds are the other
     seams' part)."""
     return keeps(b, h, min(i, Nq - 1), min(j, Nk - 1), args)
+
+
+@device_function
+def tile_class(cls, base, csq, q0, rows, Nq, k0, cols, Nk):
+    """The class of the tile of queries ``q0 .. q0 + rows - 1`` and keys ``k0 .. k0 + cols -
+    1`` (clipped to ``Nq``, ``Nk``) under a mask_mod, from its BlockMask's classes
+    (``cls[base + qt * csq + kt]`` per CLASS_BLOCK x CLASS_BLOCK block): EMPTY where every
+    block it touches is empty (the tile is skipped), FULL where every one is full (no
+    per-element mask_mod), else PARTIAL. A kernel tile lies in one block when its sides
+    divide CLASS_BLOCK; larger tiles combine the blocks they cover."""
+    qa = q0 // CLASS_BLOCK
+    qb = (min(q0 + rows, Nq) - 1) // CLASS_BLOCK
+    ka = k0 // CLASS_BLOCK
+    kb = (min(k0 + cols, Nk) - 1) // CLASS_BLOCK
+    lo = FULL
+    hi = EMPTY
+    for x in range(qa, qb + 1):
+        for y in range(ka, kb + 1):
+            c = int32(cls[base + x * csq + y])
+            lo = min(lo, c)
+            hi = max(hi, c)
+    if hi == EMPTY:
+        return EMPTY
+    if lo == FULL:
+        return FULL
+    return PARTIAL

@@ -24,7 +24,7 @@ import math
 from numba import cuda, float32
 
 from .. import tilings as _tiles
-from ..device.constants import LOG2E, SMEM_ALIGN
+from ..device.constants import EMPTY, LOG2E, PARTIAL, SMEM_ALIGN
 from ..device.convert import load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
@@ -36,6 +36,7 @@ from ..device.seams import (
     query_range,
     slope_of,
     softcap,
+    tile_class,
     user_keeps,
     user_score_slope,
     visible,
@@ -106,7 +107,8 @@ def make_attn_backward_dkdv(v):
                            vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
                            dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
                            lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2,
-                           e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15):
+                           e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15, cls, csb,
+                           csh, csq):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -195,10 +197,19 @@ def make_attn_backward_dkdv(v):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, K_OFF, LDK, q_off, QD, QJ, DP, tr, tc, RM, RN, TC,
-                         KU)
-            tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, QD, QJ, DP, tr, tc, RM, RN,
-                         TC, KU)
+            # the step's class under a mask_mod: an empty step has P = 0 (its products
+            # skipped), a full one takes no mask_mod
+            live = True
+            partial = MMOD
+            if MMOD:  # (compile-time)
+                cl = tile_class(cls, b * csb + h * csh, csq, m0, BN, Nq, k0, BM, Nk)
+                live = cl != EMPTY
+                partial = cl == PARTIAL
+            if live:
+                tile_product(s, xa, xb, smem, K_OFF, LDK, q_off, QD, QJ, DP, tr, tc, RM, RN,
+                             TC, KU)
+                tile_product(dp, xa, xb, smem, V_OFF, LDK, do_off, QD, QJ, DP, tr, tc, RM, RN,
+                             TC, KU)
             masked = CAUSAL and m0 < m_full
             if WINDOW:
                 masked = m0 < m_full or m0 + BN - 1 > m_last
@@ -220,8 +231,9 @@ def make_attn_backward_dkdv(v):
                                                  float32(1.0 / LOG2E), VALUE, SLOPE, margs)
                         g *= gu
                     p = math.exp2(x - ls)
-                    if (masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT, RIGHT)) or (
-                            MMOD and not user_keeps(b, h, i, k0 + row, Nq, Nk, KEEPS, margs)):
+                    if not live or (masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT,
+                                                     RIGHT)) or (
+                            partial and not user_keeps(b, h, i, k0 + row, Nq, Nk, KEEPS, margs)):
                         p = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
                     ds = p * (dp[a, bb] - dl)
@@ -232,16 +244,18 @@ def make_attn_backward_dkdv(v):
                     else:
                         smem[DS_OFF + col * LDP + row] = ds
             cuda.syncthreads()
-            tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, QJ, QD, BN, tr, tc,
-                         RM, RD, TC, KU)
+            if live:  # (an empty step adds nothing)
+                tile_product(dv_acc, xa, xd, smem, P_OFF, LDP, do_off, QJ, QD, BN, tr, tc,
+                             RM, RD, TC, KU)
             if ONE_PS:
                 cuda.syncthreads()
                 for bb in range(RN):
                     for a in range(RM):
                         smem[DS_OFF + (tc + TC * bb) * LDP + tr * RM + a] = dp[a, bb]
                 cuda.syncthreads()
-            tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, q_off, QJ, QD, BN, tr, tc,
-                         RM, RD, TC, KU)
+            if live:
+                tile_product(dk_acc, xa, xd, smem, DS_OFF, LDP, q_off, QJ, QD, BN, tr, tc,
+                             RM, RD, TC, KU)
             cuda.syncthreads()
         if ASYNC:
             cp_async_wait(0)
@@ -294,7 +308,7 @@ def make_attn_backward_dq(v):
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
                          gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
                          slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8,
-                         e9, e10, e11, e12, e13, e14, e15):
+                         e9, e10, e11, e12, e13, e14, e15, cls, csb, csh, csq):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -306,6 +320,7 @@ def make_attn_backward_dq(v):
         b, h, hk = split_heads(bh, Hq, group)
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
+        cbase = b * csb + h * csh  # (MMOD) this head's tile classes
         sl2 = float32(scale * LOG2E)
         slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
         qbase = b * qsb + h * qsh
@@ -367,10 +382,18 @@ def make_attn_backward_dq(v):
                 for bb in range(RN):
                     s[a, bb] = float32(0.0)
                     dp[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, k_off, KD, KJ, DP, tr, tc, RM, RN, TC,
-                         KU)
-            tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, KD, KJ, DP, tr, tc, RM, RN,
-                         TC, KU)
+            # the tile's class under a mask_mod (as in the dK/dV kernel)
+            live = True
+            partial = MMOD
+            if MMOD:  # (compile-time)
+                cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
+                live = cl != EMPTY
+                partial = cl == PARTIAL
+            if live:
+                tile_product(s, xa, xb, smem, Q_OFF, LDQ, k_off, KD, KJ, DP, tr, tc, RM, RN,
+                             TC, KU)
+                tile_product(dp, xa, xb, smem, DO_OFF, LDQ, v_off, KD, KJ, DP, tr, tc, RM, RN,
+                             TC, KU)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             masked = n0 + BN > n_full or (WINDOW and n0 < n_lo)
             for a in range(RM):
@@ -389,17 +412,18 @@ def make_attn_backward_dq(v):
                                                  float32(1.0 / LOG2E), VALUE, SLOPE, margs)
                         g *= gu
                     p = math.exp2(x - ls[a])
-                    if (masked and not visible(i, n0 + col, Nk, causal_offset, CAUSAL, LEFT,
-                                               RIGHT)) or (
-                            MMOD and not user_keeps(b, h, i, n0 + col, Nq, Nk, KEEPS, margs)):
+                    if not live or (masked and not visible(i, n0 + col, Nk, causal_offset,
+                                                           CAUSAL, LEFT, RIGHT)) or (
+                            partial and not user_keeps(b, h, i, n0 + col, Nq, Nk, KEEPS, margs)):
                         p = float32(0.0)
                     ds = p * (dp[a, bb] - dl[a])
                     if GRAD:
                         ds *= g
                     smem[DS_OFF + col * LDP + row] = ds
             cuda.syncthreads()
-            tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, KJ, KD, BN, tr, tc,
-                         RM, RD, TC, KU)
+            if live:  # (an empty tile adds nothing)
+                tile_product(dq_acc, xa, xd, smem, DS_OFF, LDP, k_off, KJ, KD, BN, tr, tc,
+                             RM, RD, TC, KU)
             cuda.syncthreads()
         if ASYNC:
             cp_async_wait(0)

@@ -16,7 +16,7 @@ import math
 from numba import cuda, float32
 
 from .. import tilings as _tiles
-from ..device.constants import LN2, LOG2E, NEG_INF, SMEM_ALIGN
+from ..device.constants import EMPTY, LN2, LOG2E, NEG_INF, PARTIAL, SMEM_ALIGN
 from ..device.convert import device_function, ld4, load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
@@ -27,6 +27,7 @@ from ..device.seams import (
     score,
     slope_of,
     softcap,
+    tile_class,
     user_keeps,
     user_score,
     window_key_range,
@@ -150,7 +151,7 @@ def make_attn_forward(v):
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                      vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
                      m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12,
-                     e13, e14, e15):
+                     e13, e14, e15, cls, csb, csh, csq):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -167,6 +168,7 @@ def make_attn_forward(v):
         slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
+        cbase = b * csb + h * csh  # (MMOD) this head's tile classes
 
         load_tile_t(smem, Q_OFF, LDQ, q, qbase, q0, Nq, qsn, qsd, BM, D, DP, sl2, tid, NT)
 
@@ -204,36 +206,45 @@ def make_attn_forward(v):
                 load_tile_t(smem, K_OFF, KD, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
                             float32(1.0), tid, NT)
             cuda.syncthreads()
+            # the tile's class under a mask_mod: an empty tile is all -inf (its products
+            # skipped, its copies and barriers kept), a full one takes no mask_mod
+            live = True
+            partial = MMOD
+            if MMOD:  # (compile-time)
+                cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
+                live = cl != EMPTY
+                partial = cl == PARTIAL
             for a in range(RM):
                 for bb in range(RN):
-                    s[a, bb] = float32(0.0)
-            tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, KD, KJ, DP, tr, tc,
-                         RM, RN, TC, KU)
-            if CAP:  # (compile-time) the softcap, before the masks
+                    s[a, bb] = float32(0.0) if live else NEG_INF
+            if live:
+                tile_product(s, xa, xb, smem, Q_OFF, LDQ, K_OFF, KD, KJ, DP, tr, tc,
+                             RM, RN, TC, KU)
+            if CAP and live:  # (CAP compile-time) the softcap, before the masks
                 for a in range(RM):
                     for bb in range(RN):
                         s[a, bb], _ = softcap(s[a, bb], CAP_L2, CAP_INV, APPROX)
-            if ALIBI:  # (compile-time) the distance bias, after the softcap
+            if ALIBI and live:  # (ALIBI compile-time) the distance bias, after the softcap
                 for a in range(RM):
                     i = q0 + tr * RM + a
                     for bb in range(RN):
                         s[a, bb] = alibi(s[a, bb], distance(i, n0 + tc + TC * bb, causal_offset),
                                          slope)
-            if SMOD:  # (compile-time) the user's score_mod, after the softcap and ALiBi
+            if SMOD and live:  # (SMOD compile-time) the user's score_mod, after the others
                 for a in range(RM):
                     i = q0 + tr * RM + a
                     for bb in range(RN):
                         s[a, bb] = user_score(s[a, bb], b, h, i, n0 + tc + TC * bb, Nq, Nk,
                                               float32(LOG2E), float32(1.0 / LOG2E), VALUE,
                                               margs)
-            # a diagonal, edge or tail tile; with a mask_mod, every tile
-            if MMOD or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+            # a diagonal, edge or tail tile; with a mask_mod, every partial tile
+            if partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
                 for a in range(RM):
                     i = q0 + tr * RM + a
                     for bb in range(RN):
                         j = n0 + tc + TC * bb
                         x = score(s[a, bb], i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT)
-                        if MMOD and not user_keeps(b, h, i, j, Nq, Nk, KEEPS, margs):
+                        if partial and not user_keeps(b, h, i, j, Nq, Nk, KEEPS, margs):
                             x = NEG_INF
                         s[a, bb] = x
             for a in range(RM):
@@ -292,8 +303,9 @@ def make_attn_forward(v):
                 if n0 + BN < n_end:
                     copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid, NT)
                 cp_async_commit()
-            tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, KJ, KD, BN, tr, tc, RM, RD, TC,
-                         KU)
+            if live:  # (an empty tile's P is 0)
+                tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, KJ, KD, BN, tr, tc, RM, RD,
+                             TC, KU)
             cuda.syncthreads()
         if ASYNC:
             cp_async_wait(0)

@@ -40,7 +40,7 @@ import math
 
 from numba import cuda, float32, uint16
 
-from ..device.constants import LOG2E, SMEM_ALIGN
+from ..device.constants import EMPTY, LOG2E, PARTIAL, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
@@ -52,6 +52,7 @@ from ..device.seams import (
     query_range,
     slope_of,
     softcap,
+    tile_class,
     user_keeps,
     user_score_slope,
     visible,
@@ -181,7 +182,7 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
               j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
               DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT, RIGHT,
               WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh, SMOD, MMOD, value, slope, keeps,
-              margs):
+              margs, k0, cls, csb, csh, csq):
     """One pass of the dK/dV kernel over every query step of its key tile (K and V are in
     shared memory or in flight; their copies complete with the first step's Q and dO,
     committed here): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
@@ -217,27 +218,36 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         qb = Q_OFF + (it & 1) * BUF
         gb = DO_OFF + (it & 1) * BUF
 
-        mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
-        mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
+        live = True
+        partial = MMOD
+        if MMOD:  # (compile-time) the step's class: empty steps are skipped
+            # (the block's keys: 16 per warp, NT // 2)
+            cl = tile_class(cls, b * csb + h * csh, csq, m0, BN, Nq, k0, NT // 2, Nk)
+            live = cl != EMPTY
+            partial = cl == PARTIAL
+        if live:
+            mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
+            mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
 
-        lbase = b * lsb + h * lsh
-        dbase = (b * Hq + h) * Nq
-        if ALIBI:  # (compile-time) this step's query head's slope, in raw-score units
-            modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
-        edge = CAUSAL and m0 < m_full
-        if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
-            edge = m0 < m_full or m0 + BN - 1 > m_last
-        if SMOD or MMOD or edge or m0 + BN > Nq:  # a diagonal, edge or tail step
-            dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
-                               causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
-                               ALIBI, SMOD, MMOD, value, slope, keeps, margs, b, h, Nk)
-        else:
-            dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
-                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr, ALIBI,
-                        distance(m0 + 2 * tq, j0, causal_offset))
+            lbase = b * lsb + h * lsh
+            dbase = (b * Hq + h) * Nq
+            if ALIBI:  # (compile-time) this step's query head's slope, in raw-score units
+                modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
+            edge = CAUSAL and m0 < m_full
+            if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
+                edge = m0 < m_full or m0 + BN - 1 > m_last
+            if SMOD or partial or edge or m0 + BN > Nq:  # a diagonal, edge or tail step
+                dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
+                                   causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
+                                   ALIBI, SMOD, partial, value, slope, keeps, margs, b, h,
+                                   Nk)
+            else:
+                dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
+                            dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr, ALIBI,
+                            distance(m0 + 2 * tq, j0, causal_offset))
 
-        mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
-        mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+            mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+            mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
     cp_async_wait(0)
 
     sc = float32(scale)
@@ -292,7 +302,8 @@ def make_attn_backward_dkdv_tc(v):
                               vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
                               dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
                               lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0, e1,
-                              e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15):
+                              e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15,
+                              cls, csb, csh, csq):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -341,7 +352,7 @@ def make_attn_backward_dkdv_tc(v):
                   j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
                   DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT,
                   RIGHT, WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh, SMOD, MMOD, VALUE, SLOPE,
-                  KEEPS, margs)
+                  KEEPS, margs, k0, cls, csb, csh, csq)
         if SPLITS > 1:
             cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
             dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk,
@@ -350,7 +361,7 @@ def make_attn_backward_dkdv_tc(v):
                       dvsd, lsb, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
                       NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
                       BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW, CAP, modr, ALIBI, slopes,
-                      ssb, ssh, SMOD, MMOD, VALUE, SLOPE, KEEPS, margs)
+                      ssb, ssh, SMOD, MMOD, VALUE, SLOPE, KEEPS, margs, k0, cls, csb, csh, csq)
 
     attn_backward_dkdv_tc.__qualname__ = v.tag
     return attn_backward_dkdv_tc
@@ -382,7 +393,7 @@ def make_attn_backward_dq_tc(v):
                             qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
                             gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
                             slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7,
-                            e8, e9, e10, e11, e12, e13, e14, e15):
+                            e8, e9, e10, e11, e12, e13, e14, e15, cls, csb, csh, csq):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -405,6 +416,7 @@ def make_attn_backward_dq_tc(v):
         vbase = b * vsb + hk * vsh
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
+        cbase = b * csb + h * csh  # (MMOD) this head's tile classes
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_begin = 0
@@ -448,24 +460,31 @@ def make_attn_backward_dq_tc(v):
             kb = K_OFF + (it & 1) * BUF
             vb = V_OFF + (it & 1) * BUF
 
-            mma_rows_rows(BF16, s, smem, Q_OFF + wrow, kb, LDS, KSTEPS, NTILES, lane)
-            mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
+            live = True
+            partial = MMOD
+            if MMOD:  # (compile-time) the tile's class: empty tiles are skipped
+                cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
+                live = cl != EMPTY
+                partial = cl == PARTIAL
+            if live:
+                mma_rows_rows(BF16, s, smem, Q_OFF + wrow, kb, LDS, KSTEPS, NTILES, lane)
+                mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
-            # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            # a diagonal, edge or tail tile; with a user mod, every tile
-            if SMOD or MMOD or n0 + BN > n_full or (WINDOW and n0 < n_lo):
-                dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD,
-                                 VALUE, SLOPE, KEEPS, margs, b, h, Nq)
-                dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
-                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD,
-                                 VALUE, SLOPE, KEEPS, margs, b, h, Nq)
-            else:
-                d0 = distance(i0, n0 + 2 * tq, causal_offset)  # (used where ALIBI)
-                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0)
-                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr, ALIBI, d0 + float32(8))
+                # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
+                # a diagonal, edge or tail tile; with a user mod, every tile
+                if SMOD or partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+                    dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
+                                     CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD,
+                                     partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
+                    dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
+                                     CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD,
+                                     partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
+                else:
+                    d0 = distance(i0, n0 + 2 * tq, causal_offset)  # (used where ALIBI)
+                    dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0)
+                    dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr, ALIBI, d0 + float32(8))
 
-            mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+                mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)
 
         sc = float32(scale)
