@@ -13,6 +13,7 @@ from helpers import TOL_FWD, rel_err
 from packed_helpers import oracle_kvcache
 
 import flashcore
+from flashcore._interop import np_dtype
 
 B, HQ, HKV, D = 3, 4, 2, 16
 PAGE = 8
@@ -33,8 +34,8 @@ def make_cache(rng, paged, dtype="float64"):
         table = table.astype(np.int32)
     else:
         table, shape = None, (B, PAGE * PAGES_PER_SEQ, HKV, D)
-    kc = rng.standard_normal(shape).astype(dtype)
-    vc = rng.standard_normal(shape).astype(dtype)
+    kc = rng.standard_normal(shape).astype(np_dtype(dtype))
+    vc = rng.standard_normal(shape).astype(np_dtype(dtype))
     return kc, vc, table
 
 
@@ -270,3 +271,38 @@ def test_split_counts():
     assert decode_tiles(1, 64, base, 32768, 0) == (1, 512)
     bq, bk = decode_tiles(3, 16, base, 85, 3)
     assert bq == 4 and -(-85 // bk) >= 3
+
+
+def kpos_bias(s, b, h, i, j, bias):
+    """A score_mod reading a per-key bias of each sequence."""
+    return s + bias[b, j]
+
+
+def every_third_hidden(b, h, i, j, bias):
+    """A mask_mod hiding every third key, shifted per query head."""
+    return (j + h) % 3 != 0
+
+
+@pytest.mark.parametrize("nq, num_splits", [
+    (3, 3), pytest.param(3, 1, marks=pytest.mark.slow),
+    pytest.param(40, 1, marks=pytest.mark.slow), pytest.param(40, 3, marks=pytest.mark.slow)])
+def test_mods_in_both_kernels(nq, num_splits):
+    """Few query rows (group * Nq <= decode_kernels.MAX_DECODE_ROWS) take the decode
+    kernel, one job per KV head; more take the general forward: both with a score_mod and a
+    mask_mod reading mod_args, paged, GQA, split or not, against the oracle."""
+    from flashcore.backends.numba_cpu.decode_kernels import MAX_DECODE_ROWS
+
+    assert (nq * HQ // HKV <= MAX_DECODE_ROWS) == (nq == 3)
+    rng = np.random.default_rng(11)
+    kc, vc, table = make_cache(rng, True)
+    q = rng.standard_normal((B, nq, HQ, D))
+    bias = rng.standard_normal((B, PAGE * PAGES_PER_SEQ))
+    mods = dict(score_mod=kpos_bias, mask_mod=every_third_hidden, mod_args=(bias,))
+    o, lse = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=SEQLENS,
+                                              block_table=table, num_splits=num_splits,
+                                              return_lse=True, backend="numba_cpu", **mods)
+    ref_o, ref_lse = oracle_kvcache(q, kc, vc, SEQLENS, table, PAGE, **mods)
+    assert rel_err(o, ref_o) < TOL_FWD["float64"]
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), fin)
+    assert np.abs(lse[fin] - ref_lse[fin]).max() < 1e-10

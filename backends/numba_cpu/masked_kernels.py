@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabilities_tile, zero_tail
+from .decode_kernels import make_decode
 from .forward_kernels import FASTMATH, load_tile, load_tile_t, online_softmax_tile
 from .pages import load_keys_t, load_values
 from .scalar import LOG2E, store
@@ -55,7 +56,7 @@ _MADE: dict = {}
 
 
 def kernels(score_mod, mask_mod):
-    """``(forward, dkdv, dq)`` with ``score_mod`` and ``mask_mod`` (Numba CPU dispatchers,
+    """``(forward, dkdv, dq, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU dispatchers,
     or None) compiled in; made once per pair."""
     key = (score_mod, mask_mod)
     if key not in _MADE:
@@ -369,4 +370,4 @@ def _make(score_mod, mask_mod, has_score_mod):
                     dq_out[qb, h, q_base + i0 + r, d] = store(dq_acc[r, d] * dq_mult,
                                                               dq_out[0, 0, 0, 0])
 
-    return forward, dkdv, dq
+    return forward, dkdv, dq, make_decode(scores)

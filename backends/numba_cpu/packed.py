@@ -17,6 +17,7 @@ from flashcore._packed_checks import host_ints
 from flashcore._rules import lse_dtype
 
 from . import _NO_ROWS, _NO_TABLE, _as_kernel_view, _empty, _give, _mod_inputs, _work
+from .decode_kernels import DECODE_BLOCK_K, MAX_DECODE_ROWS
 from .tiles import choose_splits, choose_tiles, decode_tiles, q_tiles_per_job
 
 
@@ -123,11 +124,19 @@ def _kvcache_forward(q, k_cache, v_cache, case):
         _paging.append_in_place(kc, vc, kn, vn, seqlens, table, kv.page_size, np.asarray)
     lengths = seqlens + kv.n_new
     longest = int(lengths.max()) if lengths.size else 0
-    block_q, block_k = decode_tiles(case.seqlen_q, case.head_dim,
-                                    choose_tiles(case.head_dim, case.dtype, case.causal),
-                                    longest, kv.num_splits)
-    per_job = _per_job(case, block_q)
-    jobs = case.batch * case.heads_q * -(-case.seqlen_q // (block_q * per_job))
+    group = case.heads_q // case.heads_kv
+    decode = case.seqlen_q * group <= MAX_DECODE_ROWS
+    if decode:  # few query rows: one job per (sequence, KV head, split) (decode_kernels.py)
+        block_q, block_k = 0, DECODE_BLOCK_K
+        while kv.num_splits > 1 and block_k > 16 and -(-longest // block_k) < kv.num_splits:
+            block_k //= 2
+        jobs = case.batch * case.heads_kv
+    else:
+        block_q, block_k = decode_tiles(case.seqlen_q, case.head_dim,
+                                        choose_tiles(case.head_dim, case.dtype, case.causal),
+                                        longest, kv.num_splits)
+        per_job = _per_job(case, block_q)
+        jobs = case.batch * case.heads_q * -(-case.seqlen_q // (block_q * per_job))
     n_splits = choose_splits(kv.num_splits, jobs, longest, numba.get_num_threads(), block_k)
     kk, vk = (_read_only(_as_kernel_view(_interop.host_view(x, case.library), case))
               for x in (k_cache, v_cache))
@@ -143,9 +152,13 @@ def _kvcache_forward(q, k_cache, v_cache, case):
         shape = (n_splits * case.batch, case.heads_q, case.seqlen_q, case.head_dim)
         o_part, lse_part = np.empty(shape, work), np.empty(shape[:3], work)
         pages = (_NO_TABLE if table is None else np.ascontiguousarray(table), kv.page_size)
-        made[0](qk, kk, vk, o_part, lse_part, case.scale, block_q, block_k, per_job, work,
-                opts, alibi, classes, block, args,
-                (_NO_ROWS, _NO_ROWS, np.ascontiguousarray(lengths)),
-                (case.batch, case.seqlen_q, longest), pages, n_splits)
+        seqs = (_NO_ROWS, _NO_ROWS, np.ascontiguousarray(lengths))
+        sizes = (case.batch, case.seqlen_q, longest)
+        if decode:
+            made[3](qk, kk, vk, o_part, lse_part, case.scale, block_k, work, opts, alibi,
+                    classes, block, args, seqs, sizes, pages, n_splits)
+        else:
+            made[0](qk, kk, vk, o_part, lse_part, case.scale, block_q, block_k, per_job, work,
+                    opts, alibi, classes, block, args, seqs, sizes, pages, n_splits)
         merge_splits(o_part, lse_part, n_splits, ok, lse)
     return _give(o, case), _give(lse, case)
