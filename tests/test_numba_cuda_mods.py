@@ -202,8 +202,9 @@ def _check(q, k, v, do, c, mods, o, lse, grads):
 
 def _run(c, monkeypatch):
     if "cb" in c:  # (simulator only: the block is a compile-time constant on a GPU)
-        from flashcore import _mods
         from flashcore.backends.numba_cuda.device import seams
+
+        from flashcore import _mods
 
         monkeypatch.setattr(seams, "CLASS_BLOCK", c["cb"])
         monkeypatch.setattr(_mods, "BLOCK", c["cb"])
