@@ -2,7 +2,8 @@
 
 Each call is one forward and one backward of one of :data:`KINDS` (batch, heads, GQA,
 Nq != Nk, head dims 8..128, causal or not, float32/float64/float16/bfloat16), taken in turn,
-on inputs made once per kind (so that whatever grows is flashcore's). Every ``--every``
+on inputs made once per kind (so that whatever grows is flashcore's); a kind the backend
+does not serve (numba_cuda has no float64) is left out and named. Every ``--every``
 calls it samples the host RSS (psutil if installed, else /proc/self/statm) and, on a GPU,
 ``torch.cuda.memory_allocated``. The first ``--warmup`` calls (every kind at least once:
 compiles, plan caches, allocator pools) set the baseline; the report gives the growth after
@@ -74,6 +75,12 @@ BOUNDS = {
     "flashcore.backends.numba_cuda.driver._PREPARED": "one per kernel variant and GPU",
     "flashcore.backends.numba_cuda.driver._BUILDING": "builds under way only",
     "flashcore.backends.numba_cuda.adapters._TORCH_SCRATCH": "one per GPU",
+    "flashcore._numba_cache._INSTALLED": "numba's caching modules patched (at most 2)",
+    "flashcore.backends.numba_cpu._KERNEL_VIEW": "a constant table (4 dtypes)",
+    # functools caches
+    "flashcore._dispatch.load()": "one per backend name (5)",
+    "flashcore.backends.numba_cpu.tiles.choose_tiles()":
+        "one per (head dim <= 256, dtype, causal): at most 2048",
 }
 
 
@@ -144,6 +151,7 @@ def caches() -> list:
     from flashcore._memo import Memo
 
     out = []
+    helpers = helper_specs = 0
     for modname, mod in sorted(sys.modules.items()):
         if not modname.startswith("flashcore") or mod is None:
             continue
@@ -155,16 +163,22 @@ def caches() -> list:
                     obj, "__module__", None) == modname:
                 info = obj.cache_info()
                 bound = (f"lru maxsize {info.maxsize}" if info.maxsize is not None else
-                         "functools.cache: one per distinct argument tuple (unbounded)")
+                         BOUNDS.get(full + "()", "functools.cache: one per distinct "
+                                    "arguments (bound not stated)"))
                 out.append((full + "()", info.currsize, bound))
             elif hasattr(obj, "overloads") and hasattr(obj, "py_func") and getattr(
                     obj.py_func, "__module__", None) == modname:
-                out.append((full + " [numba]", len(obj.overloads),
-                            "compiled specializations: one per argument types (dtype, "
-                            "layout), never per shape"))
+                helpers += 1
+                helper_specs += len(obj.overloads)
+                if type(getattr(obj, "_cache", None)).__name__ not in ("NoneType", "NullCache"):
+                    out.append((full + " [numba kernel]", len(obj.overloads),
+                                "compiled specializations: one per argument types (dtype, "
+                                "layout), never per shape"))
             elif (isinstance(obj, (dict, list, set)) and name.startswith("_")
                   and name.lstrip("_").isupper() and name not in ("__all__",)):
                 out.append((full, len(obj), BOUNDS.get(full, "bound not stated")))
+    out.append((f"numba dispatchers of flashcore ({helpers}, kernels above included)",
+                helper_specs, "compiled specializations in all: by argument types only"))
     return out
 
 
@@ -179,25 +193,36 @@ def soak(calls, backend, device, library, every, warmup, log=print):
         sync = torch.cuda.synchronize
     else:
         gpu_mem, sync = None, lambda: None
-    inputs = [make_inputs(kind, library, device, seed) for seed, kind in enumerate(KINDS)]
-    samples = []  # (calls done, rss, gpu bytes or None, seconds)
+    import flashcore
+
     t0 = time.perf_counter()
     rss0 = host_rss()
-    warm_s = None
-    for i in range(calls):
-        n = i % len(KINDS)
-        one_call(KINDS[n], inputs[n], library, backend)
-        done = i + 1
+    kinds, inputs = [], []
+    for seed, kind in enumerate(KINDS):  # (each kind's first call: its warm-up starts)
+        x = make_inputs(kind, library, device, seed)
+        try:
+            one_call(kind, x, library, backend)
+        except flashcore.BackendUnavailableError as e:  # (numba_cuda serves no float64)
+            log(f"skipped {kind}: {str(e).splitlines()[0]}")
+            continue
+        kinds.append(kind)
+        inputs.append(x)
+    if not kinds:
+        raise SystemExit(f"backend {backend!r} serves none of the kinds")
+    samples = []  # (calls done, rss, gpu bytes or None, seconds)
+    warmup = max(warmup, len(kinds))
+    for done in range(len(kinds), calls + 1):  # (the first call of each kind was above)
+        if done > len(kinds):
+            n = (done - 1) % len(kinds)
+            one_call(kinds[n], inputs[n], library, backend)
         if done == warmup or (done > warmup and (done - warmup) % every == 0) or done == calls:
             sync()
             s = (done, host_rss(), gpu_mem() if gpu_mem else None, time.perf_counter() - t0)
             samples.append(s)
-            if done == warmup:
-                warm_s = s[3]
             log(f"{done:7d} calls  rss {s[1] / 2**20:8.1f} MiB"
                 + (f"  gpu {s[2] / 2**20:8.1f} MiB" if s[2] is not None else "")
                 + f"  {s[3]:7.1f} s")
-    return rss0, warm_s, samples
+    return rss0, samples[0][3], samples
 
 
 def slope_per_1000(points):
