@@ -51,10 +51,15 @@ def load(name: str):
     """Import a backend module; raise BackendUnavailableError if it cannot be imported."""
     module, extra = REGISTRY[name]
     try:
-        return importlib.import_module(module)
+        mod = importlib.import_module(module)
     except ImportError as e:  # a dependency is missing
         hint = f'; install it with pip install "flashcore[{extra}]"' if extra else ""
         raise BackendUnavailableError(f"backend {name!r} cannot be imported ({e}){hint}") from e
+    if name == "numba_cpu":  # before its cache=True kernels are defined (first call)
+        from . import _numba_cache
+
+        _numba_cache.install()
+    return mod
 
 
 def unavailable_reason(name: str) -> str | None:
