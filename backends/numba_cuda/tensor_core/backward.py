@@ -218,36 +218,36 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         qb = Q_OFF + (it & 1) * BUF
         gb = DO_OFF + (it & 1) * BUF
 
-        live = True
         partial = MMOD
-        if MMOD:  # (compile-time) the step's class: empty steps are skipped
+        if MMOD:  # (compile-time) the step's class: an empty step is skipped (the next
+            # step's wait and barrier cover the copies issued above)
             # (the block's keys: 16 per warp, NT // 2)
             cl = tile_class(cls, b * csb + h * csh, csq, m0, BN, Nq, k0, NT // 2, Nk)
-            live = cl != EMPTY
+            if cl == EMPTY:
+                continue
             partial = cl == PARTIAL
-        if live:
-            mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
-            mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
+        mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
+        mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
 
-            lbase = b * lsb + h * lsh
-            dbase = (b * Hq + h) * Nq
-            if ALIBI:  # (compile-time) this step's query head's slope, in raw-score units
-                modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
-            edge = CAUSAL and m0 < m_full
-            if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
-                edge = m0 < m_full or m0 + BN - 1 > m_last
-            if SMOD or partial or edge or m0 + BN > Nq:  # a diagonal, edge or tail step
-                dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
-                                   causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
-                                   ALIBI, SMOD, partial, value, slope, keeps, margs, b, h,
-                                   Nk)
-            else:
-                dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
-                            dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr, ALIBI,
-                            distance(m0 + 2 * tq, j0, causal_offset))
+        lbase = b * lsb + h * lsh
+        dbase = (b * Hq + h) * Nq
+        if ALIBI:  # (compile-time) this step's query head's slope, in raw-score units
+            modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
+        edge = CAUSAL and m0 < m_full
+        if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
+            edge = m0 < m_full or m0 + BN - 1 > m_last
+        if SMOD or partial or edge or m0 + BN > Nq:  # a diagonal, edge or tail step
+            dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
+                               causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
+                               ALIBI, SMOD, partial, value, slope, keeps, margs, b, h,
+                               Nk)
+        else:
+            dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
+                        dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr, ALIBI,
+                        distance(m0 + 2 * tq, j0, causal_offset))
 
-            mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
-            mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+        mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+        mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
     cp_async_wait(0)
 
     sc = float32(scale)
@@ -460,31 +460,31 @@ def make_attn_backward_dq_tc(v):
             kb = K_OFF + (it & 1) * BUF
             vb = V_OFF + (it & 1) * BUF
 
-            live = True
             partial = MMOD
-            if MMOD:  # (compile-time) the tile's class: empty tiles are skipped
+            if MMOD:  # (compile-time) the tile's class: an empty tile is skipped (as in
+                # the dK/dV pass)
                 cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
-                live = cl != EMPTY
+                if cl == EMPTY:
+                    continue
                 partial = cl == PARTIAL
-            if live:
-                mma_rows_rows(BF16, s, smem, Q_OFF + wrow, kb, LDS, KSTEPS, NTILES, lane)
-                mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
+            mma_rows_rows(BF16, s, smem, Q_OFF + wrow, kb, LDS, KSTEPS, NTILES, lane)
+            mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
-                # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-                # a diagonal, edge or tail tile; with a user mod, every tile
-                if SMOD or partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
-                    dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
-                                     CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD,
-                                     partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
-                    dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
-                                     CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD,
-                                     partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
-                else:
-                    d0 = distance(i0, n0 + 2 * tq, causal_offset)  # (used where ALIBI)
-                    dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0)
-                    dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr, ALIBI, d0 + float32(8))
+            # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
+            # a diagonal, edge or tail tile; with a user mod, every tile
+            if SMOD or partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+                dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD,
+                                 partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
+                dq_scores_masked(s, dp, 2, ls1, dl1, n0, Nk, i1, causal_offset, sl2,
+                                 CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD,
+                                 partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
+            else:
+                d0 = distance(i0, n0 + 2 * tq, causal_offset)  # (used where ALIBI)
+                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0)
+                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr, ALIBI, d0 + float32(8))
 
-                mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
+            mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)
 
         sc = float32(scale)

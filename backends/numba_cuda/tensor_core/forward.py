@@ -271,89 +271,88 @@ def make_attn_forward_tc(v):
                 load_rows(smem, V_OFF + nb, v, vbase, n0 + BN, Nk, vsn, BN, LDS, CH, tid, NT)
             cp_async_commit()
 
-            # the tile's class under a mask_mod: an empty tile is skipped (its copies
-            # still run: the pipeline keeps its shape), a full one takes no mask_mod
-            live = True
+            # the tile's class under a mask_mod: an empty tile is skipped (its copies were
+            # issued above; the next tile's wait covers them, and its barrier the reuse of
+            # this tile's buffers), a full one takes no mask_mod
             partial = MMOD
             if MMOD:  # (compile-time)
                 cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
-                live = cl != EMPTY
+                if cl == EMPTY:
+                    continue
                 partial = cl == PARTIAL
-            if live:
-                # S = Q Kᵀ: each K fragment pair feeds every m-tile of the warp
-                for e in range(NS_ALL):
-                    s[e] = float32(0.0)
-                for kk in range(KSTEPS):
-                    if not QREG:
-                        for mt in range(MT):
-                            load_q_frags(qf, smem, qrow, LDS, mt, kk, NQF)
-                    for jp in range(NTILES // 2):
-                        b0, b1, b2, b3 = ldmatrix_x4(smem, kb + (16 * jp + krow) * LDS
-                                                     + 16 * kk + kcol)
-                        for mt in range(MT):
-                            f = mt * NQF + 4 * kk
-                            a0 = qf[f]
-                            a1 = qf[f + 1]
-                            a2 = qf[f + 2]
-                            a3 = qf[f + 3]
-                            j = mt * NS + 8 * jp
-                            s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
-                                BF16, a0, a1, a2, a3, b0, b1, s[j], s[j + 1], s[j + 2], s[j + 3])
-                            s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
-                                BF16, a0, a1, a2, a3, b2, b3, s[j + 4], s[j + 5], s[j + 6],
-                                s[j + 7])
+            # S = Q Kᵀ: each K fragment pair feeds every m-tile of the warp
+            for e in range(NS_ALL):
+                s[e] = float32(0.0)
+            for kk in range(KSTEPS):
+                if not QREG:
+                    for mt in range(MT):
+                        load_q_frags(qf, smem, qrow, LDS, mt, kk, NQF)
+                for jp in range(NTILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, kb + (16 * jp + krow) * LDS
+                                                 + 16 * kk + kcol)
+                    for mt in range(MT):
+                        f = mt * NQF + 4 * kk
+                        a0 = qf[f]
+                        a1 = qf[f + 1]
+                        a2 = qf[f + 2]
+                        a3 = qf[f + 3]
+                        j = mt * NS + 8 * jp
+                        s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
+                            BF16, a0, a1, a2, a3, b0, b1, s[j], s[j + 1], s[j + 2], s[j + 3])
+                        s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
+                            BF16, a0, a1, a2, a3, b2, b3, s[j + 4], s[j + 5], s[j + 6],
+                            s[j + 7])
 
-                if CAP:  # (compile-time) the softcap, before the masks
-                    for e in range(NS_ALL):
-                        s[e], _ = softcap(s[e], capr, rcapr, True)
-                # online softmax, in the log2 domain, row by row of this lane (rows written out
-                # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
-                i = q0 + r0 + g
-                if ALIBI:  # (compile-time) the distance bias, after the softcap
-                    alibi_row(s, 0, n0, i, causal_offset, slope, NTILES, tq)
-                    alibi_row(s, 2, n0, i + 8, causal_offset, slope, NTILES, tq)
-                    if MT > 1:
-                        alibi_row(s, NS, n0, i + 16, causal_offset, slope, NTILES, tq)
-                        alibi_row(s, NS + 2, n0, i + 24, causal_offset, slope, NTILES, tq)
-                if SMOD:  # (compile-time) the user's score_mod, after the softcap and ALiBi
-                    sc = float32(scale)
-                    user_row(s, 0, n0, i, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
-                    user_row(s, 2, n0, i + 8, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
-                    if MT > 1:
-                        user_row(s, NS, n0, i + 16, Nk, NTILES, tq, VALUE, margs, b, h, Nq,
-                                 unit, sc)
-                        user_row(s, NS + 2, n0, i + 24, Nk, NTILES, tq, VALUE, margs, b, h, Nq,
-                                 unit, sc)
-                # a diagonal, edge or tail tile; with a mask_mod, every tile
-                if partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
-                    mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
-                             partial, KEEPS, margs, b, h, Nq)
-                    mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
-                             partial, KEEPS, margs, b, h, Nq)
-                    if MT > 1:
-                        mask_row(s, NS, n0, i + 16, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
-                                 NTILES, tq, partial, KEEPS, margs, b, h, Nq)
-                        mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
-                                 NTILES, tq, partial, KEEPS, margs, b, h, Nq)
-                ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES)
-                la = la * al + ps
-                rescale_row(acc, 0, al, DTILES)
-                mb, al, ps = softmax_row(s, 2, mb, sl2, NTILES)
-                lb = lb * al + ps
-                rescale_row(acc, 2, al, DTILES)
+            if CAP:  # (compile-time) the softcap, before the masks
+                for e in range(NS_ALL):
+                    s[e], _ = softcap(s[e], capr, rcapr, True)
+            # online softmax, in the log2 domain, row by row of this lane (rows written out
+            # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
+            i = q0 + r0 + g
+            if ALIBI:  # (compile-time) the distance bias, after the softcap
+                alibi_row(s, 0, n0, i, causal_offset, slope, NTILES, tq)
+                alibi_row(s, 2, n0, i + 8, causal_offset, slope, NTILES, tq)
                 if MT > 1:
-                    mc, al, ps = softmax_row(s, NS, mc, sl2, NTILES)
-                    lc = lc * al + ps
-                    rescale_row(acc, NACC, al, DTILES)
-                    md, al, ps = softmax_row(s, NS + 2, md, sl2, NTILES)
-                    ld = ld * al + ps
-                    rescale_row(acc, NACC + 2, al, DTILES)
+                    alibi_row(s, NS, n0, i + 16, causal_offset, slope, NTILES, tq)
+                    alibi_row(s, NS + 2, n0, i + 24, causal_offset, slope, NTILES, tq)
+            if SMOD:  # (compile-time) the user's score_mod, after the softcap and ALiBi
+                sc = float32(scale)
+                user_row(s, 0, n0, i, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
+                user_row(s, 2, n0, i + 8, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
+                if MT > 1:
+                    user_row(s, NS, n0, i + 16, Nk, NTILES, tq, VALUE, margs, b, h, Nq,
+                             unit, sc)
+                    user_row(s, NS + 2, n0, i + 24, Nk, NTILES, tq, VALUE, margs, b, h, Nq,
+                             unit, sc)
+            # a diagonal, edge or tail tile; with a mask_mod, every tile
+            if partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+                mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
+                         partial, KEEPS, margs, b, h, Nq)
+                mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
+                         partial, KEEPS, margs, b, h, Nq)
+                if MT > 1:
+                    mask_row(s, NS, n0, i + 16, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
+                             NTILES, tq, partial, KEEPS, margs, b, h, Nq)
+                    mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
+                             NTILES, tq, partial, KEEPS, margs, b, h, Nq)
+            ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES)
+            la = la * al + ps
+            rescale_row(acc, 0, al, DTILES)
+            mb, al, ps = softmax_row(s, 2, mb, sl2, NTILES)
+            lb = lb * al + ps
+            rescale_row(acc, 2, al, DTILES)
+            if MT > 1:
+                mc, al, ps = softmax_row(s, NS, mc, sl2, NTILES)
+                lc = lc * al + ps
+                rescale_row(acc, NACC, al, DTILES)
+                md, al, ps = softmax_row(s, NS + 2, md, sl2, NTILES)
+                ld = ld * al + ps
+                rescale_row(acc, NACC + 2, al, DTILES)
 
             cp_async_wait(2)  # V[it] (K and V of it+1 may still be in flight)
             cuda.syncthreads()
             # O += P V, P straight from the S fragments; each V fragment feeds every m-tile
-            if live:
-                mma_frags_rows(BF16, acc, s, smem, vb, LDS, PSTEPS, DTILES, lane, MT, NS, NACC)
+            mma_frags_rows(BF16, acc, s, smem, vb, LDS, PSTEPS, DTILES, lane, MT, NS, NACC)
         cp_async_wait(0)
 
         obase = b * osb + h * osh
