@@ -4,7 +4,7 @@ Each session installs flashcore with only the extras it needs and selects its te
 marker (markers are declared in pyproject.toml). The sessions that need no GPU are what CI
 runs::
 
-    nox -s tests-numpy tests-cudasim tests-torch tests-jax lint
+    nox -s tests-numpy tests-cudasim tests-cuda-compile tests-torch tests-jax lint
 
 Framework pins can be overridden from the environment (``FLASHCORE_TORCH``, say
 ``FLASHCORE_TORCH="torch==2.13.0"``): an unpinned torch makes pip resolve the newest one,
@@ -13,10 +13,12 @@ which is a download of several GB.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests-numpy", "tests-cudasim", "tests-torch", "tests-jax", "lint"]
+nox.options.sessions = ["tests-numpy", "tests-cudasim", "tests-cuda-compile", "tests-torch",
+                        "tests-jax", "lint"]
 nox.options.reuse_existing_virtualenvs = True
 
 #: Explicit pins for the frameworks (see the module docstring).
@@ -49,6 +51,21 @@ def tests_cudasim(session):
     """
     session.install("-e", ".[cudasim,test]")
     _pytest(session, "cudasim and not gpu", env={"NUMBA_ENABLE_CUDASIM": "1"})
+
+
+@nox.session(name="tests-cuda-compile")
+def tests_cuda_compile(session):
+    """numba_cuda on a host without a GPU: every kernel variant compiled to PTX for sm_80
+    and sm_90 (NVVM and ptxas from numba-cuda's toolkit wheels; no driver), and the host
+    side (launch, autotuner tables). CI's command runs a few PTX cases of each kind and
+    leaves the rest, marked slow, to this session.
+
+    Usage: ``nox -s tests-cuda-compile [-- PYTEST_ARGS]``
+    """
+    session.install("-e", ".[cuda,test]")
+    files = sorted(str(p) for p in Path("tests").glob("test_numba_cuda_*.py"))
+    session.run("pytest", "-m", f"not ({FRAMEWORK_MARKERS})", *files,
+                *session.posargs)
 
 
 @nox.session(name="tests-torch")

@@ -92,10 +92,30 @@ def _check(cc, head_dim, dtype, causal, only=None):
                 f"{name}: {bounds[1]} blocks of {smem_words * 4} bytes do not fit an SM")
 
 
+#: The (head dim, dtype, causal) combinations CI compiles for sm_90: each tiling class with
+#: both causal modes and two dtypes, each dtype with both causal modes. The other twelve are
+#: marked slow (``nox -s tests-cuda-compile`` runs them all).
+CI_SM90 = {(64, "float32", False), (64, "bfloat16", True), (128, "float16", False),
+           (128, "float32", True), (256, "bfloat16", False), (256, "float16", True)}
+#: sm_80 in CI: the two larger classes (sm_80's shared memory is the smaller), one causal
+#: mode each.
+CI_SM80 = {(128, False), (256, True)}
+#: Padded head dims in CI: 100 (padded inside the 128 class); 5 is slow.
+CI_ODD = {100}
+
+
+def _maybe_slow(values, in_ci, id_):
+    return pytest.param(*values, id=id_, marks=() if in_ci else pytest.mark.slow)
+
+
+def _causal_id(causal):
+    return "causal" if causal else "full"
+
+
 @pytest.mark.parametrize("target_cc", [(9, 0)], indirect=True, ids=["sm90"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", CLASS_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("head_dim,dtype,causal", [
+    _maybe_slow((d, t, c), (d, t, c) in CI_SM90, f"D{d}-{t}-{_causal_id(c)}")
+    for d in CLASS_DIMS for t in DTYPES for c in (False, True)])
 def test_ptx_sm90(target_cc, head_dim, dtype, causal):
     # the preprocess kernel does not depend on causality: compile it once
     only = None if not causal else ("attn_forward", "attn_backward_dkdv", "attn_backward_dq")
@@ -103,8 +123,9 @@ def test_ptx_sm90(target_cc, head_dim, dtype, causal):
 
 
 @pytest.mark.parametrize("target_cc", [(8, 0)], indirect=True, ids=["sm80"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", CLASS_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("head_dim,causal", [
+    _maybe_slow((d, c), (d, c) in CI_SM80, f"D{d}-{_causal_id(c)}")
+    for d in CLASS_DIMS for c in (False, True)])
 def test_ptx_sm80(target_cc, head_dim, causal):
     # sm_80 gets the same tilings as sm_90 and the dtype changes only the loads and stores
     # (covered above): one dtype per class keeps this file within CI's time on two cores
@@ -113,7 +134,8 @@ def test_ptx_sm80(target_cc, head_dim, causal):
 
 
 @pytest.mark.parametrize("target_cc", [(9, 0)], indirect=True, ids=["sm90"])
-@pytest.mark.parametrize("head_dim", ODD_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("head_dim", [_maybe_slow((d,), d in CI_ODD, f"D{d}")
+                                      for d in ODD_DIMS])
 def test_ptx_padded_head_dims(target_cc, head_dim):
     _check(target_cc, head_dim, "float16", True)
 

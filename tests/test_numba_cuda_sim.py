@@ -63,6 +63,14 @@ if not SIM:
 else:
     import flashcore
 
+    @pytest.fixture(autouse=True)
+    def _simt_only(monkeypatch):
+        """The SIMT kernels, as the subprocess above runs them (``nox -s tests-cudasim``
+        runs this branch directly): fp16/bf16 would otherwise take the tensor-core kernel."""
+        from flashcore.backends.numba_cuda import launch
+
+        monkeypatch.setenv(launch.TC_ENV, "0")
+
     def _case_id(c):
         return "-".join(f"{k}{v}" for k, v in c.items())
 

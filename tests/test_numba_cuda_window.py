@@ -115,9 +115,15 @@ if not SIM:
         assert " passed" in proc.stdout, tail
 
 else:
+    # (marked cudasim so that ``nox -s tests-cudasim``, which runs with the simulator on,
+    # selects them; each sets the tensor-core switch as the subprocess above does)
+    pytestmark = [pytestmark, pytest.mark.cudasim]
 
     @pytest.mark.parametrize("c", SIMT_CASES, ids=_case_id)
-    def test_sim_simt(c):
+    def test_sim_simt(c, monkeypatch):
+        from flashcore.backends.numba_cuda import launch
+
+        monkeypatch.setenv(launch.TC_ENV, "0")
         q, k, v, do = _inputs(c)
         o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **_opts(c))
         grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda",
@@ -128,6 +134,7 @@ else:
     def test_sim_tensor_core(c, monkeypatch):
         from flashcore.backends.numba_cuda import launch
 
+        monkeypatch.setenv(launch.TC_ENV, "1")
         served = []
         real = launch.tc_serves
         monkeypatch.setattr(launch, "tc_serves",
