@@ -234,10 +234,12 @@ if not SIM:
 
 else:
 
+    @pytest.mark.cudasim
     @pytest.mark.parametrize("c", SIMT_CASES, ids=_case_id)
     def test_sim_simt(c, monkeypatch):
         _run(c, monkeypatch)
 
+    @pytest.mark.cudasim
     @pytest.mark.parametrize("c", TC_CASES, ids=_case_id)
     def test_sim_tensor_core(c, monkeypatch):
         from flashcore.backends.numba_cuda import launch
