@@ -9,7 +9,8 @@ tile; neither writes where another job writes.
 import numpy as np
 from numba import njit, prange
 
-from .forward_kernels import FASTMATH, load_tile, load_tile_t
+from .forward_kernels import FASTMATH, load_padded, load_padded_t
+from .products import product
 from .scalar import LOG2E, exp2, load, store
 from .seams import key_end, mask_scores, needs_mask, query_start
 
@@ -69,8 +70,10 @@ def zero_tail(x, n_rows, n_cols):
 
 
 @njit(parallel=True, cache=True)
-def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, block_k,
+def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, block_k, d_pad,
                        work_dtype):
+    """dK and dV of one key/value tile per job, over the query tiles (of every query head
+    sharing its key/value head) that see it; tiles ``d_pad`` wide and zero-padded."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -83,42 +86,38 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
         hk = (job // n_kt) % Hkv
         j0 = (job % n_kt) * block_k
         nk = min(block_k, Nk - j0)
-        kt_t = np.zeros((D, block_k), work_dtype)
-        vt_t = np.zeros((D, block_k), work_dtype)
-        qt = np.zeros((block_q, D), work_dtype)
-        dot = np.zeros((block_q, D), work_dtype)
+        kt_t = np.empty((d_pad, block_k), work_dtype)
+        vt_t = np.empty((d_pad, block_k), work_dtype)
+        qt = np.empty((block_q, d_pad), work_dtype)
+        dot = np.empty((block_q, d_pad), work_dtype)
         s = np.empty((block_q, block_k), work_dtype)
         dp = np.empty((block_q, block_k), work_dtype)
         lse2 = np.empty(block_q, work_dtype)
         dlt = np.empty(block_q, work_dtype)
-        dk_acc = np.zeros((block_k, D), work_dtype)
-        dv_acc = np.zeros((block_k, D), work_dtype)
-        tmp = np.empty((block_k, D), work_dtype)
-        load_tile_t(k, b, hk, j0, nk, kt_t, one)
-        load_tile_t(v, b, hk, j0, nk, vt_t, one)
+        dk_acc = np.zeros((block_k, d_pad), work_dtype)
+        dv_acc = np.zeros((block_k, d_pad), work_dtype)
+        load_padded_t(k, b, hk, j0, nk, kt_t, one)
+        load_padded_t(v, b, hk, j0, nk, vt_t, one)
         i_start = query_start(j0, block_q, offset, causal)
         for h in range(hk * group, (hk + 1) * group):
             for i0 in range(i_start, Nq, block_q):
                 nq = min(block_q, Nq - i0)
-                load_tile(q, b, h, i0, nq, qt, q_mult)
-                load_tile(do, b, h, i0, nq, dot, one)
-                if nq < block_q:
-                    qt[nq:, :] = 0.0
-                    dot[nq:, :] = 0.0
+                load_padded(q, b, h, i0, nq, qt, q_mult)
+                load_padded(do, b, h, i0, nq, dot, one)
                 prepare_lse2(lse, b, h, i0, nq, lse2)
                 load_rows(delta, b, h, i0, nq, dlt)
-                np.dot(qt, kt_t, s)
+                product(qt, 0, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
                 if needs_mask(i0, j0, nk, offset, causal):
                     mask_scores(s, nq, nk, i0, j0, offset)
                 probabilities_tile(s, nq, nk, lse2)
                 zero_tail(s, nq, nk)
-                np.dot(s.T, dot, tmp)  # dV += P^T dO
-                dv_acc += tmp
-                np.dot(dot, vt_t, dp)  # dP = dO V^T
+                # dV += P^T dO: the left operand is P read down its columns
+                product(s, 0, 1, block_k, dot, dv_acc, block_k, d_pad, block_q, True)
+                product(dot, 0, d_pad, 1, vt_t, dp, block_q, block_k, d_pad, False)  # dP
                 dscores_tile(s, dp, nq, nk, dlt)
                 zero_tail(dp, nq, nk)
-                np.dot(dp.T, qt, tmp)  # dK += dS^T Q (qt carries scale*log2e)
-                dk_acc += tmp
+                # dK += dS^T Q (qt carries scale * log2 e)
+                product(dp, 0, 1, block_k, qt, dk_acc, block_k, d_pad, block_q, True)
         dk_mult = work_dtype(1.0 / LOG2E)
         for r in range(nk):
             for d in range(D):
@@ -127,7 +126,9 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
 
 
 @njit(parallel=True, cache=True)
-def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k, work_dtype):
+def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k, d_pad,
+                     work_dtype):
+    """dQ of one query tile per job, over the key/value tiles it sees."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -141,47 +142,42 @@ def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_
         hk = h // group
         i0 = (job % n_qt) * block_q
         nq = min(block_q, Nq - i0)
-        qt = np.zeros((block_q, D), work_dtype)
-        dot = np.zeros((block_q, D), work_dtype)
-        kt = np.zeros((block_k, D), work_dtype)
-        kt_t = np.zeros((D, block_k), work_dtype)
-        vt_t = np.zeros((D, block_k), work_dtype)
+        qt = np.empty((block_q, d_pad), work_dtype)
+        dot = np.empty((block_q, d_pad), work_dtype)
+        kt = np.empty((block_k, d_pad), work_dtype)
+        kt_t = np.empty((d_pad, block_k), work_dtype)
+        vt_t = np.empty((d_pad, block_k), work_dtype)
         s = np.empty((block_q, block_k), work_dtype)
         dp = np.empty((block_q, block_k), work_dtype)
         lse2 = np.empty(block_q, work_dtype)
         dlt = np.empty(block_q, work_dtype)
-        dq_acc = np.zeros((block_q, D), work_dtype)
-        tmp = np.empty((block_q, D), work_dtype)
-        load_tile(q, b, h, i0, nq, qt, q_mult)
-        load_tile(do, b, h, i0, nq, dot, one)
+        dq_acc = np.zeros((block_q, d_pad), work_dtype)
+        load_padded(q, b, h, i0, nq, qt, q_mult)
+        load_padded(do, b, h, i0, nq, dot, one)
         prepare_lse2(lse, b, h, i0, nq, lse2)
         load_rows(delta, b, h, i0, nq, dlt)
         k_end = key_end(i0, nq, Nk, offset, causal)
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
-            load_tile(k, b, hk, j0, nk, kt, one)
-            load_tile_t(k, b, hk, j0, nk, kt_t, one)
-            load_tile_t(v, b, hk, j0, nk, vt_t, one)
-            if nk < block_k:
-                kt[nk:, :] = 0.0
-                kt_t[:, nk:] = 0.0
-                vt_t[:, nk:] = 0.0
-            np.dot(qt, kt_t, s)
+            load_padded(k, b, hk, j0, nk, kt, one)
+            load_padded_t(k, b, hk, j0, nk, kt_t, one)
+            load_padded_t(v, b, hk, j0, nk, vt_t, one)
+            product(qt, 0, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
             if needs_mask(i0, j0, nk, offset, causal):
                 mask_scores(s, nq, nk, i0, j0, offset)
             probabilities_tile(s, nq, nk, lse2)
-            np.dot(dot, vt_t, dp)
+            product(dot, 0, d_pad, 1, vt_t, dp, block_q, block_k, d_pad, False)  # dP
             dscores_tile(s, dp, nq, nk, dlt)
             zero_tail(dp, nq, nk)
-            np.dot(dp, kt, tmp)  # dQ += dS K
-            dq_acc += tmp
+            product(dp, 0, block_k, 1, kt, dq_acc, block_q, d_pad, block_k, True)  # dQ += dS K
         dq_mult = work_dtype(scale)
         for r in range(nq):
             for d in range(D):
                 dq[b, h, i0 + r, d] = store(dq_acc[r, d] * dq_mult, dq[0, 0, 0, 0])
 
 
-def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block_k, work_dtype):
+def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block_k, d_pad,
+                  work_dtype):
     """Host driver: preprocess, then the dK/dV pass and the dQ pass (all bhnd views)."""
     B, Hq, Nq, _ = q.shape
     delta = np.empty((B, Hq, Nq), work_dtype)
@@ -189,7 +185,7 @@ def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block
         attn_backward_preprocess(do, o, delta, work_dtype)
     if dk.size:
         attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, block_k,
-                           work_dtype)
+                           d_pad, work_dtype)
     if dq.size:
-        attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k,
+        attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k, d_pad,
                          work_dtype)
