@@ -9,10 +9,11 @@ tile; neither writes where another job writes.
 import numpy as np
 from numba import njit, prange
 
-from .forward_kernels import FASTMATH, load_padded, load_padded_t
+from .forward_kernels import load_padded, load_padded_t
 from .products import product
-from .scalar import LOG2E, exp2, load, store
+from .scalar import LOG2E, load, store
 from .seams import key_end, mask_scores, needs_mask, query_start
+from .softmax import FASTMATH, dscores_tile, probabilities, probabilities_tile, zero_tail  # noqa: F401
 
 
 @njit(parallel=True, cache=True)
@@ -36,37 +37,11 @@ def load_rows(src, b, h, r0, n, out):
         out[r] = src[b, h, r0 + r]
 
 
-@njit(fastmath=FASTMATH)
-def probabilities_tile(s, n_rows, n_cols, lse2):
-    """s (scores in log2 units) -> P = exp2(s - lse2); rows with lse = -inf (they see no key)
-    arrive with lse2 = +inf and get P = 0."""
-    for r in range(n_rows):
-        m = lse2[r]
-        for c in range(n_cols):
-            s[r, c] = exp2(s[r, c] - m)
-
-
-@njit(fastmath=FASTMATH)
-def dscores_tile(p, dp, n_rows, n_cols, delta):
-    """dp <- P * (dP - D): the gradient of the scores."""
-    for r in range(n_rows):
-        dr = delta[r]
-        for c in range(n_cols):
-            dp[r, c] = p[r, c] * (dp[r, c] - dr)
-
-
 @njit
 def prepare_lse2(lse, b, h, i0, n, out):
     for r in range(n):
         x = lse[b, h, i0 + r]
         out[r] = np.inf if x == -np.inf else x * LOG2E
-
-
-@njit
-def zero_tail(x, n_rows, n_cols):
-    """Zero rows >= n_rows and columns >= n_cols of a tile (tails hold stale values)."""
-    x[n_rows:, :] = 0.0
-    x[:, n_cols:] = 0.0
 
 
 @njit(parallel=True, cache=True)
@@ -109,8 +84,7 @@ def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, 
                 product(qt, 0, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
                 if needs_mask(i0, j0, nk, offset, causal):
                     mask_scores(s, nq, nk, i0, j0, offset)
-                probabilities_tile(s, nq, nk, lse2)
-                zero_tail(s, nq, nk)
+                probabilities(s, nq, nk, lse2)
                 # dV += P^T dO: the left operand is P read down its columns
                 product(s, 0, 1, block_k, dot, dv_acc, block_k, d_pad, block_q, True)
                 product(dot, 0, d_pad, 1, vt_t, dp, block_q, block_k, d_pad, False)  # dP
@@ -165,7 +139,7 @@ def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_
             product(qt, 0, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
             if needs_mask(i0, j0, nk, offset, causal):
                 mask_scores(s, nq, nk, i0, j0, offset)
-            probabilities_tile(s, nq, nk, lse2)
+            probabilities(s, nq, nk, lse2)
             product(dot, 0, d_pad, 1, vt_t, dp, block_q, block_k, d_pad, False)  # dP
             dscores_tile(s, dp, nq, nk, dlt)
             zero_tail(dp, nq, nk)

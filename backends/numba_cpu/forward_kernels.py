@@ -11,10 +11,9 @@ import numpy as np
 from numba import njit, prange
 
 from .products import product, product_into
-from .scalar import LOG2E, exp2, load, store
+from .scalar import LOG2E, load, store
 from .seams import key_end, mask_scores, needs_mask, visits
-
-FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # no 'nnan'/'ninf': -inf marks masked scores
+from .softmax import FASTMATH, online_softmax, online_softmax_tile  # noqa: F401 (masked_kernels)
 
 
 @njit
@@ -33,49 +32,6 @@ def load_tile_t(src, b, h, r0, n, out, mult):
     for r in range(n):
         for d in range(out.shape[0]):
             out[d, r] = load(src[b, h, r0 + r, d]) * mult
-
-
-@njit(fastmath=FASTMATH | {"nnan"})
-def row_max(row, n, m):
-    """max(m, row[:n]). 'nnan' lets it vectorize; a NaN score still poisons its row through
-    exp2 below, and a row of only NaN and -inf is caught by the caller."""
-    for c in range(n):
-        x = row[c]
-        m = x if x > m else m
-    return m
-
-
-@njit(fastmath=FASTMATH)
-def row_exp2_sum(row, n, m):
-    """row[:n] <- exp2(row[:n] - m); returns their sum."""
-    total = m - m  # zero of the compute dtype (m is finite here, or NaN for a NaN row)
-    for c in range(n):
-        p = exp2(row[c] - m)
-        row[c] = p
-        total += p
-    return total
-
-
-@njit(fastmath=FASTMATH)
-def online_softmax_tile(s, n_rows, n_cols, m_i, l_i, acc):
-    """Turn scores (log2 units) into probabilities against the running max; rescale acc."""
-    for r in range(n_rows):
-        row = s[r]
-        m_new = row_max(row, n_cols, m_i[r])
-        if m_new == -np.inf:
-            for c in range(n_cols):
-                if row[c] != -np.inf:  # only NaN scores: the row's result must be NaN
-                    m_new = row[c]  # (NaN, in the compute dtype)
-        if m_new == -np.inf:  # nothing visible yet in this row
-            row[:n_cols] = 0.0
-            continue
-        alpha = exp2(m_i[r] - m_new)
-        l_i[r] = l_i[r] * alpha + row_exp2_sum(row, n_cols, m_new)
-        m_i[r] = m_new
-        if alpha != 1.0:
-            a = acc[r]
-            for d in range(a.shape[0]):
-                a[d] *= alpha
 
 
 @njit
@@ -153,9 +109,7 @@ def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_j
                 product(qt, t0 * d_pad, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
                 if needs_mask(i0, j0, nk, offset, causal):
                     mask_scores(s, nq, nk, i0, j0, offset)
-                online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
-                if nk < block_k:
-                    s[:, nk:] = 0.0
+                online_softmax(s, nq, nk, m_i, l_i, acc, t0)
                 product_into(s, 0, block_k, 1, vt, acc, t0, block_q, d_pad, block_k)
         for r in range(rows):
             empty = l_i[r] == 0.0

@@ -186,3 +186,102 @@ def vzero(typingctx, arr):
         return ir.Constant(context.get_value_type(vt), None)
 
     return vt(arr), codegen
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
+                                        name)
+    return builder.call(fn, args)
+
+
+def _const_vec(vty, x):
+    return ir.Constant(vty, [ir.Constant(vty.element, x)] * vty.count)
+
+
+@intrinsic
+def vsub(typingctx, a, b):
+    if not (isinstance(a, Vec) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(*args)
+
+    return a(a, b), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """``b > a ? b : a`` elementwise: a NaN in ``b`` is not taken (as ``row_max``)."""
+    if not (isinstance(a, Vec) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[1], args[0]), args[1], args[0])
+
+    return a(a, b), codegen
+
+
+@intrinsic
+def hmax(typingctx, a):
+    """The largest element (NaN elements are skipped unless all are NaN or -inf)."""
+    if not isinstance(a, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        m = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
+        for i in range(1, a.width):
+            x = builder.extract_element(args[0], ir.Constant(ir.IntType(32), i))
+            m = builder.select(builder.fcmp_ordered(">", x, m), x, m)
+        return m
+
+    return a.dtype(a), codegen
+
+
+@intrinsic
+def hsum(typingctx, a):
+    """The sum of the elements (pairwise)."""
+    if not isinstance(a, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xs = [builder.extract_element(args[0], ir.Constant(ir.IntType(32), i))
+              for i in range(a.width)]
+        while len(xs) > 1:
+            xs = [builder.fadd(xs[i], xs[i + 1]) for i in range(0, len(xs), 2)]
+        return xs[0]
+
+    return a.dtype(a), codegen
+
+
+#: 2**f on [0, 1): the coefficients of scalar.exp2_f32, highest degree first
+_EXP2_POLY = (2.1877505e-04, 1.2387822e-03, 9.6845804e-03, 5.5480428e-02, 2.4023050e-01,
+              6.9314694e-01, 1.0)
+
+
+@intrinsic
+def vexp2(typingctx, x):
+    """2**x elementwise for float32 vectors: scalar.exp2_f32's algorithm (relative error
+    ~2e-7; below -126 exactly 0; NaN stays NaN), branch-free in vector registers."""
+    if not (isinstance(x, Vec) and x.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        (v,) = args
+        vty = v.type
+        ity = ir.VectorType(ir.IntType(32), vty.count)
+        lo = _const_vec(vty, -127.0)
+        y = builder.select(builder.fcmp_unordered(">=", v, lo), v, lo)  # NaN kept
+        yi = _call(builder, f"llvm.floor.v{vty.count}f32", vty, [y])
+        f = builder.fsub(y, yi)
+        fma = f"llvm.fma.v{vty.count}f32"
+        p = _const_vec(vty, _EXP2_POLY[0])
+        for c in _EXP2_POLY[1:]:
+            p = _call(builder, fma, vty, [p, f, _const_vec(vty, c)])
+        yc = builder.select(builder.fcmp_ordered(">", yi, lo), yi, lo)  # NaN -> -127: no poison
+        e = builder.shl(builder.add(builder.fptosi(yc, ity), ir.Constant(ity, [127] * vty.count)),
+                        ir.Constant(ity, [23] * vty.count))
+        r = builder.fmul(p, builder.bitcast(e, vty))
+        tiny = builder.fcmp_ordered("<", v, _const_vec(vty, -126.0))
+        return builder.select(tiny, ir.Constant(vty, None), r)
+
+    return x(x), codegen
