@@ -2,7 +2,8 @@
 float32 and as scalar loops for float64 (whose exp2 must be float64-accurate).
 
 Both forms take a tile whose columns from ``n_cols`` on are a tail past the last key, and
-leave probabilities there equal to 0, so the products that follow run on whole tiles.
+leave probabilities there equal to 0 (and in rows past the last query), so the products that
+follow run on whole tiles.
 """
 import numpy as np
 from numba import njit, types
@@ -99,6 +100,7 @@ def _online_softmax(s, n_rows, n_cols, m_i, l_i, acc, row0):
     def scalar(s, n_rows, n_cols, m_i, l_i, acc, row0):
         online_softmax_tile(s, n_rows, n_cols, m_i[row0:], l_i[row0:], acc[row0:])
         s[:, n_cols:] = 0.0
+        s[n_rows:, :] = 0.0
 
     return scalar
 
@@ -137,6 +139,7 @@ def online_softmax_vec(s, n_rows, n_cols, m_i, l_i, acc, row0):
             a0 = (row0 + r) * acc.shape[1]
             for c in range(0, acc.shape[1], w):
                 vstore(acc, a0 + c, vmul(vload(acc, a0 + c), av))
+    s[n_rows:, :] = 0.0  # rows past the last query: no stale scores reach the product
 
 
 def probabilities(s, n_rows, n_cols, lse2):
