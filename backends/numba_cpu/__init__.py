@@ -90,6 +90,8 @@ def backward(do, q, k, v, o, lse, case):
         return varlen_backward(do, q, k, v, o, lse, case)
     if case.mods is not None:
         return _masked_backward(do, q, k, v, o, lse, case)
+    import numba
+
     from .backward_kernels import attn_backward
 
     tiles = product_tiles(case.head_dim, case.dtype)
@@ -100,7 +102,8 @@ def backward(do, q, k, v, o, lse, case):
     dk, dkk = _alloc_like(k, case)
     dv, dvk = _alloc_like(v, case)
     attn_backward(dok, qk, kk, vk, ok, lse_h, dqk, dkk, dvk, case.scale, case.causal,
-                  tiles.bwd_block_q, tiles.bwd_block_k, tiles.d_pad, _work(case))
+                  tiles.bwd_block_q, tiles.bwd_block_k, tiles.d_pad, _work(case),
+                  numba.get_num_threads())
     return _give(dq, case), _give(dk, case), _give(dv, case)
 
 

@@ -49,12 +49,12 @@ def prepare_lse2(lse, b, h, i0, n, out):
 def attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal, block_q,
                      block_k, d_pad, work_dtype):
     """dK and dV, and dQ in parts: a job owns (batch, key/value head, split) and the key
-    tiles ``split, split + splits, ...``; for each, it visits the query tiles (of every
-    query head sharing the key/value head) that see it and computes S, P, dP and dS once
-    for all three gradients (five tile products). dK and dV of a key tile are its own;
-    dQ goes into the job's part ``dq_part[split, b, h]`` (query rows x d_pad, the compute
-    dtype, scaled by log2 e), summed over the splits in a fixed order afterwards, so the
-    result does not depend on the threads (no atomics)."""
+    tiles ``split, split + splits, ...`` (interleaved, so causal work stays balanced). For
+    each it visits the query tiles (of every query head sharing the key/value head) that
+    see it and computes S, P, dP and dS once for all three gradients (five tile products).
+    dK and dV of a key tile are its own; dQ goes into the job's part ``dq_part[split, b,
+    h]`` (query rows x d_pad, the compute dtype, scaled by log2 e), and the parts are
+    summed in a fixed order afterwards: no atomics, and no dependence on thread timing."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     splits = dq_part.shape[0]
@@ -130,20 +130,20 @@ def attn_backward_dq_sum(dq_part, dq, scale):
                 dq[b, h, i, d] = store(x * scale, dq[0, 0, 0, 0])
 
 
-#: jobs the fused backward pass aims at: key-tile splits are added while batch x key/value
-#: heads are fewer. A constant, not the thread count, so that dq's summation order, and with
-#: it every bit of the result, is the same on every host.
-BACKWARD_JOBS = 8
+#: most dQ parts (key-tile splits) per (batch, key/value head); each is as large as dq
+MAX_BACKWARD_SPLITS = 16
 
 
-def backward_splits(batch, heads_kv, key_tiles):
-    """Key-tile splits per (batch, key/value head); each costs one dQ part as large as dq."""
-    want = -(-BACKWARD_JOBS // max(batch * heads_kv, 1))
-    return max(1, min(want, key_tiles))
+def backward_splits(batch, heads_kv, key_tiles, threads):
+    """Key-tile splits per (batch, key/value head): enough jobs for 4 per thread. The split
+    count sets dQ's summation order, so results are the same from run to run on one host
+    (same thread count), and may differ in the last bits between thread counts."""
+    want = -(-4 * max(threads, 1) // max(batch * heads_kv, 1))
+    return max(1, min(want, key_tiles, MAX_BACKWARD_SPLITS))
 
 
 def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block_k, d_pad,
-                  work_dtype):
+                  work_dtype, threads):
     """Host driver: preprocess, then the fused pass and the sum of the dQ parts (bhnd views)."""
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -152,7 +152,7 @@ def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block
         attn_backward_preprocess(do, o, delta, work_dtype)
     if not (dk.size or dq.size):
         return
-    splits = backward_splits(B, Hkv, -(-Nk // block_k))
+    splits = backward_splits(B, Hkv, -(-Nk // block_k), threads)
     # one padding tile of rows: dQ products run on whole query tiles
     dq_part = np.zeros((splits, B, Hq, -(-Nq // block_q) * block_q, d_pad), work_dtype)
     if Nk:

@@ -114,9 +114,11 @@ def online_softmax_vec(s, n_rows, n_cols, m_i, l_i, acc, row0):
     for r in range(n_rows):
         base = r * ld
         mv = splat(m_i[row0 + r])
-        for c in range(0, ld, w):
+        mv2 = mv
+        for c in range(0, ld, 2 * w):  # two chains: max and sum wait on one another less
             mv = vmax(mv, vload(s, base + c))
-        m_new = hmax(mv)
+            mv2 = vmax(mv2, vload(s, base + c + w))
+        m_new = hmax(vmax(mv, mv2))
         if m_new == -np.inf:
             for c in range(n_cols):
                 if s[r, c] != -np.inf:  # only NaN scores: the row's result must be NaN
@@ -126,13 +128,17 @@ def online_softmax_vec(s, n_rows, n_cols, m_i, l_i, acc, row0):
             continue
         mn = splat(m_new)
         total = vzero(s)
-        for c in range(0, ld, w):
+        total2 = total
+        for c in range(0, ld, 2 * w):
             p = vexp2(vsub(vload(s, base + c), mn))
             vstore(s, base + c, p)
             total = vadd(total, p)
+            p2 = vexp2(vsub(vload(s, base + c + w), mn))
+            vstore(s, base + c + w, p2)
+            total2 = vadd(total2, p2)
         m_old = m_i[row0 + r]
         alpha = exp2_f32(m_old - m_new)
-        l_i[row0 + r] = l_i[row0 + r] * alpha + hsum(total)
+        l_i[row0 + r] = l_i[row0 + r] * alpha + hsum(vadd(total, total2))
         m_i[row0 + r] = m_new
         if alpha != 1.0:
             av = splat(alpha)
