@@ -460,3 +460,18 @@ def test_asv_suite_loads_this_trees_bench_package_by_path():
     assert path == str(root / "flashcore" / "bench" / "__init__.py")
     assert naive == str(root / "flashcore" / "bench" / "naive.py")
 
+
+
+def test_machine_block_records_the_instruction_set():
+    from flashcore.bench.machine import ISA_FLAGS, cpu_flags, machine_info
+
+    info = machine_info()
+    assert info["cpu_flags"] == cpu_flags()
+    assert set(info["cpu_flags"]) <= set(ISA_FLAGS)
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return
+    if " avx2" in text:
+        assert "avx2" in info["cpu_flags"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from flashcore import _interop, _poison, _rules
 
-from .tiles import choose_tiles, q_tiles_per_job
+from .tiles import choose_tiles, product_tiles, q_tiles_per_job
 
 NAME = "numba_cpu"
 #: storage dtype the kernels see, and the dtype they compute in
@@ -69,7 +69,7 @@ def forward(q, k, v, case):
         return _masked_forward(q, k, v, case)
     from .forward_kernels import attn_forward
 
-    tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
+    tiles = product_tiles(case.head_dim, case.dtype)
     qk, kk, vk = (_kernel_view(x, case) for x in (q, k, v))
     o, ok = _alloc_like(q, case)
     lse = _empty((case.batch, case.heads_q, case.seqlen_q), _rules.lse_dtype(case.dtype))
@@ -79,7 +79,7 @@ def forward(q, k, v, case):
         n_tiles = case.batch * case.heads_q * -(-case.seqlen_q // tiles.block_q)
         per_job = q_tiles_per_job(n_tiles, numba.get_num_threads(), tiles.block_q)
         attn_forward(qk, kk, vk, ok, lse, case.scale, case.causal, tiles.block_q, tiles.block_k,
-                     per_job, _work(case))
+                     per_job, tiles.d_pad, _work(case))
     return _give(o, case), _give(lse, case)
 
 
@@ -90,9 +90,11 @@ def backward(do, q, k, v, o, lse, case):
         return varlen_backward(do, q, k, v, o, lse, case)
     if case.mods is not None:
         return _masked_backward(do, q, k, v, o, lse, case)
+    import numba
+
     from .backward_kernels import attn_backward
 
-    tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
+    tiles = product_tiles(case.head_dim, case.dtype)
     dok, qk, kk, vk, ok = (_kernel_view(x, case) for x in (do, q, k, v, o))
     lse_h = np.ascontiguousarray(_interop.host_view(lse, case.library),
                                  dtype=_rules.lse_dtype(case.dtype))
@@ -100,7 +102,8 @@ def backward(do, q, k, v, o, lse, case):
     dk, dkk = _alloc_like(k, case)
     dv, dvk = _alloc_like(v, case)
     attn_backward(dok, qk, kk, vk, ok, lse_h, dqk, dkk, dvk, case.scale, case.causal,
-                  tiles.bwd_block_q, tiles.bwd_block_k, _work(case))
+                  tiles.bwd_block_q, tiles.bwd_block_k, tiles.d_pad, _work(case),
+                  numba.get_num_threads())
     return _give(dq, case), _give(dk, case), _give(dv, case)
 
 

@@ -1,17 +1,20 @@
-"""Backward pass in two parallel passes and no atomics, so it is deterministic.
+"""Backward pass with no atomics, so it is deterministic.
 
-``attn_backward_preprocess`` computes ``D_i = rowsum(dO_i * O_i)``. ``attn_backward_dkdv``
-owns one key/value tile per job and loops over the query tiles (of every query head that
-shares the key/value head) to accumulate dK and dV; ``attn_backward_dq`` owns one query tile
-per job and loops over key/value tiles for dQ. Both recompute ``P = exp(S - lse)`` tile by
-tile; neither writes where another job writes.
+``attn_backward_preprocess`` computes ``D_i = rowsum(dO_i * O_i)``. ``attn_backward_kv``
+owns key/value tiles and loops over the query tiles (of every query head that shares the
+key/value head) that see them; it recomputes ``P = exp(S - lse)`` once per tile pair and
+makes dK, dV and a part of dQ from it (five tile products per pair, where separate dK/dV
+and dQ passes need seven). ``attn_backward_dq_sum`` adds the dQ parts in a fixed order.
+The masked kernels (masked_kernels.py) keep the two-pass form.
 """
 import numpy as np
 from numba import njit, prange
 
-from .forward_kernels import FASTMATH, load_tile, load_tile_t
-from .scalar import LOG2E, exp2, load, store
-from .seams import key_end, mask_scores, needs_mask, query_start
+from .forward_kernels import load_padded, load_padded_t
+from .products import product, product_into
+from .scalar import LOG2E, load, store
+from .seams import mask_scores, needs_mask, query_start
+from .softmax import FASTMATH, dscores_tile, probabilities, probabilities_tile, zero_tail  # noqa: F401
 
 
 @njit(parallel=True, cache=True)
@@ -35,25 +38,6 @@ def load_rows(src, b, h, r0, n, out):
         out[r] = src[b, h, r0 + r]
 
 
-@njit(fastmath=FASTMATH)
-def probabilities_tile(s, n_rows, n_cols, lse2):
-    """s (scores in log2 units) -> P = exp2(s - lse2); rows with lse = -inf (they see no key)
-    arrive with lse2 = +inf and get P = 0."""
-    for r in range(n_rows):
-        m = lse2[r]
-        for c in range(n_cols):
-            s[r, c] = exp2(s[r, c] - m)
-
-
-@njit(fastmath=FASTMATH)
-def dscores_tile(p, dp, n_rows, n_cols, delta):
-    """dp <- P * (dP - D): the gradient of the scores."""
-    for r in range(n_rows):
-        dr = delta[r]
-        for c in range(n_cols):
-            dp[r, c] = p[r, c] * (dp[r, c] - dr)
-
-
 @njit
 def prepare_lse2(lse, b, h, i0, n, out):
     for r in range(n):
@@ -61,135 +45,118 @@ def prepare_lse2(lse, b, h, i0, n, out):
         out[r] = np.inf if x == -np.inf else x * LOG2E
 
 
-@njit
-def zero_tail(x, n_rows, n_cols):
-    """Zero rows >= n_rows and columns >= n_cols of a tile (tails hold stale values)."""
-    x[n_rows:, :] = 0.0
-    x[:, n_cols:] = 0.0
-
-
 @njit(parallel=True, cache=True)
-def attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, block_k,
-                       work_dtype):
+def attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal, block_q,
+                     block_k, d_pad, work_dtype):
+    """dK and dV, and dQ in parts: a job owns (batch, key/value head, split) and the key
+    tiles ``split, split + splits, ...`` (interleaved, so causal work stays balanced). For
+    each it visits the query tiles (of every query head sharing the key/value head) that
+    see it and computes S, P, dP and dS once for all three gradients (five tile products).
+    dK and dV of a key tile are its own; dQ goes into the job's part ``dq_part[split, b,
+    h]`` (query rows x d_pad, the compute dtype, scaled by log2 e), and the parts are
+    summed in a fixed order afterwards: no atomics, and no dependence on thread timing."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    splits = dq_part.shape[0]
     group = Hq // Hkv
     offset = Nk - Nq
     n_kt = (Nk + block_k - 1) // block_k
     one = work_dtype(1.0)
     q_mult = work_dtype(scale * LOG2E)
-    for job in prange(B * Hkv * n_kt):
-        b = job // (Hkv * n_kt)
-        hk = (job // n_kt) % Hkv
-        j0 = (job % n_kt) * block_k
-        nk = min(block_k, Nk - j0)
-        kt_t = np.zeros((D, block_k), work_dtype)
-        vt_t = np.zeros((D, block_k), work_dtype)
-        qt = np.zeros((block_q, D), work_dtype)
-        dot = np.zeros((block_q, D), work_dtype)
+    for job in prange(B * Hkv * splits):
+        b = job // (Hkv * splits)
+        hk = (job // splits) % Hkv
+        split = job % splits
+        kt = np.empty((block_k, d_pad), work_dtype)
+        kt_t = np.empty((d_pad, block_k), work_dtype)
+        vt_t = np.empty((d_pad, block_k), work_dtype)
+        qt = np.empty((block_q, d_pad), work_dtype)
+        dot = np.empty((block_q, d_pad), work_dtype)
         s = np.empty((block_q, block_k), work_dtype)
         dp = np.empty((block_q, block_k), work_dtype)
         lse2 = np.empty(block_q, work_dtype)
         dlt = np.empty(block_q, work_dtype)
-        dk_acc = np.zeros((block_k, D), work_dtype)
-        dv_acc = np.zeros((block_k, D), work_dtype)
-        tmp = np.empty((block_k, D), work_dtype)
-        load_tile_t(k, b, hk, j0, nk, kt_t, one)
-        load_tile_t(v, b, hk, j0, nk, vt_t, one)
-        i_start = query_start(j0, block_q, offset, causal)
-        for h in range(hk * group, (hk + 1) * group):
-            for i0 in range(i_start, Nq, block_q):
-                nq = min(block_q, Nq - i0)
-                load_tile(q, b, h, i0, nq, qt, q_mult)
-                load_tile(do, b, h, i0, nq, dot, one)
-                if nq < block_q:
-                    qt[nq:, :] = 0.0
-                    dot[nq:, :] = 0.0
-                prepare_lse2(lse, b, h, i0, nq, lse2)
-                load_rows(delta, b, h, i0, nq, dlt)
-                np.dot(qt, kt_t, s)
-                if needs_mask(i0, j0, nk, offset, causal):
-                    mask_scores(s, nq, nk, i0, j0, offset)
-                probabilities_tile(s, nq, nk, lse2)
-                zero_tail(s, nq, nk)
-                np.dot(s.T, dot, tmp)  # dV += P^T dO
-                dv_acc += tmp
-                np.dot(dot, vt_t, dp)  # dP = dO V^T
-                dscores_tile(s, dp, nq, nk, dlt)
-                zero_tail(dp, nq, nk)
-                np.dot(dp.T, qt, tmp)  # dK += dS^T Q (qt carries scale*log2e)
-                dk_acc += tmp
-        dk_mult = work_dtype(1.0 / LOG2E)
-        for r in range(nk):
-            for d in range(D):
-                dk[b, hk, j0 + r, d] = store(dk_acc[r, d] * dk_mult, dk[0, 0, 0, 0])
-                dv[b, hk, j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
+        dk_acc = np.empty((block_k, d_pad), work_dtype)
+        dv_acc = np.empty((block_k, d_pad), work_dtype)
+        for kt_i in range(split, n_kt, splits):
+            j0 = kt_i * block_k
+            nk = min(block_k, Nk - j0)
+            dk_acc[:] = 0.0
+            dv_acc[:] = 0.0
+            load_padded(k, b, hk, j0, nk, kt, one)
+            load_padded_t(k, b, hk, j0, nk, kt_t, one)
+            load_padded_t(v, b, hk, j0, nk, vt_t, one)
+            i_start = query_start(j0, block_q, offset, causal)
+            for h in range(hk * group, (hk + 1) * group):
+                dq_h = dq_part[split, b, h]
+                for i0 in range(i_start, Nq, block_q):
+                    nq = min(block_q, Nq - i0)
+                    load_padded(q, b, h, i0, nq, qt, q_mult)
+                    load_padded(do, b, h, i0, nq, dot, one)
+                    prepare_lse2(lse, b, h, i0, nq, lse2)
+                    load_rows(delta, b, h, i0, nq, dlt)
+                    product(qt, 0, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
+                    if needs_mask(i0, j0, nk, offset, causal):
+                        mask_scores(s, nq, nk, i0, j0, offset)
+                    probabilities(s, nq, nk, lse2)
+                    # dV += P^T dO: the left operand is P read down its columns
+                    product(s, 0, 1, block_k, dot, dv_acc, block_k, d_pad, block_q, True)
+                    product(dot, 0, d_pad, 1, vt_t, dp, block_q, block_k, d_pad, False)  # dP
+                    dscores_tile(s, dp, nq, nk, dlt)
+                    zero_tail(dp, nq, nk)
+                    # dK += dS^T Q (qt carries scale * log2 e)
+                    product(dp, 0, 1, block_k, qt, dk_acc, block_k, d_pad, block_q, True)
+                    # dQ += dS K, rows past nq land in the part's padding rows
+                    product_into(dp, 0, block_k, 1, kt, dq_h, i0, block_q, d_pad, block_k)
+            dk_mult = work_dtype(1.0 / LOG2E)
+            for r in range(nk):
+                for d in range(D):
+                    dk[b, hk, j0 + r, d] = store(dk_acc[r, d] * dk_mult, dk[0, 0, 0, 0])
+                    dv[b, hk, j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
 
 
 @njit(parallel=True, cache=True)
-def attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k, work_dtype):
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    offset = Nk - Nq
-    n_qt = (Nq + block_q - 1) // block_q
-    one = work_dtype(1.0)
-    q_mult = work_dtype(scale * LOG2E)
-    for job in prange(B * Hq * n_qt):
-        b = job // (Hq * n_qt)
-        h = (job // n_qt) % Hq
-        hk = h // group
-        i0 = (job % n_qt) * block_q
-        nq = min(block_q, Nq - i0)
-        qt = np.zeros((block_q, D), work_dtype)
-        dot = np.zeros((block_q, D), work_dtype)
-        kt = np.zeros((block_k, D), work_dtype)
-        kt_t = np.zeros((D, block_k), work_dtype)
-        vt_t = np.zeros((D, block_k), work_dtype)
-        s = np.empty((block_q, block_k), work_dtype)
-        dp = np.empty((block_q, block_k), work_dtype)
-        lse2 = np.empty(block_q, work_dtype)
-        dlt = np.empty(block_q, work_dtype)
-        dq_acc = np.zeros((block_q, D), work_dtype)
-        tmp = np.empty((block_q, D), work_dtype)
-        load_tile(q, b, h, i0, nq, qt, q_mult)
-        load_tile(do, b, h, i0, nq, dot, one)
-        prepare_lse2(lse, b, h, i0, nq, lse2)
-        load_rows(delta, b, h, i0, nq, dlt)
-        k_end = key_end(i0, nq, Nk, offset, causal)
-        for j0 in range(0, k_end, block_k):
-            nk = min(block_k, k_end - j0)
-            load_tile(k, b, hk, j0, nk, kt, one)
-            load_tile_t(k, b, hk, j0, nk, kt_t, one)
-            load_tile_t(v, b, hk, j0, nk, vt_t, one)
-            if nk < block_k:
-                kt[nk:, :] = 0.0
-                kt_t[:, nk:] = 0.0
-                vt_t[:, nk:] = 0.0
-            np.dot(qt, kt_t, s)
-            if needs_mask(i0, j0, nk, offset, causal):
-                mask_scores(s, nq, nk, i0, j0, offset)
-            probabilities_tile(s, nq, nk, lse2)
-            np.dot(dot, vt_t, dp)
-            dscores_tile(s, dp, nq, nk, dlt)
-            zero_tail(dp, nq, nk)
-            np.dot(dp, kt, tmp)  # dQ += dS K
-            dq_acc += tmp
-        dq_mult = work_dtype(scale)
-        for r in range(nq):
+def attn_backward_dq_sum(dq_part, dq, scale):
+    """dq = scale * (sum of the parts over the splits, in split order)."""
+    splits, B, Hq = dq_part.shape[0], dq_part.shape[1], dq_part.shape[2]
+    Nq, D = dq.shape[2], dq.shape[3]
+    for bh in prange(B * Hq):
+        b, h = bh // Hq, bh % Hq
+        for i in range(Nq):
             for d in range(D):
-                dq[b, h, i0 + r, d] = store(dq_acc[r, d] * dq_mult, dq[0, 0, 0, 0])
+                x = dq_part[0, b, h, i, d]
+                for sp in range(1, splits):
+                    x += dq_part[sp, b, h, i, d]
+                dq[b, h, i, d] = store(x * scale, dq[0, 0, 0, 0])
 
 
-def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block_k, work_dtype):
-    """Host driver: preprocess, then the dK/dV pass and the dQ pass (all bhnd views)."""
+#: most dQ parts (key-tile splits) per (batch, key/value head); each is as large as dq
+MAX_BACKWARD_SPLITS = 16
+
+
+def backward_splits(batch, heads_kv, key_tiles, threads):
+    """Key-tile splits per (batch, key/value head): enough jobs for 4 per thread. The split
+    count sets dQ's summation order, so results are the same from run to run on one host
+    (same thread count), and may differ in the last bits between thread counts."""
+    want = -(-4 * max(threads, 1) // max(batch * heads_kv, 1))
+    return max(1, min(want, key_tiles, MAX_BACKWARD_SPLITS))
+
+
+def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block_k, d_pad,
+                  work_dtype, threads):
+    """Host driver: preprocess, then the fused pass and the sum of the dQ parts (bhnd views)."""
     B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
     delta = np.empty((B, Hq, Nq), work_dtype)
     if q.size:
         attn_backward_preprocess(do, o, delta, work_dtype)
-    if dk.size:
-        attn_backward_dkdv(do, q, k, v, lse, delta, dk, dv, scale, causal, block_q, block_k,
-                           work_dtype)
+    if not (dk.size or dq.size):
+        return
+    splits = backward_splits(B, Hkv, -(-Nk // block_k), threads)
+    # one padding tile of rows: dQ products run on whole query tiles
+    dq_part = np.zeros((splits, B, Hq, -(-Nq // block_q) * block_q, d_pad), work_dtype)
+    if Nk:
+        attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal, block_q,
+                         block_k, d_pad, work_dtype)
     if dq.size:
-        attn_backward_dq(do, q, k, v, lse, delta, dq, scale, causal, block_q, block_k,
-                         work_dtype)
+        attn_backward_dq_sum(dq_part, dq, work_dtype(scale))

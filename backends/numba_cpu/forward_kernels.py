@@ -10,10 +10,10 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .scalar import LOG2E, exp2, load, store
+from .products import product, product_into
+from .scalar import LOG2E, load, store
 from .seams import key_end, mask_scores, needs_mask, visits
-
-FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # no 'nnan'/'ninf': -inf marks masked scores
+from .softmax import FASTMATH, online_softmax, online_softmax_tile  # noqa: F401 (masked_kernels)
 
 
 @njit
@@ -34,57 +34,45 @@ def load_tile_t(src, b, h, r0, n, out, mult):
             out[d, r] = load(src[b, h, r0 + r, d]) * mult
 
 
-@njit(fastmath=FASTMATH | {"nnan"})
-def row_max(row, n, m):
-    """max(m, row[:n]). 'nnan' lets it vectorize; a NaN score still poisons its row through
-    exp2 below, and a row of only NaN and -inf is caught by the caller."""
-    for c in range(n):
-        x = row[c]
-        m = x if x > m else m
-    return m
+@njit
+def load_padded(src, b, h, r0, n, out, mult):
+    """out[:n, :D] = src[b, h, r0:r0+n, :] converted and multiplied; the rest of out (rows
+    from n, columns from D) zero, so whole-tile products see no stale values."""
+    D = src.shape[3]
+    zero = out.dtype.type(0.0)
+    for r in range(n):
+        for d in range(D):
+            out[r, d] = load(src[b, h, r0 + r, d]) * mult
+        for d in range(D, out.shape[1]):
+            out[r, d] = zero
+    for r in range(n, out.shape[0]):
+        for d in range(out.shape[1]):
+            out[r, d] = zero
 
 
-@njit(fastmath=FASTMATH)
-def row_exp2_sum(row, n, m):
-    """row[:n] <- exp2(row[:n] - m); returns their sum."""
-    total = m - m  # zero of the compute dtype (m is finite here, or NaN for a NaN row)
-    for c in range(n):
-        p = exp2(row[c] - m)
-        row[c] = p
-        total += p
-    return total
-
-
-@njit(fastmath=FASTMATH)
-def online_softmax_tile(s, n_rows, n_cols, m_i, l_i, acc):
-    """Turn scores (log2 units) into probabilities against the running max; rescale acc."""
-    for r in range(n_rows):
-        row = s[r]
-        m_new = row_max(row, n_cols, m_i[r])
-        if m_new == -np.inf:
-            for c in range(n_cols):
-                if row[c] != -np.inf:  # only NaN scores: the row's result must be NaN
-                    m_new = row[c]  # (NaN, in the compute dtype)
-        if m_new == -np.inf:  # nothing visible yet in this row
-            row[:n_cols] = 0.0
-            continue
-        alpha = exp2(m_i[r] - m_new)
-        l_i[r] = l_i[r] * alpha + row_exp2_sum(row, n_cols, m_new)
-        m_i[r] = m_new
-        if alpha != 1.0:
-            a = acc[r]
-            for d in range(a.shape[0]):
-                a[d] *= alpha
+@njit
+def load_padded_t(src, b, h, r0, n, out, mult):
+    """out[:D, :n] = src[b, h, r0:r0+n, :].T converted and multiplied; the rest zero."""
+    D = src.shape[3]
+    zero = out.dtype.type(0.0)
+    out[:, n:] = zero
+    out[D:, :] = zero
+    for r in range(n):
+        for d in range(D):
+            out[d, r] = load(src[b, h, r0 + r, d]) * mult
 
 
 @njit(parallel=True, cache=True)
-def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_job,
+def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_job, d_pad,
                  work_dtype):
     """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), any strides; writes o (like q) and lse
-    (B, Hq, Nq) float32. float16/bfloat16 arrive as int16/uint16 bits (see scalar.py).
+    (B, Hq, Nq) (float64 for float64 inputs, else float32). float16/bfloat16 arrive as
+    int16/uint16 bits (see scalar.py).
 
     A job owns ``q_tiles_per_job`` query tiles of one (batch, head): each key/value tile it
-    loads (and transposes) once serves all of them, while every product stays one tile.
+    loads (and transposes) once serves all of them. Tiles are ``d_pad`` wide (D rounded up
+    to the products' vector block, zero-padded); both products (products.py) run on whole
+    tiles, with the key tile's tail columns zero.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -100,35 +88,29 @@ def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_j
         hk = h // group
         row0 = (job % n_jobs) * rows_per_job
         rows = min(rows_per_job, Nq - row0)
-        qt = np.empty((rows_per_job, D), work_dtype)
-        kt_t = np.empty((D, block_k), work_dtype)
-        vt = np.empty((block_k, D), work_dtype)
+        qt = np.empty((rows_per_job, d_pad), work_dtype)
+        kt_t = np.empty((d_pad, block_k), work_dtype)
+        vt = np.empty((block_k, d_pad), work_dtype)
         s = np.empty((block_q, block_k), work_dtype)
-        pv = np.empty((block_q, D), work_dtype)
-        acc = np.zeros((rows_per_job, D), work_dtype)
+        acc = np.zeros((rows_per_job, d_pad), work_dtype)
         m_i = np.full(rows_per_job, -np.inf, work_dtype)
         l_i = np.zeros(rows_per_job, work_dtype)
-        load_tile(q, b, h, row0, rows, qt, q_mult)
+        load_padded(q, b, h, row0, rows, qt, q_mult)
         k_end = key_end(row0, rows, Nk, offset, causal)
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
-            load_tile_t(k, b, hk, j0, nk, kt_t, one)
-            load_tile(v, b, hk, j0, nk, vt, one)
-            if nk < block_k:  # tail: zero weight for the stale columns past nk
-                vt[nk:, :] = 0.0
+            load_padded_t(k, b, hk, j0, nk, kt_t, one)
+            load_padded(v, b, hk, j0, nk, vt, one)
             for t0 in range(0, rows, block_q):
                 i0 = row0 + t0
                 nq = min(block_q, rows - t0)
                 if not visits(i0, nq, j0, offset, causal):
                     continue
-                np.dot(qt[t0:t0 + block_q], kt_t, s)
+                product(qt, t0 * d_pad, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
                 if needs_mask(i0, j0, nk, offset, causal):
                     mask_scores(s, nq, nk, i0, j0, offset)
-                online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
-                if nk < block_k:
-                    s[:, nk:] = 0.0
-                np.dot(s, vt, pv)
-                acc[t0:t0 + block_q] += pv
+                online_softmax(s, nq, nk, m_i, l_i, acc, t0)
+                product_into(s, 0, block_k, 1, vt, acc, t0, block_q, d_pad, block_k)
         for r in range(rows):
             empty = l_i[r] == 0.0
             inv = 0.0 if empty else 1.0 / l_i[r]

@@ -105,3 +105,30 @@ def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
     while splits_asked > 1 and block_k > 16 and -(-longest // block_k) < splits_asked:
         block_k //= 2
     return block_q, block_k
+
+
+@dataclass(frozen=True)
+class ProductTiles:
+    """Tiles of the dense kernels, whose products are written in SIMD registers
+    (products.py) instead of BLAS calls: rows a multiple of products.ROWS, key tiles and
+    the padded head dim ``d_pad`` multiples of the products' column block (two vectors)."""
+
+    block_q: int
+    block_k: int
+    bwd_block_q: int
+    bwd_block_k: int
+    d_pad: int
+
+
+#: item size of the compute dtype per input dtype (float16/bfloat16 compute in float32)
+_WORK_ITEMSIZE = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
+
+
+@functools.cache
+def product_tiles(head_dim: int, dtype: str) -> ProductTiles:
+    from .simd import lanes
+
+    col_block = 2 * lanes(_WORK_ITEMSIZE[dtype])
+    d_pad = -(-max(head_dim, 1) // col_block) * col_block
+    block_k = max(64, col_block)
+    return ProductTiles(32, block_k, 64, block_k, d_pad)

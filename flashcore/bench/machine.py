@@ -27,8 +27,8 @@ def machine_info() -> dict:
             pass
     return {"hostname": platform.node(), "platform": platform.platform(),
             "python": platform.python_version(), "cpu": cpu_name(),
-            "cpu_count": os.cpu_count(), "memory_bytes": total_host_memory(),
-            "versions": versions}
+            "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
+            "memory_bytes": total_host_memory(), "versions": versions}
 
 
 def cpu_name() -> str:
@@ -40,6 +40,28 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+#: /proc/cpuinfo flags that decide how fast the CPU kernels can be (vector width, FMA,
+#: half-precision and matrix units); x86 names, and ARM's ``asimd``/``sve``
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "asimd",
+             "sve", "sve2")
+
+
+def cpu_flags() -> list[str]:
+    """The instruction-set flags of :data:`ISA_FLAGS` this CPU reports (``/proc/cpuinfo``;
+    empty where there is none)."""
+    found = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "Features"):
+                    found.update(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return [flag for flag in ISA_FLAGS if flag in found]
 
 
 def total_host_memory() -> int | None:

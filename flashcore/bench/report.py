@@ -111,6 +111,9 @@ def format_tables(report: dict) -> str:
         out.append(f"\nthis machine: memory bandwidth {ceil['mem_bw_GBps']:.1f} GB/s, "
                    f"GEMM {ceil['gemm_GFLOPps']:.1f} GFLOP/s "
                    f"({ceil['gemm_dtype']}; {ceil['how']})")
+    flags = (report.get("machine") or {}).get("cpu_flags")
+    if flags:
+        out.append(f"CPU: {report['machine'].get('cpu', '?')}; instruction set {' '.join(flags)}")
     out.append("time: median after a warm-up; FLOP/s: nominal FLOPs (4BHN^2D forward, 2.5x that "
                "backward, halved causal); GB moved: modelled traffic; peak: extra memory of one "
                "run, outputs included")
