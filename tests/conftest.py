@@ -15,3 +15,15 @@ def _fresh_plans():
     _memo.clear_all()
     yield
     _memo.clear_all()
+
+
+def pytest_runtest_logreport(report):
+    """With FLASHCORE_INSTAFAIL=1 (the GPU session driver sets it) a failure's report is
+    written when it happens, not at the end: a device call cut off by its time limit still
+    says what failed and why."""
+    if report.failed and os.environ.get("FLASHCORE_INSTAFAIL") == "1":
+        import sys
+
+        sys.stderr.write(f"\n==== FAILED {report.nodeid} ({report.when})\n")
+        sys.stderr.write(str(report.longrepr)[-6000:] + "\n")
+        sys.stderr.flush()

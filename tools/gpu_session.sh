@@ -119,8 +119,12 @@ stage_tests() {
         > "$FILES/sweep_compile.log" 2>&1 &) ;;
   esac
   precompile
-  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ \
-      ${PYTEST_ARGS:-}
+  # several pytest workers when pytest-xdist is carried in .whl/ (kernels compile on the
+  # CPU: the user-mod variants are not disk-cached), failures reported as they happen
+  local par=
+  python3 -c "import xdist" 2>/dev/null && par="-n ${TEST_JOBS:-6}"
+  FLASHCORE_INSTAFAIL=1 timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q \
+      -p no:cacheprovider $par tests/ ${PYTEST_ARGS:-}
   local rc=$?
   echo "== main job"
   python3 -m flashcore > "$WORK/main.log" 2>&1 || { [ $rc -ne 0 ] || rc=1; }
