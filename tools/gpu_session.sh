@@ -108,7 +108,7 @@ EOF
 
 # ---- stages (each writes $OUT/STAGE.log; data files go to $FILES)
 precompile() {  # once per call, whichever stage needs it first
-  [ -e "$WORK/precompiled" ] && return
+  [ -e "$WORK/precompiled" ] || [ "${PRECOMPILE:-1}" = 0 ] && return
   python3 tools/gpu_precompile.py "$JOBS" 2>&1 | tail -1
   touch "$WORK/precompiled"
 }
