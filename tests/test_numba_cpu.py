@@ -122,7 +122,19 @@ def test_large_scores_neither_overflow_nor_nan():
     ro, rlse = oracle_forward(q, k, v, scale=1.0)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse))
     assert np.abs(lse).max() > 1e4 * 0.5
-    assert rel_err(o, ro) <= TOL_FWD["float32"]
+    # Scores near 1e4 carry float32 rounding of ~1e-3 in the exponent, whatever the kernel
+    # does: the output may move by sum_j p_j eps_j |v_j - o| (eps_j: the rounding bound of
+    # score j, (D + 2) 2^-24 sum |q k|: D products and sums, the scale folded into q). With
+    # TOL_FWD alone the test failed for ~1 input in 13 (measured error <= 4% of this bound).
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    s = np.einsum("bhnd,bhmd->bhnm", q64, k64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    eps = (q.shape[-1] + 2) * 2.0**-24 * np.einsum("bhnd,bhmd->bhnm", np.abs(q64),
+                                                   np.abs(k64))
+    moved = np.einsum("bhnm,bhnmd->bhnd", p * eps,
+                      np.abs(v64[:, :, None] - ro[:, :, :, None]))
+    assert np.all(np.abs(o - ro) <= moved + TOL_FWD["float32"] * np.abs(ro).max())
 
 
 def test_backward_is_deterministic():
