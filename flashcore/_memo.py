@@ -19,10 +19,14 @@ _ALL: list = []
 class Memo(dict):
     """A dict of at most ``max_size`` entries, filled through :meth:`get_or_build`."""
 
-    def __init__(self, max_size: int):
+    def __init__(self, max_size: int, *, plans: bool = True):
+        """``plans=False``: a cache of compiled code (a kernel per user function), which
+        :func:`clear_all` leaves alone (recompiling is slow, and what it keeps never
+        depends on a backend's answers)."""
         super().__init__()
         self.max_size = max_size
-        _ALL.append(self)
+        if plans:
+            _ALL.append(self)
 
     def get_or_build(self, key, build, *args):
         """The value kept for ``key``, else ``build(*args)`` (kept unless ``key`` is None).

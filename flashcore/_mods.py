@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import _interop
+from ._memo import Memo
 
 #: Relative step of the finite-difference derivative of score_mod (see the module doc).
 FD_STEP = 1e-3
@@ -254,13 +255,12 @@ def compiled(fn):
 
     if isinstance(fn, numba.core.registry.CPUDispatcher):
         return fn
-    hit = _COMPILED.get(fn)
-    if hit is None:
-        hit = _COMPILED[fn] = numba.njit(fn)
-    return hit
+    return _COMPILED.get_or_build(fn, numba.njit, fn)
 
 
-_COMPILED: dict = {}
+#: compiled(): one dispatcher per user function, bounded (closures made in a loop, say a
+#: softcap per step, would otherwise keep every compiled copy alive).
+_COMPILED = Memo(256, plans=False)
 
 
 def compile_error(name, fn, err) -> TypeError:

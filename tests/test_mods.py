@@ -360,3 +360,24 @@ def test_create_block_mask_checks():
         flashcore.create_block_mask(same_doc, 1, 1, -1, 4)
     with pytest.raises(ValueError, match="H must be an int >= 1 or None"):
         flashcore.create_block_mask(same_doc, 1, 0, 4, 4)
+
+
+def test_compile_caches_are_bounded_and_outlive_plan_clears():
+    """One compiled kernel per user function, but closures made in a loop do not pile up;
+    the caches of compiled code survive _memo.clear_all (which the tests call around each
+    test) so kernels are not recompiled."""
+    from flashcore import _memo, _mods
+
+    def make(c):
+        def mod(s, b, h, i, j):
+            return s * c
+        return mod
+
+    first = make(1.0)
+    kept = _mods.compiled(first)
+    assert _mods.compiled(first) is kept
+    _memo.clear_all()
+    assert _mods.compiled(first) is kept
+    for n in range(_mods._COMPILED.max_size + 5):  # (numba.njit compiles lazily: cheap)
+        _mods.compiled(make(float(n)))
+    assert len(_mods._COMPILED) <= _mods._COMPILED.max_size

@@ -23,6 +23,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from flashcore._memo import Memo
+
 from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabilities_tile, zero_tail
 from .decode_kernels import make_decode
 from .forward_kernels import FASTMATH, load_tile, load_tile_t, online_softmax_tile
@@ -52,18 +54,19 @@ def _no_mask_mod(b, h, i, j, *args):
     return True
 
 
-_MADE: dict = {}
+#: kernels(): the kernels of each (score_mod, mask_mod) pair, bounded like _mods._COMPILED.
+_MADE = Memo(64, plans=False)
 
 
 def kernels(score_mod, mask_mod):
     """``(forward, dkdv, dq, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU dispatchers,
     or None) compiled in; made once per pair."""
-    key = (score_mod, mask_mod)
-    if key not in _MADE:
-        _MADE[key] = _make(njit(_no_score_mod) if score_mod is None else score_mod,
-                           njit(_no_mask_mod) if mask_mod is None else mask_mod,
-                           score_mod is not None)
-    return _MADE[key]
+    return _MADE.get_or_build((score_mod, mask_mod), _make_pair, score_mod, mask_mod)
+
+
+def _make_pair(score_mod, mask_mod):
+    return _make(njit(_no_score_mod) if score_mod is None else score_mod,
+                 njit(_no_mask_mod) if mask_mod is None else mask_mod, score_mod is not None)
 
 
 def _make(score_mod, mask_mod, has_score_mod):
