@@ -268,7 +268,7 @@ def test_split_counts():
     assert choose_splits(0, jobs=1, longest=32768, threads=2, block_k=512) == 8
     assert choose_splits(0, jobs=1, longest=1 << 20, threads=64, block_k=512) == 64
     assert choose_splits(5, jobs=1, longest=100, threads=2, block_k=512) == 1
-    assert decode_tiles(1, 64, base, 32768, 0) == (1, 512)
+    assert decode_tiles(1, 64, base, 32768, 0) == (4, 512)  # (products' 4-row blocks)
     bq, bk = decode_tiles(3, 16, base, 85, 3)
     assert bq == 4 and -(-85 // bk) >= 3
 

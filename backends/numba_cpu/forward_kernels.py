@@ -18,9 +18,10 @@ from .softmax import FASTMATH, online_softmax, online_softmax_tile  # noqa: F401
 
 @njit
 def load_tile(src, b, h, r0, n, out, mult):
-    """out[:n] = src[b, h, r0:r0+n, :] converted to the compute dtype and multiplied."""
+    """out[:n, :D] = src[b, h, r0:r0+n, :] converted to the compute dtype and multiplied
+    (out may be wider than D: its other columns are left as they are)."""
     for r in range(n):
-        for d in range(out.shape[1]):
+        for d in range(src.shape[3]):
             out[r, d] = load(src[b, h, r0 + r, d]) * mult
 
 
@@ -30,7 +31,7 @@ def load_tile_t(src, b, h, r0, n, out, mult):
     a product with its transpose is stored transposed, since BLAS runs A @ B about 1.4x
     faster than A @ B.T at these sizes (notes/numba_cpu.md)."""
     for r in range(n):
-        for d in range(out.shape[0]):
+        for d in range(src.shape[3]):
             out[d, r] = load(src[b, h, r0 + r, d]) * mult
 
 

@@ -29,6 +29,7 @@ from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabiliti
 from .decode_kernels import make_decode
 from .forward_kernels import FASTMATH, load_tile, load_tile_t, online_softmax_tile
 from .pages import load_keys_t, load_values
+from .products import product, product_into
 from .scalar import LOG2E, store
 from .seams import (
     EMPTY,
@@ -40,6 +41,7 @@ from .seams import (
     split_keys,
     tile_class,
 )
+from .simd import width_of
 
 #: Relative finite-difference step (flashcore._mods.FD_STEP, restated to keep the backend
 #: free of front-end imports inside kernels).
@@ -52,6 +54,30 @@ def _no_score_mod(s, b, h, i, j, *args):
 
 def _no_mask_mod(b, h, i, j, *args):
     return True
+
+
+@njit
+def padded(like, D, block_k):
+    """``(d_pad, bkp)``: the head dim and the key tile rounded up to the column block of
+    products.py for ``like``'s dtype. The kernels' tiles take these sizes, zero where the
+    data ends (the products read whole tiles); query tiles are a multiple of its row block
+    (tiles.PRODUCT_ROWS) as chosen."""
+    cb = 2 * width_of(like)
+    return (D + cb - 1) // cb * cb, (block_k + cb - 1) // cb * cb
+
+
+@njit
+def backward_tiles(work_dtype, D, block_q, block_k):
+    """``(d_pad, bkp, qt, dot, kt_t, vt_t, s, g, dp, lse2, dlt)``: the padded sizes and the
+    tiles both backward kernels use (Q and dO, K and V transposed, scores, score-mod
+    factors, dP, the rows' lse and delta), zero where the products read padding."""
+    lse2 = np.empty(block_q, work_dtype)
+    d_pad, bkp = padded(lse2, D, block_k)
+    return (d_pad, bkp, np.zeros((block_q, d_pad), work_dtype),
+            np.zeros((block_q, d_pad), work_dtype), np.zeros((d_pad, bkp), work_dtype),
+            np.zeros((d_pad, bkp), work_dtype), np.empty((block_q, bkp), work_dtype),
+            np.ones((block_q, bkp), work_dtype), np.empty((block_q, bkp), work_dtype), lse2,
+            np.empty(block_q, work_dtype))
 
 
 #: kernels(): the kernels of each (score_mod, mask_mod) pair, bounded like _mods._COMPILED.
@@ -139,13 +165,13 @@ def _make(score_mod, mask_mod, has_score_mod):
         D = q.shape[3]
         rows_per_job = (rows + block_q - 1) // block_q * block_q
         one = work_dtype(1.0)
-        qt = np.empty((rows_per_job, D), work_dtype)
-        kt_t = np.empty((D, block_k), work_dtype)
-        vt = np.empty((block_k, D), work_dtype)
-        s = np.empty((block_q, block_k), work_dtype)
         g = np.empty((1, 1), work_dtype)
-        pv = np.empty((block_q, D), work_dtype)
-        acc = np.zeros((rows_per_job, D), work_dtype)
+        d_pad, bkp = padded(g, D, block_k)
+        qt = np.zeros((rows_per_job, d_pad), work_dtype)
+        kt_t = np.zeros((d_pad, bkp), work_dtype)
+        vt = np.zeros((bkp, d_pad), work_dtype)
+        s = np.empty((block_q, bkp), work_dtype)
+        acc = np.zeros((rows_per_job, d_pad), work_dtype)
         m_i = np.full(rows_per_job, -np.inf, work_dtype)
         l_i = np.zeros(rows_per_job, work_dtype)
         n_t = rows_per_job // block_q
@@ -165,7 +191,7 @@ def _make(score_mod, mask_mod, has_score_mod):
                 continue
             load_keys_t(k, table, page_size, kb, hk, k_base + j0, nk, kt_t, one)
             load_values(v, table, page_size, kb, hk, k_base + j0, nk, vt, one)
-            if nk < block_k:
+            if nk < bkp:
                 vt[nk:, :] = 0.0
             for t in range(n_t):
                 if cls[t] == EMPTY:
@@ -173,14 +199,13 @@ def _make(score_mod, mask_mod, has_score_mod):
                 t0 = t * block_q
                 i0 = row0 + t0
                 nq = min(block_q, rows - t0)
-                np.dot(qt[t0:t0 + block_q], kt_t, s)
+                product(qt, t0 * d_pad, d_pad, 1, kt_t, s, block_q, bkp, d_pad, False)
                 scores(s, g, False, nq, nk, i0, j0, b, h, offset, opts, cls[t] == PARTIAL,
                        alibi, mod_args)
                 online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
-                if nk < block_k:
+                if nk < bkp:
                     s[:, nk:] = 0.0
-                np.dot(s, vt, pv)
-                acc[t0:t0 + block_q] += pv
+                product_into(s, 0, bkp, 1, vt, acc, t0, block_q, d_pad, bkp)
         for r in range(rows):
             empty = l_i[r] == 0.0
             inv = 0.0 if empty else 1.0 / l_i[r]
@@ -252,18 +277,10 @@ def _make(score_mod, mask_mod, has_score_mod):
                 continue
             offset = nk_b - nq_b
             nk = min(block_k, nk_b - j0)
-            kt_t = np.zeros((D, block_k), work_dtype)
-            vt_t = np.zeros((D, block_k), work_dtype)
-            qt = np.zeros((block_q, D), work_dtype)
-            dot = np.zeros((block_q, D), work_dtype)
-            s = np.empty((block_q, block_k), work_dtype)
-            g = np.ones((block_q, block_k), work_dtype)
-            dp = np.empty((block_q, block_k), work_dtype)
-            lse2 = np.empty(block_q, work_dtype)
-            dlt = np.empty(block_q, work_dtype)
-            dk_acc = np.zeros((block_k, D), work_dtype)
-            dv_acc = np.zeros((block_k, D), work_dtype)
-            tmp = np.empty((block_k, D), work_dtype)
+            d_pad, bkp, qt, dot, kt_t, vt_t, s, g, dp, lse2, dlt = backward_tiles(
+                work_dtype, D, block_q, block_k)
+            dk_acc = np.zeros((bkp, d_pad), work_dtype)
+            dv_acc = np.zeros((bkp, d_pad), work_dtype)
             load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
             load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
             lo, hi = query_bounds(j0, nk, nq_b, offset, causal, left, right)
@@ -281,20 +298,20 @@ def _make(score_mod, mask_mod, has_score_mod):
                         dot[nq:, :] = 0.0
                     prepare_lse2(lse, qb, h, q_base + i0, nq, lse2)
                     load_rows(delta, qb, h, q_base + i0, nq, dlt)
-                    np.dot(qt, kt_t, s)
+                    product(qt, 0, d_pad, 1, kt_t, s, block_q, bkp, d_pad, False)
                     scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts, c == PARTIAL,
                            alibi, mod_args)
                     probabilities_tile(s, nq, nk, lse2)
                     zero_tail(s, nq, nk)
-                    np.dot(s.T, dot, tmp)  # dV += P^T dO
-                    dv_acc += tmp
-                    np.dot(dot, vt_t, dp)  # dP = dO V^T
+                    # dV += P^T dO (P read transposed through its strides)
+                    product(s, 0, 1, bkp, dot, dv_acc, bkp, d_pad, block_q, True)
+                    product(dot, 0, d_pad, 1, vt_t, dp, block_q, bkp, d_pad, False)  # dP
                     dscores_tile(s, dp, nq, nk, dlt)
                     if want_g:
                         chain(dp, g, nq, nk)
                     zero_tail(dp, nq, nk)
-                    np.dot(dp.T, qt, tmp)  # dK += dS^T Q (qt carries scale*log2e)
-                    dk_acc += tmp
+                    # dK += dS^T Q (qt carries scale*log2e)
+                    product(dp, 0, 1, bkp, qt, dk_acc, bkp, d_pad, block_q, True)
             dk_mult = work_dtype(1.0 / LOG2E)
             for r in range(nk):
                 for d in range(D):
@@ -326,18 +343,10 @@ def _make(score_mod, mask_mod, has_score_mod):
                 continue
             offset = nk_b - nq_b
             nq = min(block_q, nq_b - i0)
-            qt = np.zeros((block_q, D), work_dtype)
-            dot = np.zeros((block_q, D), work_dtype)
-            kt = np.zeros((block_k, D), work_dtype)
-            kt_t = np.zeros((D, block_k), work_dtype)
-            vt_t = np.zeros((D, block_k), work_dtype)
-            s = np.empty((block_q, block_k), work_dtype)
-            g = np.ones((block_q, block_k), work_dtype)
-            dp = np.empty((block_q, block_k), work_dtype)
-            lse2 = np.empty(block_q, work_dtype)
-            dlt = np.empty(block_q, work_dtype)
-            dq_acc = np.zeros((block_q, D), work_dtype)
-            tmp = np.empty((block_q, D), work_dtype)
+            d_pad, bkp, qt, dot, kt_t, vt_t, s, g, dp, lse2, dlt = backward_tiles(
+                work_dtype, D, block_q, block_k)
+            kt = np.zeros((bkp, d_pad), work_dtype)
+            dq_acc = np.zeros((block_q, d_pad), work_dtype)
             load_tile(q, qb, h, q_base + i0, nq, qt, q_mult)
             load_tile(do, qb, h, q_base + i0, nq, dot, one)
             prepare_lse2(lse, qb, h, q_base + i0, nq, lse2)
@@ -352,21 +361,20 @@ def _make(score_mod, mask_mod, has_score_mod):
                 load_tile(k, kb, hk, k_base + j0, nk, kt, one)
                 load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
                 load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
-                if nk < block_k:
+                if nk < bkp:
                     kt[nk:, :] = 0.0
                     kt_t[:, nk:] = 0.0
                     vt_t[:, nk:] = 0.0
-                np.dot(qt, kt_t, s)
+                product(qt, 0, d_pad, 1, kt_t, s, block_q, bkp, d_pad, False)
                 scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts, c == PARTIAL, alibi,
                        mod_args)
                 probabilities_tile(s, nq, nk, lse2)
-                np.dot(dot, vt_t, dp)
+                product(dot, 0, d_pad, 1, vt_t, dp, block_q, bkp, d_pad, False)
                 dscores_tile(s, dp, nq, nk, dlt)
                 if want_g:
                     chain(dp, g, nq, nk)
                 zero_tail(dp, nq, nk)
-                np.dot(dp, kt, tmp)  # dQ += dS K
-                dq_acc += tmp
+                product(dp, 0, bkp, 1, kt, dq_acc, block_q, d_pad, bkp, True)  # dQ += dS K
             dq_mult = work_dtype(scale)
             for r in range(nq):
                 for d in range(D):

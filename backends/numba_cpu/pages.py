@@ -12,7 +12,7 @@ from .scalar import load
 
 @njit
 def load_keys_t(src, table, page_size, b, h, r0, n, out, mult):
-    """out[:, :n] = keys r0 .. r0+n-1 of sequence b, head h, transposed (see load_tile_t)."""
+    """out[:D, :n] = keys r0 .. r0+n-1 of sequence b, head h, transposed (see load_tile_t)."""
     if table.shape[0] == 0:
         load_tile_t(src, b, h, r0, n, out, mult)
         return
@@ -20,13 +20,13 @@ def load_keys_t(src, table, page_size, b, h, r0, n, out, mult):
         p = r0 + r
         page = table[b, p // page_size]
         slot = p % page_size
-        for d in range(out.shape[0]):
+        for d in range(src.shape[3]):
             out[d, r] = load(src[page, h, slot, d]) * mult
 
 
 @njit
 def load_values(src, table, page_size, b, h, r0, n, out, mult):
-    """out[:n] = values r0 .. r0+n-1 of sequence b, head h."""
+    """out[:n, :D] = values r0 .. r0+n-1 of sequence b, head h."""
     if table.shape[0] == 0:
         load_tile(src, b, h, r0, n, out, mult)
         return
@@ -34,5 +34,5 @@ def load_values(src, table, page_size, b, h, r0, n, out, mult):
         p = r0 + r
         page = table[b, p // page_size]
         slot = p % page_size
-        for d in range(out.shape[1]):
+        for d in range(src.shape[3]):
             out[r, d] = load(src[page, h, slot, d]) * mult

@@ -11,8 +11,7 @@ latency 4 cycles x 2 pipes), and leave registers for the operands (16 under AVX2
 from numba import njit
 
 from .simd import at, splat, vfma, vload, vstore, vzero, width_of
-
-ROWS = 4
+from .tiles import PRODUCT_ROWS as ROWS
 
 
 @njit

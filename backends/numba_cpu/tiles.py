@@ -93,11 +93,12 @@ MAX_DECODE_BLOCK_K = 512
 def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
                  splits_asked: int) -> tuple[int, int]:
     """(block_q, block_k) of the KV-cache forward: query tiles no taller than the queries
-    (a power of two >= Nq, so decoding one token does not compute 31 padding rows), key
+    (a power of two >= Nq, at least the products' row block PRODUCT_ROWS, so decoding one
+    token does not compute 31 padding rows), key
     tiles as long as the single-thread BLAS bound allows, up to MAX_DECODE_BLOCK_K, and
     short enough (down to 16) that an explicit split count finds that many key tiles
     (splits are runs of whole tiles)."""
-    block_q = min(base.block_q, 1 << max(0, int(seqlen_q) - 1).bit_length())
+    block_q = min(base.block_q, max(PRODUCT_ROWS, 1 << max(0, int(seqlen_q) - 1).bit_length()))
     block_k = base.block_k
     while (block_k * 2 <= MAX_DECODE_BLOCK_K
            and block_q * block_k * 2 * head_dim <= BLAS_SINGLE_THREAD_MNK):
@@ -105,6 +106,10 @@ def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
     while splits_asked > 1 and block_k > 16 and -(-longest // block_k) < splits_asked:
         block_k //= 2
     return block_q, block_k
+
+
+#: products.ROWS: query tiles of the product kernels are a multiple of it.
+PRODUCT_ROWS = 4
 
 
 @dataclass(frozen=True)
