@@ -16,6 +16,10 @@ from dataclasses import dataclass
 #: OpenBLAS's single-thread bound on M*N*K for one GEMM (SMP_THRESHOLD_MIN * 4).
 BLAS_SINGLE_THREAD_MNK = 65536 * 4
 
+#: The row block of products.py (its ROWS): query tiles of the kernels that call it are a
+#: multiple of it (every candidate below is; decode_tiles rounds up to it).
+PRODUCT_ROWS = 4
+
 #: Forward (block_q, block_k) candidates, best first: long key tiles first (longer softmax
 #: rows, a longer inner dimension for P @ V), then tall query tiles. At D=128, 32x64 ran
 #: 21% faster than 64x32; at D=64, 32x128 5% faster than 64x64 (notes/numba_cpu.md).
@@ -106,10 +110,6 @@ def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
     while splits_asked > 1 and block_k > 16 and -(-longest // block_k) < splits_asked:
         block_k //= 2
     return block_q, block_k
-
-
-#: products.ROWS: query tiles of the product kernels are a multiple of it.
-PRODUCT_ROWS = 4
 
 
 @dataclass(frozen=True)
