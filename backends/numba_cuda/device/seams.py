@@ -208,6 +208,30 @@ def user_keeps(b, h, i, j, Nq, Nk, keeps, args):
 
 
 @device_function
+def class_key_range(cls, base, csq, q0, rows, Nq, Nk, step, n_begin, n_end):
+    """:func:`key_range` narrowed by a mask_mod's tile classes (as :func:`tile_class` reads
+    them): rows ``q0 .. q0 + rows - 1`` visit keys ``[n_begin, n_end)`` cut to the span of
+    the blocks of their block rows that are not EMPTY, the start kept on its grid of
+    ``step`` from ``n_begin``. A document or prefix mask so never loads the key tiles
+    outside a query tile's document (the tiles inside the span that are empty are still
+    skipped one by one)."""
+    qa = q0 // CLASS_BLOCK
+    qb = (min(q0 + rows, Nq) - 1) // CLASS_BLOCK
+    nkb = (Nk + CLASS_BLOCK - 1) // CLASS_BLOCK
+    lo = nkb
+    hi = 0
+    for x in range(qa, qb + 1):
+        for y in range(nkb):
+            if int32(cls[base + x * csq + y]) != EMPTY:
+                lo = min(lo, y)
+                hi = max(hi, y + 1)
+    first = lo * CLASS_BLOCK
+    if first > n_begin:
+        n_begin += (first - n_begin) // step * step
+    return n_begin, min(n_end, hi * CLASS_BLOCK)
+
+
+@device_function
 def tile_class(cls, base, csq, q0, rows, Nq, k0, cols, Nk):
     """The class of the tile of queries ``q0 .. q0 + rows - 1`` and keys ``k0 .. k0 + cols -
     1`` (clipped to ``Nq``, ``Nk``) under a mask_mod, from its BlockMask's classes

@@ -22,6 +22,7 @@ from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     alibi,
+    class_key_range,
     distance,
     key_range,
     score,
@@ -193,6 +194,9 @@ def make_attn_forward(v):
         if WINDOW:  # (compile-time) the window's first tile and left edge too
             n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
                                                             CAUSAL, LEFT, RIGHT)
+        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
+            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
+                                             n_end)
 
         if ASYNC:
             copy_rows(smem, K_OFF, KJ, k, kbase, n_begin, Nk, ksn, BN, D, DP, tid, NT)

@@ -38,6 +38,7 @@ from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shf
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     alibi,
+    class_key_range,
     distance,
     key_range,
     score,
@@ -220,9 +221,10 @@ def make_attn_forward_tc(v):
         if WINDOW:  # (compile-time) the window's first tile and left edge too
             n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
                                                             CAUSAL, LEFT, RIGHT)
-        n_tiles = (n_end + BN - 1) // BN
-        if WINDOW:
-            n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
+        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
+            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
+                                             n_end)
+        n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         # groups in flight, oldest first: {Q, K0}, {V0}
         load_rows(smem, Q_OFF, q, qbase, q0, Nq, qsn, BM, LDS, CH, tid, NT)
