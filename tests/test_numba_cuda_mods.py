@@ -400,3 +400,29 @@ def test_softcap_as_score_mod_matches_builtin_on_gpu(dtype):
     for name, a, b in zip(("o", "dq", "dk", "dv"), *out):
         e = rel_err(a.float().cpu().numpy(), b.float().cpu().numpy())
         assert e < tol, f"{name}: {e}"
+
+
+def test_float32_twin_turns_divisions_by_constants_into_products():
+    """At 16 bits the twin multiplies by a constant's float32 reciprocal instead of dividing
+    (a MUFU op per score fewer); divisions by anything else stay, and the values agree to
+    float32 rounding."""
+    import dis
+
+    from flashcore.backends.numba_cuda.device.user_mods import float32_twin
+
+    def make(cap):
+        def mod(s, b, h, i, j):
+            return s / 7.0 + (s / 3.0 if i > j else s) + s / cap - 1.0 / s - s / b
+        return mod
+
+    fn = make(5.0)
+    divisions = lambda f: sum(x.opname == "BINARY_OP" and x.argrepr == "/"  # noqa: E731
+                              for x in dis.get_instructions(f))
+    assert divisions(fn) == 5
+    assert divisions(float32_twin(fn, True)) == 2  # 1.0 / s and s / b
+    assert divisions(float32_twin(fn, False)) == 5
+    for s in (1.5, -2.25, 1e3):
+        for i, j in ((1, 0), (0, 1)):
+            want = fn(s, 2, 0, i, j)
+            got = float32_twin(fn, True)(np.float32(s), 2, 0, i, j)
+            assert got == pytest.approx(want, rel=4e-7, abs=4e-7 * abs(s))

@@ -21,12 +21,11 @@ import threading
 from numba import cuda
 from numba.cuda import types
 
+from .device.constants import FASTMATH
 from .device.convert import SIMULATOR
 from .tilings import STATIC_SMEM_LIMIT
 
 _F64 = types.float64
-#: fastmath flags of every kernel; no "ninf": the softmax relies on -inf
-FASTMATH = {"contract", "arcp", "nsz"}
 
 _CUDA_SUCCESS = 0
 

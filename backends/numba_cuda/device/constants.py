@@ -5,6 +5,10 @@ import numpy as np
 
 from .convert import SIMULATOR
 
+#: fastmath flags of every kernel and of the user's mods compiled into them; no "ninf": the
+#: softmax relies on -inf. ("arcp" lets a division by a constant in a score_mod become a
+#: multiplication: one MUFU op per score fewer than ``div.full``.)
+FASTMATH = {"contract", "arcp", "nsz"}
 #: Dynamic shared memory starts 16-byte aligned (vector loads, cp.async, ldmatrix); the
 #: simulator takes no alignment argument.
 SMEM_ALIGN = None if SIMULATOR else 16

@@ -34,6 +34,7 @@ import types as pytypes
 import numpy as np
 from numba import cuda, float32, float64
 
+from .constants import FASTMATH
 from .convert import SIMULATOR
 from .intrinsics import tanh_approx
 
@@ -67,9 +68,49 @@ def float32_twin(fn, approx):
     if fn.__closure__ is not None:
         cells = tuple(pytypes.CellType(np.float32(c.cell_contents))
                       if type(c.cell_contents) is float else c for c in fn.__closure__)
+    if approx:
+        code = _divisions_by_constants_as_products(code, fn.__closure__)
     twin = pytypes.FunctionType(code, g, fn.__name__, fn.__defaults__, cells)
     twin.__qualname__ = fn.__qualname__
     return twin
+
+
+def _divisions_by_constants_as_products(code, closure):
+    """``code`` with each ``x / c``, where ``c`` is a float constant or a float closure
+    variable, turned into ``x * (1 / c)`` (``1 / c`` rounded to float32: within an ulp of
+    float32 division, far below fp16/bf16 rounding). A division costs a MUFU reciprocal per
+    score, as much as the softmax's exp2 (``s / cap`` in a softcap made it 1.38x the built-in
+    softcap's forward on an H100); NVVM keeps ``div.approx`` even under "arcp". Only the
+    bytecode ``LOAD_CONST c`` or ``LOAD_DEREF c`` right before ``BINARY_OP /`` is rewritten
+    (both are one code unit, so no offset moves); anything else is left as written."""
+    import dis
+    import opcode
+
+    ops = [sym for _, sym in getattr(dis, "_nb_ops", ())]
+    if "/" not in ops or "*" not in ops or "LOAD_CONST" not in opcode.opmap:
+        return code
+    div, mul = ops.index("/"), ops.index("*")
+    raw = bytearray(code.co_code)
+    consts = list(code.co_consts)
+    free = {name: i for i, name in enumerate(code.co_freevars)}
+    ins = list(dis.get_instructions(code))
+    for a, b in zip(ins, ins[1:]):
+        if b.opname != "BINARY_OP" or b.arg != div or b.is_jump_target:
+            continue
+        c = None
+        if a.opname == "LOAD_CONST":
+            c = a.argval
+        elif a.opname == "LOAD_DEREF" and closure is not None and a.argval in free:
+            c = closure[free[a.argval]].cell_contents
+        if not isinstance(c, (float, np.float32)) or not math.isfinite(c) or c == 0:
+            continue
+        if len(consts) > 255 or a.offset + 2 != b.offset or raw[b.offset + 1] != div:
+            continue
+        consts.append(np.float32(1.0 / float(c)))
+        raw[a.offset] = opcode.opmap["LOAD_CONST"]
+        raw[a.offset + 1] = len(consts) - 1
+        raw[b.offset + 1] = mul
+    return code.replace(co_code=bytes(raw), co_consts=tuple(consts))
 
 
 @functools.cache
@@ -82,7 +123,9 @@ def _fast_math():
 
 
 def _device(fn):
-    return fn if SIMULATOR else cuda.jit(device=True, forceinline=True)(fn)
+    """A device function with the kernels' fastmath flags (a device function keeps its own
+    flags when inlined: without "arcp", ``s / cap`` stays a ``div.full`` per score)."""
+    return fn if SIMULATOR else cuda.jit(device=True, forceinline=True, fastmath=FASTMATH)(fn)
 
 
 def _views_source(args):
