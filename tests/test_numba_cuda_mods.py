@@ -40,6 +40,12 @@ def capped(s, b, h, i, j):
     return CAP * math.tanh(s / CAP)
 
 
+def hypot_mod(s, b, h, i, j):
+    """A smooth mod flashcore._derive does not differentiate (math.hypot): the kernels take
+    its derivative by the finite difference."""
+    return math.hypot(s, 1.0) - 1.0
+
+
 def same_doc(b, h, i, j, doc):
     """Document masking of packed sequences: a query sees keys of its own document."""
     return doc[b, i] == doc[b, j]
@@ -130,6 +136,8 @@ def _mods(c, rng):
     if "prefix" in names:
         mask_mod = prefix_lm
         args.append(np.arange(3, 3 + 4 * B, 4).astype(np.int64))
+    if "hyp" in names:
+        score_mod = hypot_mod
     if "sq" in names:
         score_mod = squared
         args.append((rng.random((B, Nk)) < 0.5).astype(np.int32))
@@ -305,7 +313,7 @@ def test_float32_twin_keeps_scores_in_float32():
 def test_user_mod_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
     """Every kernel of a case class with a score_mod, a mask_mod and a mod_args array
     compiles for sm_90 without a GPU, with the parameters the launch packs; the mod's
-    arithmetic stays float32 in the forward (no float64 tanh: the twin's tanh is the
+    arithmetic stays float32, forward and backward (no float64 tanh: the twin's tanh is the
     approximate instruction at 16 bits)."""
     import re
     import types as pytypes
@@ -328,8 +336,8 @@ def test_user_mod_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
                                   **driver.jit_options(v.launch_bounds))
         entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
         assert len(re.findall(r"\.param\s+\.(\w+)", entry.group(1))) == len(sig)
-        if v.kernel == "forward":
-            assert "cvt.f64.f32" not in ptx or dtype == "float32", v.tag
+        # (the backward's derivative too: the forward-mode twin stays in float32)
+        assert "cvt.f64.f32" not in ptx or dtype == "float32", v.tag
 
 
 def _torch_case(c, torch):
@@ -357,6 +365,11 @@ GPU_CASES = [
          layout="bnhd", mods="sq"),
     dict(B=1, Hq=2, Hkv=2, Nq=500, Nk=500, D=96, dtype="float16", causal=True,
          layout="bhnd", mods="doc"),
+    # the finite-difference derivative, where the forward-mode twin cannot be written
+    dict(B=1, Hq=2, Hkv=1, Nq=300, Nk=300, D=64, dtype="bfloat16", causal=True,
+         layout="bhnd", mods="hyp"),
+    dict(B=1, Hq=2, Hkv=1, Nq=200, Nk=260, D=64, dtype="float32", causal=False,
+         layout="bhnd", mods="hyp"),
 ]
 
 
@@ -400,6 +413,15 @@ def test_softcap_as_score_mod_matches_builtin_on_gpu(dtype):
     for name, a, b in zip(("o", "dq", "dk", "dv"), *out):
         e = rel_err(a.float().cpu().numpy(), b.float().cpu().numpy())
         assert e < tol, f"{name}: {e}"
+
+
+def test_mods_here_take_the_derivative_they_are_meant_to():
+    """hypot_mod covers the finite difference, the others the forward-mode twin."""
+    from flashcore._derive import value_and_slope
+
+    assert value_and_slope(hypot_mod) is None
+    for fn in (rel_bias, capped, squared):
+        assert value_and_slope(fn) is not None, fn.__name__
 
 
 def test_float32_twin_turns_divisions_by_constants_into_products():

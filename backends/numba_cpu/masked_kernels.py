@@ -23,6 +23,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from flashcore._derive import value_and_slope
 from flashcore._memo import Memo
 
 from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabilities_tile, zero_tail
@@ -91,25 +92,38 @@ def kernels(score_mod, mask_mod):
 
 
 def _make_pair(score_mod, mask_mod):
+    twin = None if score_mod is None else value_and_slope(score_mod)
     return _make(njit(_no_score_mod) if score_mod is None else score_mod,
-                 njit(_no_mask_mod) if mask_mod is None else mask_mod, score_mod is not None)
+                 njit(_no_mask_mod) if mask_mod is None else mask_mod, score_mod is not None,
+                 None if twin is None else njit(twin))
 
 
-def _make(score_mod, mask_mod, has_score_mod):
+def _make(score_mod, mask_mod, has_score_mod, twin):
     ln2 = 1.0 / LOG2E
 
     @njit
     def modded(x, b, h, i, j, mod_args):
         return np.float64(score_mod(x, b, h, i, j, *mod_args))
 
-    @njit
-    def derivative(x, b, h, i, j, mod_args):
-        """d score_mod / d s by the 4th-order central difference (flashcore._mods)."""
-        st = FD_STEP * max(1.0, abs(x))
-        d = (8.0 * (modded(x + st, b, h, i, j, mod_args) - modded(x - st, b, h, i, j, mod_args))
-             - (modded(x + 2 * st, b, h, i, j, mod_args)
-                - modded(x - 2 * st, b, h, i, j, mod_args))) / (12.0 * st)
-        return d if math.isfinite(d) else 0.0
+    if twin is not None:
+        @njit
+        def value_slope(x, b, h, i, j, mod_args):
+            """(score_mod, d score_mod / d s) from its forward-mode twin (flashcore._derive):
+            exact but for float64 rounding, one pass."""
+            v, d = twin(x, b, h, i, j, *mod_args)
+            d = np.float64(d)
+            return np.float64(v), d if math.isfinite(d) else 0.0
+    else:
+        @njit
+        def value_slope(x, b, h, i, j, mod_args):
+            """(score_mod, d score_mod / d s), the latter by the 4th-order central
+            difference (flashcore._mods), where the twin cannot be written."""
+            st = FD_STEP * max(1.0, abs(x))
+            d = (8.0 * (modded(x + st, b, h, i, j, mod_args)
+                        - modded(x - st, b, h, i, j, mod_args))
+                 - (modded(x + 2 * st, b, h, i, j, mod_args)
+                    - modded(x - 2 * st, b, h, i, j, mod_args))) / (12.0 * st)
+            return modded(x, b, h, i, j, mod_args), d if math.isfinite(d) else 0.0
 
     @njit
     def scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, opts, partial, alibi,
@@ -148,8 +162,10 @@ def _make(score_mod, mask_mod, has_score_mod):
                     x -= slope * abs(ip - j)
                 if has_score_mod:
                     if want_g:
-                        dx *= derivative(x, b, h, i, j, mod_args)
-                    x = modded(x, b, h, i, j, mod_args)
+                        x, slope_x = value_slope(x, b, h, i, j, mod_args)
+                        dx *= slope_x
+                    else:
+                        x = modded(x, b, h, i, j, mod_args)
                 s[r, c] = x * LOG2E
                 if want_g:
                     g[r, c] = dx

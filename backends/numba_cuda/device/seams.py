@@ -190,13 +190,12 @@ def user_score(x, b, h, i, j, Nq, Nk, unit, inv, value, args):
 
 
 @device_function
-def user_score_slope(x, b, h, i, j, Nq, Nk, unit, inv, value, slope, args):
+def user_score_slope(x, b, h, i, j, Nq, Nk, unit, inv, value_slope, args):
     """``(score, d score / d x)``: :func:`user_score` and the derivative the backward's dS
-    takes (in natural units, the same in the kernel's)."""
-    ii = min(i, Nq - 1)
-    jj = min(j, Nk - 1)
-    xn = x * inv
-    return value(xn, b, h, ii, jj, args) * unit, slope(xn, b, h, ii, jj, args)
+    takes (in natural units, the same in the kernel's), from one call of ``value_slope``
+    (:mod:`.user_mods`)."""
+    v, d = value_slope(x * inv, b, h, min(i, Nq - 1), min(j, Nk - 1), args)
+    return v * unit, d
 
 
 @device_function

@@ -6,7 +6,8 @@ A variant that carries a :class:`~..variant.UserMods` gets four device functions
 - ``views(m0, m1, m2, m3, e)``: the ``mod_args`` as arrays (C-contiguous, at most 4 of at
   most 4 dims; ``e`` holds their 16 extents) from the raw pointers the launch passes;
 - ``value(s, b, h, i, j, args)``: ``score_mod(s, b, h, i, j, *args)`` as a float32;
-- ``slope(s, b, h, i, j, args)``: ``d score_mod / d s`` at ``s`` (the factor dS takes);
+- ``value_slope(s, b, h, i, j, args)``: ``(value(s, ...), d score_mod / d s)``, the score
+  and the factor dS takes, in one pass (the backward kernels);
 - ``keeps(b, h, i, j, args)``: ``mask_mod(b, h, i, j, *args)`` as a bool.
 
 Precision, decided here (README documents it). The kernels compute scores in float32, and a
@@ -18,12 +19,19 @@ fp16/bf16 variants ``math.tanh`` in it is ``tanh.approx.f32`` (relative error ~2
 those dtypes' rounding: the built-in softcap makes the same choice). Integers mixed with
 floats still promote to float64 (write ``float32(i - j)`` to stay in float32).
 
-The derivative is a fourth-order central difference, ``(8 (f(s+h) - f(s-h)) - (f(s+2h) -
-f(s-2h))) / 12h``, exact for mods polynomial in ``s`` up to degree 4 (biases, scalings)
-but for rounding: in fp16/bf16 variants on the float32 twin with precise ``tanh`` and
-``h = 2^-6 max(1, |s|)`` (relative error ~1e-5, below those dtypes' rounding), in fp32
-variants on the user's own function in float64 with ``h = 1e-3 max(1, |s|)`` as on the CPU
-(``flashcore._mods.FD_STEP``; ~1e-12).
+The derivative comes from the forward-mode twin of the user's function
+(:func:`flashcore._derive.value_and_slope`: the chain rule written into the source, value
+and derivative in one pass), itself made a float32 twin as above: in fp16/bf16 variants its
+``tanh`` is the approximate one and ``d tanh = 1 - tanh^2`` is taken from it, as the
+built-in softcap does; fp32 variants take precise float32 math (relative error ~1e-7).
+Where that twin cannot be written (a call of another function on ``s``, no source), a
+fourth-order central difference, ``(8 (f(s+h) - f(s-h)) - (f(s+2h) - f(s-2h))) / 12h``,
+exact for mods polynomial in ``s`` up to degree 4 but for rounding: in fp16/bf16 variants
+on the float32 twin with precise ``tanh`` and ``h = 2^-6 max(1, |s|)`` (relative error
+~1e-5, below those dtypes' rounding), in fp32 variants on the user's own function in float64
+with ``h = 1e-3 max(1, |s|)`` as on the CPU (``flashcore._mods.FD_STEP``; ~1e-12). The
+difference costs four more calls of the function per score in each backward kernel (softcap
+as a score_mod: forward+backward 1.52x the built-in on an H100).
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ import types as pytypes
 
 import numpy as np
 from numba import cuda, float32, float64
+
+from flashcore._derive import value_and_slope
 
 from .constants import FASTMATH
 from .convert import SIMULATOR
@@ -146,7 +156,7 @@ def _call(name, first, n):
 
 
 def kernel_mods(v):
-    """``(SMOD, MMOD, views, value, slope, keeps)`` of variant ``v``: whether it has a
+    """``(SMOD, MMOD, views, value, value_slope, keeps)`` of variant ``v``: whether it has a
     score_mod, a mask_mod, and the device functions of :func:`device_mods` (trivial ones
     where it has neither)."""
     u = v.user
@@ -157,7 +167,7 @@ def kernel_mods(v):
 
 @functools.cache
 def device_mods(spec, half):
-    """``(views, value, slope, keeps)`` device functions of ``spec`` (a UserMods, or None)
+    """``(views, value, value_slope, keeps)`` device functions of ``spec`` (a UserMods, or None)
     for a variant whose inputs are 16-bit (``half``) or fp32."""
     if spec is None:
         return _NO_MODS
@@ -172,25 +182,10 @@ def device_mods(spec, half):
         ns["F"] = _device(float32_twin(spec.score_mod, half))
         src.append("def value(s, b, h, i, j, a):\n"
                    f"    return float32({_call('F', 's, b, h, i, j', n)})\n")
-        if half:
-            ns["G"] = _device(float32_twin(spec.score_mod, False))
-            step, t, one = "float32(0.015625)", "float32", "float32(1.0)"
-        else:
-            ns["G"] = _device(python_function(spec.score_mod))
-            step, t, one = "1e-3", "float64", "1.0"
-        src.append(
-            "def slope(s, b, h, i, j, a):\n"
-            f"    x = {t}(s)\n"
-            f"    st = {step} * max({one}, abs(x))\n"
-            "    st2 = st + st\n"
-            f"    d1 = {t}({_call('G', 'x + st, b, h, i, j', n)}) - "
-            f"{t}({_call('G', 'x - st, b, h, i, j', n)})\n"
-            f"    d2 = {t}({_call('G', 'x + st2, b, h, i, j', n)}) - "
-            f"{t}({_call('G', 'x - st2, b, h, i, j', n)})\n"
-            f"    return float32(({t}(8.0) * d1 - d2) / ({t}(12.0) * st))\n")
+        src.append(_value_slope_source(spec.score_mod, half, n, ns))
     else:
         src.append("def value(s, b, h, i, j, a):\n    return s\n")
-        src.append("def slope(s, b, h, i, j, a):\n    return float32(1.0)\n")
+        src.append("def value_slope(s, b, h, i, j, a):\n    return s, float32(1.0)\n")
     if spec.mask_mod is not None:
         ns["M"] = _device(float32_twin(spec.mask_mod, half))
         src.append("def keeps(b, h, i, j, a):\n"
@@ -198,7 +193,36 @@ def device_mods(spec, half):
     else:
         src.append("def keeps(b, h, i, j, a):\n    return True\n")
     exec(compile("".join(src), f"<flashcore user mods {spec.label}>", "exec"), ns)  # noqa: S102
-    return tuple(_device(ns[name]) for name in ("views", "value", "slope", "keeps"))
+    return tuple(_device(ns[name]) for name in ("views", "value", "value_slope", "keeps"))
+
+
+def _value_slope_source(score_mod, half, n, ns):
+    """Source of ``value_slope``: ``(value, d value / d s)`` from the forward-mode twin of
+    the user's function (:mod:`flashcore._derive`, as a float32 twin), or where that cannot
+    be written from a fourth-order central difference (module doc); puts the functions it
+    calls in ``ns``."""
+    twin = value_and_slope(score_mod)
+    if twin is not None:
+        ns["VS"] = _device(float32_twin(twin, half))
+        return ("def value_slope(s, b, h, i, j, a):\n"
+                f"    v, d = {_call('VS', 's, b, h, i, j', n)}\n"
+                "    return float32(v), float32(d)\n")
+    if half:
+        ns["G"] = _device(float32_twin(score_mod, False))
+        step, t, one = "float32(0.015625)", "float32", "float32(1.0)"
+    else:
+        ns["G"] = _device(python_function(score_mod))
+        step, t, one = "1e-3", "float64", "1.0"
+    return ("def value_slope(s, b, h, i, j, a):\n"
+            f"    x = {t}(s)\n"
+            f"    st = {step} * max({one}, abs(x))\n"
+            "    st2 = st + st\n"
+            f"    d1 = {t}({_call('G', 'x + st, b, h, i, j', n)}) - "
+            f"{t}({_call('G', 'x - st, b, h, i, j', n)})\n"
+            f"    d2 = {t}({_call('G', 'x + st2, b, h, i, j', n)}) - "
+            f"{t}({_call('G', 'x - st2, b, h, i, j', n)})\n"
+            f"    return float32({_call('F', 's, b, h, i, j', n)}), float32(({t}(8.0) * d1 - d2) / "
+            f"({t}(12.0) * st))\n")
 
 
 def _trivial():
@@ -208,13 +232,13 @@ def _trivial():
     def value(s, b, h, i, j, a):
         return s
 
-    def slope(s, b, h, i, j, a):
-        return float32(1.0)
+    def value_slope(s, b, h, i, j, a):
+        return s, float32(1.0)
 
     def keeps(b, h, i, j, a):
         return True
 
-    return tuple(_device(f) for f in (views, value, slope, keeps))
+    return tuple(_device(f) for f in (views, value, value_slope, keeps))
 
 
 _NO_MODS = _trivial()

@@ -229,7 +229,7 @@ def make_attn_backward_dkdv(v):
                         x = alibi(x, distance(i, k0 + row, causal_offset), slope)
                     if SMOD:  # (compile-time) the user's score_mod and its derivative
                         x, gu = user_score_slope(x, b, h, i, k0 + row, Nq, Nk, float32(LOG2E),
-                                                 float32(1.0 / LOG2E), VALUE, SLOPE, margs)
+                                                 float32(1.0 / LOG2E), SLOPE, margs)
                         g *= gu
                     p = math.exp2(x - ls)
                     if not live or (masked and hides(i, k0 + row, causal_offset, CAUSAL, LEFT,
@@ -413,7 +413,7 @@ def make_attn_backward_dq(v):
                         x = alibi(x, distance(i, n0 + col, causal_offset), slope)
                     if SMOD:  # (compile-time) the user's score_mod and its derivative
                         x, gu = user_score_slope(x, b, h, i, n0 + col, Nq, Nk, float32(LOG2E),
-                                                 float32(1.0 / LOG2E), VALUE, SLOPE, margs)
+                                                 float32(1.0 / LOG2E), SLOPE, margs)
                         g *= gu
                     p = math.exp2(x - ls[a])
                     if not live or (masked and not visible(i, n0 + col, Nk, causal_offset,

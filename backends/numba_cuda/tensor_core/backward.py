@@ -126,7 +126,7 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
                     sx = alibi(sx, d0 + float32(8 * jn + e - 8 * r), modr[2])
                 if SMOD:  # (compile-time) the user's score_mod and its derivative
                     sx, gu = user_score_slope(sx, b, h, i, j, Nq, Nk, modr[3],
-                                              float32(1.0) / modr[3], value, slope, margs)
+                                              float32(1.0) / modr[3], slope, margs)
                     g = g * gu
                 p = math.exp2(sx * sl2 - ls)
                 if hides(i, j, causal_offset, CAUSAL, LEFT, RIGHT) or (
@@ -167,7 +167,7 @@ def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL,
                            modr[2])
             if SMOD:  # (compile-time) the user's score_mod and its derivative
                 sx, gu = user_score_slope(sx, b, h, i, j, Nq, Nk, modr[3],
-                                          float32(1.0) / modr[3], value, slope, margs)
+                                          float32(1.0) / modr[3], slope, margs)
                 g = g * gu
             p = math.exp2(sx * sl2 - ls)
             if not visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT) or (
