@@ -426,7 +426,8 @@ def test_mods_here_take_the_derivative_they_are_meant_to():
 
 def test_float32_twin_turns_divisions_by_constants_into_products():
     """At 16 bits the twin multiplies by a constant's float32 reciprocal instead of dividing
-    (a MUFU op per score fewer); divisions by anything else stay, and the values agree to
+    (a MUFU op per score fewer), the constant written out, in a closure cell or a global
+    (``CAP``: its load's inline caches become NOPs); divisions by anything else stay, and the values agree to
     float32 rounding."""
     import dis
 
@@ -434,15 +435,16 @@ def test_float32_twin_turns_divisions_by_constants_into_products():
 
     def make(cap):
         def mod(s, b, h, i, j):
-            return s / 7.0 + (s / 3.0 if i > j else s) + s / cap - 1.0 / s - s / b
+            return (s / 7.0 + (s / 3.0 if i > j else s) + s / cap - 1.0 / s - s / b
+                    + s / CAP - abs(s / CAP))
         return mod
 
     fn = make(5.0)
     divisions = lambda f: sum(x.opname == "BINARY_OP" and x.argrepr == "/"  # noqa: E731
                               for x in dis.get_instructions(f))
-    assert divisions(fn) == 5
+    assert divisions(fn) == 7
     assert divisions(float32_twin(fn, True)) == 2  # 1.0 / s and s / b
-    assert divisions(float32_twin(fn, False)) == 5
+    assert divisions(float32_twin(fn, False)) == 7
     for s in (1.5, -2.25, 1e3):
         for i, j in ((1, 0), (0, 1)):
             want = fn(s, 2, 0, i, j)

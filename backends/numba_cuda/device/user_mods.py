@@ -79,20 +79,22 @@ def float32_twin(fn, approx):
         cells = tuple(pytypes.CellType(np.float32(c.cell_contents))
                       if type(c.cell_contents) is float else c for c in fn.__closure__)
     if approx:
-        code = _divisions_by_constants_as_products(code, fn.__closure__)
+        code = _divisions_by_constants_as_products(code, fn.__closure__, g)
     twin = pytypes.FunctionType(code, g, fn.__name__, fn.__defaults__, cells)
     twin.__qualname__ = fn.__qualname__
     return twin
 
 
-def _divisions_by_constants_as_products(code, closure):
-    """``code`` with each ``x / c``, where ``c`` is a float constant or a float closure
-    variable, turned into ``x * (1 / c)`` (``1 / c`` rounded to float32: within an ulp of
+def _divisions_by_constants_as_products(code, closure, globals_):
+    """``code`` with each ``x / c``, where ``c`` is a float constant, a float closure
+    variable or a float global, turned into ``x * (1 / c)`` (``1 / c`` rounded to float32: within an ulp of
     float32 division, far below fp16/bf16 rounding). A division costs a MUFU reciprocal per
     score, as much as the softmax's exp2 (``s / cap`` in a softcap made it 1.38x the built-in
     softcap's forward on an H100); NVVM keeps ``div.approx`` even under "arcp". Only the
-    bytecode ``LOAD_CONST c`` or ``LOAD_DEREF c`` right before ``BINARY_OP /`` is rewritten
-    (both are one code unit, so no offset moves); anything else is left as written."""
+    bytecode ``LOAD_CONST c``, ``LOAD_DEREF c`` or ``LOAD_GLOBAL c`` right before
+    ``BINARY_OP /`` is rewritten, in place: ``LOAD_CONST`` takes the load's first code unit
+    and a global's inline cache units become ``NOP``, so no offset moves; anything else is
+    left as written."""
     import dis
     import opcode
 
@@ -104,6 +106,7 @@ def _divisions_by_constants_as_products(code, closure):
     consts = list(code.co_consts)
     free = {name: i for i, name in enumerate(code.co_freevars)}
     ins = list(dis.get_instructions(code))
+    caches = getattr(opcode, "_inline_cache_entries", None)
     for a, b in zip(ins, ins[1:]):
         if b.opname != "BINARY_OP" or b.arg != div or b.is_jump_target:
             continue
@@ -112,13 +115,24 @@ def _divisions_by_constants_as_products(code, closure):
             c = a.argval
         elif a.opname == "LOAD_DEREF" and closure is not None and a.argval in free:
             c = closure[free[a.argval]].cell_contents
+        elif a.opname == "LOAD_GLOBAL" and not a.arg & 1 and caches is not None:
+            c = globals_.get(a.argval)  # (its inline cache units become NOPs below)
         if not isinstance(c, (float, np.float32)) or not math.isfinite(c) or c == 0:
             continue
-        if len(consts) > 255 or a.offset + 2 != b.offset or raw[b.offset + 1] != div:
+        if len(consts) > 255 or raw[b.offset + 1] != div or (
+                a.offset >= 2 and raw[a.offset - 2] == opcode.opmap["EXTENDED_ARG"]):
+            continue
+        units = 1
+        if a.opname == "LOAD_GLOBAL":
+            units += caches[a.opname] if isinstance(caches, dict) else caches[a.opcode]
+        if a.offset + 2 * units != b.offset:
             continue
         consts.append(np.float32(1.0 / float(c)))
         raw[a.offset] = opcode.opmap["LOAD_CONST"]
         raw[a.offset + 1] = len(consts) - 1
+        for u in range(1, units):
+            raw[a.offset + 2 * u] = opcode.opmap["NOP"]
+            raw[a.offset + 2 * u + 1] = 0
         raw[b.offset + 1] = mul
     return code.replace(co_code=bytes(raw), co_consts=tuple(consts))
 
