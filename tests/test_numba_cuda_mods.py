@@ -51,6 +51,11 @@ def same_doc(b, h, i, j, doc):
     return doc[b, i] == doc[b, j]
 
 
+def head_docs(b, h, i, j, doc):
+    """Document masking whose documents differ per query head (so do its tile classes)."""
+    return doc[b, h, i] == doc[b, h, j]
+
+
 def prefix_lm(b, h, i, j, prefix):
     """Prefix-LM: bidirectional within the first prefix[b] tokens, causal after."""
     return j <= i or j < prefix[b]
@@ -61,8 +66,12 @@ def squared(s, b, h, i, j, doc):
     return s * s * 0.25 + (0.5 if doc[b, j] == 0 else 0.0)
 
 
-# (shapes; mods: "rel" bias table, "cap", "doc" ids, "prefix" lengths, "sq" nonlinear;
-# built-ins: causal, window, softcap, alibi)
+#: "hdocs": the two cuts between each query head's three documents (shifted by the batch
+#: index): within a GQA group of two, each head sees block rows the other does not.
+HEAD_CUTS = ((16, 32), (8, 24), (12, 28), (20, 35))
+
+# (shapes; mods: "rel" bias table, "cap", "doc" ids, "prefix" lengths, "sq" nonlinear,
+# "hdocs" documents per query head; built-ins: causal, window, softcap, alibi)
 SIMT_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=13, Nk=19, D=8, dtype="float32", causal=True, layout="bhnd",
          mods="rel"),
@@ -79,6 +88,13 @@ SIMT_CASES = [
     pytest.param(dict(B=1, Hq=1, Hkv=1, Nq=300, Nk=300, D=4, dtype="float32", causal=False,
                       layout="bhnd", mods="blocks", split=140, block_mask=True),
                  marks=pytest.mark.slow),
+    # GQA under a mask_mod: a dK/dV block's query range is the union of its group's heads'
+    # (whole block rows are empty for some key blocks; the heads' classes differ, or with a
+    # head-free BlockMask they share one)
+    dict(B=2, Hq=4, Hkv=2, Nq=36, Nk=40, D=4, dtype="float32", causal=True, layout="bhnd",
+         mods="hdocs", cuts=HEAD_CUTS, cb=8),
+    dict(B=2, Hq=4, Hkv=2, Nq=40, Nk=40, D=4, dtype="float32", causal=False, layout="bnhd",
+         mods="blocks", split=18, cb=8, block_mask=True),
 ]
 TC_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=52, D=32, dtype="bfloat16", causal=True, layout="bhnd",
@@ -91,6 +107,9 @@ TC_CASES = [
          mods="blocks", split=20, cb=16),
     pytest.param(dict(B=1, Hq=1, Hkv=1, Nq=290, Nk=290, D=32, dtype="float16", causal=True,
                       layout="bhnd", mods="blocks", split=140), marks=pytest.mark.slow),
+    # (cb 8 below the 16-row steps: a narrowed query range starts on its step's grid)
+    dict(B=1, Hq=4, Hkv=2, Nq=48, Nk=48, D=32, dtype="bfloat16", causal=False, layout="bhnd",
+         mods="hdocs", cuts=HEAD_CUTS, cb=8, block_mask="heads"),
 ]
 
 
@@ -132,6 +151,14 @@ def _mods(c, rng):
         mask_mod = same_doc  # that are empty, full and partial
         doc = np.zeros((B, Nk), np.int32)
         doc[:, c["split"]:] = 1
+        args.append(doc)
+    if "hdocs" in names:
+        mask_mod = head_docs
+        doc = np.zeros((B, Hq, Nk), np.int32)
+        for b in range(B):
+            for h in range(Hq):
+                for cut in c["cuts"][h]:
+                    doc[b, h, cut + b:] += 1
         args.append(doc)
     if "prefix" in names:
         mask_mod = prefix_lm
@@ -177,7 +204,8 @@ def _opts(c, mods):
     if c.get("block_mask"):  # one BlockMask per case, as a model makes one per mask
         key = _case_id(c)
         if key not in _BLOCK_MASKS:
-            _BLOCK_MASKS[key] = flashcore.create_block_mask(mask_mod, c["B"], None, c["Nq"],
+            heads = c["Hq"] if c["block_mask"] == "heads" else None
+            _BLOCK_MASKS[key] = flashcore.create_block_mask(mask_mod, c["B"], heads, c["Nq"],
                                                             c["Nk"], mod_args=args)
         bm = _BLOCK_MASKS[key]
         assert 0 < bm.sparsity() < 1, bm

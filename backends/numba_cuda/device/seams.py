@@ -16,9 +16,11 @@ The variant's mask options arrive as compile-time arguments (``CAUSAL``; the win
 ``LEFT``/``RIGHT``, -1 for an unbounded side or no window), so after inlining each kernel
 keeps only the arithmetic its variant needs. A kernel of a windowed variant takes its
 ranges from :func:`window_key_range`/:func:`window_query_range` (which also give a first
-tile and a last row), the others from :func:`key_range`/:func:`query_range` as before. Masks and score
-modifiers (window, softcap, ALiBi, user functions), varlen bounds and paged caches extend
-these functions and the variant that parametrizes them, not the kernels.
+tile and a last row), the others from :func:`key_range`/:func:`query_range` as before; a
+variant with a mask_mod narrows them to the tiles its classes leave
+(:func:`class_key_range`/:func:`class_query_range`). Masks and score modifiers (window,
+softcap, ALiBi, user functions), varlen bounds and paged caches extend these functions and
+the variant that parametrizes them, not the kernels.
 """
 from __future__ import annotations
 
@@ -228,6 +230,35 @@ def class_key_range(cls, base, csq, q0, rows, Nq, Nk, step, n_begin, n_end):
     if first > n_begin:
         n_begin += (first - n_begin) // step * step
     return n_begin, min(n_end, hi * CLASS_BLOCK)
+
+
+@device_function
+def class_query_range(cls, base, csh, heads, csq, k0, cols, Nq, Nk, step, m_begin, m_end):
+    """:func:`query_range` narrowed by a mask_mod's tile classes, the transpose of
+    :func:`class_key_range` for the dK/dV pass: keys ``k0 .. k0 + cols - 1`` are seen by
+    query rows ``[m_begin, m_end)`` cut to the span of the block rows whose blocks in the
+    keys' block columns are not EMPTY for some of ``heads`` query heads (classes at
+    ``base``, ``base + csh``, ...: a dK/dV block sums over its GQA group, whose heads'
+    classes may differ; ``csh`` 0 where they share one), the start kept on its grid of
+    ``step`` from ``m_begin``. The steps inside the span that are empty for a head are
+    still skipped one by one."""
+    ka = k0 // CLASS_BLOCK
+    kb = (min(k0 + cols, Nk) - 1) // CLASS_BLOCK
+    nqb = (Nq + CLASS_BLOCK - 1) // CLASS_BLOCK
+    if csh == 0:  # the heads share their classes: one scan for all
+        heads = 1
+    lo = nqb
+    hi = 0
+    for g in range(heads):
+        for x in range(nqb):
+            for y in range(ka, kb + 1):
+                if int32(cls[base + g * csh + x * csq + y]) != EMPTY:
+                    lo = min(lo, x)
+                    hi = max(hi, x + 1)
+    first = lo * CLASS_BLOCK
+    if first > m_begin:
+        m_begin += (first - m_begin) // step * step
+    return m_begin, min(m_end, hi * CLASS_BLOCK)
 
 
 @device_function

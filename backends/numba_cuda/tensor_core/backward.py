@@ -47,6 +47,7 @@ from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
     alibi,
     class_key_range,
+    class_query_range,
     distance,
     hides,
     key_range,
@@ -333,6 +334,9 @@ def make_attn_backward_dkdv_tc(v):
         if WINDOW:  # (compile-time) the window also ends the rows that see our keys
             m_begin, m_end, m_full, m_last = window_query_range(k0, BM, BN, Nq, causal_offset,
                                                                 CAUSAL, LEFT, RIGHT)
+        if MMOD:  # (compile-time) only the query tiles the group's classes leave
+            m_begin, m_end = class_query_range(cls, b * csb + hk * group * csh, csh, group,
+                                               csq, k0, BM, Nq, Nk, BN, m_begin, m_end)
         per_head = (m_end - m_begin + BN - 1) // BN if m_end > m_begin else 0
         n_steps = group * per_head
 
