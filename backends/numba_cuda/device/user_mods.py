@@ -23,7 +23,10 @@ The derivative comes from the forward-mode twin of the user's function
 (:func:`flashcore._derive.value_and_slope`: the chain rule written into the source, value
 and derivative in one pass), itself made a float32 twin as above: in fp16/bf16 variants its
 ``tanh`` is the approximate one and ``d tanh = 1 - tanh^2`` is taken from it, as the
-built-in softcap does; fp32 variants take precise float32 math (relative error ~1e-7).
+built-in softcap does; fp32 variants take the value from the float32 twin (as the forward
+does) and the derivative from the forward-mode twin of the user's own function in float64
+(float32 math loses ~eps / (1 - tanh^2) to cancellation where a softcap saturates: 1e-5
+relative in dQ against the built-in in a GPU test).
 Where that twin cannot be written (a call of another function on ``s``, no source), a
 fourth-order central difference, ``(8 (f(s+h) - f(s-h)) - (f(s+2h) - f(s-2h))) / 12h``,
 exact for mods polynomial in ``s`` up to degree 4 but for rounding: in fp16/bf16 variants
@@ -216,11 +219,16 @@ def _value_slope_source(score_mod, half, n, ns):
     be written from a fourth-order central difference (module doc); puts the functions it
     calls in ``ns``."""
     twin = value_and_slope(score_mod)
-    if twin is not None:
-        ns["VS"] = _device(float32_twin(twin, half))
+    if twin is not None and half:
+        ns["VS"] = _device(float32_twin(twin, True))
         return ("def value_slope(s, b, h, i, j, a):\n"
                 f"    v, d = {_call('VS', 's, b, h, i, j', n)}\n"
                 "    return float32(v), float32(d)\n")
+    if twin is not None:  # fp32: the value as the forward takes it, d/ds in float64
+        ns["VS"] = _device(twin)
+        return ("def value_slope(s, b, h, i, j, a):\n"
+                f"    v, d = {_call('VS', 'float64(s), b, h, i, j', n)}\n"
+                f"    return float32({_call('F', 's, b, h, i, j', n)}), float32(d)\n")
     if half:
         ns["G"] = _device(float32_twin(score_mod, False))
         step, t, one = "float32(0.015625)", "float32", "float32(1.0)"
