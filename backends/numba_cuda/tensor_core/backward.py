@@ -85,12 +85,15 @@ def chain(ds, g, CAP):
 
 
 @device_function
-def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr, ALIBI, d0):
+def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr, ALIBI, d0,
+                SMOD, slope, margs, b, h, i0, j0, Nq, Nk):
     """``Pᵀ`` into ``s`` and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` for a query step
     that needs no mask (every query of it exists, none is above the diagonal): element
     ``(4 jn + 2 r + e)`` of this lane is query column ``8 jn + e`` past ``lofs`` (lse,
     stride ``lsn``) and ``dofs`` (delta). ``d0`` (``ALIBI``): the distance of this lane's
-    first query from its first key."""
+    first query from its first key. ``SMOD``: the user's score_mod and its derivative
+    (``slope``) for query ``i0 + 8 jn + e`` and key ``j0 + 8 r``, as in
+    :func:`dkdv_scores_masked`."""
     for jn in range(NTILES):
         for e in range(2):
             ls, dl = query_stats(lse, delta, lofs + (8 * jn + e) * lsn, dofs + 8 * jn + e,
@@ -100,16 +103,20 @@ def dkdv_scores(s, dp, lse, delta, lofs, lsn, dofs, sl2, NTILES, CAP, modr, ALIB
                 sx, g = capped(s[x], CAP, modr)
                 if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
                     sx = alibi(sx, d0 + float32(8 * jn + e - 8 * r), modr[2])
+                if SMOD:  # (compile-time) the user's score_mod and its derivative
+                    sx, gu = user_score_slope(sx, b, h, i0 + 8 * jn + e, j0 + 8 * r, Nq, Nk,
+                                              modr[3], float32(1.0) / modr[3], slope, margs)
+                    g = g * gu
                 p = math.exp2(sx * sl2 - ls)
                 s[x] = p
-                dp[x] = chain(p * (dp[x] - dl), g, CAP)
+                dp[x] = chain(p * (dp[x] - dl), g, CAP or SMOD)
 
 
 @device_function
 def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_offset,
                        sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD,
                        value, slope, keeps, margs, b, h, Nk):
-    """:func:`dkdv_scores` for a diagonal or tail step (every step with a user mod): queries
+    """:func:`dkdv_scores` for a diagonal, tail or PARTIAL (mask_mod) step: queries
     past ``Nq`` read lse as +inf (P = 0); keys ``j0``, ``j0 + 8`` that the mask (or the
     user's mask_mod ``keeps``, ``MMOD``) hides from query ``i`` get P = 0 (keys past ``Nk``
     need not: their dK/dV rows are not stored). ``SMOD``: the user's score_mod (``value``)
@@ -138,24 +145,31 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
 
 
 @device_function
-def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, modr, ALIBI, d0):
+def dq_scores(s, dp, base, ls, dl, sl2, NTILES, CAP, modr, ALIBI, d0, SMOD, slope, margs, b,
+              h, i, jl, Nq, Nk):
     """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this lane's rows (``base`` 0 or 2;
     its lse ``ls`` in the log2 domain and its ``dl``) on a tile that needs no mask; ``d0``
-    (``ALIBI``): the row's distance from this lane's first key."""
+    (``ALIBI``): the row's distance from this lane's first key. ``SMOD``: the user's
+    score_mod and its derivative (``slope``) for row ``i`` and key ``jl + 8 jn + e``, as in
+    :func:`dq_scores_masked`."""
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
             sx, g = capped(s[x], CAP, modr)
             if ALIBI:  # (compile-time) the distance bias (its derivative is 1)
                 sx = alibi(sx, d0 - float32(8 * jn + e), modr[2])
-            dp[x] = chain(math.exp2(sx * sl2 - ls) * (dp[x] - dl), g, CAP)
+            if SMOD:  # (compile-time) the user's score_mod and its derivative
+                sx, gu = user_score_slope(sx, b, h, i, jl + 8 * jn + e, Nq, Nk, modr[3],
+                                          float32(1.0) / modr[3], slope, margs)
+                g = g * gu
+            dp[x] = chain(math.exp2(sx * sl2 - ls) * (dp[x] - dl), g, CAP or SMOD)
 
 
 @device_function
 def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL, LEFT, RIGHT,
                      NTILES, tq, CAP, modr, ALIBI, SMOD, MMOD, value, slope, keeps, margs, b,
                      h, Nq):
-    """:func:`dq_scores` on a diagonal or tail tile (every tile with a user mod): keys past
+    """:func:`dq_scores` on a diagonal, tail or PARTIAL (mask_mod) tile: keys past
     ``Nk``, hidden from row ``i`` by the mask or by the user's mask_mod get P = 0; the
     user's score_mod as in :func:`dkdv_scores_masked`."""
     for jn in range(NTILES):
@@ -238,7 +252,7 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         edge = CAUSAL and m0 < m_full
         if WINDOW:  # (compile-time) rows that miss some of our keys, left or right
             edge = m0 < m_full or m0 + BN - 1 > m_last
-        if SMOD or partial or edge or m0 + BN > Nq:  # a diagonal, edge or tail step
+        if partial or edge or m0 + BN > Nq:  # a diagonal, edge or tail step
             dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0,
                                causal_offset, sl2, CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr,
                                ALIBI, SMOD, partial, value, slope, keeps, margs, b, h,
@@ -246,7 +260,8 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         else:
             dkdv_scores(s, dp, lse, delta, lbase + (m0 + 2 * tq) * lsn, lsn,
                         dbase + m0 + 2 * tq, sl2, NTILES, CAP, modr, ALIBI,
-                        distance(m0 + 2 * tq, j0, causal_offset))
+                        distance(m0 + 2 * tq, j0, causal_offset), SMOD, slope, margs, b, h,
+                        m0 + 2 * tq, j0, Nq, Nk)
 
         mma_frags_rows(BF16, dv_acc, s, smem, gb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         mma_frags_rows(BF16, dk_acc, dp, smem, qb + d0, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
@@ -477,8 +492,8 @@ def make_attn_backward_dq_tc(v):
             mma_rows_rows(BF16, dp, smem, DO_OFF + wrow, vb, LDS, KSTEPS, NTILES, lane)
 
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            # a diagonal, edge or tail tile; with a user mod, every tile
-            if SMOD or partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+            # a diagonal, edge or tail tile, or a PARTIAL one of a mask_mod
+            if partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
                 dq_scores_masked(s, dp, 0, ls0, dl0, n0, Nk, i0, causal_offset, sl2,
                                  CAUSAL, LEFT, RIGHT, NTILES, tq, CAP, modr, ALIBI, SMOD,
                                  partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
@@ -487,8 +502,10 @@ def make_attn_backward_dq_tc(v):
                                  partial, VALUE, SLOPE, KEEPS, margs, b, h, Nq)
             else:
                 d0 = distance(i0, n0 + 2 * tq, causal_offset)  # (used where ALIBI)
-                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0)
-                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr, ALIBI, d0 + float32(8))
+                dq_scores(s, dp, 0, ls0, dl0, sl2, NTILES, CAP, modr, ALIBI, d0, SMOD, SLOPE,
+                          margs, b, h, i0, n0 + 2 * tq, Nq, Nk)
+                dq_scores(s, dp, 2, ls1, dl1, sl2, NTILES, CAP, modr, ALIBI, d0 + float32(8),
+                          SMOD, SLOPE, margs, b, h, i1, n0 + 2 * tq, Nq, Nk)
 
             mma_frags_rows(BF16, acc, dp, smem, kb, LDS, PSTEPS, DTILES, lane, 1, 0, 0)
         cp_async_wait(0)
