@@ -224,7 +224,9 @@ def make_attn_forward_tc(v):
         if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
             n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
                                              n_end)
-        n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
+        n_tiles = (n_end + BN - 1) // BN  # (n_begin is 0 here: plain variants keep this)
+        if WINDOW or MMOD:  # (compile-time)
+            n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         # groups in flight, oldest first: {Q, K0}, {V0}
         load_rows(smem, Q_OFF, q, qbase, q0, Nq, qsn, BM, LDS, CH, tid, NT)
