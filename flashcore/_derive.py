@@ -419,9 +419,9 @@ class _Writer:
                 return pre, v, ast.BinOp(da, ast.Div(), b)  # makes it a product)
             t = self._tmp()
             pre = pre + [_assign(t, v)]
-            num = ast.BinOp(ast.UnaryOp(ast.USub(), ast.BinOp(_load(t), ast.Mult(), db)),
-                            ast.Add(), da) if da is not None else \
-                ast.UnaryOp(ast.USub(), ast.BinOp(_load(t), ast.Mult(), db))
+            num = ast.UnaryOp(ast.USub(), _mul(_load(t), db))  # (da - v db) / b
+            if da is not None:
+                num = ast.BinOp(num, ast.Add(), da)
             return pre, _load(t), ast.BinOp(num, ast.Div(), b)
         if isinstance(op, ast.Pow):
             return self._power(pre, a, da, b, db)
