@@ -209,27 +209,40 @@ def user_keeps(b, h, i, j, Nq, Nk, keeps, args):
 
 
 @device_function
+def class_span(cls, base, heads, csh, n_span, span_stride, lo_fixed, hi_fixed, fixed_stride,
+               step, begin, end):
+    """``[begin, end)`` (rows or keys) cut to the span of the class blocks along one axis
+    (``n_span`` of them, ``span_stride`` apart) that are not EMPTY somewhere in blocks
+    ``lo_fixed .. hi_fixed`` of the other axis (``fixed_stride`` apart), for any of ``heads``
+    heads (``csh`` apart; 0: they share their classes, one scan), the start kept on its grid
+    of ``step`` from ``begin``. Empty everywhere: an empty range."""
+    if csh == 0:
+        heads = 1
+    lo = n_span
+    hi = 0
+    for g in range(heads):
+        for a in range(n_span):
+            for f in range(lo_fixed, hi_fixed + 1):
+                if int32(cls[base + g * csh + a * span_stride + f * fixed_stride]) != EMPTY:
+                    lo = min(lo, a)
+                    hi = max(hi, a + 1)
+    first = lo * CLASS_BLOCK
+    if first > begin:
+        begin += (first - begin) // step * step
+    return begin, min(end, hi * CLASS_BLOCK)
+
+
+@device_function
 def class_key_range(cls, base, csq, q0, rows, Nq, Nk, step, n_begin, n_end):
     """:func:`key_range` narrowed by a mask_mod's tile classes (as :func:`tile_class` reads
     them): rows ``q0 .. q0 + rows - 1`` visit keys ``[n_begin, n_end)`` cut to the span of
     the blocks of their block rows that are not EMPTY, the start kept on its grid of
-    ``step`` from ``n_begin``. A document or prefix mask so never loads the key tiles
-    outside a query tile's document (the tiles inside the span that are empty are still
-    skipped one by one)."""
-    qa = q0 // CLASS_BLOCK
-    qb = (min(q0 + rows, Nq) - 1) // CLASS_BLOCK
-    nkb = (Nk + CLASS_BLOCK - 1) // CLASS_BLOCK
-    lo = nkb
-    hi = 0
-    for x in range(qa, qb + 1):
-        for y in range(nkb):
-            if int32(cls[base + x * csq + y]) != EMPTY:
-                lo = min(lo, y)
-                hi = max(hi, y + 1)
-    first = lo * CLASS_BLOCK
-    if first > n_begin:
-        n_begin += (first - n_begin) // step * step
-    return n_begin, min(n_end, hi * CLASS_BLOCK)
+    ``step`` from ``n_begin`` (:func:`class_span`). A document or prefix mask so never loads
+    the key tiles outside a query tile's document (the tiles inside the span that are empty
+    are still skipped one by one)."""
+    return class_span(cls, base, 1, 0, (Nk + CLASS_BLOCK - 1) // CLASS_BLOCK, 1,
+                      q0 // CLASS_BLOCK, (min(q0 + rows, Nq) - 1) // CLASS_BLOCK, csq, step,
+                      n_begin, n_end)
 
 
 @device_function
@@ -242,23 +255,9 @@ def class_query_range(cls, base, csh, heads, csq, k0, cols, Nq, Nk, step, m_begi
     classes may differ; ``csh`` 0 where they share one), the start kept on its grid of
     ``step`` from ``m_begin``. The steps inside the span that are empty for a head are
     still skipped one by one."""
-    ka = k0 // CLASS_BLOCK
-    kb = (min(k0 + cols, Nk) - 1) // CLASS_BLOCK
-    nqb = (Nq + CLASS_BLOCK - 1) // CLASS_BLOCK
-    if csh == 0:  # the heads share their classes: one scan for all
-        heads = 1
-    lo = nqb
-    hi = 0
-    for g in range(heads):
-        for x in range(nqb):
-            for y in range(ka, kb + 1):
-                if int32(cls[base + g * csh + x * csq + y]) != EMPTY:
-                    lo = min(lo, x)
-                    hi = max(hi, x + 1)
-    first = lo * CLASS_BLOCK
-    if first > m_begin:
-        m_begin += (first - m_begin) // step * step
-    return m_begin, min(m_end, hi * CLASS_BLOCK)
+    return class_span(cls, base, heads, csh, (Nq + CLASS_BLOCK - 1) // CLASS_BLOCK, csq,
+                      k0 // CLASS_BLOCK, (min(k0 + cols, Nk) - 1) // CLASS_BLOCK, 1, step,
+                      m_begin, m_end)
 
 
 @device_function
