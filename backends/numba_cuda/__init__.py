@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 
 NAME = "numba_cuda"
@@ -121,7 +122,12 @@ def _mods_reason(case):
 def supports(case):
     """None when this backend can serve ``case``, else why not."""
     if case.packed:
-        return "the CUDA kernels do not serve varlen or KV-cache calls yet; numba_cpu does"
+        if case.library == "jax":
+            return ("the CUDA kernels serve varlen and KV-cache calls on torch and CuPy "
+                    "arrays, not on JAX arrays yet")
+        if case.library == "numpy" and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "0":
+            return ("the CUDA kernels serve varlen and KV-cache calls on torch and CuPy "
+                    "arrays (NumPy arrays only under the CUDA simulator)")
     why = _mods_reason(case)
     if why is not None:
         return why

@@ -39,6 +39,10 @@ class _Adapter:
     synchronous = False  # JAX: wait for the kernels before handing buffers back
 
     def forward(self, q, k, v, case):
+        if case.packed:  # varlen or a KV cache (packed.py)
+            from . import packed
+
+            return packed.forward(self, q, k, v, case)
         dev = _device_index(case.device)
         o = self.empty(q, None, None, dev)
         rows = case.batch * case.heads_q * case.seqlen_q
@@ -65,6 +69,10 @@ class _Adapter:
         return o, lse
 
     def backward(self, do, q, k, v, o, lse, case):
+        if case.packed:
+            from . import packed
+
+            return packed.backward(self, do, q, k, v, o, lse, case)
         dev = _device_index(case.device)
         B, Hq, Nq = case.batch, case.heads_q, case.seqlen_q
         dq = self.empty(q, None, None, dev)
@@ -87,6 +95,15 @@ class _Adapter:
         if self.synchronous:
             synchronize(stream, dev)
         return dq, dk, dv
+
+    def device_index(self, case):
+        return _device_index(case.device)
+
+    def int32(self, x, keep, plus=0):
+        """The handle of a C-contiguous int32 copy of ``x`` plus ``plus`` on its device
+        (offsets, lengths, block tables; ``x`` itself where it already is one and ``plus``
+        is 0), kept alive in ``keep``."""
+        raise NotImplementedError
 
     def view(self, x, layout, keep):
         """(handle, strides in elements, (B, H, N, D) order for 4-d arrays)."""
@@ -237,6 +254,15 @@ class _Torch(_Adapter):
     def contiguous(self, x):
         return x.contiguous()
 
+    def int32(self, x, keep, plus=0):
+        torch = _torch()
+        y = x.to(torch.int32)
+        if plus:
+            y = y + plus
+        y = y.contiguous()
+        keep.append(y)
+        return y.data_ptr()
+
     def upload(self, host, like):
         return _torch().from_numpy(host).to(like.device)
 
@@ -286,6 +312,14 @@ class _CuPy(_Adapter):
         import cupy
 
         return cupy.ascontiguousarray(x)
+
+    def int32(self, x, keep, plus=0):
+        import cupy
+
+        with x.device:
+            y = cupy.ascontiguousarray(x.astype(cupy.int32) + plus)
+        keep.append(y)
+        return y.data.ptr
 
     def upload(self, host, like):
         import cupy
@@ -366,6 +400,10 @@ class _NumPy(_Adapter):
     # The simulator path: flat views of host memory stand for device pointers.
     def contiguous(self, x):
         return np.ascontiguousarray(x)
+
+    def int32(self, x, keep, plus=0):
+        y = np.ascontiguousarray(np.asarray(x, dtype=np.int32) + np.int32(plus))
+        return self.raw(y, keep)[0]
 
     def upload(self, host, like):
         return host

@@ -185,10 +185,11 @@ class Prepared:
             self.handle = int(cufunc.handle)
 
     def __call__(self, grid, stream, args):
-        """Launch on ``grid`` (x, y) on raw stream handle ``stream`` (of this kernel's
-        device); ``args`` are ints (addresses, sizes, strides) and, last, the float scale
-        where the kernel takes one."""
-        if grid[0] == 0 or grid[1] == 0:
+        """Launch on ``grid`` (x, y) or (x, y, z) on raw stream handle ``stream`` (of this
+        kernel's device); ``args`` are ints (addresses, sizes, strides) and, last, the float
+        scale where the kernel takes one."""
+        gz = grid[2] if len(grid) > 2 else 1
+        if grid[0] == 0 or grid[1] == 0 or gz == 0:
             return
         if SIMULATOR:
             self._dispatcher[grid, self.threads, 0, self.smem](*args)
@@ -207,10 +208,10 @@ class Prepared:
             try:
                 struct.pack_into(self._fmt, self._buf, 0, *args)
                 if _BINDINGS_LAUNCH is not None:
-                    err = _BINDINGS_LAUNCH(self.handle, grid[0], grid[1], 1, self.threads, 1,
+                    err = _BINDINGS_LAUNCH(self.handle, grid[0], grid[1], gz, self.threads, 1,
                                            1, self.smem, stream, self._params, 0)[0]
                 else:
-                    err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], 1, self.threads,
+                    err = lib.cuLaunchKernel(self.handle, grid[0], grid[1], gz, self.threads,
                                              1, 1, self.smem, stream, self._ptrs, None)
             finally:
                 if pushed:
@@ -323,3 +324,12 @@ def device_name(device: int) -> str:
     """The GPU's name (keys the autotuner's cache)."""
     name = cuda.gpus[device].name
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+@functools.cache
+def sm_count(device: int) -> int:
+    """The GPU's multiprocessors (split-KV's heuristic fills them); 4 in the simulator."""
+    if SIMULATOR:
+        return 4
+    with cuda.gpus[device]:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)

@@ -22,6 +22,7 @@ from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
 from .simt import backward as _simt_bwd
+from .simt import cache as _simt_cache
 from .simt import forward as _simt_fwd
 from .tensor_core import backward as _tc_bwd
 from .tensor_core import forward as _tc_fwd
@@ -46,6 +47,8 @@ FACTORIES = {
     ("tensor_core", "forward"): _tc_fwd.make_attn_forward_tc,
     ("tensor_core", "dkdv"): _tc_bwd.make_attn_backward_dkdv_tc,
     ("tensor_core", "dq"): _tc_bwd.make_attn_backward_dq_tc,
+    ("simt", "merge"): _simt_cache.make_attn_merge_splits,
+    ("simt", "append"): _simt_cache.make_cache_append,
 }
 
 
@@ -61,9 +64,16 @@ _ARG_ELEM = {n: getattr(types, n) for n in (
     "float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16",
     "uint32", "uint64")}
 _ARG_ELEM["bool"] = types.uint8
+_I32P = types.CPointer(types.int32)
+#: The packed-rows arguments every attention kernel takes last (device/seams.sequence;
+#: read by varlen and KV-cache variants only, :func:`packed_args`): cu_seqlens_q,
+#: cu_seqlens_k, the keys of each cached sequence, the block table (int32 pointers), then
+#: the table's batch stride, the page size, the page stride, the packed query rows, the
+#: keys per split, and the split strides of the partial output and lse.
+PACKED_SIG = (_I32P,) * 4 + (_I64,) * 7
 
 
-def signature(kernel: str, dtype: str, mod_args: tuple = ()) -> tuple:
+def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False) -> tuple:
     """Argument types of a kernel entry (variant.ENTRY): pointers (inputs and outputs in the
     stored dtype, lse and delta float32), then int64 sizes and strides, the float64 scale,
     then the ALiBi slopes (float32) and their batch and head strides (read only by ALiBi
@@ -71,24 +81,30 @@ def signature(kernel: str, dtype: str, mod_args: tuple = ()) -> tuple:
     pointers (typed by ``mod_args``, the variant's ``UserMods.args``; float32 past them)
     and MAX_ARGS * MAX_DIMS int64 extents, then the mask_mod's tile classes (int8, read by
     variants with a mask_mod) with their batch, head and query-block strides. Both families
-    take the same arguments."""
+    take the same arguments, then :data:`PACKED_SIG`. A ``split`` forward writes a float32
+    partial output."""
     e = types.CPointer(_ELEM[dtype])
     f32 = types.CPointer(types.float32)
+    o = f32 if split else e
     kinds = [a[0] for a in mod_args] + ["float32"] * (MAX_ARGS - len(mod_args))
     mods = (f32, _I64, _I64) + tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (
         _I64,) * (MAX_ARGS * MAX_DIMS) + (types.CPointer(types.int8), _I64, _I64, _I64)
     return {
-        "attn_forward": (e, e, e, e, f32) + (_I64,) * 21 + (_F64,) + mods,
+        "attn_forward": (e, e, e, o, f32) + (_I64,) * 21 + (_F64,) + mods + PACKED_SIG,
         "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
-        "attn_backward_dkdv": (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods,
-        "attn_backward_dq": (e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,) + mods,
+        "attn_backward_dkdv": ((e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods
+                               + PACKED_SIG),
+        "attn_backward_dq": ((e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,) + mods
+                             + PACKED_SIG),
+        "attn_merge_splits": (f32, f32, e, f32) + (_I64,) * 8,
+        "cache_append": (e, e, _I32P, _I32P) + (_I64,) * 15,
     }[kernel]
 
 
 def kernel(v: Variant, device: int) -> Prepared:
     """Variant ``v`` compiled and loaded on GPU ``device`` (once per process)."""
     return prepared((v, device), lambda: Prepared(
-        build(v), signature(v.entry, v.dtype, v.user.args if v.user else ()), v.threads,
+        build(v), signature(v.entry, v.dtype, v.user.args if v.user else (), v.split), v.threads,
         v.smem_words, device, v.launch_bounds, cache=v.user is None))
 
 
@@ -196,10 +212,12 @@ def case_variants(head_dim, dtype, causal, cc, aligned=True, **mask):
 _PLANS: dict = {}
 
 
-def _plan(direction, case, device, tiles, aligned, tc):
+def _plan(direction, case, device, tiles, aligned, tc, split=False):
     """``(forward kernel, block_m)`` or ``(preprocess, threads, dkdv, block_m, dq,
-    block_m)`` for one kind of call."""
+    block_m)`` for one kind of call (``split``: the split-KV forward)."""
     mask = mask_options(case)
+    if split:
+        mask["split"] = True
     key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
            *mask.values())
     plan = _PLANS.get(key)
@@ -230,7 +248,17 @@ def mask_options(case) -> dict:
     if mods is not None and (mods.score_mod is not None or mods.mask_mod is not None):
         user = UserMods(mods.score_mod, mods.mask_mod, mod_arg_kinds(case.mod_args))
     return {"window": window, "softcap": cap, "alibi": case.alibi_slopes is not None,
-            "user": user}
+            "user": user, "packed": packing(case)}
+
+
+def packing(case) -> str:
+    """The call's row layout as :attr:`Variant.packed`: "" (a dense batch), "varlen",
+    "cache" or "paged"."""
+    if case.varlen is not None:
+        return "varlen"
+    if case.kvcache is not None:
+        return "paged" if case.kvcache.paged else "cache"
+    return ""
 
 
 def mod_arg_kinds(mod_args) -> tuple:
@@ -248,70 +276,135 @@ def forget_plans():
 
 
 def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
-                   classes):
+                   classes, packed=None, splits=1):
     """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
     tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
     lse is a handle of a contiguous float32 (B, Hq, Nq) buffer; slopes a (handle, (batch
     stride, head stride)) pair (:func:`no_slopes` without ALiBi); margs the MAX_ARGS
     pointers and MAX_ARGS * MAX_DIMS extents of the mod_args (:func:`no_mod_args`);
     classes the mask_mod's tile classes, ``(handle, batch stride, head stride, query-block
-    stride)`` (:func:`no_classes`)."""
-    kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q), stream,
+    stride)`` (:func:`no_classes`); packed the packed-rows arguments (:func:`packed_args`;
+    None for a dense batch); ``splits`` key ranges per (query tile, head), on grid z."""
+    kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q, splits), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
-          *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes))
+          *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes,
+          *(packed or no_packed(lse))))
 
 
 def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
-                classes):
+                classes, packed=None):
     """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nk + bm - 1) // bm, B * Hkv), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
           Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
-          slopes[0], *slopes[1], *margs, *classes))
+          slopes[0], *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
 
 
 def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs,
-              classes):
+              classes, packed=None):
     """One dQ launch (``bm`` queries per block)."""
     B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
     kern(((Nq + bm - 1) // bm, B * Hq), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
           *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
-          *slopes[1], *margs, *classes))
+          *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
 
 
 def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
-                margs=None, classes=None):
+                margs=None, classes=None, packed=None, split=None, tc_ok=True):
     """Launch the forward: the tensor-core kernel where :func:`tc_serves`, else the SIMT
     kernel (always the SIMT kernel with an explicit SIMT ``tiles``); arguments as in
     :func:`launch_forward` (``slopes`` None: the call has no ALiBi; ``margs`` None: no
-    mod_args)."""
-    tc = tiles is None and tc_serves(case, device, q, k, v)
-    kern, bm = _plan("forward", case, device, tiles, _fp32_rows_aligned(case, q, k, v), tc)
+    mod_args). ``split``: ``(splits, chunk)`` of :func:`split_plan` (o and lse are then the
+    float32 partials, ``packed`` carries their split strides). ``tc_ok`` False: a layout
+    the alignment checks of the arrays alone do not see (a paged cache's page stride) rules
+    out the 16-byte copies."""
+    tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v)
+    kern, bm = _plan("forward", case, device, tiles,
+                     tc_ok and _fp32_rows_aligned(case, q, k, v), tc, split is not None)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
-                   margs or no_mod_args(lse), classes or no_classes(lse))
+                   margs or no_mod_args(lse), classes or no_classes(lse), packed,
+                   1 if split is None else split[0])
+
+
+def forward_block_n(case, device, q, k, v, tc_ok=True) -> int:
+    """Keys per tile of the forward kernel :func:`run_forward` would launch (split-KV
+    ranges are whole tiles)."""
+    if tc_ok and tc_serves(case, device, q, k, v):
+        return _tc_tiles("forward", case.head_dim, case.dtype, case.causal, device).block_n
+    kt = tilings.choose_simt(case.head_dim, case.dtype, case.causal, device_cc(device),
+                             simulator=SIMULATOR)
+    return kt.forward.block_n
+
+
+def split_plan(case, device, block_n, want, sms) -> tuple:
+    """``(splits, chunk)`` for a KV-cache forward: ``want`` splits (0: the heuristic) of
+    ``chunk`` keys each, a multiple of ``block_n``. The heuristic: enough splits that the
+    blocks fill every one of the GPU's ``sms`` multiprocessors twice over, at most 64, and
+    at least 4 key tiles per split; 1 (no split) when the (query tile, head) blocks alone
+    fill them."""
+    longest = max(1, case.kvcache.max_seqlen_k)
+    tiles = -(-longest // block_n)
+    if want == 0:
+        blocks = case.batch * case.heads_q * -(-case.seqlen_q // 16)
+        want = max(1, min(64, -(-2 * sms // max(1, blocks)), tiles // 4))
+    want = max(1, min(want, tiles))
+    chunk = -(-tiles // want) * block_n
+    return -(-longest // chunk), chunk
+
+
+def run_merge(case, device, stream, opart, lpart, o, lse, splits):
+    """Merge ``splits`` float32 partials (``opart`` ``(S, rows, D)``, ``lpart`` ``(S,
+    rows)`` handles, rows = B Hq Nq) into ``o`` (a (handle, strides4) pair) and ``lse`` (a
+    handle of a float32 (rows,) buffer)."""
+    v = Variant("merge", "simt", case.head_dim, case.dtype, False, 256)
+    kern = kernel(v, device)
+    rows = case.batch * case.heads_q * case.seqlen_q
+    kern(((rows * case.head_dim + 255) // 256, 1), stream,
+         (opart, lpart, o[0], lse, splits, rows, case.heads_q, case.seqlen_q, *o[1]))
+
+
+def run_append(case, device, stream, src, dst, seqlens, table, page):
+    """Write ``src`` (a (handle, strides in (B, N, H, D) order) pair) into the cache ``dst``
+    (likewise; a paged pool's page stride first) at each sequence's ``seqlens[b]`` onward:
+    ``table`` is ``(handle, batch stride)`` of the block table where the cache is paged."""
+    kc = case.kvcache
+    v = Variant("append", "simt", case.head_dim, case.dtype, False, 256,
+                packed="paged" if kc.paged else "cache")
+    kern = kernel(v, device)
+    B, H, D = case.batch, case.heads_kv, case.head_dim
+    n = B * kc.n_new * H * D
+    ds = dst[1]
+    psp = ds[0] if kc.paged else 0
+    kern(((n + 255) // 256, 1), stream,
+         (src[0], dst[0], seqlens, table[0], B, kc.n_new, H, D, *src[1],
+          0 if kc.paged else ds[0], *ds[1:], table[1], page, psp))
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None,
-                 slopes=None, margs=None, classes=None):
+                 slopes=None, margs=None, classes=None, packed=None):
     """Launch the preprocess kernel, then the dK/dV and dQ kernels (tensor-core ones where
     :func:`tc_serves`, as in :func:`run_forward`). Arrays are (handle, strides) pairs; lse
     has three strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch
-    buffer."""
+    buffer ((Hq, total_q) for varlen, whose preprocess runs over the packed rows as one
+    batch entry)."""
     tc = tiles is None and tc_serves(case, device, q, k, v, do)
     pre, pt, dkdv, dkdv_bm, dqk, dq_bm = _plan(
         "backward", case, device, tiles, _fp32_rows_aligned(case, q, k, v, do), tc)
-    Nq, Hq = case.seqlen_q, case.heads_q
-    pre(((Nq + pt - 1) // pt, case.batch * Hq), stream,
+    B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
+    if case.varlen is not None:
+        B, Nq = 1, case.varlen.total_q
+    pre(((Nq + pt - 1) // pt, B * Hq), stream,
         (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
     slopes = slopes or no_slopes(delta)
     margs = margs or no_mod_args(delta)
     classes = classes or no_classes(delta)
     launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
-                classes)
-    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs, classes)
+                classes, packed)
+    launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs, classes,
+              packed)
 
 
 def no_slopes(buffer):
@@ -326,6 +419,24 @@ def no_slopes(buffer):
 def no_mod_args(buffer):
     """The mod_args arguments of a call without them (:func:`no_slopes`'s buffer)."""
     return (no_slopes(buffer)[0],) * MAX_ARGS + (0,) * (MAX_ARGS * MAX_DIMS)
+
+
+def no_packed(buffer):
+    """The packed-rows arguments of a dense call (never read)."""
+    h = no_slopes(buffer)[0]
+    return (h, h, h, h, 0, 1, 0, 0, 0, 0, 0)
+
+
+def packed_args(cu_q=None, cu_k=None, seqk=None, table=None, tsb=0, page=1, psp=0,
+                total_q=0, chunk=0, oss=0, lss=0, buffer=None):
+    """The packed-rows arguments (:data:`PACKED_SIG`) of a varlen or KV-cache call: int32
+    handles (``buffer``'s, never read, where a layout has none), the block table's batch
+    stride, the page size and the page stride (paged), the packed query rows (varlen), and
+    split-KV's keys per split and the partials' split strides."""
+    h = no_slopes(buffer)[0]
+    return (h if cu_q is None else cu_q, h if cu_k is None else cu_k,
+            h if seqk is None else seqk, h if table is None else table, tsb, page, psp,
+            total_q, chunk, oss, lss)
 
 
 def no_classes(buffer):

@@ -21,7 +21,13 @@ from . import tilings
 
 #: kernel -> name of its entry point (and of the launch signature, launch.signature)
 ENTRY = {"forward": "attn_forward", "preprocess": "attn_backward_preprocess",
-         "dkdv": "attn_backward_dkdv", "dq": "attn_backward_dq"}
+         "dkdv": "attn_backward_dkdv", "dq": "attn_backward_dq",
+         "merge": "attn_merge_splits", "append": "cache_append"}
+#: Kernels whose ``tiles`` is a thread count: one thread per row or element, no tiling.
+ELEMENTWISE = ("preprocess", "merge", "append")
+#: Row layouts (Variant.packed): a dense batch, packed variable-length sequences, a
+#: contiguous KV cache, a paged KV cache.
+PACKINGS = ("", "varlen", "cache", "paged")
 FAMILIES = ("simt", "tensor_core")
 
 
@@ -76,14 +82,23 @@ class Variant:
     #: compiled in each process (numba's disk cache keys a kernel by its name and source,
     #: which cannot tell two user functions, or two values they close over, apart).
     user: object = None
+    #: Row layout (:data:`PACKINGS`): "" a dense batch; "varlen" packed sequences, each
+    #: batch entry's rows read from the offsets; "cache"/"paged" a KV cache whose keys per
+    #: sequence are a launch argument, "paged" read through a block table.
+    packed: str = ""
+    #: Split-KV (forward of a KV cache): each block computes one range of keys and writes
+    #: a float32 partial output and lse, which the "merge" kernel combines.
+    split: bool = False
 
     def __post_init__(self):
         if self.kernel not in ENTRY:
             raise ValueError(f"kernel={self.kernel!r} is not one of {tuple(ENTRY)}")
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r} is not one of {FAMILIES}")
-        if self.family == "tensor_core" and self.kernel == "preprocess":
-            raise ValueError("the preprocess kernel has no tensor-core form")
+        if self.family == "tensor_core" and self.kernel in ELEMENTWISE:
+            raise ValueError(f"the {self.kernel} kernel has no tensor-core form")
+        if self.packed not in PACKINGS:
+            raise ValueError(f"packed={self.packed!r} is not one of {PACKINGS}")
 
     @property
     def bounds(self) -> tuple:
@@ -96,24 +111,24 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        return self.tiles if self.kernel == "preprocess" else self.tiles.threads
+        return self.tiles if self.kernel in ELEMENTWISE else self.tiles.threads
 
     @property
     def block_m(self) -> int:
         """Rows a block owns: queries (forward, dQ), keys (dK/dV), queries (preprocess)."""
-        return self.tiles if self.kernel == "preprocess" else self.tiles.block_m
+        return self.tiles if self.kernel in ELEMENTWISE else self.tiles.block_m
 
     @property
     def launch_bounds(self):
         """numba's ``launch_bounds`` (SIMT tilings that cap registers), or None."""
-        if self.family == "simt" and self.kernel != "preprocess":
+        if self.family == "simt" and self.kernel not in ELEMENTWISE:
             return self.tiles.launch_bounds
         return None
 
     @property
     def smem_words(self) -> int:
         """Dynamic shared memory in 4-byte words."""
-        if self.kernel == "preprocess":
+        if self.kernel in ELEMENTWISE:
             return 0
         if self.family == "tensor_core":
             return tilings.smem_elements(self.kernel, self.tiles, self.head_dim) // 2
@@ -136,8 +151,14 @@ class Variant:
             mask += "_alibi"
         if self.user is not None:
             mask += "_" + self.user.label
+        if self.packed:
+            mask += "_" + self.packed
+        if self.split:
+            mask += "_split"
         if self.kernel == "preprocess":
             return f"{self.entry}_d{d}_t{t}"
+        if self.kernel in ELEMENTWISE:
+            return f"{self.entry}_{self.packed or 'dense'}_t{t}_{self.dtype}"
         if self.family == "tensor_core":
             return f"{self.entry}_tc_d{d}_{t.tag}_{mask}_{self.dtype}"
         tag = f"d{d}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}"

@@ -24,3 +24,7 @@ FLT_MIN = 1.1754943508222875e-38
 CLASS_BLOCK = 128
 #: Tile classes (flashcore._mods: EMPTY, PARTIAL, FULL).
 EMPTY, PARTIAL, FULL = 0, 1, 2
+#: How a variant's rows are laid out (Variant.packed -> the kernels' compile-time code): a
+#: dense batch; packed variable-length sequences; a KV cache, contiguous or paged.
+DENSE, VARLEN, CACHE, PAGED = 0, 1, 2, 3
+PACKING = {"": DENSE, "varlen": VARLEN, "cache": CACHE, "paged": PAGED}

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import math
 
-from numba import float32, int32
+from numba import float32, int32, int64
 
-from .constants import CLASS_BLOCK, EMPTY, FULL, NEG_INF, PARTIAL
+from .constants import CACHE, CLASS_BLOCK, EMPTY, FULL, NEG_INF, PARTIAL, VARLEN
 from .convert import device_function
 from .intrinsics import tanh_approx
 
@@ -56,6 +56,60 @@ def query_range(k0, cols, step, causal_offset, CAUSAL):
         m_begin = max(0, k0 - causal_offset) // step * step
     m_full = k0 + cols - 1 - causal_offset
     return m_begin, m_full
+
+
+@device_function
+def sequence(b, Nq, Nk, causal_offset, cu_q, cu_k, seqk, PACKED):
+    """``(q_row0, k_row0, Nq, Nk, causal_offset)`` of batch entry ``b``: where its query and
+    key rows start and how many there are. ``PACKED`` (compile-time) is the variant's
+    :attr:`~..variant.Variant.packed`: dense ("") keeps the launch's sizes (rows start at
+    0; batch strides move the bases); "varlen" reads sequence ``b``'s rows from the offsets
+    ``cu_q``, ``cu_k`` (packed arrays, batch strides 0); a KV cache ("cache", "paged")
+    keeps the query rows and reads the sequence's key count from ``seqk`` (its cached keys
+    plus the new ones). Packed sequences are aligned bottom-right each on its own."""
+    if PACKED == VARLEN:
+        q_row0 = int64(cu_q[b])
+        k_row0 = int64(cu_k[b])
+        nq = int64(cu_q[b + 1]) - q_row0
+        nk = int64(cu_k[b + 1]) - k_row0
+        return q_row0, k_row0, nq, nk, nk - nq
+    if PACKED >= CACHE:
+        nk = int64(seqk[b])
+        return int64(0), int64(0), Nq, nk, nk - Nq
+    return int64(0), int64(0), Nq, Nk, causal_offset
+
+
+@device_function
+def stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED):
+    """``(first, per_head)``: the index in a float32 lse or delta buffer of query row 0 of
+    batch entry ``b`` and head ``h`` (launch sizes: ``Nq`` the padded query length), and
+    the step to the next head. Dense: ``(B, Hq, Nq)``; varlen: ``(Hq, TQ)`` with ``TQ``
+    the packed query rows (FlashAttention 2's lse layout), the sequence's rows at
+    ``q_row0``."""
+    if PACKED == VARLEN:
+        return h * TQ + q_row0, TQ
+    return (b * Hq + h) * Nq, Nq
+
+
+@device_function
+def key_row(base, j, sn, table, tb, page, psp, PAGED):
+    """The element offset of key row ``j`` of a tile's source: ``base + j * sn``, or
+    (``PAGED``, compile-time) slot ``j % page`` of page ``table[tb + j // page]`` (a page
+    ``psp`` elements long; ``base`` then holds the head's offset only)."""
+    if PAGED:
+        p = j // page
+        return base + int64(table[tb + p]) * psp + (j - p * page) * sn
+    return base + j * sn
+
+
+@device_function
+def split_range(n_begin, n_end, split, chunk, SPLIT):
+    """``[n_begin, n_end)`` cut to split ``split``'s keys ``[split * chunk, (split + 1) *
+    chunk)`` (split-KV; ``chunk`` a multiple of the key tile, so the start stays on the
+    tile grid); unchanged unless ``SPLIT`` (compile-time)."""
+    if SPLIT:
+        return max(n_begin, split * chunk), min(n_end, (split + 1) * chunk)
+    return n_begin, n_end
 
 
 @device_function

@@ -24,7 +24,7 @@ import math
 from numba import cuda, float32
 
 from .. import tilings as _tiles
-from ..device.constants import EMPTY, LOG2E, PARTIAL, SMEM_ALIGN
+from ..device.constants import DENSE, EMPTY, LOG2E, PACKING, PARTIAL, SMEM_ALIGN
 from ..device.convert import load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
@@ -36,8 +36,10 @@ from ..device.seams import (
     hides,
     key_range,
     query_range,
+    sequence,
     slope_of,
     softcap,
+    stat_rows,
     tile_class,
     user_keeps,
     user_score_slope,
@@ -101,6 +103,7 @@ def make_attn_backward_dkdv(v):
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
     SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
+    PACKED = PACKING[v.packed]  # dense or varlen rows (device/seams.sequence)
     GRAD = CAP or SMOD  # dS takes a factor
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
@@ -110,7 +113,8 @@ def make_attn_backward_dkdv(v):
                            dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
                            lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2,
                            e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15, cls, csb,
-                           csh, csq):
+                           csh, csq, cu_q, cu_k, seqk, table, tsb, page, psp,
+                           TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -120,11 +124,26 @@ def make_attn_backward_dkdv(v):
                             CAUSAL, False)
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
+        # this batch entry's rows (varlen: its sequence's) and where they start
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        sb0, sstep = stat_rows(b, 0, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and k0 >= Nk:  # (compile-time test first) past the sequence
+            return
+        qb0 = b * qsb + q_row0 * qsn
+        gb0 = b * gsb + q_row0 * gsn
+        lb0 = b * lsb + q_row0 * lsn
+        kb0 = b * ksb + k_row0 * ksn
+        vb0 = b * vsb + k_row0 * vsn
+        dkb0 = b * dksb + k_row0 * dksn
+        dvb0 = b * dvsb + k_row0 * dvsn
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
         sl2 = float32(scale * LOG2E)
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        kbase = kb0 + hk * ksh
+        vbase = vb0 + hk * vsh
         load_tile_t(smem, K_OFF, LDK, k, kbase, k0, Nk, ksn, ksd, BM, D, DP, sl2, tid, NT)
         load_tile_t(smem, V_OFF, LDK, v, vbase, k0, Nk, vsn, vsd, BM, D, DP, float32(1.0),
                     tid, NT)
@@ -156,9 +175,9 @@ def make_attn_backward_dkdv(v):
         steps = group * n_m
         if ASYNC and steps > 0:
             h = hk * group
-            copy_rows(smem, Q_OFF, QJ, q, b * qsb + h * qsh, m_begin, Nq, qsn, BN, D, DP,
+            copy_rows(smem, Q_OFF, QJ, q, qb0 + h * qsh, m_begin, Nq, qsn, BN, D, DP,
                       tid, NT)
-            copy_rows(smem, DO_OFF, QJ, do, b * gsb + h * gsh, m_begin, Nq, gsn, BN, D, DP,
+            copy_rows(smem, DO_OFF, QJ, do, gb0 + h * gsh, m_begin, Nq, gsn, BN, D, DP,
                       tid, NT)
             cp_async_commit()
 
@@ -167,9 +186,9 @@ def make_attn_backward_dkdv(v):
             m0 = m_begin + (it - g * n_m) * BN
             h = hk * group + g
             slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
-            qbase = b * qsb + h * qsh
-            gbase = b * gsb + h * gsh
-            lbase = b * lsb + h * lsh
+            qbase = qb0 + h * qsh
+            gbase = gb0 + h * gsh
+            lbase = lb0 + h * lsh
             q_off = Q_OFF
             do_off = DO_OFF
             if ASYNC:
@@ -181,9 +200,9 @@ def make_attn_backward_dkdv(v):
                     m2 = m_begin + (it + 1 - g2 * n_m) * BN
                     h2 = hk * group + g2
                     copy_rows(smem, q_off + STAGE - 2 * stage * STAGE, QJ, q,
-                              b * qsb + h2 * qsh, m2, Nq, qsn, BN, D, DP, tid, NT)
+                              qb0 + h2 * qsh, m2, Nq, qsn, BN, D, DP, tid, NT)
                     copy_rows(smem, do_off + STAGE - 2 * stage * STAGE, QJ, do,
-                              b * gsb + h2 * gsh, m2, Nq, gsn, BN, D, DP, tid, NT)
+                              gb0 + h2 * gsh, m2, Nq, gsn, BN, D, DP, tid, NT)
                 cp_async_commit()
                 cp_async_wait(1)  # this step's Q and dO
             else:
@@ -193,7 +212,7 @@ def make_attn_backward_dkdv(v):
                             float32(1.0), tid, NT)
             for e in range(tid, BN, NT):
                 i = m0 + e
-                ls, dl = query_stats(lse, delta, lbase + i * lsn, (b * Hq + h) * Nq + i,
+                ls, dl = query_stats(lse, delta, lbase + i * lsn, sb0 + h * sstep + i,
                                      i < Nq)
                 smem[LS_OFF + e] = ls
                 smem[DL_OFF + e] = dl
@@ -265,8 +284,8 @@ def make_attn_backward_dkdv(v):
         if ASYNC:
             cp_async_wait(0)
 
-        dkbase = b * dksb + hk * dksh
-        dvbase = b * dvsb + hk * dvsh
+        dkbase = dkb0 + hk * dksh
+        dvbase = dvb0 + hk * dvsh
         for a in range(RM):
             j = k0 + tr * RM + a
             if j < Nk:
@@ -306,6 +325,7 @@ def make_attn_backward_dq(v):
     CAP_INV = float32(1.0 / (v.softcap * LOG2E)) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in log2 units here: slope log2(e)
     SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
+    PACKED = PACKING[v.packed]  # dense or varlen rows (device/seams.sequence)
     GRAD = CAP or SMOD  # dS takes a factor
     APPROX = v.dtype != "float32"  # tanh.approx where the inputs are 16-bit
 
@@ -313,7 +333,8 @@ def make_attn_backward_dq(v):
                          qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
                          gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
                          slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8,
-                         e9, e10, e11, e12, e13, e14, e15, cls, csb, csh, csq):
+                         e9, e10, e11, e12, e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k,
+                         seqk, table, tsb, page, psp, TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -323,15 +344,29 @@ def make_attn_backward_dq(v):
                             CAUSAL, True)
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
+        # this batch entry's rows (varlen: its sequence's) and where they start
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        srow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
+            return
+        qb0 = b * qsb + q_row0 * qsn
+        gb0 = b * gsb + q_row0 * gsn
+        lb0 = b * lsb + q_row0 * lsn
+        kb0 = b * ksb + k_row0 * ksn
+        vb0 = b * vsb + k_row0 * vsn
+        dqb0 = b * dqsb + q_row0 * dqsn
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
         cbase = b * csb + h * csh  # (MMOD) this head's tile classes
         sl2 = float32(scale * LOG2E)
         slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
-        qbase = b * qsb + h * qsh
-        gbase = b * gsb + h * gsh
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        qbase = qb0 + h * qsh
+        gbase = gb0 + h * gsh
+        kbase = kb0 + hk * ksh
+        vbase = vb0 + hk * vsh
         load_tile_t(smem, Q_OFF, LDQ, q, qbase, q0, Nq, qsn, qsd, BM, D, DP, sl2, tid, NT)
         load_tile_t(smem, DO_OFF, LDQ, do, gbase, q0, Nq, gsn, gsd, BM, D, DP,
                     float32(1.0), tid, NT)
@@ -346,7 +381,7 @@ def make_attn_backward_dq(v):
         xd = cuda.local.array(RD, float32)
         for a in range(RM):
             i = q0 + tr * RM + a
-            ls[a], dl[a] = query_stats(lse, delta, b * lsb + h * lsh + i * lsn, bh * Nq + i,
+            ls[a], dl[a] = query_stats(lse, delta, lb0 + h * lsh + i * lsn, srow + i,
                                        i < Nq)
             for dd in range(RD):
                 dq_acc[a, dd] = float32(0.0)
@@ -436,7 +471,7 @@ def make_attn_backward_dq(v):
         if ASYNC:
             cp_async_wait(0)
 
-        dqbase = b * dqsb + h * dqsh
+        dqbase = dqb0 + h * dqsh
         sc = float32(scale)
         for a in range(RM):
             i = q0 + tr * RM + a

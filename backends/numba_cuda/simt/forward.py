@@ -16,7 +16,17 @@ import math
 from numba import cuda, float32
 
 from .. import tilings as _tiles
-from ..device.constants import EMPTY, LN2, LOG2E, NEG_INF, PARTIAL, SMEM_ALIGN
+from ..device.constants import (
+    DENSE,
+    EMPTY,
+    LN2,
+    LOG2E,
+    NEG_INF,
+    PACKING,
+    PAGED,
+    PARTIAL,
+    SMEM_ALIGN,
+)
 from ..device.convert import device_function, ld4, load_f32, smem_pointer, store_f32
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
@@ -25,9 +35,13 @@ from ..device.seams import (
     class_key_range,
     distance,
     key_range,
+    key_row,
     score,
+    sequence,
     slope_of,
     softcap,
+    split_range,
+    stat_rows,
     tile_class,
     user_keeps,
     user_score,
@@ -114,6 +128,43 @@ def copy_rows(smem, off, ld, src, base, n0, nvalid, sn, rows, D, DP, tid, NT):
                        else base, nb)
 
 
+@device_function
+def load_key_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult, tid, NT,
+                   table, tb, page, psp, PAGED):
+    """:func:`load_tile_t` for key and value tiles: rows through a block table where
+    ``PAGED`` (compile-time; :func:`..device.seams.key_row`), one element per step."""
+    if not PAGED:
+        load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult, tid, NT)
+        return
+    for e in range(tid, rows * DP, NT):
+        j = e // DP
+        d = e - j * DP
+        val = float32(0.0)
+        if d < D and n0 + j < nvalid:
+            val = load_f32(src[key_row(base, n0 + j, sn, table, tb, page, psp, True)
+                               + d * sd]) * mult
+        smem[off + d * ld + j] = val
+
+
+@device_function
+def copy_key_rows(smem, off, ld, src, base, n0, nvalid, sn, rows, D, DP, tid, NT, table, tb,
+                  page, psp, PAGED):
+    """:func:`copy_rows` for key and value tiles: rows through a block table where
+    ``PAGED`` (compile-time; pages 16-byte aligned, as rows are)."""
+    if not PAGED:
+        copy_rows(smem, off, ld, src, base, n0, nvalid, sn, rows, D, DP, tid, NT)
+        return
+    C = DP // 4  # 16-byte chunks per row
+    for e in range(tid, rows * C, NT):
+        j = e // C
+        c4 = 4 * (e - j * C)
+        nb = 4 * max(0, min(4, D - c4)) if n0 + j < nvalid else 0
+        at = base
+        if nb > 0:
+            at = key_row(base, n0 + j, sn, table, tb, page, psp, True) + c4
+        cp_async16(smem, off + j * ld + c4, src, at, nb)
+
+
 def make_attn_forward(v):
     """The forward kernel of variant ``v`` (variant.Variant: head dim, tiling ``t``, mask);
     ``v.streamed``: K and V (fp32, 16-byte aligned rows) arrive by cp.async, K one tile
@@ -147,12 +198,16 @@ def make_attn_forward(v):
     # With one block per SM (D=128) that copy is exposed: the shared-memory maxima and the
     # early copy stay (notes/numba_cuda.md, v13).
     SHFL = ASYNC and 32 % TC == 0 and NT % 32 == 0 and t.min_blocks > 1
+    PACKED = PACKING[v.packed]  # dense, varlen or a KV cache (device/seams.sequence)
+    PAGEDK = PACKED == PAGED  # K, V rows through a block table
+    SPLIT = v.split  # split-KV: one key range per blockIdx.z, float32 partial o and lse
 
     def attn_forward(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                      qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                      vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
                      m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12,
-                     e13, e14, e15, cls, csb, csh, csq):
+                     e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table, tsb, page,
+                     psp, TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -162,9 +217,19 @@ def make_attn_forward(v):
                             CAUSAL, True)
         b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
-        qbase = b * qsb + h * qsh
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        # this batch entry's rows (packed: its sequence's; a cache: its key count)
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        lrow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
+            return
+        split = cuda.blockIdx.z  # (SPLIT) this block's key range
+        qbase = b * qsb + h * qsh + q_row0 * qsn
+        kbase = b * ksb + hk * ksh + k_row0 * ksn
+        vbase = b * vsb + hk * vsh + k_row0 * vsn
+        tb = b * tsb  # (PAGEDK) this sequence's row of the block table
         sl2 = float32(scale * LOG2E)
         slope = slope_of(slopes, b, h, ssb, ssh, float32(LOG2E), ALIBI)
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
@@ -197,18 +262,21 @@ def make_attn_forward(v):
         if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
             n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
                                              n_end)
+        n_begin, n_end = split_range(n_begin, n_end, split, chunk, SPLIT)
 
         if ASYNC:
-            copy_rows(smem, K_OFF, KJ, k, kbase, n_begin, Nk, ksn, BN, D, DP, tid, NT)
+            copy_key_rows(smem, K_OFF, KJ, k, kbase, n_begin, Nk, ksn, BN, D, DP, tid, NT,
+                          table, tb, page, psp, PAGEDK)
             cp_async_commit()
         for n0 in range(n_begin, n_end, BN):
             if ASYNC:  # V of this tile in flight during S = Q Kᵀ
-                copy_rows(smem, V_OFF, KJ, v, vbase, n0, Nk, vsn, BN, D, DP, tid, NT)
+                copy_key_rows(smem, V_OFF, KJ, v, vbase, n0, Nk, vsn, BN, D, DP, tid, NT,
+                              table, tb, page, psp, PAGEDK)
                 cp_async_commit()
                 cp_async_wait(1)  # this tile's K
             else:
-                load_tile_t(smem, K_OFF, KD, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
-                            float32(1.0), tid, NT)
+                load_key_tile_t(smem, K_OFF, KD, k, kbase, n0, Nk, ksn, ksd, BN, D, DP,
+                                float32(1.0), tid, NT, table, tb, page, psp, PAGEDK)
             cuda.syncthreads()
             # the tile's class under a mask_mod: an empty tile is all -inf (its products
             # skipped, its copies and barriers kept), a full one takes no mask_mod
@@ -268,12 +336,12 @@ def make_attn_forward(v):
                 # K is consumed: the next K (async) or this V goes in while the softmax runs.
                 if ASYNC:
                     if n0 + BN < n_end:
-                        copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP,
-                                  tid, NT)
+                        copy_key_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP,
+                                      tid, NT, table, tb, page, psp, PAGEDK)
                     cp_async_commit()
                 else:
-                    load_tile_t(smem, V_OFF, KD, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
-                                float32(1.0), tid, NT)
+                    load_key_tile_t(smem, V_OFF, KD, v, vbase, n0, Nk, vsn, vsd, BN, D, DP,
+                                    float32(1.0), tid, NT, table, tb, page, psp, PAGEDK)
             for a in range(RM):
                 row = tr * RM + a
                 mx = m_i[a]
@@ -305,7 +373,8 @@ def make_attn_forward(v):
             cuda.syncthreads()
             if SHFL:  # K is consumed: the next K goes in during P V
                 if n0 + BN < n_end:
-                    copy_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid, NT)
+                    copy_key_rows(smem, K_OFF, KJ, k, kbase, n0 + BN, Nk, ksn, BN, D, DP, tid,
+                                  NT, table, tb, page, psp, PAGEDK)
                 cp_async_commit()
             if live:  # (an empty tile's P is 0)
                 tile_product(acc, xa, xd, smem, P_OFF, LDP, V_OFF, KJ, KD, BN, tr, tc, RM, RD,
@@ -318,7 +387,10 @@ def make_attn_forward(v):
         for a in range(RM):
             smem[RED_OFF + (tr * RM + a) * TC + tc] = l_i[a]
         cuda.syncthreads()
-        obase = b * osb + h * osh
+        obase = b * osb + h * osh + q_row0 * osn
+        if SPLIT:  # (compile-time) this split's partial output and lse
+            obase += split * oss
+            lrow += split * lss
         for a in range(RM):
             row = tr * RM + a
             i = q0 + row
@@ -335,7 +407,7 @@ def make_attn_forward(v):
                     val = NEG_INF
                     if lsum > 0:
                         val = (m_i[a] + math.log2(lsum)) * float32(LN2)
-                    lse[(b * Hq + h) * Nq + i] = val
+                    lse[lrow + i] = val
 
     attn_forward.__qualname__ = v.tag
     return attn_forward

@@ -40,7 +40,7 @@ import math
 
 from numba import cuda, float32, uint16
 
-from ..device.constants import EMPTY, LOG2E, PARTIAL, SMEM_ALIGN
+from ..device.constants import DENSE, EMPTY, LOG2E, PACKING, PARTIAL, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
@@ -52,8 +52,10 @@ from ..device.seams import (
     hides,
     key_range,
     query_range,
+    sequence,
     slope_of,
     softcap,
+    stat_rows,
     tile_class,
     user_keeps,
     user_score_slope,
@@ -193,20 +195,22 @@ def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL,
 
 @device_function
 def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk, group,
-              per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb, qsh, qsn,
-              gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
+              per_head, n_steps, m_begin, m_full, Nq, Nk, sb0, causal_offset, qb0, qsh, qsn,
+              gb0, gsh, gsn, dkb0, dksh, dksn, dksd, dvb0, dvsh, dvsn, dvsd, lb0, lsh, lsn,
               j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
               DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT, RIGHT,
               WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh, SMOD, MMOD, value, slope, keeps,
-              margs, k0, cls, csb, csh, csq):
+              margs, k0, cls, csb, csh, csq, sstep):
     """One pass of the dK/dV kernel over every query step of its key tile (K and V are in
     shared memory or in flight; their copies complete with the first step's Q and dO,
-    committed here): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
+    committed here; ``qb0``, ``gb0``, ``lb0``, ``dkb0``, ``dvb0``: the batch entry's offsets in
+    Q, dO, lse, dK and dV, its rows' included; ``sb0 + h * sstep``: head ``h``'s first row of
+    delta, :func:`..device.seams.stat_rows`): accumulates columns ``d0 .. d0 + 8 DTILES`` of dK and dV in ``dk_acc``,
     ``dv_acc`` (``NACC`` fp32 each; ``s``, ``dp`` hold a step's score tiles) and stores them."""
     if n_steps > 0:
         h = hk * group
-        load_rows(smem, Q_OFF, q, b * qsb + h * qsh, m_begin, Nq, qsn, BN, LDS, CH, tid, NT)
-        load_rows(smem, DO_OFF, do, b * gsb + h * gsh, m_begin, Nq, gsn, BN, LDS, CH, tid,
+        load_rows(smem, Q_OFF, q, qb0 + h * qsh, m_begin, Nq, qsn, BN, LDS, CH, tid, NT)
+        load_rows(smem, DO_OFF, do, gb0 + h * gsh, m_begin, Nq, gsn, BN, LDS, CH, tid,
                   NT)
     cp_async_commit()
     for e in range(NACC):
@@ -226,9 +230,9 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
             mn = m_begin + (it + 1 - gn * per_head) * BN
             hn = hk * group + gn
             nb = (1 - (it & 1)) * BUF
-            load_rows(smem, Q_OFF + nb, q, b * qsb + hn * qsh, mn, Nq, qsn, BN, LDS, CH, tid,
+            load_rows(smem, Q_OFF + nb, q, qb0 + hn * qsh, mn, Nq, qsn, BN, LDS, CH, tid,
                       NT)
-            load_rows(smem, DO_OFF + nb, do, b * gsb + hn * gsh, mn, Nq, gsn, BN, LDS, CH,
+            load_rows(smem, DO_OFF + nb, do, gb0 + hn * gsh, mn, Nq, gsn, BN, LDS, CH,
                       tid, NT)
         cp_async_commit()
         qb = Q_OFF + (it & 1) * BUF
@@ -245,8 +249,8 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
         mma_rows_rows(BF16, s, smem, K_OFF + wrow, qb, LDS, KSTEPS, NTILES, lane)
         mma_rows_rows(BF16, dp, smem, V_OFF + wrow, gb, LDS, KSTEPS, NTILES, lane)
 
-        lbase = b * lsb + h * lsh
-        dbase = (b * Hq + h) * Nq
+        lbase = lb0 + h * lsh
+        dbase = sb0 + h * sstep
         if ALIBI:  # (compile-time) this step's query head's slope, in raw-score units
             modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
         edge = CAUSAL and m0 < m_full
@@ -269,9 +273,9 @@ def dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, d0, b, hk,
 
     sc = float32(scale)
     one = float32(1.0)
-    store_frags(dk, b * dksb + hk * dksh + d0 * dksd, j0, Nk, dksn, dksd, dk_acc, 0, sc, sc,
+    store_frags(dk, dkb0 + hk * dksh + d0 * dksd, j0, Nk, dksn, dksd, dk_acc, 0, sc, sc,
                 DTILES, tq)
-    store_frags(dv, b * dvsb + hk * dvsh + d0 * dvsd, j0, Nk, dvsn, dvsd, dv_acc, 0, one, one,
+    store_frags(dv, dvb0 + hk * dvsh + d0 * dvsd, j0, Nk, dvsn, dvsd, dv_acc, 0, one, one,
                 DTILES, tq)
 
 
@@ -306,6 +310,7 @@ def make_attn_backward_dkdv_tc(v):
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
     SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
+    PACKED = PACKING[v.packed]  # dense or varlen rows (device/seams.sequence)
     SPLITS = t.d_splits
     DOUT = head_dim // SPLITS  # dK, dV columns per pass (DTILES, NACC count these)
     K_OFF = 0
@@ -320,7 +325,8 @@ def make_attn_backward_dkdv_tc(v):
                               dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
                               lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0, e1,
                               e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15,
-                              cls, csb, csh, csq):
+                              cls, csb, csh, csq, cu_q, cu_k, seqk, table, tsb, page, psp, TQ,
+                              chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -332,13 +338,26 @@ def make_attn_backward_dkdv_tc(v):
                             CAUSAL, False)
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
+        # this batch entry's rows (varlen: its sequence's) and where they start
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        sb0, sstep = stat_rows(b, 0, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and k0 >= Nk:  # (compile-time test first) past the sequence
+            return
         sl2 = float32(scale * LOG2E)
         # the cap in raw-score units and its reciprocal (used where CAP), the ALiBi slope
         # (set per query head where ALIBI) and the factor to raw-score units
         modr = (CAP_C / float32(scale), float32(scale) / CAP_C, float32(0.0),
                 float32(1.0) / float32(scale))
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        kbase = b * ksb + hk * ksh + k_row0 * ksn
+        vbase = b * vsb + hk * vsh + k_row0 * vsn
+        qb0 = b * qsb + q_row0 * qsn
+        gb0 = b * gsb + q_row0 * gsn
+        lb0 = b * lsb + q_row0 * lsn
+        dkb0 = b * dksb + k_row0 * dksn
+        dvb0 = b * dvsb + k_row0 * dvsn
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
 
@@ -367,21 +386,22 @@ def make_attn_backward_dkdv_tc(v):
         # (written out, not as a loop: a loop around the pass, even of one trip, costs the
         # single-pass kernels registers and spills)
         dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, 0, b, hk, group,
-                  per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset, qsb, qsh, qsn,
-                  gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd, lsb, lsh, lsn,
+                  per_head, n_steps, m_begin, m_full, Nq, Nk, sb0, causal_offset, qb0, qsh, qsn,
+                  gb0, gsh, gsn, dkb0, dksh, dksn, dksd, dvb0, dvsh, dvsn, dvsd, lb0, lsh, lsn,
                   j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH, NT, KSTEPS, NTILES, PSTEPS,
                   DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF, BUF, CAUSAL, BF16, m_last, LEFT,
                   RIGHT, WINDOW, CAP, modr, ALIBI, slopes, ssb, ssh, SMOD, MMOD, VALUE, SLOPE,
-                  KEEPS, margs, k0, cls, csb, csh, csq)
+                  KEEPS, margs, k0, cls, csb, csh, csq, sstep)
         if SPLITS > 1:
             cuda.syncthreads()  # every warp is done with the first pass's Q, dO buffers
             dkdv_pass(smem, q, do, lse, delta, dk, dv, dk_acc, dv_acc, s, dp, DOUT, b, hk,
-                      group, per_head, n_steps, m_begin, m_full, Nq, Nk, Hq, causal_offset,
-                      qsb, qsh, qsn, gsb, gsh, gsn, dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn,
-                      dvsd, lsb, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
+                      group, per_head, n_steps, m_begin, m_full, Nq, Nk, sb0, causal_offset,
+                      qb0, qsh, qsn, gb0, gsh, gsn, dkb0, dksh, dksn, dksd, dvb0, dvsh, dvsn,
+                      dvsd, lb0, lsh, lsn, j0, warp, lane, tq, tid, sl2, scale, BN, LDS, CH,
                       NT, KSTEPS, NTILES, PSTEPS, DTILES, NACC, K_OFF, V_OFF, Q_OFF, DO_OFF,
                       BUF, CAUSAL, BF16, m_last, LEFT, RIGHT, WINDOW, CAP, modr, ALIBI, slopes,
-                      ssb, ssh, SMOD, MMOD, VALUE, SLOPE, KEEPS, margs, k0, cls, csb, csh, csq)
+                      ssb, ssh, SMOD, MMOD, VALUE, SLOPE, KEEPS, margs, k0, cls, csb, csh, csq,
+                      sstep)
 
     attn_backward_dkdv_tc.__qualname__ = v.tag
     return attn_backward_dkdv_tc
@@ -401,6 +421,7 @@ def make_attn_backward_dq_tc(v):
     CAP_C = float32(v.softcap) if CAP else float32(1.0)
     ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
     SMOD, MMOD, VIEWS, VALUE, SLOPE, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
+    PACKED = PACKING[v.packed]  # dense or varlen rows (device/seams.sequence)
     if t.d_splits != 1:
         raise ValueError(f"the dQ kernel takes d_splits=1, not {t}")
     Q_OFF = 0
@@ -413,7 +434,8 @@ def make_attn_backward_dq_tc(v):
                             qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd, vsb, vsh, vsn, vsd,
                             gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
                             slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7,
-                            e8, e9, e10, e11, e12, e13, e14, e15, cls, csb, csh, csq):
+                            e8, e9, e10, e11, e12, e13, e14, e15, cls, csb, csh, csq, cu_q,
+                            cu_k, seqk, table, tsb, page, psp, TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -425,6 +447,14 @@ def make_attn_backward_dq_tc(v):
                             CAUSAL, True)
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
+        # this batch entry's rows (varlen: its sequence's) and where they start
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        srow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
+            return
         sl2 = float32(scale * LOG2E)
         # the cap in raw-score units and its reciprocal (used where CAP), the ALiBi slope
         # (set per query head where ALIBI) and the factor to raw-score units
@@ -432,8 +462,8 @@ def make_attn_backward_dq_tc(v):
                 float32(1.0) / float32(scale))
         if ALIBI:  # (compile-time) this query head's slope, in raw-score units
             modr = (modr[0], modr[1], slope_of(slopes, b, h, ssb, ssh, modr[3], ALIBI), modr[3])
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        kbase = b * ksb + hk * ksh + k_row0 * ksn
+        vbase = b * vsb + hk * vsh + k_row0 * vsn
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
         cbase = b * csb + h * csh  # (MMOD) this head's tile classes
@@ -451,8 +481,10 @@ def make_attn_backward_dq_tc(v):
         if WINDOW or MMOD:  # (compile-time)
             n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
-        load_rows(smem, Q_OFF, q, b * qsb + h * qsh, q0, Nq, qsn, BM, LDS, CH, tid, NT)
-        load_rows(smem, DO_OFF, do, b * gsb + h * gsh, q0, Nq, gsn, BM, LDS, CH, tid, NT)
+        load_rows(smem, Q_OFF, q, b * qsb + h * qsh + q_row0 * qsn, q0, Nq, qsn, BM, LDS, CH,
+                  tid, NT)
+        load_rows(smem, DO_OFF, do, b * gsb + h * gsh + q_row0 * gsn, q0, Nq, gsn, BM, LDS, CH,
+                  tid, NT)
         if n_tiles > 0:
             load_rows(smem, K_OFF, k, kbase, n_begin, Nk, ksn, BN, LDS, CH, tid, NT)
             load_rows(smem, V_OFF, v, vbase, n_begin, Nk, vsn, BN, LDS, CH, tid, NT)
@@ -460,9 +492,9 @@ def make_attn_backward_dq_tc(v):
 
         i0 = q0 + warp * 16 + g  # this lane's two rows: i0, i0 + 8
         i1 = i0 + 8
-        lbase = b * lsb + h * lsh
-        ls0, dl0 = query_stats(lse, delta, lbase + i0 * lsn, bh * Nq + i0, i0 < Nq)
-        ls1, dl1 = query_stats(lse, delta, lbase + i1 * lsn, bh * Nq + i1, i1 < Nq)
+        lbase = b * lsb + h * lsh + q_row0 * lsn
+        ls0, dl0 = query_stats(lse, delta, lbase + i0 * lsn, srow + i0, i0 < Nq)
+        ls1, dl1 = query_stats(lse, delta, lbase + i1 * lsn, srow + i1, i1 < Nq)
 
         acc = cuda.local.array(NACC, float32)
         for e in range(4 * DTILES):
@@ -513,7 +545,7 @@ def make_attn_backward_dq_tc(v):
         cp_async_wait(0)
 
         sc = float32(scale)
-        store_frags(dq, b * dqsb + h * dqsh, i0, Nq, dqsn, dqsd, acc, 0, sc, sc, DTILES, tq)
+        store_frags(dq, b * dqsb + h * dqsh + q_row0 * dqsn, i0, Nq, dqsn, dqsd, acc, 0, sc, sc, DTILES, tq)
 
     attn_backward_dq_tc.__qualname__ = v.tag
     return attn_backward_dq_tc

@@ -32,7 +32,18 @@ import math
 
 from numba import cuda, float32, uint16, uint32
 
-from ..device.constants import EMPTY, FLT_MIN, LN2, LOG2E, NEG_INF, PARTIAL, SMEM_ALIGN
+from ..device.constants import (
+    DENSE,
+    EMPTY,
+    FLT_MIN,
+    LN2,
+    LOG2E,
+    NEG_INF,
+    PACKING,
+    PAGED,
+    PARTIAL,
+    SMEM_ALIGN,
+)
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
 from ..device.prologue import block_tile, split_heads
@@ -42,8 +53,11 @@ from ..device.seams import (
     distance,
     key_range,
     score,
+    sequence,
     slope_of,
     softcap,
+    split_range,
+    stat_rows,
     tile_class,
     user_keeps,
     user_score,
@@ -51,7 +65,7 @@ from ..device.seams import (
 )
 from ..device.user_mods import kernel_mods
 from ..tilings import PAD
-from .fragments import load_rows, mma, mma_frags_rows, store_frags
+from .fragments import load_key_rows, load_rows, mma, mma_frags_rows, store_frags
 
 
 @device_function
@@ -185,12 +199,16 @@ def make_attn_forward_tc(v):
     ALIBI = v.alibi  # slopes in raw-score units here: slope / scale
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(v)  # the user's score_mod, mask_mod
     BF16 = dtype == "bfloat16"
+    PACKED = PACKING[v.packed]  # dense, varlen or a KV cache (device/seams.sequence)
+    PAGEDK = PACKED == PAGED  # K, V rows through a block table
+    SPLIT = v.split  # split-KV: one key range per blockIdx.z, float32 partial o and lse
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                         qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
                         vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
                         m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
-                        e12, e13, e14, e15, cls, csb, csh, csq):
+                        e12, e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table, tsb,
+                        page, psp, TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -202,9 +220,19 @@ def make_attn_forward_tc(v):
                             CAUSAL, True)
         b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
-        qbase = b * qsb + h * qsh
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        # this batch entry's rows (packed: its sequence's; a cache: its key count)
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        lrow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
+            return
+        split = cuda.blockIdx.z  # (SPLIT) this block's key range
+        qbase = b * qsb + h * qsh + q_row0 * qsn
+        kbase = b * ksb + hk * ksh + k_row0 * ksn
+        vbase = b * vsb + hk * vsh + k_row0 * vsn
+        tb = b * tsb  # (PAGEDK) this sequence's row of the block table
         # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
         sl2 = float32(max(scale * LOG2E, FLT_MIN))
         capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
@@ -224,17 +252,20 @@ def make_attn_forward_tc(v):
         if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
             n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
                                              n_end)
+        n_begin, n_end = split_range(n_begin, n_end, split, chunk, SPLIT)
         n_tiles = (n_end + BN - 1) // BN  # (n_begin is 0 here: plain variants keep this)
-        if WINDOW or MMOD:  # (compile-time)
+        if WINDOW or MMOD or SPLIT:  # (compile-time)
             n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         # groups in flight, oldest first: {Q, K0}, {V0}
         load_rows(smem, Q_OFF, q, qbase, q0, Nq, qsn, BM, LDS, CH, tid, NT)
         if n_tiles > 0:
-            load_rows(smem, K_OFF, k, kbase, n_begin, Nk, ksn, BN, LDS, CH, tid, NT)
+            load_key_rows(smem, K_OFF, k, kbase, n_begin, Nk, ksn, BN, LDS, CH, tid, NT, table,
+                          tb, page, psp, PAGEDK)
         cp_async_commit()
         if n_tiles > 0:
-            load_rows(smem, V_OFF, v, vbase, n_begin, Nk, vsn, BN, LDS, CH, tid, NT)
+            load_key_rows(smem, V_OFF, v, vbase, n_begin, Nk, vsn, BN, LDS, CH, tid, NT, table,
+                          tb, page, psp, PAGEDK)
         cp_async_commit()
         cp_async_wait(1)
         cuda.syncthreads()
@@ -269,10 +300,12 @@ def make_attn_forward_tc(v):
             # Every warp is past tile it-1: its buffers take tile it+1.
             nb = (1 - (it & 1)) * BUF
             if it + 1 < n_tiles:
-                load_rows(smem, K_OFF + nb, k, kbase, n0 + BN, Nk, ksn, BN, LDS, CH, tid, NT)
+                load_key_rows(smem, K_OFF + nb, k, kbase, n0 + BN, Nk, ksn, BN, LDS, CH, tid,
+                              NT, table, tb, page, psp, PAGEDK)
             cp_async_commit()
             if it + 1 < n_tiles:
-                load_rows(smem, V_OFF + nb, v, vbase, n0 + BN, Nk, vsn, BN, LDS, CH, tid, NT)
+                load_key_rows(smem, V_OFF + nb, v, vbase, n0 + BN, Nk, vsn, BN, LDS, CH, tid,
+                              NT, table, tb, page, psp, PAGEDK)
             cp_async_commit()
 
             # the tile's class under a mask_mod: an empty tile is skipped (its copies were
@@ -359,8 +392,10 @@ def make_attn_forward_tc(v):
             mma_frags_rows(BF16, acc, s, smem, vb, LDS, PSTEPS, DTILES, lane, MT, NS, NACC)
         cp_async_wait(0)
 
-        obase = b * osb + h * osh
-        lrow = (b * Hq + h) * Nq
+        obase = b * osb + h * osh + q_row0 * osn
+        if SPLIT:  # (compile-time) this split's partial output and lse
+            obase += split * oss
+            lrow += split * lss
         i = q0 + r0 + g
         inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
         inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)

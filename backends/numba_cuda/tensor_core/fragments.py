@@ -33,6 +33,7 @@ from ..device.intrinsics import (
     pack_bf16x2,
     pack_f16x2,
 )
+from ..device.seams import key_row
 
 
 @device_function
@@ -67,6 +68,32 @@ def load_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT):
                 so += RS * LDS
                 go += RS * sn
                 row += RS
+
+
+@device_function
+def load_key_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT, table, tb,
+                  page, psp, PAGED):
+    """:func:`load_rows` for key and value tiles: rows through a block table where
+    ``PAGED`` (compile-time; :func:`..device.seams.key_row`: row ``j`` is slot ``j % page``
+    of page ``table[tb + j // page]``, ``base`` the head's offset), so a tile may span
+    pages of any size; else exactly :func:`load_rows`."""
+    if not PAGED:
+        load_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT)
+        return
+    RS = NT // CH  # rows per pass
+    r = tid // CH
+    if r < RS:
+        c8 = 8 * (tid - r * CH)
+        for p in range((ROWS + RS - 1) // RS):
+            rr = r + p * RS
+            if rr < ROWS:
+                so = off + rr * LDS + c8
+                row = n0 + rr
+                if row < nvalid:
+                    cp_async16(smem, so, src, key_row(base, row, sn, table, tb, page, psp,
+                                                      True) + c8, 16)
+                else:
+                    cp_async16(smem, so, src, base, 0)
 
 
 @device_function

@@ -1,0 +1,173 @@
+"""Host side of the packed calls on a GPU: varlen forward and backward, and the KV-cache
+forward (append in place, then split-KV attention and the merge).
+
+The kernels are the dense ones compiled for a row layout (``Variant.packed``; the seam
+``device/seams.sequence`` gives each batch entry its rows):
+
+- varlen: q ``(total_q, Hq, D)`` is seen as one batch entry whose rows the offsets cut
+  into sequences: strides ``(0, head, row, col)``, the grid's batch axis runs over the
+  sequences and its query-tile axis over the longest one (blocks past a sequence's end
+  return at once). lse and delta are ``(Hq, total_q)``.
+- KV cache: the cache is the key/value array, a sequence's key count
+  ``cache_seqlens[b] + Nnew`` is read per block; a paged cache is read through its block
+  table. With one query row and grouped heads (decoding), the group's query heads become
+  the rows of one block (q ``(B, 1, Hq, D)`` viewed as ``(B, Hkv, group, D)``, no copy), so
+  each key/value tile is read once per key/value head, not once per query head. Split-KV
+  cuts each sequence's keys into ranges computed by separate blocks (grid z) into float32
+  partials, merged by their lse (``simt/cache.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from . import launch
+from .driver import sm_count, synchronize
+
+
+def _rows(ad, x, keep):
+    """A packed ``(total, H, D)`` array as the kernels' (handle, (B, H, N, D) strides) with
+    batch stride 0 (every sequence's rows are found from the offsets)."""
+    handle, (sn, sh, sd) = ad.raw(x, keep)
+    return handle, (0, sh, sn, sd)
+
+
+def forward(ad, q, k, v, case):
+    if case.varlen is not None:
+        return _varlen_forward(ad, q, k, v, case)
+    return _kvcache_forward(ad, q, k, v, case)
+
+
+def _inputs(ad, case, like, keep):
+    return {"slopes": ad.slopes(case, keep), "margs": ad.mod_args(case, keep),
+            "classes": ad.tile_classes(case, like, keep)}
+
+
+def _varlen_forward(ad, q, k, v, case):
+    dev = ad.device_index(case)
+    vl = case.varlen
+    o = ad.empty(q, None, None, dev)
+    lse = ad.empty(q, (case.heads_q, vl.total_q), "float32", dev)
+    if vl.total_q == 0 or case.heads_q == 0:
+        return o, lse
+    keep = []
+    at = ad.address(lse, keep)
+    pk = launch.packed_args(cu_q=ad.int32(vl.cu_seqlens_q, keep),
+                            cu_k=ad.int32(vl.cu_seqlens_k, keep), total_q=vl.total_q,
+                            buffer=at)
+    stream = ad.stream(q, dev)
+    launch.run_forward(case, dev, stream, _rows(ad, q, keep), _rows(ad, k, keep),
+                       _rows(ad, v, keep), _rows(ad, o, keep), at, packed=pk,
+                       **_inputs(ad, case, q, keep))
+    if ad.synchronous:
+        synchronize(stream, dev)
+    return o, lse
+
+
+def backward(ad, do, q, k, v, o, lse, case):
+    """dq, dk, dv of a varlen call (the KV cache has no backward)."""
+    dev = ad.device_index(case)
+    vl = case.varlen
+    dq = ad.empty(q, None, None, dev)
+    dk = ad.empty(k, None, None, dev)
+    dv = ad.empty(v, None, None, dev)
+    if case.heads_q == 0 or (vl.total_q == 0 and vl.total_k == 0):
+        return dq, dk, dv
+    keep = []
+    delta = ad.empty(q, (case.heads_q, max(1, vl.total_q)), "float32", dev, poison=False)
+    dat = ad.address(delta, keep)
+    lse = ad.as_float32(lse)
+    keep.append(lse)
+    lh, (l0, l1) = ad.raw(lse, keep)
+    pk = launch.packed_args(cu_q=ad.int32(vl.cu_seqlens_q, keep),
+                            cu_k=ad.int32(vl.cu_seqlens_k, keep), total_q=vl.total_q,
+                            buffer=dat)
+    stream = ad.stream(q, dev)
+    launch.run_backward(case, dev, stream, _rows(ad, do, keep), _rows(ad, q, keep),
+                        _rows(ad, k, keep), _rows(ad, v, keep), _rows(ad, o, keep),
+                        (lh, (0, l0, l1)), dat, _rows(ad, dq, keep), _rows(ad, dk, keep),
+                        _rows(ad, dv, keep), packed=pk, **_inputs(ad, case, q, keep))
+    if ad.synchronous:
+        synchronize(stream, dev)
+    return dq, dk, dv
+
+
+def _bhnd(ad, x, keep):
+    """A ``(B, N, H, D)`` array as (handle, (B, H, N, D) strides)."""
+    handle, (sb, sn, sh, sd) = ad.raw(x, keep)
+    return handle, (sb, sh, sn, sd)
+
+
+def packs_heads(case) -> bool:
+    """Whether a KV-cache call's query heads of one group become rows of one block: one
+    query row (every head's row then sits at the same position, after every key), grouped
+    heads, and nothing that tells the heads or positions apart (a window, ALiBi, a
+    score_mod or mask_mod)."""
+    m = case.mods
+    plain = m is None or (m.window is None and m.alibi is None and m.score_mod is None
+                          and m.mask_mod is None)
+    return case.seqlen_q == 1 and case.group > 1 and plain
+
+
+def _kvcache_forward(ad, q, k_cache, v_cache, case):
+    dev = ad.device_index(case)
+    kc = case.kvcache
+    B, Nq, Hq, Hkv, D = case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim
+    keep = []
+    stream = ad.stream(q, dev)
+    o = ad.empty(q, None, None, dev)
+    lse = ad.empty(q, (B, Hq, Nq), "float32", dev)
+    seqlens = ad.int32(kc.cache_seqlens, keep) if B else None
+    table, tsb = 0, 0
+    if kc.paged and B:
+        table, tsb = ad.int32(kc.block_table, keep), kc.pages_per_seq
+    page = kc.page_size if kc.paged else 1
+    if kc.n_new and B * Hkv * D:  # 1. the new keys and values, in place
+        for src, dst in ((kc.k_new, k_cache), (kc.v_new, v_cache)):
+            launch.run_append(case, dev, stream, ad.raw(src, keep), ad.raw(dst, keep),
+                              seqlens, (table, tsb), page)
+    if B * Hq * Nq == 0:
+        if ad.synchronous:
+            synchronize(stream, dev)
+        return o, lse
+    at = ad.address(lse, keep)
+    qv, ov = _bhnd(ad, q, keep), _bhnd(ad, o, keep)
+    kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
+    psp = 0
+    tc_ok = True
+    if kc.paged:  # pages through the table: batch strides 0, the page stride apart
+        psp = kv[1][0]
+        elems = 4 if case.dtype == "float32" else 8  # 16 bytes
+        tc_ok = psp % elems == 0 and vv[1][0] == psp
+        kv = (kv[0], (0, *kv[1][1:]))
+        vv = (vv[0], (0, *vv[1][1:]))
+    lcase = case
+    if packs_heads(case):
+        g = case.group
+        qh, (qsb, qsh, _, qsd) = qv
+        oh, (osb, osh, _, osd) = ov
+        qv = (qh, (qsb, g * qsh, qsh, qsd))
+        ov = (oh, (osb, g * osh, osh, osd))
+        lcase = replace(case, heads_q=Hkv, seqlen_q=g, causal=False)
+    seqk = ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
+    base = {"seqk": seqk, "table": table if kc.paged else None, "tsb": tsb, "page": page, "psp": psp,
+            "buffer": at}
+    bn = launch.forward_block_n(lcase, dev, qv, kv, vv, tc_ok)
+    splits, chunk = launch.split_plan(lcase, dev, bn, kc.num_splits, sm_count(dev))
+    inputs = _inputs(ad, case, q, keep)
+    if splits == 1:
+        launch.run_forward(lcase, dev, stream, qv, kv, vv, ov, at,
+                           packed=launch.packed_args(**base), tc_ok=tc_ok, **inputs)
+    else:  # 2. split-KV: float32 partials, then the merge
+        rows = B * Hq * Nq
+        opart = ad.empty(q, (splits, rows, D), "float32", dev)
+        lpart = ad.empty(q, (splits, rows), "float32", dev)
+        ph, lph = ad.address(opart, keep), ad.address(lpart, keep)
+        hq, nq = lcase.heads_q, lcase.seqlen_q
+        pview = (ph, (hq * nq * D, nq * D, D, 1))
+        pk = launch.packed_args(**base, chunk=chunk, oss=rows * D, lss=rows)
+        launch.run_forward(lcase, dev, stream, qv, kv, vv, pview, lph, packed=pk,
+                           split=(splits, chunk), tc_ok=tc_ok, **inputs)
+        launch.run_merge(lcase, dev, stream, ph, lph, ov, at, splits)
+    if ad.synchronous:
+        synchronize(stream, dev)
+    return o, lse
