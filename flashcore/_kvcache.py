@@ -49,9 +49,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
     num_splits : int
         How many key ranges each (sequence, head) is split into and computed in parallel,
         merged by their lse. 0 (default) lets the backend choose (numba_cpu: enough to give
-        every thread about 4 jobs, with at least 512 keys per split, at most 64); 1 turns
-        split-KV off. The result does not depend on it beyond rounding.
-    backend : {"auto", "numba_cpu", "reference"}
+        every thread about 4 jobs, with at least 512 keys per split, at most 64; numba_cuda:
+        enough blocks to fill every multiprocessor twice, at least 4 key tiles per split,
+        at most 64); 1 turns split-KV off. The result does not depend on it beyond
+        rounding.
+    backend : {"auto", "numba_cuda", "numba_cpu", "reference"}
+        numba_cuda serves torch and CuPy GPU arrays (JAX GPU arrays find no backend yet).
+        With one query row per sequence and grouped heads (a decode step without window,
+        ALiBi or user mods) it computes a group's query heads in one block, so the cache
+        is read once per key/value head.
 
     Returns
     -------

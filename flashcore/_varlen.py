@@ -33,8 +33,9 @@ _DOC = """
         or ``(batch, Hq)``.
     scale : float, optional
         Defaults to ``1/sqrt(D)``.
-    backend : {"auto", "numba_cpu", "reference"}
-        (numba_cuda, torch and jax decline packed calls for now.)
+    backend : {"auto", "numba_cuda", "numba_cpu", "reference"}
+        numba_cuda serves torch and CuPy GPU arrays (tensor cores for fp16/bf16); torch
+        and jax decline packed calls, and JAX GPU arrays find no backend yet.
 """
 
 

@@ -17,6 +17,8 @@
 #           kernel the stall samples per loop (tools/ncu_regions.py) and the key metrics;
 #           needs a kind where ncu reads the counters (nvidia-h100-x1, not nvidia-h200)
 #   sass    tools/sass.py --all: registers, spills, instruction counts per kernel
+#   packed  tools/packed_gpu.py: decode bandwidth (contiguous and paged caches, split-KV
+#           or not, SDPA beside) and varlen against padded calls (issue 15)
 #   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink
 #           multicast off): ring attention against one GPU, then the scaling table
 #           ($RING_ARGS); on nvidia-h200-x2
@@ -32,7 +34,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring"
+STAGES="tests bench tune sweep host ncu sass ring packed"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -183,6 +185,10 @@ stage_ncu() {
 stage_sass() {
   timeout "${SASS_TIMEOUT:-300}" python3 tools/sass.py --all --head-dims "${SASS_DIMS:-64,128}" \
       --jobs "$JOBS" --json "$FILES/sass.json" ${SASS_ARGS:-}
+}
+
+stage_packed() {
+  PACKED_JSON=$FILES/packed.json timeout "${PACKED_TIMEOUT:-300}" python3 tools/packed_gpu.py
 }
 
 stage_ring() {

@@ -1,0 +1,243 @@
+"""Varlen and KV-cache calls in the CUDA kernels (SIMT and tensor-core): under numba's CUDA
+simulator on small shapes (a subprocess per family, as the other simulator tests) and on a
+GPU with torch tensors, against the per-sequence float64 oracle of tests/packed_helpers.py.
+
+Cases cover empty sequences and sequences with more queries than keys (rows that see no
+key under causal), GQA, a window, ALiBi and a score_mod through the sequence seam, paged
+caches with shuffled page tables (pages smaller than a key tile, so one tile spans pages),
+in-place appends checked element by element, split-KV (the merge is counted), and the
+decode step whose grouped query heads share one block.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import TOL_BWD, TOL_FWD, rel_err
+from packed_helpers import oracle_kvcache, oracle_varlen, packed
+
+import flashcore
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed")
+
+
+def rel_bias(s, b, h, i, j):
+    """A score_mod that reads positions within the sequence and the sequence index."""
+    return s + 0.05 * (i - j) - 0.1 * b
+
+
+#: (lengths of queries and keys per sequence, heads, head dim, options); sequence 0 has no
+#: queries, sequence 1 more queries than keys.
+VARLEN_SIMT = [
+    dict(lq=[0, 9, 23, 17], lk=[7, 4, 23, 30], Hq=4, Hkv=2, D=8, dtype="float32",
+         opts=dict(causal=True)),
+    dict(lq=[6, 11, 0], lk=[14, 5, 3], Hq=2, Hkv=1, D=16, dtype="float32",
+         opts=dict(causal=False, window=(4, 3), alibi="h", score_mod=rel_bias)),
+]
+VARLEN_TC = [
+    dict(lq=[0, 30, 41, 17], lk=[9, 12, 41, 50], Hq=4, Hkv=2, D=32, dtype="bfloat16",
+         opts=dict(causal=True)),
+]
+
+
+def _varlen_opts(c):
+    opts = dict(c["opts"])
+    if opts.get("alibi"):
+        opts["alibi_slopes"] = (2.0 ** -np.arange(1, c["Hq"] + 1)).astype(np.float32)
+    opts.pop("alibi", None)
+    return opts
+
+
+def _run_varlen(c, monkeypatch, family):
+    from flashcore.backends.numba_cuda import launch
+
+    served = []
+    real = launch.tc_serves
+    monkeypatch.setattr(launch, "tc_serves", lambda *a: served.append(real(*a)) or served[-1])
+    rng = np.random.default_rng(len(c["lq"]) + c["D"])
+    q, k, v, cq, ck = packed(rng, c["lq"], c["lk"], Hq=c["Hq"], Hkv=c["Hkv"], D=c["D"],
+                             dtype=c["dtype"])
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    opts = _varlen_opts(c)
+    o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, backend="numba_cuda", **opts)
+    grads = flashcore.attention_varlen_backward(do, q, k, v, o, lse, cq, ck,
+                                                backend="numba_cuda", **opts)
+    ro, rl, *rg = oracle_varlen(q, k, v, cq, ck, do=do, **opts)
+    _check(c["dtype"], o, lse, ro, rl)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+        assert rel_err(g, r) < TOL_BWD[c["dtype"]], f"{name}: {rel_err(g, r)}"
+    assert served and all(served) == (family == "tensor_core")
+
+
+def _check(dtype, o, lse, ro, rl):
+    assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
+    fin = np.isfinite(rl)
+    lse = np.asarray(lse)
+    assert np.array_equal(np.isfinite(lse), fin)
+    assert np.abs(lse[fin] - rl[fin]).max() < 1e-4
+
+
+#: KV-cache cases: paged or not, causal, query rows, split count asked (0: heuristic), and
+#: the splits the merge must have combined (1: no merge).
+CACHE_SIMT = [
+    dict(paged=True, causal=True, nq=3, splits=3, D=16, dtype="float32", merged=3),
+    dict(paged=False, causal=False, nq=1, splits=0, D=16, dtype="float32", merged=None),
+]
+CACHE_TC = [
+    dict(paged=True, causal=True, nq=3, splits=2, D=32, dtype="bfloat16", merged=2),
+    dict(paged=False, causal=False, nq=1, splits=1, D=32, dtype="bfloat16", merged=1),
+]
+
+
+def _run_cache(c, monkeypatch, family):
+    import test_kvcache as T
+    from flashcore.backends.numba_cuda import launch
+
+    merged, served = [], []
+    real_merge, real_tc = launch.run_merge, launch.tc_serves
+    monkeypatch.setattr(launch, "run_merge",
+                        lambda *a: merged.append(a[-1]) or real_merge(*a))
+    monkeypatch.setattr(launch, "tc_serves", lambda *a: served.append(real_tc(*a)) or served[-1])
+    monkeypatch.setattr(T, "D", c["D"])
+    n_new = 2
+    kc, vc, table, q, k, v, want_k, want_v = T.inputs(1, c["paged"], nq=c["nq"], n_new=n_new,
+                                                      dtype=c["dtype"])
+    o, lse = flashcore.attention_with_kvcache(
+        q, kc, vc, cache_seqlens=T.SEQLENS, k=k, v=v, block_table=table, causal=c["causal"],
+        num_splits=c["splits"], return_lse=True, backend="numba_cuda")
+    bits = lambda x: np.ascontiguousarray(x).view(np.uint8)  # noqa: E731
+    assert np.array_equal(bits(kc), bits(want_k)) and np.array_equal(bits(vc), bits(want_v))
+    ro, rl = oracle_kvcache(q, want_k, want_v, T.SEQLENS + n_new, table, T.PAGE,
+                            causal=c["causal"])
+    _check(c["dtype"], o, lse, ro, rl)
+    if c["merged"] is not None:
+        assert merged == ([] if c["merged"] == 1 else [c["merged"]])
+    else:
+        assert merged, "the heuristic chose no split on the simulator's 4 multiprocessors"
+    assert served and all(served) == (family == "tensor_core")
+
+
+if not SIM:
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("family", ["simt", "tensor_core"])
+    def test_packed_under_simulator(family):
+        """Runs the cases below in a subprocess with the simulator on."""
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1",
+                   FLASHCORE_TENSOR_CORES="0" if family == "simt" else "1")
+        here = Path(__file__).resolve()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
+             f"sim_{family}"], cwd=here.parent.parent, env=env, capture_output=True,
+            text=True, timeout=1800, check=False)
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
+        assert " passed" in proc.stdout, tail
+
+else:
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("c", VARLEN_SIMT, ids=lambda c: str(c["lq"]))
+    def test_sim_simt_varlen(c, monkeypatch):
+        _run_varlen(c, monkeypatch, "simt")
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("c", VARLEN_TC, ids=lambda c: str(c["lq"]))
+    def test_sim_tensor_core_varlen(c, monkeypatch):
+        _run_varlen(c, monkeypatch, "tensor_core")
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("c", CACHE_SIMT, ids=lambda c: f"paged{c['paged']}-nq{c['nq']}")
+    def test_sim_simt_cache(c, monkeypatch):
+        _run_cache(c, monkeypatch, "simt")
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("c", CACHE_TC, ids=lambda c: f"paged{c['paged']}-nq{c['nq']}")
+    def test_sim_tensor_core_cache(c, monkeypatch):
+        _run_cache(c, monkeypatch, "tensor_core")
+
+
+# --- on a GPU ----------------------------------------------------------------------------
+
+
+def _cuda_torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, D", [("bfloat16", 128), ("float16", 64), ("float32", 64)])
+def test_varlen_on_gpu(dtype, D):
+    """Packed sequences of random lengths (one empty, one with more queries than keys),
+    GQA, causal: forward and backward on torch CUDA tensors against the oracle."""
+    torch = _cuda_torch()
+    rng = np.random.default_rng(D)
+    lq = [0, 300, 129, 1000, 64]
+    lk = [17, 200, 129, 1100, 70]
+    q, k, v, cq, ck = packed(rng, lq, lk, Hq=8, Hkv=2, D=D, dtype=dtype)
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    t = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to("cuda", getattr(torch, dtype))  # noqa: E731
+    tq, tk, tv, tdo = (t(x) for x in (q, k, v, do))
+    tcq, tck = (torch.from_numpy(x).cuda() for x in (cq, ck))
+    o, lse = flashcore.attention_varlen_forward(tq, tk, tv, tcq, tck, causal=True,
+                                                backend="numba_cuda")
+    grads = flashcore.attention_varlen_backward(tdo, tq, tk, tv, o, lse, tcq, tck, causal=True,
+                                                backend="numba_cuda")
+    host = lambda x: x.float().cpu().numpy()  # noqa: E731
+    ro, rl, *rg = oracle_varlen(host(tq), host(tk), host(tv), cq, ck, do=host(tdo),
+                                causal=True)
+    _check(dtype, host(o), host(lse), ro, rl)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+        assert rel_err(host(g), r) < TOL_BWD[dtype], f"{name}: {rel_err(host(g), r)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged, nq, splits, dtype", [
+    (True, 1, 0, "bfloat16"), (False, 1, 0, "bfloat16"), (True, 4, 3, "float16"),
+    (False, 2, 1, "float32"), (True, 1, 5, "float32")])
+def test_kvcache_on_gpu(paged, nq, splits, dtype):
+    """Append and attend on torch CUDA tensors: pages of 16 keys (a key tile spans pages)
+    shuffled through the pool, lengths up to ~3000, GQA 4:1, causal; split-KV."""
+    torch = _cuda_torch()
+    rng = np.random.default_rng(nq + splits)
+    B, Hq, Hkv, D, page, n_new = 3, 8, 2, 128, 16, 2
+    cap = 3072
+    seqlens = np.array([0, 700, cap - n_new - 5], np.int32)
+    dt = getattr(torch, dtype)
+    if paged:
+        n_pages = B * cap // page + 7
+        table = rng.permutation(n_pages)[:B * cap // page].reshape(B, -1).astype(np.int32)
+        shape = (n_pages, page, Hkv, D)
+    else:
+        table, shape = None, (B, cap, Hkv, D)
+    kc, vc = (torch.randn(shape, device="cuda").to(dt) for _ in range(2))
+    q = torch.randn(B, nq, Hq, D, device="cuda").to(dt)
+    kn, vn = (torch.randn(B, n_new, Hkv, D, device="cuda").to(dt) for _ in range(2))
+    want = []
+    for cache, new in ((kc, kn), (vc, vn)):
+        w = cache.clone()
+        for b in range(B):
+            for s in range(n_new):
+                p = int(seqlens[b]) + s
+                at = (b, p) if table is None else (int(table[b, p // page]), p % page)
+                w[at] = new[b, s]
+        want.append(w)
+    o, lse = flashcore.attention_with_kvcache(
+        q, kc, vc, cache_seqlens=torch.from_numpy(seqlens).cuda(), k=kn, v=vn,
+        block_table=None if table is None else torch.from_numpy(table).cuda(), causal=True,
+        num_splits=splits, return_lse=True, backend="numba_cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(kc, want[0]) and torch.equal(vc, want[1])
+    host = lambda x: x.float().cpu().numpy()  # noqa: E731
+    ro, rl = oracle_kvcache(host(q), host(kc), host(vc), seqlens + n_new, table, page,
+                            causal=True)
+    _check(dtype, host(o), host(lse), ro, rl)

@@ -1,0 +1,169 @@
+"""Issue 15's GPU measurements, side by side in one process (torch CUDA tensors):
+
+1. decode: B=8, Hq=32, Hkv=8, D=128, bf16, one query row, caches of 4k, 32k and 128k keys,
+   contiguous and paged (256-key pages, shuffled through the pool): flashcore with split-KV
+   (the heuristic) and without (num_splits=1), and SDPA with Nq=1 on a contiguous
+   ``(B, Hkv, L, D)`` cache (its own best layout; ``enable_gqa``). Reported: time and
+   achieved bandwidth = bytes of K and V read / time, next to the device's copy bandwidth
+   (a device-to-device copy of 2 GiB: bytes read + written / time).
+2. varlen: 16 sequences of random lengths 128..4096 (bf16, H=16, D=128, causal and not):
+   ``attention_varlen`` forward and forward+backward against ``attention`` on the same
+   sequences padded to the longest, scaled by the work the padding does not add
+   (``sum L^2 / (B max L^2)``, halved alike under causal), and per-sequence SDPA calls.
+
+Times: median of CUDA-event timings after a warm-up. Prints one table per part and
+writes JSON to $PACKED_JSON when set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+
+import flashcore
+
+
+def timed(fn, reps=20, warm=3):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(out)
+
+
+def copy_bandwidth():
+    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")  # 2 GiB
+    y = torch.empty_like(x)
+    t = timed(lambda: y.copy_(x), reps=10)
+    return 2 * x.numel() * 2 / t
+
+
+def decode(rows):
+    B, Hq, Hkv, D, page = 8, 32, 8, 128, 256
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dt, generator=g)
+    for L in (4096, 32768, 131072):
+        seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * B * L * Hkv * D * 2
+        kc = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt, generator=g)
+        vc = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt, generator=g)
+        res = {"L": L}
+        for splits in (0, 1):
+            res[f"contig_s{splits}"] = timed(lambda: flashcore.attention_with_kvcache(
+                q, kc, vc, cache_seqlens=seqlens, num_splits=splits))
+        # the same keys in shuffled pages
+        n_pages = B * L // page
+        perm = torch.randperm(n_pages, device="cuda", generator=g)
+        table = perm.reshape(B, L // page).to(torch.int32)
+        kp = torch.empty(n_pages, page, Hkv, D, device="cuda", dtype=dt)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.reshape(n_pages, page, Hkv, D)
+        vp[perm] = vc.reshape(n_pages, page, Hkv, D)
+        o_c = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+        o_p = flashcore.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens,
+                                               block_table=table)
+        res["paged_equal"] = float((o_c.float() - o_p.float()).abs().max())
+        for splits in (0, 1):
+            res[f"paged_s{splits}"] = timed(lambda: flashcore.attention_with_kvcache(
+                q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=splits))
+        kp = vp = None  # (freed before the next copies)
+        ks, vs = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        kc = vc = None
+        qs = q.transpose(1, 2)
+        res["sdpa"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, enable_gqa=True))
+        ks = vs = None
+        torch.cuda.empty_cache()
+        res["bytes"] = kv_bytes
+        rows.append(res)
+
+
+def varlen(rows):
+    H, D, nseq = 16, 128, 16
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(128, 4097, (nseq,), generator=g).tolist()
+    total, longest = sum(lens), max(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                      device="cuda")
+    share = sum(n * n for n in lens) / (nseq * longest * longest)
+    for causal in (False, True):
+        q, k, v, do = (torch.randn(total, H, D, device="cuda", dtype=dt) for _ in range(4))
+        qp, kp, vp, dop = (torch.randn(nseq, longest, H, D, device="cuda", dtype=dt)
+                           for _ in range(4))
+        res = {"causal": causal, "tokens": total, "longest": longest, "share": share}
+        res["varlen_fwd"] = timed(lambda: flashcore.attention_varlen(
+            q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal))
+        res["padded_fwd"] = timed(lambda: flashcore.attention(
+            qp, kp, vp, causal=causal, layout="bnhd"))
+        qr, kr, vr = (x.requires_grad_() for x in (q, k, v))
+        qpr, kpr, vpr = (x.requires_grad_() for x in (qp, kp, vp))
+
+        def vl_fb():
+            o = flashcore.attention_varlen(qr, kr, vr, cu, cu, max_seqlen_q=longest,
+                                           max_seqlen_k=longest, causal=causal)
+            torch.autograd.grad(o, (qr, kr, vr), do)
+
+        def pad_fb():
+            o = flashcore.attention(qpr, kpr, vpr, causal=causal, layout="bnhd")
+            torch.autograd.grad(o, (qpr, kpr, vpr), dop)
+
+        res["varlen_fwdbwd"] = timed(vl_fb, reps=10)
+        res["padded_fwdbwd"] = timed(pad_fb, reps=10)
+        offs = [0] + list(torch.tensor(lens).cumsum(0).tolist())
+
+        def per_seq():
+            for s in range(nseq):
+                a, b = offs[s], offs[s + 1]
+                torch.nn.functional.scaled_dot_product_attention(
+                    q[None, a:b].transpose(1, 2), k[None, a:b].transpose(1, 2),
+                    v[None, a:b].transpose(1, 2), is_causal=causal)
+
+        res["sdpa_per_seq_fwd"] = timed(per_seq, reps=10)
+        rows.append(res)
+
+
+def main():
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read + write of a 2 GiB device copy): {bw / 1e9:.0f} GB/s")
+    out = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "decode": [], "varlen": []}
+    varlen(out["varlen"])
+    print("\nvarlen: 16 sequences 128..4096, H=16 D=128 bf16; padded x share = the padded "
+          "call's time scaled to the real work")
+    print(f"{'causal':>6} {'tokens':>7} {'share':>6} {'varlen fwd':>11} {'pad*share':>10} "
+          f"{'ratio':>6} {'sdpa/seq':>9} {'varlen f+b':>11} {'pad*share':>10} {'ratio':>6}")
+    for r in out["varlen"]:
+        pf, pb = r["padded_fwd"] * r["share"], r["padded_fwdbwd"] * r["share"]
+        print(f"{r['causal']!s:>6} {r['tokens']:>7} {r['share']:>6.3f} "
+              f"{r['varlen_fwd'] * 1e3:>9.2f}ms {pf * 1e3:>8.2f}ms {r['varlen_fwd'] / pf:>6.2f} "
+              f"{r['sdpa_per_seq_fwd'] * 1e3:>7.2f}ms {r['varlen_fwdbwd'] * 1e3:>9.2f}ms "
+              f"{pb * 1e3:>8.2f}ms {r['varlen_fwdbwd'] / pb:>6.2f}")
+    decode(out["decode"])
+    print("\ndecode: B=8 Hq=32 Hkv=8 D=128 bf16 Nq=1; GB/s = K and V bytes / time "
+          f"(copy {bw / 1e9:.0f} GB/s)")
+    print(f"{'L':>7} {'contig split':>13} {'contig 1':>10} {'paged split':>12} "
+          f"{'paged 1':>9} {'sdpa':>9} {'best/copy':>9}")
+    for r in out["decode"]:
+        gb = lambda t: r["bytes"] / t / 1e9  # noqa: E731
+        cells = [r["contig_s0"], r["contig_s1"], r["paged_s0"], r["paged_s1"], r["sdpa"]]
+        print(f"{r['L']:>7} " + " ".join(f"{t * 1e3:6.3f}ms {gb(t):5.0f}" for t in cells)
+              + f" {gb(min(r['contig_s0'], r['paged_s0'])) * 1e9 / bw:>8.2f}"
+              + f"  (paged == contiguous: max diff {r['paged_equal']:.1e})")
+    if os.environ.get("PACKED_JSON"):
+        with open(os.environ["PACKED_JSON"], "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
