@@ -85,13 +85,13 @@ def _check(dtype, o, lse, ro, rl):
 
 
 #: KV-cache cases: paged or not, causal, query rows, split count asked (0: heuristic), and
-#: the splits the merge must have combined (1: no merge).
+#: the splits the merge must have combined (1: no merge); ``page``: keys per page (8 else).
 CACHE_SIMT = [
     dict(paged=True, causal=True, nq=3, splits=3, D=16, dtype="float32", merged=3),
     dict(paged=False, causal=False, nq=1, splits=0, D=16, dtype="float32", merged=None),
 ]
 CACHE_TC = [
-    dict(paged=True, causal=True, nq=3, splits=2, D=32, dtype="bfloat16", merged=2),
+    dict(paged=True, causal=True, nq=3, splits=2, D=32, dtype="bfloat16", merged=2, page=32),
     dict(paged=False, causal=False, nq=1, splits=1, D=32, dtype="bfloat16", merged=1),
 ]
 
@@ -106,6 +106,9 @@ def _run_cache(c, monkeypatch, family):
                         lambda *a: merged.append(a[-1]) or real_merge(*a))
     monkeypatch.setattr(launch, "tc_serves", lambda *a: served.append(real_tc(*a)) or served[-1])
     monkeypatch.setattr(T, "D", c["D"])
+    if "page" in c:  # pages of whole key tiles (same capacity)
+        monkeypatch.setattr(T, "PAGE", c["page"])
+        monkeypatch.setattr(T, "PAGES_PER_SEQ", T.PAGE * T.PAGES_PER_SEQ // c["page"])
     n_new = 2
     kc, vc, table, q, k, v, want_k, want_v = T.inputs(1, c["paged"], nq=c["nq"], n_new=n_new,
                                                       dtype=c["dtype"])
@@ -176,7 +179,7 @@ def _cuda_torch():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, D", [("bfloat16", 128), ("float16", 64), ("float32", 64)])
-def test_varlen_on_gpu(dtype, D):
+def test_packed_varlen_on_gpu(dtype, D):
     """Packed sequences of random lengths (one empty, one with more queries than keys),
     GQA, causal: forward and backward on torch CUDA tensors against the oracle."""
     torch = _cuda_torch()
@@ -201,15 +204,17 @@ def test_varlen_on_gpu(dtype, D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("paged, nq, splits, dtype", [
-    (True, 1, 0, "bfloat16"), (False, 1, 0, "bfloat16"), (True, 4, 3, "float16"),
-    (False, 2, 1, "float32"), (True, 1, 5, "float32")])
-def test_kvcache_on_gpu(paged, nq, splits, dtype):
+@pytest.mark.parametrize("page, nq, splits, dtype", [
+    (16, 1, 0, "bfloat16"), (None, 1, 0, "bfloat16"), (256, 4, 3, "float16"),
+    (None, 2, 1, "float32"), (16, 1, 5, "float32"), (256, 1, 0, "float32")])
+def test_packed_kvcache_on_gpu(page, nq, splits, dtype):
     """Append and attend on torch CUDA tensors: pages of 16 keys (a key tile spans pages)
-    shuffled through the pool, lengths up to ~3000, GQA 4:1, causal; split-KV."""
+    or 256 (a tile inside one page) shuffled through the pool, or a contiguous cache
+    (``page`` None); lengths up to ~3000, GQA 4:1, causal; split-KV."""
     torch = _cuda_torch()
     rng = np.random.default_rng(nq + splits)
-    B, Hq, Hkv, D, page, n_new = 3, 8, 2, 128, 16, 2
+    B, Hq, Hkv, D, n_new = 3, 8, 2, 128, 2
+    paged = page is not None
     cap = 3072
     seqlens = np.array([0, 700, cap - n_new - 5], np.int32)
     dt = getattr(torch, dtype)
@@ -238,6 +243,6 @@ def test_kvcache_on_gpu(paged, nq, splits, dtype):
     torch.cuda.synchronize()
     assert torch.equal(kc, want[0]) and torch.equal(vc, want[1])
     host = lambda x: x.float().cpu().numpy()  # noqa: E731
-    ro, rl = oracle_kvcache(host(q), host(kc), host(vc), seqlens + n_new, table, page,
+    ro, rl = oracle_kvcache(host(q), host(kc), host(vc), seqlens + n_new, table, page or 1,
                             causal=True)
     _check(dtype, host(o), host(lse), ro, rl)

@@ -61,6 +61,12 @@ def decode(rows):
         for splits in (0, 1):
             res[f"contig_s{splits}"] = timed(lambda: flashcore.attention_with_kvcache(
                 q, kc, vc, cache_seqlens=seqlens, num_splits=splits))
+        os.environ["FLASHCORE_DECODE_TILES"] = "0"  # the forward table's 128-row tiling
+        res["table_tiles"] = timed(lambda: flashcore.attention_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens))
+        del os.environ["FLASHCORE_DECODE_TILES"]
+        res["sweep"] = {s: timed(lambda: flashcore.attention_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens, num_splits=s)) for s in (4, 8, 16, 32, 64)}
         # the same keys in shuffled pages
         n_pages = B * L // page
         perm = torch.randperm(n_pages, device="cuda", generator=g)
@@ -160,6 +166,10 @@ def main():
         print(f"{r['L']:>7} " + " ".join(f"{t * 1e3:6.3f}ms {gb(t):5.0f}" for t in cells)
               + f" {gb(min(r['contig_s0'], r['paged_s0'])) * 1e9 / bw:>8.2f}"
               + f"  (paged == contiguous: max diff {r['paged_equal']:.1e})")
+        print(f"        contiguous, the 128-row tiling: {r['table_tiles'] * 1e3:.3f}ms "
+              f"{gb(r['table_tiles']):.0f}")
+        print("        contiguous, num_splits: " + "  ".join(
+            f"{s}: {t * 1e3:.3f}ms {gb(t):.0f}" for s, t in r["sweep"].items()))
     if os.environ.get("PACKED_JSON"):
         with open(os.environ["PACKED_JSON"], "w") as f:
             json.dump(out, f, indent=1)

@@ -185,13 +185,17 @@ def simt_variants(head_dim, dtype, causal, kt, aligned=True, **mask):
             one("dkdv", kt.dkdv), one("dq", kt.dq)]
 
 
-def tc_variants(head_dim, dtype, causal, cc=None, gpu=None, simulator=False, **mask):
+def tc_variants(head_dim, dtype, causal, cc=None, gpu=None, simulator=False, decode=False,
+                **mask):
     """The tensor-core variants of one case class (forward, dK/dV, dQ) with the tilings
-    chosen for compute capability ``cc`` (the built-in tables if None); kernels without a
-    fitting tiling are left out. ``mask`` as in :func:`simt_variants`."""
+    chosen for compute capability ``cc`` (the built-in tables if None; ``decode``: the
+    forward takes :data:`tilings.DECODE_TC`); kernels without a fitting tiling are left
+    out. ``mask`` as in :func:`simt_variants`."""
     out = []
     for name in ("forward", "dkdv", "dq"):
         t = tilings.choose_tc(name, head_dim, dtype, causal, cc, gpu=gpu, simulator=simulator)
+        if decode and name == "forward" and t is not None and not simulator:
+            t = tilings.DECODE_TC
         if t is not None:
             out.append(Variant(name, "tensor_core", head_dim, dtype, causal, t, **mask))
     return out
@@ -218,8 +222,9 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False):
     mask = mask_options(case)
     if split:
         mask["split"] = True
+    decode = decodes(case)
     key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
-           *mask.values())
+           decode, *mask.values())
     plan = _PLANS.get(key)
     if plan is None:
         d, dt, c = case.head_dim, case.dtype, case.causal
@@ -228,7 +233,8 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False):
         simt = simt_variants(d, dt, c, kt, aligned, **mask)
         if tc:
             cc, gpu = _gpu(device)
-            fam = tc_variants(d, dt, c, cc, gpu=gpu, simulator=SIMULATOR, **mask)
+            fam = tc_variants(d, dt, c, cc, gpu=gpu, simulator=SIMULATOR, decode=decode,
+                              **mask)
         else:
             fam = [simt[0], simt[2], simt[3]]
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
@@ -249,6 +255,13 @@ def mask_options(case) -> dict:
         user = UserMods(mods.score_mod, mods.mask_mod, mod_arg_kinds(case.mod_args))
     return {"window": window, "softcap": cap, "alibi": case.alibi_slopes is not None,
             "user": user, "packed": packing(case)}
+
+
+def decodes(case) -> bool:
+    """Whether a forward is a decoding step that takes :data:`tilings.DECODE_TC`: a KV-cache
+    call with at most 16 query rows per head (after the grouped heads are packed)."""
+    return (case.kvcache is not None and case.seqlen_q <= 16
+            and os.environ.get(tilings.DECODE_ENV, "1") != "0")
 
 
 def packing(case) -> str:
@@ -333,6 +346,8 @@ def forward_block_n(case, device, q, k, v, tc_ok=True) -> int:
     """Keys per tile of the forward kernel :func:`run_forward` would launch (split-KV
     ranges are whole tiles)."""
     if tc_ok and tc_serves(case, device, q, k, v):
+        if decodes(case) and not SIMULATOR:
+            return tilings.DECODE_TC.block_n
         return _tc_tiles("forward", case.head_dim, case.dtype, case.causal, device).block_n
     kt = tilings.choose_simt(case.head_dim, case.dtype, case.causal, device_cc(device),
                              simulator=SIMULATOR)

@@ -335,6 +335,15 @@ class TCTiles:
 #: small test shapes still cover several tiles, tails and diagonal tiles.
 SIMULATOR_TC = TCTiles(warps=1, block_n=16)
 
+#: The forward's tiling for decoding (a KV-cache call with at most 16 query rows per head,
+#: or a group's heads packed as rows): one warp of 16 rows, so that a block computes 16
+#: rows, not 128, per key tile it streams (the step is bound by reading the cache), and
+#: three blocks fit an SM beside each other where the 128-row tiling fits two.
+#: ``FLASHCORE_DECODE_TILES=0`` keeps the table's tiling (for comparisons).
+DECODE_TC = TCTiles(warps=1, block_n=64)
+DECODE_ENV = "FLASHCORE_DECODE_TILES"
+
+
 #: Tilings per kernel and (head dim, causal): the autotuner's choices on an H200 at B=4,
 #: H=16, N=4096, bf16 (notes/tensor_cores.md: v4 for head dims 64 and 128, where dK/dV at
 #: D=64 full keeps w4 n64, 3% behind w4 n32, within the run-to-run spread; v5 for 256; the

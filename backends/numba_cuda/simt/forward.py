@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, int64
 
 from .. import tilings as _tiles
 from ..device.constants import (
@@ -136,6 +136,11 @@ def load_key_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, m
     if not PAGED:
         load_tile_t(smem, off, ld, src, base, n0, nvalid, sn, sd, rows, D, DP, mult, tid, NT)
         return
+    p = n0 // page
+    if (n0 + rows - 1) // page == p:  # inside one page: the dense load from its start
+        load_tile_t(smem, off, ld, src, base + int64(table[tb + p]) * psp, n0 - p * page,
+                    nvalid - p * page, sn, sd, rows, D, DP, mult, tid, NT)
+        return
     for e in range(tid, rows * DP, NT):
         j = e // DP
         d = e - j * DP
@@ -153,6 +158,11 @@ def copy_key_rows(smem, off, ld, src, base, n0, nvalid, sn, rows, D, DP, tid, NT
     ``PAGED`` (compile-time; pages 16-byte aligned, as rows are)."""
     if not PAGED:
         copy_rows(smem, off, ld, src, base, n0, nvalid, sn, rows, D, DP, tid, NT)
+        return
+    p = n0 // page
+    if (n0 + rows - 1) // page == p:  # inside one page: the dense copy from its start
+        copy_rows(smem, off, ld, src, base + int64(table[tb + p]) * psp, n0 - p * page,
+                  nvalid - p * page, sn, rows, D, DP, tid, NT)
         return
     C = DP // 4  # 16-byte chunks per row
     for e in range(tid, rows * C, NT):

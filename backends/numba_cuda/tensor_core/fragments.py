@@ -21,7 +21,7 @@ constants, and after inlining the loops unroll completely.
 """
 from __future__ import annotations
 
-from numba import float32
+from numba import float32, int64
 
 from ..device.convert import device_function, store_f32
 from ..device.intrinsics import (
@@ -75,10 +75,17 @@ def load_key_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT, 
                   page, psp, PAGED):
     """:func:`load_rows` for key and value tiles: rows through a block table where
     ``PAGED`` (compile-time; :func:`..device.seams.key_row`: row ``j`` is slot ``j % page``
-    of page ``table[tb + j // page]``, ``base`` the head's offset), so a tile may span
-    pages of any size; else exactly :func:`load_rows`."""
+    of page ``table[tb + j // page]``, ``base`` the head's offset): a tile inside one page
+    (pages a multiple of the tile) is one :func:`load_rows` from the page's start, a tile
+    across pages (small pages) looks up each row; else exactly :func:`load_rows`."""
     if not PAGED:
         load_rows(smem, off, src, base, n0, nvalid, sn, ROWS, LDS, CH, tid, NT)
+        return
+    p = n0 // page
+    if (n0 + ROWS - 1) // page == p:  # the tile lies in one page: its rows as one block
+        at = base + int64(table[tb + p]) * psp
+        load_rows(smem, off, src, at, n0 - p * page, nvalid - p * page, sn, ROWS, LDS, CH,
+                  tid, NT)
         return
     RS = NT // CH  # rows per pass
     r = tid // CH
