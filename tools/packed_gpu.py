@@ -21,8 +21,11 @@ import os
 import statistics
 
 import torch
+from flashcore.backends import numba_cuda
 
 import flashcore
+from flashcore._mods import options as _options
+from flashcore._packed_checks import make_kvcache_case, make_varlen_case
 
 
 def timed(fn, reps=20, warm=3):
@@ -61,6 +64,11 @@ def decode(rows):
         for splits in (0, 1):
             res[f"contig_s{splits}"] = timed(lambda: flashcore.attention_with_kvcache(
                 q, kc, vc, cache_seqlens=seqlens, num_splits=splits))
+        # the backend alone on a case made once: no host checks (which read the lengths
+        # back from the GPU, a synchronization per call)
+        case = make_kvcache_case(q, kc, vc, seqlens, causal=False, scale=None, num_splits=0,
+                                 options=_options(None, None, None, None, None, (), None))
+        res["backend_only"] = timed(lambda: numba_cuda.forward(q, kc, vc, case))
         os.environ["FLASHCORE_DECODE_TILES"] = "0"  # the forward table's 128-row tiling
         res["table_tiles"] = timed(lambda: flashcore.attention_with_kvcache(
             q, kc, vc, cache_seqlens=seqlens))
@@ -112,6 +120,10 @@ def varlen(rows):
             q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal))
         res["padded_fwd"] = timed(lambda: flashcore.attention(
             qp, kp, vp, causal=causal, layout="bnhd"))
+        vcase = make_varlen_case(q, k, v, cu, cu, max_seqlen_q=longest,
+                                 max_seqlen_k=longest, causal=causal, scale=None,
+                                 need_lse=True)
+        res["varlen_fwd_backend"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
         qr, kr, vr = (x.requires_grad_() for x in (q, k, v))
         qpr, kpr, vpr = (x.requires_grad_() for x in (qp, kp, vp))
 
@@ -155,6 +167,9 @@ def main():
               f"{r['varlen_fwd'] * 1e3:>9.2f}ms {pf * 1e3:>8.2f}ms {r['varlen_fwd'] / pf:>6.2f} "
               f"{r['sdpa_per_seq_fwd'] * 1e3:>7.2f}ms {r['varlen_fwdbwd'] * 1e3:>9.2f}ms "
               f"{pb * 1e3:>8.2f}ms {r['varlen_fwdbwd'] / pb:>6.2f}")
+        print(f"       forward, the backend alone on a case made once (no host checks): "
+              f"{r['varlen_fwd_backend'] * 1e3:.2f}ms, {r['varlen_fwd_backend'] / pf:.2f}x "
+              "pad*share")
     decode(out["decode"])
     print("\ndecode: B=8 Hq=32 Hkv=8 D=128 bf16 Nq=1; GB/s = K and V bytes / time "
           f"(copy {bw / 1e9:.0f} GB/s)")
@@ -166,6 +181,8 @@ def main():
         print(f"{r['L']:>7} " + " ".join(f"{t * 1e3:6.3f}ms {gb(t):5.0f}" for t in cells)
               + f" {gb(min(r['contig_s0'], r['paged_s0'])) * 1e9 / bw:>8.2f}"
               + f"  (paged == contiguous: max diff {r['paged_equal']:.1e})")
+        print(f"        contiguous, split, the backend alone (no host checks): "
+              f"{r['backend_only'] * 1e3:.3f}ms {gb(r['backend_only']):.0f}")
         print(f"        contiguous, the 128-row tiling: {r['table_tiles'] * 1e3:.3f}ms "
               f"{gb(r['table_tiles']):.0f}")
         print("        contiguous, num_splits: " + "  ".join(
