@@ -5,12 +5,14 @@ value; everything is checked before a backend is called, so a rejected call writ
 from __future__ import annotations
 
 import numbers
+import weakref
 
 import numpy as np
 
 from . import _interop
 from ._case import Case, KVCache, Varlen
 from ._checks import _arrays, _dtype, check_backward_inputs, check_options
+from ._memo import Memo
 from ._mods import check_mods
 
 #: Integer dtypes accepted for offsets, lengths and page tables (int32 is FA2's; int64 is
@@ -47,8 +49,27 @@ def _heads(qs, ks, hq_axis, hkv_axis, k_name="k"):
 
 
 def host_ints(x, library) -> np.ndarray:
-    """The values of an index array, as int64 on the host (a copy from a GPU)."""
+    """The values of an index array, as int64 on the host (a copy from a GPU). A torch
+    GPU tensor read before and not written since (same object, storage and version
+    counter, which every in-place write bumps) gives the values read then, without a
+    copy and the synchronization it costs: the backward of a varlen call, or a decode
+    loop's block table, reads them once."""
+    if library == "torch" and getattr(x, "is_cuda", False):
+        key = (id(x), x.data_ptr(), x._version, tuple(x.shape), str(x.dtype))
+        hit = _READ.get(key)
+        if hit is not None and hit[0]() is x:
+            return hit[1]
+        vals = np.asarray(_interop.copy_to_host(x, library), dtype=np.int64)
+        vals.flags.writeable = False
+        if len(_READ) >= _READ.max_size:
+            _READ.clear()
+        _READ[key] = (weakref.ref(x), vals)
+        return vals
     return np.asarray(_interop.copy_to_host(x, library), dtype=np.int64)
+
+
+#: (id, address, version, shape, dtype) of a torch GPU tensor -> (weak reference, values)
+_READ = Memo(64, plans=False)
 
 
 # --- varlen -------------------------------------------------------------------------------

@@ -246,3 +246,20 @@ def test_packed_kvcache_on_gpu(page, nq, splits, dtype):
     ro, rl = oracle_kvcache(host(q), host(kc), host(vc), seqlens + n_new, table, page or 1,
                             causal=True)
     _check(dtype, host(o), host(lse), ro, rl)
+
+
+@pytest.mark.gpu
+def test_packed_host_reads_remembered_until_written():
+    """host_ints reads a torch GPU tensor's values once (a synchronization), gives them
+    again while the tensor is unchanged, and reads anew after an in-place write."""
+    torch = _cuda_torch()
+    from flashcore._packed_checks import host_ints
+
+    x = torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda")
+    a = host_ints(x, "torch")
+    assert host_ints(x, "torch") is a and list(a) == [0, 3, 7]
+    x += 1
+    b = host_ints(x, "torch")
+    assert b is not a and list(b) == [1, 4, 8]
+    y = x.clone()  # another tensor with the same values: read on its own
+    assert host_ints(y, "torch") is not b
