@@ -115,7 +115,8 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
                                    reps=2) == 1.0
     grid, stream, args = calls[0]
     assert all(c == calls[0] for c in calls) and len(calls) == 5 and stream == 0
-    assert grid == ((N + 31) // 32, B * H)
+    # (the forward's grid has a z axis: the splits of split-KV, 1 here)
+    assert grid == ((N + 31) // 32, B * H) + ((1,) if kernel == "forward" else ())
     q, k, v, do, o, dq, dk, dv, lse, delta = (1000 * (i + 1) for i in range(10))
     st = (N * D * H, N * D, D, 1)
     lst = (N * H, N, 1)
@@ -123,12 +124,15 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
     # (no ALiBi: a float32 buffer no kernel reads, zero strides; no mod_args: that buffer
     # for each of the 4 pointers, extents 0; no tile classes: that buffer, strides 0)
     no_slopes = (delta, 0, 0, delta, delta, delta, delta) + (0,) * 16 + (delta, 0, 0, 0)
+    # (a dense call: the packed-rows arguments are a buffer no kernel reads, page size 1)
+    packed = lambda x: (x, x, x, x, 0, 1, 0, 0, 0, 0, 0)  # noqa: E731
     expected = {
-        "forward": (q, k, v, o, lse, N, N, H, 1, 0, *st, *st, *st, *st, scale, *no_slopes),
+        "forward": (q, k, v, o, lse, N, N, H, 1, 0, *st, *st, *st, *st, scale, *no_slopes,
+                    *packed(lse)),
         "dkdv": (q, k, v, do, lse, delta, dk, dv, N, N, H, H, 1, 0, *st, *st, *st, *st, *st,
-                 *st, *lst, scale, *no_slopes),
+                 *st, *lst, scale, *no_slopes, *packed(delta)),
         "dq": (q, k, v, do, lse, delta, dq, N, N, H, 1, 0, *st, *st, *st, *st, *st, *lst,
-               scale, *no_slopes),
+               scale, *no_slopes, *packed(delta)),
     }[kernel]
     assert args == expected
     assert len(args) == len(launch.signature(f"attn_{'backward_' if kernel != 'forward' else ''}"
