@@ -95,37 +95,83 @@ def user_row(s, base, n0, i, Nk, NTILES, tq, value, args, b, h, Nq, unit, inv):
 
 
 @device_function
-def alibi_row(s, base, n0, i, causal_offset, slope, NTILES, tq):
-    """The ALiBi bias (``slope`` in raw-score units) added to one of this lane's rows, on
-    every tile the row visits: one distance per row, less each element's constant key
-    offset ``8 jn + e``."""
-    d0 = distance(i, n0 + 2 * tq, causal_offset)
+def alibi_side(n0, BN, w0, rows, causal_offset, slope, CAUSAL, LINEAR):
+    """``(side, linear)`` for key tile ``n0 .. n0 + BN - 1`` and the warp's rows ``w0 .. w0
+    + rows - 1``: ``side`` is ``slope`` where every key is at or before every row's
+    diagonal (distances ``d >= 0``: so for every key a causal row sees), ``-slope`` where
+    every key is at or after it (``d <= 0``); ``linear`` says the tile is one of those
+    (warp-uniform), so that the bias ``-slope |d| = -side d`` is linear in the key on the
+    whole tile. Not where ``LINEAR`` (compile-time) is False (a score_mod must see the
+    biased score), nor on a tile across the diagonal."""
+    if CAUSAL:
+        return slope, LINEAR
+    if n0 + BN - 1 <= w0 + causal_offset:
+        return slope, LINEAR
+    if n0 >= w0 + rows - 1 + causal_offset:
+        return -slope, LINEAR
+    return slope, False
+
+
+@device_function
+def alibi_row(s, base, d0, slope, side, linear, NTILES):
+    """The ALiBi bias (``slope`` in raw-score units) on one of this lane's rows, whose
+    distance from this lane's first key is ``d0`` (:func:`distance`; an element's is
+    ``d0 - k``, ``k = 8 jn + e`` a constant); returns the row's offset ``r``: the biased
+    scores are the stored ones less ``r``.
+
+    On a ``linear`` tile (:func:`alibi_side`) the bias is ``-side (d0 - k)``: the per-key
+    part ``side k`` is added (one FFMA with an immediate per score, where the |.| form
+    takes four instructions and the registers that made the kernel spill) and the per-row
+    part ``side d0`` is returned as ``r``, for the softmax to take once per row
+    (:func:`softmax_row`; it varies with the lane). The stored scores stay within
+    ``(block_n - 1) |slope|`` of the raw ones: nothing large is added to them and taken
+    off again, and the softmax rounds no larger numbers than with the |.| form. Otherwise
+    ``s - slope |d0 - k|`` per element and ``r`` 0."""
+    if linear:
+        for jn in range(NTILES):
+            for e in range(2):
+                # (an explicit fma: a product and an add let LLVM hoist the 16 products
+                # out of the key loop, 16 more registers live in a kernel that spills)
+                x = base + 4 * jn + e
+                s[x] = cuda.fma(side, float32(8 * jn + e), s[x])
+        return side * d0
     for jn in range(NTILES):
         for e in range(2):
             s[base + 4 * jn + e] = alibi(s[base + 4 * jn + e], d0 - float32(8 * jn + e),
                                          slope)
+    return float32(0.0)
 
 
 @device_function
-def softmax_row(s, base, m_old, sl2, NTILES):
+def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI):
     """One of this lane's rows of a score tile (``s[base + 4 jn + e]``, masked already):
-    new running max (of the raw scores) over the 4 lanes sharing the row, then
+    new running max (of the scores) over the 4 lanes sharing the row, then
     ``P = exp2(S * sl2 - max * sl2)`` in place, one FFMA and one ex2 per score. Returns
-    ``(new max, rescale factor of the old accumulators, this lane's sum of P)``."""
+    ``(new max, rescale factor of the old accumulators, this lane's sum of P)``.
+    ``ALIBI`` (compile-time): the row's scores are the stored ones less this lane's ``r``
+    (:func:`alibi_row`); the lane's max is taken on the stored ones and moved by ``r``
+    before the shuffles, and P's FFMA subtracts ``(max + r) sl2``."""
     mx = m_old
+    if ALIBI:
+        mx = NEG_INF
     for jn in range(NTILES):
         mx = max(mx, s[base + 4 * jn])
         mx = max(mx, s[base + 4 * jn + 1])
+    if ALIBI:
+        mx = max(m_old, mx - r)
     mx = max(mx, shfl_xor_f32(mx, 1))
     mx = max(mx, shfl_xor_f32(mx, 2))
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead
     mu = mx * sl2 if mx != NEG_INF else float32(0.0)
     alpha = math.exp2(m_old * sl2 - mu)
+    mus = mu
+    if ALIBI:  # (a row with no key: its stored scores are -inf, any finite mus gives 0)
+        mus = (mx + r) * sl2 if mx != NEG_INF else float32(0.0)
     ps = float32(0.0)
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            pv = math.exp2(s[x] * sl2 - mu)
+            pv = math.exp2(s[x] * sl2 - mus)
             s[x] = pv
             ps += pv
     return mx, alpha, ps
@@ -202,6 +248,9 @@ def make_attn_forward_tc(v):
     PACKED = PACKING[v.packed]  # dense, varlen or a KV cache (device/seams.sequence)
     PAGEDK = PACKED == PAGED  # K, V rows through a block table
     SPLIT = v.split  # split-KV: one key range per blockIdx.z, float32 partial o and lse
+    # ALiBi's per-row part leaves the scores for the softmax (alibi_row) unless a score_mod
+    # must see the biased score
+    LINEAR = ALIBI and not SMOD
 
     def attn_forward_tc(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                         qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -346,12 +395,16 @@ def make_attn_forward_tc(v):
             # online softmax, in the log2 domain, row by row of this lane (rows written out
             # so that every index is a constant: m-tile 0 rows g, g + 8; m-tile 1 likewise)
             i = q0 + r0 + g
+            ra = rb = rc = rd = float32(0.0)  # (ALIBI) each row's offset, alibi_row
             if ALIBI:  # (compile-time) the distance bias, after the softcap
-                alibi_row(s, 0, n0, i, causal_offset, slope, NTILES, tq)
-                alibi_row(s, 2, n0, i + 8, causal_offset, slope, NTILES, tq)
+                side, lin = alibi_side(n0, BN, q0 + r0, 16 * MT, causal_offset, slope,
+                                       CAUSAL, LINEAR)
+                d0 = distance(i, n0 + 2 * tq, causal_offset)  # rows i + 8, 16, 24: + 8, 16, 24
+                ra = alibi_row(s, 0, d0, slope, side, lin, NTILES)
+                rb = alibi_row(s, 2, d0 + float32(8.0), slope, side, lin, NTILES)
                 if MT > 1:
-                    alibi_row(s, NS, n0, i + 16, causal_offset, slope, NTILES, tq)
-                    alibi_row(s, NS + 2, n0, i + 24, causal_offset, slope, NTILES, tq)
+                    rc = alibi_row(s, NS, d0 + float32(16.0), slope, side, lin, NTILES)
+                    rd = alibi_row(s, NS + 2, d0 + float32(24.0), slope, side, lin, NTILES)
             if SMOD:  # (compile-time) the user's score_mod, after the softcap and ALiBi
                 sc = float32(scale)
                 user_row(s, 0, n0, i, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
@@ -372,17 +425,17 @@ def make_attn_forward_tc(v):
                              NTILES, tq, partial, KEEPS, margs, b, h, Nq)
                     mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
                              NTILES, tq, partial, KEEPS, margs, b, h, Nq)
-            ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES)
+            ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI)
             la = la * al + ps
             rescale_row(acc, 0, al, DTILES)
-            mb, al, ps = softmax_row(s, 2, mb, sl2, NTILES)
+            mb, al, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI)
             lb = lb * al + ps
             rescale_row(acc, 2, al, DTILES)
             if MT > 1:
-                mc, al, ps = softmax_row(s, NS, mc, sl2, NTILES)
+                mc, al, ps = softmax_row(s, NS, mc, sl2, NTILES, rc, ALIBI)
                 lc = lc * al + ps
                 rescale_row(acc, NACC, al, DTILES)
-                md, al, ps = softmax_row(s, NS + 2, md, sl2, NTILES)
+                md, al, ps = softmax_row(s, NS + 2, md, sl2, NTILES, rd, ALIBI)
                 ld = ld * al + ps
                 rescale_row(acc, NACC + 2, al, DTILES)
 
