@@ -126,7 +126,7 @@ stage_tests() {
   local par=
   python3 -c "import xdist" 2>/dev/null && par="-n ${TEST_JOBS:-6}"
   FLASHCORE_INSTAFAIL=1 timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q \
-      -p no:cacheprovider $par tests/ ${PYTEST_ARGS:-}
+      -p no:cacheprovider $par ${PYTEST_K:+-k "$PYTEST_K"} tests/ ${PYTEST_ARGS:-}
   local rc=$?
   echo "== main job"
   python3 -m flashcore > "$WORK/main.log" 2>&1 || { [ $rc -ne 0 ] || rc=1; }
