@@ -5,9 +5,15 @@ The forward pass runs W steps: at step s rank r computes its queries against the
 block of rank ``(r - s) mod W`` with flashcore's kernels, merges the partial output by
 log-sum-exp, and meanwhile receives the next block (``batch_isend_irecv``, so the transfer
 overlaps the kernel). The backward pass is a second ring: each key/value block travels with
-float32 dK/dV accumulators (float64 for float64 inputs, as lse) that every rank adds its
-contribution to (the kernels take the global lse, so each block's P is the global one),
-and one last hop brings them home.
+its dK/dV partial sums (in the inputs' dtype, see ``ring_backward``) that every rank adds
+its contribution to (the kernels take the global lse, so each block's P is the global
+one), and one last hop brings them home.
+
+Memory per rank, in units of one local shard of q (X): the forward holds o's float32
+accumulator (2X), the next K/V block in flight (2X) and one step's output (X); the backward
+the float32 dq (2X), the next K/V block (2X), the travelling dK/dV and their receive
+buffers (2X + 2X, the receive ones allocated after the step's kernel outputs (3X) are
+freed or handed on). Temporaries of o's size are avoided (in-place merges).
 
 Which part of a step's block a rank computes (``_step``): with ``causal``, in contiguous
 order a block from an earlier rank is seen whole, the rank's own block is causal and a
@@ -123,14 +129,14 @@ def _bhnd(x, layout):
 
 
 def _merge(o_acc, lse_acc, o_b, lse_b):
-    """Fold a block's (o, lse) into the running ones (in place; o in the accumulator dtype
-    (_acc), bhnd views)."""
+    """Fold a block's (o, lse) into the running ones, in place and without temporaries of
+    o's size (o_acc in the accumulator dtype (_acc), bhnd views)."""
     new = torch.logaddexp(lse_acc, lse_b)
     empty = torch.isneginf(new)
     safe = torch.where(empty, torch.zeros_like(new), new)
     w_old = torch.where(empty, torch.zeros_like(new), torch.exp(lse_acc - safe))
     w_new = torch.where(empty, torch.zeros_like(new), torch.exp(lse_b - safe))
-    o_acc.mul_(w_old.unsqueeze(-1)).add_(o_b.to(o_acc.dtype) * w_new.unsqueeze(-1))
+    o_acc.mul_(w_old.unsqueeze(-1)).addcmul_(o_b, w_new.unsqueeze(-1))
     lse_acc.copy_(new)
 
 
@@ -196,6 +202,7 @@ def ring_forward(q, k, v, ring, causal, scale, layout, backend):
                 _narrow(q, ax, rows), _narrow(k_cur, ax, cols), _narrow(v_cur, ax, cols),
                 causal=c, scale=scale, layout=layout, backend=backend)
             _merge(o_acc[:, :, rows], lse_acc[:, :, rows], _bhnd(o_b, layout), lse_b)
+            del o_b, lse_b  # before the next step's kernel allocates its own
         _wait(reqs)
         if reqs:
             k_cur, v_cur = k_next, v_next
@@ -204,12 +211,16 @@ def ring_forward(q, k, v, ring, causal, scale, layout, backend):
 
 
 def ring_backward(do, q, k, v, o, lse, ring, causal, scale, layout, backend):
+    """The second ring. dq accumulates here in _acc's dtype; a block's dK/dV travel with it
+    in the inputs' dtype, each rank adding its part in place (``add_`` rounds the float32
+    sum once), and the last hop brings them home. With two ranks that is bit for bit a
+    float32 accumulator rounded at the end; each further rank adds one rounding of the
+    partial sum (float32 and float64 inputs travel in their own dtype: no rounding)."""
     ax = _seq_axis(layout)
     n = q.shape[ax]
     dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    dk_cur = torch.zeros(k.shape, dtype=_acc(k), device=k.device)
-    dv_cur = torch.zeros_like(dk_cur)
+    dk_cur = dv_cur = None  # the travelling sums of the block in hand
     do = do.contiguous()
     for s in range(ring.world):
         src = ring.src(s)
@@ -226,9 +237,19 @@ def ring_backward(do, q, k, v, o, lse, ring, causal, scale, layout, backend):
                 _narrow(v_cur, ax, cols), _narrow(o, ax, rows), lse[:, :, rows].contiguous(),
                 causal=c, scale=scale, layout=layout, backend=backend)
             _narrow(dq, ax, rows).add_(dq_b)
-            _narrow(dk_cur, ax, cols).add_(dk_b)
-            _narrow(dv_cur, ax, cols).add_(dv_b)
-        # This block's dK/dV move on with it (the last hop brings ours home).
+            del dq_b
+            if dk_cur is None and cols.stop - cols.start == k_cur.shape[ax]:
+                dk_cur, dv_cur = dk_b.contiguous(), dv_b.contiguous()  # no copy: the kernels'
+            else:
+                if dk_cur is None:
+                    dk_cur, dv_cur = torch.zeros_like(k_cur), torch.zeros_like(v_cur)
+                _narrow(dk_cur, ax, cols).add_(dk_b)
+                _narrow(dv_cur, ax, cols).add_(dv_b)
+            del dk_b, dv_b
+        elif dk_cur is None:
+            dk_cur, dv_cur = torch.zeros_like(k_cur), torch.zeros_like(v_cur)
+        # This block's dK/dV move on with it (the last hop brings ours home); the K/V
+        # block for the next step is already in flight.
         dreqs, (dk_next, dv_next) = ring.start((dk_cur, dv_cur),
                                                ring.lengths[ring.src(s + 1)], ax)
         _wait(reqs)
@@ -236,7 +257,7 @@ def ring_backward(do, q, k, v, o, lse, ring, causal, scale, layout, backend):
         if reqs:
             k_cur, v_cur = k_next, v_next
         dk_cur, dv_cur = dk_next, dv_next
-    return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype)
+    return dq.to(q.dtype), dk_cur, dv_cur
 
 
 class RingAttention(torch.autograd.Function):
