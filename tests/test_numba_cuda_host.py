@@ -211,3 +211,33 @@ def test_rocm_builds_are_declined_clearly(two_gpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", torch)
     why = two_gpus.supports(_gpu_case(device="cuda:0"))
     assert why is not None and "ROCm" in why
+
+
+def test_split_plan_aims_at_warps_per_multiprocessor():
+    """num_splits=0: enough splits for SPLIT_WARPS_PER_SM warps on each of the GPU's
+    multiprocessors, at most 64, at least 4 key tiles per split; an asked count is kept
+    (capped at the key tiles) and the chunks are whole tiles that cover the longest
+    sequence."""
+    from types import SimpleNamespace
+
+    from flashcore.backends.numba_cuda import launch
+
+    def case(L, batch=8, heads=8, nq=4):
+        return SimpleNamespace(batch=batch, heads_q=heads, seqlen_q=nq,
+                               kvcache=SimpleNamespace(max_seqlen_k=L))
+
+    decode, big = (16, 64, 1), (128, 64, 4)  # one-warp decode tiles; 4-warp 128-row tiles
+    assert launch.SPLIT_WARPS_PER_SM == 8
+    # 64 one-warp blocks on 132 multiprocessors: ceil(8 * 132 / 64) = 17 splits
+    assert launch.split_plan(case(32768), decode, 0, 132) == (17, 31 * 64)
+    # 4k keys: 64 tiles, at most 16 splits of 4 tiles
+    assert launch.split_plan(case(4096), decode, 0, 132) == (16, 256)
+    # 4-warp blocks of 128 rows: a quarter as many splits for the same warps
+    assert launch.split_plan(case(32768, nq=128), big, 0, 132)[0] == 5
+    # blocks that fill the GPU alone: no split
+    assert launch.split_plan(case(32768, batch=64, heads=32), decode, 0, 132) == (1, 32768)
+    # asked counts are kept, at most one per key tile; chunks cover the longest sequence
+    for L, asked in ((100, 5), (32768, 3), (1000, 64)):
+        splits, chunk = launch.split_plan(case(L), decode, asked, 132)
+        assert 1 <= splits <= min(asked, -(-L // 64))
+        assert chunk % 64 == 0 and splits * chunk >= L > (splits - 1) * chunk

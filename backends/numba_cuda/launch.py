@@ -342,29 +342,41 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
                    1 if split is None else split[0])
 
 
-def forward_block_n(case, device, q, k, v, tc_ok=True) -> int:
-    """Keys per tile of the forward kernel :func:`run_forward` would launch (split-KV
-    ranges are whole tiles)."""
+def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:
+    """``(block_m, block_n, warps)`` of the forward kernel :func:`run_forward` would launch:
+    query rows per block, keys per tile (split-KV ranges are whole tiles), warps per
+    block."""
     if tc_ok and tc_serves(case, device, q, k, v):
-        if decodes(case) and not SIMULATOR:
-            return tilings.DECODE_TC.block_n
-        return _tc_tiles("forward", case.head_dim, case.dtype, case.causal, device).block_n
-    kt = tilings.choose_simt(case.head_dim, case.dtype, case.causal, device_cc(device),
-                             simulator=SIMULATOR)
-    return kt.forward.block_n
+        t = (tilings.DECODE_TC if decodes(case) and not SIMULATOR
+             else _tc_tiles("forward", case.head_dim, case.dtype, case.causal, device))
+        return t.block_m, t.block_n, t.warps
+    t = tilings.choose_simt(case.head_dim, case.dtype, case.causal, device_cc(device),
+                            simulator=SIMULATOR).forward
+    return t.block_m, t.block_n, -(-t.threads // 32)
 
 
-def split_plan(case, device, block_n, want, sms) -> tuple:
-    """``(splits, chunk)`` for a KV-cache forward: ``want`` splits (0: the heuristic) of
-    ``chunk`` keys each, a multiple of ``block_n``. The heuristic: enough splits that the
-    blocks fill every one of the GPU's ``sms`` multiprocessors twice over, at most 64, and
-    at least 4 key tiles per split; 1 (no split) when the (query tile, head) blocks alone
-    fill them."""
+#: Warps per multiprocessor the split-KV heuristic aims for. A decode step streams K and
+#: V and does little arithmetic; its speed is the bytes in flight, i.e. the warps issuing
+#: copies. On an H100 at B=8 Hkv=8 and 32k keys (64 one-warp blocks before splitting),
+#: 2 blocks per multiprocessor (5 splits) read at 0.57-0.69 of the copy bandwidth and
+#: 16-32 splits were up to 15% faster (notes/packed_cuda_2026-11-23.md).
+SPLIT_WARPS_PER_SM = 8
+
+
+def split_plan(case, shape, want, sms) -> tuple:
+    """``(splits, chunk)`` for a KV-cache forward whose kernel has ``shape`` (of
+    :func:`forward_shape`): ``want`` splits (0: the heuristic) of ``chunk`` keys each, a
+    multiple of the key tile. The heuristic: enough splits that the blocks put
+    ``SPLIT_WARPS_PER_SM`` warps on every one of the GPU's ``sms`` multiprocessors, at
+    most 64, and at least 4 key tiles per split; 1 (no split) when the (query tile, head)
+    blocks alone do."""
+    block_m, block_n, warps = shape
     longest = max(1, case.kvcache.max_seqlen_k)
     tiles = -(-longest // block_n)
     if want == 0:
-        blocks = case.batch * case.heads_q * -(-case.seqlen_q // 16)
-        want = max(1, min(64, -(-2 * sms // max(1, blocks)), tiles // 4))
+        blocks = case.batch * case.heads_q * -(-case.seqlen_q // block_m)
+        need = -(-SPLIT_WARPS_PER_SM * sms // warps)
+        want = max(1, min(64, -(-need // max(1, blocks)), tiles // 4))
     want = max(1, min(want, tiles))
     chunk = -(-tiles // want) * block_n
     return -(-longest // chunk), chunk

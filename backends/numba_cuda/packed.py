@@ -151,8 +151,8 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
     seqk = ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
     base = {"seqk": seqk, "table": table if kc.paged else None, "tsb": tsb, "page": page, "psp": psp,
             "buffer": at}
-    bn = launch.forward_block_n(lcase, dev, qv, kv, vv, tc_ok)
-    splits, chunk = launch.split_plan(lcase, dev, bn, kc.num_splits, sm_count(dev))
+    shape = launch.forward_shape(lcase, dev, qv, kv, vv, tc_ok)
+    splits, chunk = launch.split_plan(lcase, shape, kc.num_splits, sm_count(dev))
     inputs = _inputs(ad, case, q, keep)
     if splits == 1:
         launch.run_forward(lcase, dev, stream, qv, kv, vv, ov, at,
