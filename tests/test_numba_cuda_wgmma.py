@@ -127,6 +127,97 @@ def test_swizzle_stays_in_its_pattern():
     assert w.swizzle(0x3F0, 0) == 0x3F0
 
 
+def _tool():
+    spec = importlib.util.spec_from_file_location("wgmma_ceiling",
+                                                  ROOT / "tools" / "wgmma_ceiling.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _EmulatedCuda:
+    """What ``tools/wgmma_ceiling.run_check`` asks of numba.cuda, with its check kernel
+    replaced by NumPy reading the tiles through the canonical layouts (``swap_b``: as if the
+    hardware took B's two strides the other way round)."""
+
+    class Array(np.ndarray):
+        def copy_to_host(self):
+            return np.asarray(self).copy()
+
+    def __init__(self, swap_b=False):
+        self.swap_b = swap_b
+
+    def to_device(self, x):
+        return np.array(x).view(self.Array)
+
+    def device_array(self, n, dtype):
+        return np.full(n, np.nan, dtype).view(self.Array)
+
+    def synchronize(self):
+        pass
+
+    def kernel(self, n, kind, a_in, trans_b):
+        w = _wgmma()
+        emu = self
+
+        def decode(bits):
+            bits = np.asarray(bits, np.uint16)
+            if kind == "f16":
+                return bits.view(np.float16).astype(np.float64)
+            return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+        def at(img, addr):  # (past the tile: other shared memory, taken as zeros)
+            return img[addr // 2] if addr // 2 < img.size else 0
+
+        def run(a_img, b_img, frag, prm, out):
+            d = np.zeros((64, n))
+            b_major = "mn" if trans_b else "k"
+            b_lbo, b_sbo = (prm[4], prm[3]) if emu.swap_b else (prm[3], prm[4])
+            for s in range(4):
+                if a_in == "ss":
+                    a = decode([[at(a_img, _canonical("k", prm[2], prm[6 + s], prm[0], prm[1],
+                                                    i, k)) for k in range(16)]
+                                for i in range(64)])
+                else:
+                    a = np.zeros((64, 16))
+                    for t in range(128):
+                        for e, (i, k) in enumerate(w.a_coords(t)):
+                            reg = int(frag[16 * t + 4 * s + e // 2])
+                            a[i, k] = decode([(reg >> (16 * (e % 2))) & 0xFFFF])[0]
+                if b_major == "k":
+                    b = decode([[at(b_img, _canonical("k", prm[5], prm[10 + s], b_lbo, b_sbo,
+                                                    j, k)) for j in range(n)]
+                                for k in range(16)])
+                else:
+                    b = decode([[at(b_img, _canonical("mn", prm[5], prm[10 + s], b_lbo, b_sbo,
+                                                    k, j)) for j in range(n)]
+                                for k in range(16)])
+                d = a @ b + (d if s else 0)
+            for t in range(128):
+                for i, (r, c) in enumerate(w.acc_coords(t, n)):
+                    out[t * (n // 2) + i] = d[r, c]
+
+        class Launch:
+            def __getitem__(self, config):
+                assert tuple(config) == (1, 128)
+                return run
+
+        return Launch()
+
+
+def test_check_tool_host_side_against_an_emulated_wgmma(monkeypatch):
+    tool = _tool()
+    emu = _EmulatedCuda()
+    monkeypatch.setattr(tool, "check_kernel", lambda cuda, *a: emu.kernel(*a))
+    rng = np.random.default_rng(1)
+    for case in tool.CHECKS:
+        assert tool.run_check(emu, case, rng) == ("pass", ""), case
+    # a layout read the other way round is reported, with the strides that would pass
+    emu.swap_b = True
+    status, detail = tool.run_check(emu, ("ss", "bf16", 64, "mn", 0), rng)
+    assert status == "FAIL" and "passes with B's LBO/SBO swapped" in detail, detail
+
+
 def test_simulator_names_raise_clearly():
     code = ("from flashcore.backends.numba_cuda.device import wgmma as w\n"
             "assert w.descriptor_value(1024, 16, 1024, 1) == int(w.smem_descriptor(1024, 16,"
@@ -262,13 +353,6 @@ if not SIM:
             pytest.skip("ptxas is not installed")
         rc, report = res
         assert rc != 0 and "not supported on .target 'sm_90'" in report, report
-
-    def _tool():
-        spec = importlib.util.spec_from_file_location("wgmma_ceiling",
-                                                      ROOT / "tools" / "wgmma_ceiling.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
 
     @pytest.mark.parametrize("n,a_in,wait", [(64, "ss", 0), (128, "rs", 0), (256, "ss", 1)])
     def test_ceiling_kernels_ptx(sm90, n, a_in, wait):
