@@ -377,8 +377,8 @@ def time_kernel(cuda, kern, grid, block, flops_per_iter, seconds):
 
 def _kernel_facts(kern):
     try:
-        sig = kern.signatures[0]
-        return kern.get_regs_per_thread(sig), kern.get_local_mem_per_thread(sig)
+        ov = next(iter(kern.overloads.values()))
+        return ov.regs_per_thread, ov.local_mem_per_thread
     except Exception:  # noqa: BLE001  (facts only)
         return "?", "?"
 
