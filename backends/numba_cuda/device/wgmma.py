@@ -4,8 +4,8 @@ descriptors, and the layouts they imply, as plain data.
 Target. ``wgmma`` needs the architecture-specific target ``sm_90a``. numba-cuda 0.30.4 gives
 it without help when it compiles for the GPU it runs on: ``CUDACodeLibrary._ensure_cc``
 turns a device's (9, 0) into (9, 0, "a"), so NVVM gets ``-arch=compute_90a`` and the linker
-``sm_90a`` (every kernel ``cuda.jit`` builds on an H100/H200 is already sm_90a, the mma.sync
-ones too). Without a GPU, ``cuda.compile_ptx(fn, sig, cc=(9, 0, "a"))`` writes
+``sm_90a`` (so, by numba-cuda's code, every kernel ``cuda.jit`` builds on an H100/H200 is
+already sm_90a, the mma.sync ones too). Without a GPU, ``cuda.compile_ptx(fn, sig, cc=(9, 0, "a"))`` writes
 ``.target sm_90a``; ``cc=(9, 0)`` writes ``.target sm_90``, which ptxas refuses for these
 instructions ("not supported on .target 'sm_90'"). Beware ``dispatcher.inspect_asm(sig)``:
 it passes the device's cc without the suffix, so its PTX says sm_90.
@@ -63,9 +63,11 @@ along K (``trans`` 0); an *MN-major* tile stores each k-row of B (K x N) along N
 
 :func:`layout_strides` gives (LBO, SBO). A ``wgmma`` sub-tile starts at the *unswizzled*
 offset of its first element (:func:`tile_start`): stepping K by 16 moves it by 32 bytes in a
-swizzled K-major tile (256 with no swizzle), by ``16 S`` bytes in a swizzled MN-major one.
-Verified on an H100 by ``tools/wgmma_ceiling.py --check`` (no swizzle and 128B; 64B and 32B
-follow the same rule, unchecked).
+swizzled K-major tile (256 with no swizzle), by ``16 S`` bytes in a swizzled MN-major one
+(``32 cols`` with no swizzle). tests/test_numba_cuda_wgmma.py reads every such sub-tile back
+through the PTX ISA's canonical-layout table; ``tools/wgmma_ceiling.py --check`` checks the
+hardware's reading on an H100/H200 (no swizzle and 128B; 64B and 32B follow the same rule
+and are not run there).
 
 The CUDA simulator cannot run these instructions: under ``NUMBA_ENABLE_CUDASIM=1`` the
 device names raise ``NotImplementedError`` when called; the host helpers work everywhere.
