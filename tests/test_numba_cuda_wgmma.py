@@ -137,15 +137,15 @@ def _tool():
 
 class _EmulatedCuda:
     """What ``tools/wgmma_ceiling.run_check`` asks of numba.cuda, with its check kernel
-    replaced by NumPy reading the tiles through the canonical layouts (``swap_b``: as if the
-    hardware took B's two strides the other way round)."""
+    replaced by NumPy reading the tiles through the canonical layouts (``swap_mn``: as if the
+    hardware took an MN-major B's two strides the other way round)."""
 
     class Array(np.ndarray):
         def copy_to_host(self):
             return np.asarray(self).copy()
 
-    def __init__(self, swap_b=False):
-        self.swap_b = swap_b
+    def __init__(self, swap_mn=False):
+        self.swap_mn = swap_mn
 
     def to_device(self, x):
         return np.array(x).view(self.Array)
@@ -172,7 +172,8 @@ class _EmulatedCuda:
         def run(a_img, b_img, frag, prm, out):
             d = np.zeros((64, n))
             b_major = "mn" if trans_b else "k"
-            b_lbo, b_sbo = (prm[4], prm[3]) if emu.swap_b else (prm[3], prm[4])
+            swap = emu.swap_mn and b_major == "mn"
+            b_lbo, b_sbo = (prm[4], prm[3]) if swap else (prm[3], prm[4])
             for s in range(4):
                 if a_in == "ss":
                     a = decode([[at(a_img, _canonical("k", prm[2], prm[6 + s], prm[0], prm[1],
@@ -211,11 +212,27 @@ def test_check_tool_host_side_against_an_emulated_wgmma(monkeypatch):
     monkeypatch.setattr(tool, "check_kernel", lambda cuda, *a: emu.kernel(*a))
     rng = np.random.default_rng(1)
     for case in tool.CHECKS:
-        assert tool.run_check(emu, case, rng) == ("pass", ""), case
+        assert tool.run_check(emu, case, rng) == ("pass", "", None), case
     # a layout read the other way round is reported, with the strides that would pass
-    emu.swap_b = True
-    status, detail = tool.run_check(emu, ("ss", "bf16", 64, "mn", 0), rng)
-    assert status == "FAIL" and "passes with B's LBO/SBO swapped" in detail, detail
+    emu.swap_mn = True
+    status, detail, retry = tool.run_check(emu, ("ss", "bf16", 64, "mn", 0), rng)
+    assert status == "FAIL" and "wrong" in detail, detail
+    assert retry() == "passes with B's LBO/SBO swapped"
+
+
+def test_check_tool_main_prints_its_table_last(monkeypatch, capsys):
+    tool = _tool()
+    emu = _EmulatedCuda(swap_mn=True)
+    monkeypatch.setattr(tool, "check_kernel", lambda cuda, *a: emu.kernel(*a))
+    monkeypatch.setattr(tool, "CHECKS", [("ss", "bf16", 64, "k", 1),
+                                         ("ss", "bf16", 64, "mn", 0)])
+    dev = pytypes.SimpleNamespace(compute_capability=(9, 0))
+    monkeypatch.setattr(tool, "environment", lambda: (emu, dev, "an emulated H100"))
+    assert tool.main(["--check"]) == 1  # the MN-major one fails with B's strides swapped
+    out = capsys.readouterr().out.splitlines()
+    assert out[-4].split()[:3] == ["check", "result", "detail"]
+    assert out[-2].split()[6] == "pass"
+    assert "FAIL" in out[-1] and out[-1].endswith("passes with B's LBO/SBO swapped")
 
 
 def test_simulator_names_raise_clearly():
@@ -383,6 +400,8 @@ if not SIM:
             pytest.skip(reason)
         if tuple(cuda.get_current_device().compute_capability) != (9, 0):
             pytest.skip("wgmma needs compute capability 9.0 (sm_90a: H100, H200)")
-        rows = _tool().checks(cuda)
+        tool = _tool()
+        rows, retries = tool.checks(cuda)
+        tool.run_retries(retries)
         bad = [r for r in rows if r[1] != "pass"]
         assert not bad, "\n".join(" ".join(map(str, r)) for r in bad)
