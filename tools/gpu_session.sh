@@ -19,6 +19,8 @@
 #   sass    tools/sass.py --all: registers, spills, instruction counts per kernel
 #   packed  tools/packed_gpu.py: decode bandwidth (contiguous and paged caches, split-KV
 #           or not, SDPA beside) and varlen against padded calls (issue 15)
+#   wgmma   tools/wgmma_ceiling.py: the wgmma layouts checked against NumPy, then the wgmma
+#           and mma.sync ceilings from Numba (TFLOP/s); $WGMMA_ARGS (e.g. --check)
 #   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink
 #           multicast off): ring attention against one GPU, then the scaling table
 #           ($RING_ARGS); on nvidia-h200-x2
@@ -34,7 +36,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring packed"
+STAGES="tests bench tune sweep host ncu sass ring packed wgmma"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -191,6 +193,10 @@ stage_packed() {
   PACKED_JSON=$FILES/packed.json timeout "${PACKED_TIMEOUT:-300}" python3 tools/packed_gpu.py
 }
 
+stage_wgmma() {
+  timeout "${WGMMA_TIMEOUT:-240}" python3 tools/wgmma_ceiling.py ${WGMMA_ARGS:-}
+}
+
 stage_ring() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   precompile
@@ -207,6 +213,10 @@ result() {  # one line for the summary table
   ncu)   grep -hE "^ *Duration" "$log" | xargs ;;
   sass)  echo "$(grep -c ' registers' "$log") kernels, $(grep -c Error "$log") errors (sass.json)" ;;
   ring)  grep -hE "^N=" "$log" | tail -1 ;;
+  wgmma) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
+              "$(grep -cE '^check .*: (FAIL|ERROR)' "$log") failed; best:" \
+              "$(grep -E '^ceiling wgmma' "$log" |
+                 awk -F': ' '{v = $NF + 0; if (v > b) {b = v; l = $0}} END {print substr(l, 9)}')" ;;
   esac > "$WORK/result"
   [ -s "$WORK/result" ] || grep -v '^\s*$' "$log" | tail -1 > "$WORK/result"
   cut -c1-90 "$WORK/result"
