@@ -378,20 +378,30 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
         return replace(case, batch=case.batch * lead, device=f"cuda:{dev}",
                        direction=direction, need_lse=True)
 
-    def with_slopes(c, arrays):
-        # The only option arrays the GPU kernels take are ALiBi slopes (numba_cuda declines
-        # mod_args), broadcast to (B, Hq) by the calls below.
-        return replace(c, alibi_slopes=_Folded(arrays[0], 2)) if arrays else c
+    n_slopes = 1 if case.mods is not None and case.mods.alibi is not None else 0
+    arg_dims = tuple(len(a.shape) for a in case.mod_args)
+
+    def with_options(c, arrays):
+        # The option arrays: ALiBi slopes (broadcast to (B, Hq) by the calls below, so
+        # vmapped axes fold into the batch as q's do), then the mod_args. The mod_args are
+        # not mapped under vmap (attention's rule): broadcast_all repeats them in front, and
+        # folding those copies into their first axis leaves every index the mods compute
+        # (row-major, from the trailing extents) on the first copy.
+        if not arrays:
+            return c
+        slopes = _Folded(arrays[0], 2) if n_slopes else None
+        margs = tuple(_Folded(a, n) for a, n in zip(arrays[n_slopes:], arg_dims))
+        return replace(c, alibi_slopes=slopes, mod_args=margs)
 
     def fwd_cb(ctx, out, q, k, v, *arrays):
         o, lse = out
-        c = with_slopes(host_case(q, "forward"), arrays)
+        c = with_options(host_case(q, "forward"), arrays)
         run = launcher([_Folded(o, 4), _Folded(lse, 3)], ctx.stream)
         run.forward(_Folded(q, 4), _Folded(k, 4), _Folded(v, 4), c)
 
     def bwd_cb(ctx, out, do, q, k, v, o, lse, *arrays):
         dq, dk, dv, delta = out
-        c = with_slopes(host_case(q, "backward"), arrays)
+        c = with_options(host_case(q, "backward"), arrays)
         run = launcher([_Folded(dq, 4), _Folded(dk, 4), _Folded(dv, 4), _Folded(delta, 3)],
                        ctx.stream)
         run.backward(*(_Folded(x, 4) for x in (do, q, k, v, o)), _Folded(lse, 3), c)
@@ -404,7 +414,9 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
     def per_batch(arrays):
         # Slopes (Hq,) or (B, Hq) as (B, Hq), so that vmapped axes, which buffer_callback
         # puts in front of every input, fold into the batch as they do for q.
-        return tuple(jnp.broadcast_to(a, (case.batch, case.heads_q)) for a in arrays)
+        slopes = tuple(jnp.broadcast_to(a, (case.batch, case.heads_q))
+                       for a in arrays[:n_slopes])
+        return (*slopes, *arrays[n_slopes:])
 
     def fwd_call(q, k, v, *arrays):
         return fwd(q, k, v, *per_batch(arrays))

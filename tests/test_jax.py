@@ -301,6 +301,71 @@ def test_gpu_alibi_and_window_under_jit_grad_and_vmap():
         assert rel_err(host(out[i]), ri) <= TOL_FWD["float32"]
 
 
+def _doc_mask(b, h, i, j, docs):
+    return docs[b, i] == docs[b, j]
+
+
+def _table_bias(s, b, h, i, j, docs, table):
+    return s + table[h, i - j + 127]
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_score_mod_and_mask_mod_with_mod_args():
+    """A document mask_mod and a relative-position score_mod reading mod_args (int32
+    document ids (B, N), a float32 bias table (Hq, 255)) run in the CUDA kernels on JAX
+    arrays: eagerly through attention_forward/backward (backend numba_cuda) and under jit
+    through buffer_callback (forward and gradients; the tile classes come from the mod_args
+    copied on XLA's stream), and under vmap with unmapped mod_args; against the float64
+    reference."""
+    rng = np.random.default_rng(21)
+    B, Hq, Hkv, N, D = 2, 4, 2, 128, 64
+    q, k, v = qkv(rng, B=B, Hq=Hq, Hkv=Hkv, Nq=N, Nk=N, D=D)
+    do = rand(rng, q.shape, "float32")
+    docs = np.sort(rng.integers(0, 4, size=(B, N)), axis=1).astype(np.int32)
+    table = (0.1 * rng.standard_normal((Hq, 255))).astype(np.float32)
+    opts = dict(causal=True, score_mod=_table_bias, mask_mod=_doc_mask)
+    f64 = [x.astype(np.float64) for x in (q, k, v)]
+    ro, rl = flashcore.attention_forward(*f64, mod_args=(docs, table), backend="reference",
+                                         **opts)
+    rg = flashcore.attention_backward(do.astype(np.float64), *f64, ro, rl,
+                                      mod_args=(docs, table), backend="reference", **opts)
+    margs = (j(docs), j(table))
+    case = _jax_ops._case(j(q), j(k), j(v), causal=True, scale=None, layout="bhnd",
+                          need_lse=True, backend="auto",
+                          options=flashcore._mods.options(None, None, None, _table_bias,
+                                                          _doc_mask, margs, None))
+    assert case.on_gpu and _dispatch.select(case, "auto").NAME == "numba_cuda"
+    # eager, the backend named
+    o, lse = flashcore.attention_forward(j(q), j(k), j(v), mod_args=margs,
+                                         backend="numba_cuda", **opts)
+    assert rel_err(host(o), ro) <= TOL_FWD["float32"]
+    grads = flashcore.attention_backward(j(do), j(q), j(k), j(v), o, lse, mod_args=margs,
+                                         backend="numba_cuda", **opts)
+    for g, r in zip(grads, rg):
+        assert rel_err(host(g), r) <= TOL_BWD["float32"]
+
+    # under jit: forward and gradients
+    def loss(a, b, c, d, t):
+        return jnp.sum(flashcore.attention(a, b, c, mod_args=(d, t), **opts) * j(do))
+
+    o = jax.jit(lambda a, b, c, d, t: flashcore.attention(a, b, c, mod_args=(d, t), **opts))(
+        j(q), j(k), j(v), *margs)
+    assert rel_err(host(o), ro) <= TOL_FWD["float32"]
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(j(q), j(k), j(v), *margs)
+    for g, r in zip(grads, rg):
+        assert rel_err(host(g), r) <= TOL_BWD["float32"]
+    # vmap over two problems (q differs), the mod_args not mapped
+    q2 = np.stack([q, q[:, ::-1].copy()])
+    out = jax.jit(jax.vmap(lambda a: flashcore.attention(a, j(k), j(v), mod_args=margs,
+                                                         **opts)))(j(q2))
+    for i in range(2):
+        ri, _ = flashcore.attention_forward(q2[i].astype(np.float64), *f64[1:],
+                                            mod_args=(docs, table), backend="reference",
+                                            **opts)
+        assert rel_err(host(out[i]), ri) <= TOL_FWD["float32"]
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_jit_uses_buffer_callback_and_numba_cuda():

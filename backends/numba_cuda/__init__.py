@@ -103,9 +103,6 @@ def _mods_reason(case):
     from flashcore._interop import dtype_name
 
     from .device.user_mods import MAX_ARGS, MAX_DIMS  # (imports numba.cuda)
-    if case.library == "jax":
-        return ("the CUDA kernels take score_mod / mask_mod from torch, CuPy and NumPy "
-                "arrays, not from JAX arrays yet; numba_cpu and reference do")
     if len(case.mod_args) > MAX_ARGS:
         return (f"the CUDA kernels take at most {MAX_ARGS} mod_args; this call has "
                 f"{len(case.mod_args)}")

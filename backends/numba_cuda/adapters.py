@@ -143,12 +143,12 @@ class _Adapter:
         (without one) those flashcore._mods.block_classes computes from host copies of
         the mod_args (kept by their contents, so a repeated mask costs one copy to the
         host per call and no evaluation). Each host array of classes is uploaded once
-        per GPU (:data:`_UPLOADED`)."""
+        per GPU and adapter (:data:`_UPLOADED`)."""
         m = case.mods
         if m is None or m.mask_mod is None:
             return None
-        host = _host_classes(case)
-        key = (id(host), case.library, case.device)
+        host = _host_classes(case, lambda a: self.host_copy(a, case))
+        key = (id(host), type(self).__name__, case.device)
         hit = _UPLOADED.get(key)
         if hit is None or hit[0] is not host:
             if len(_UPLOADED) >= _UPLOADED.max_size:
@@ -165,6 +165,14 @@ class _Adapter:
         """A copy on ``like``'s device of the NumPy array ``host``."""
         raise NotImplementedError
 
+    def host_copy(self, x, case):
+        """A NumPy copy of the option array ``x`` (a mod_args array), for the host's
+        evaluation of a mask_mod's tile classes."""
+        from flashcore._interop import copy_to_host
+
+        return (x.copy_to_host() if hasattr(x, "copy_to_host")  # (numba device arrays:
+                else copy_to_host(x, case.library))           # NumPy inputs on a GPU)
+
     def address(self, x, keep):
         """The handle of a contiguous buffer (lse, delta) the kernels index flat."""
         return self.raw(x, keep)[0]
@@ -179,23 +187,20 @@ class _Adapter:
         return None
 
 
-#: (id of host classes, library, device) -> (host classes, device copy): the uploads of
+#: (id of host classes, adapter, device) -> (host classes, device copy): the uploads of
 #: _Adapter.tile_classes, bounded.
 _UPLOADED = Memo(64)
 
 
-def _host_classes(case):
+def _host_classes(case, host_copy):
     """The int8 (B or 1, H or 1, query blocks, key blocks) tile classes of the call's
-    mask_mod (flashcore._mods)."""
+    mask_mod (flashcore._mods), its mod_args copied to the host by ``host_copy``."""
     from flashcore import _mods
-    from flashcore._interop import copy_to_host
 
     m = case.mods
     if m.block_mask is not None:
         return m.block_mask.classes
-    args = tuple(np.ascontiguousarray(a.copy_to_host() if hasattr(a, "copy_to_host")
-                                      else copy_to_host(a, case.library))
-                 for a in case.mod_args)  # (numba device arrays: NumPy inputs on a GPU)
+    args = tuple(np.ascontiguousarray(host_copy(a)) for a in case.mod_args)
     return _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
                                case.seqlen_k, _mods.BLOCK, args, remember=True)
 
@@ -217,6 +222,33 @@ class BufferLauncher(_Adapter):
 
     def raw(self, x, keep):
         return self._view(x, keep)
+
+    def address(self, x, keep):
+        if hasattr(x, "__cuda_array_interface__"):  # an upload of ours (tile classes)
+            return x.__cuda_array_interface__["data"][0]
+        return self.raw(x, keep)[0]
+
+    def upload(self, host, like):
+        # A numba device array, kept by _UPLOADED: calling back into JAX from inside
+        # XLA's callback to allocate is not an option. (Synchronous: done before the
+        # kernels that read it are queued.)
+        from numba import cuda
+
+        return cuda.to_device(host)
+
+    def host_copy(self, x, case):
+        """A mod_args buffer copied to the host on XLA's stream, after the work queued
+        there (the callback's inputs are ready only in stream order): one synchronization
+        per call that evaluates a mask_mod's tile classes without a block_mask."""
+        keep = []
+        ptr, _ = self.raw(x, keep)  # (XLA's buffers are dense and row-major)
+        out = np.empty(tuple(x.shape), dtype=np.dtype(x.dtype))
+        if out.nbytes:
+            from .driver import copy_to_host
+
+            copy_to_host(out.ctypes.data, ptr, out.nbytes, self._stream,
+                         self.device_index(case))
+        return out
 
     def empty(self, like, shape, dtype, dev, poison=True):
         return self._outs.pop(0)
@@ -373,6 +405,12 @@ class _Jax(_Adapter):
 
     def stream(self, like, dev):
         return 0
+
+    def upload(self, host, like):
+        import jax
+
+        (device,) = like.devices()
+        return jax.device_put(host, device).block_until_ready()
 
     def as_float32(self, lse):
         import jax.numpy as jnp

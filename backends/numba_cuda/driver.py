@@ -52,6 +52,7 @@ def _libcuda():
         ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
         ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
         ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+        ("cuMemcpyDtoHAsync_v2", [vp, ctypes.c_uint64, ctypes.c_size_t, vp]),
     ]:
         f = getattr(lib, name)
         f.argtypes = args
@@ -270,6 +271,18 @@ def cache_location() -> str:
 def jit_options(launch_bounds):
     """``cuda.jit`` options of a kernel compiled for ``launch_bounds`` (None: none)."""
     return {"launch_bounds": launch_bounds} if launch_bounds else {}
+
+
+def copy_to_host(dst: int, src: int, nbytes: int, stream: int, device: int):
+    """Copy ``nbytes`` from GPU ``device``'s address ``src`` to host address ``dst`` in
+    order on ``stream`` (after the work queued there), and wait for it."""
+    with _OnDevice(device):
+        lib = _libcuda()
+        err = lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream)
+        if err == _CUDA_SUCCESS:
+            err = lib.cuStreamSynchronize(stream)
+    if err != _CUDA_SUCCESS:
+        raise RuntimeError(f"copying {nbytes} bytes to the host failed: {error_text(err)}")
 
 
 def synchronize(stream: int, device: int = 0):
