@@ -45,6 +45,10 @@ TC_CASES = [
          window=(9, 20)),
     dict(B=2, Hq=2, Hkv=1, Nq=40, Nk=45, D=32, dtype="bfloat16", causal=True, layout="bnhd",
          window=None, softcap=1.1, alibi="bh"),
+    # ALiBi without a mask: key tiles wholly left of the rows' diagonal (i' = i + 50), across
+    # it, and wholly right of it (the forward's linear bias on each side, |.| across)
+    dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=90, D=32, dtype="float16", causal=False, layout="bhnd",
+         window=None, alibi="h"),
 ]
 
 
