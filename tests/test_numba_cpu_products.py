@@ -2,7 +2,12 @@
 import numpy as np
 import pytest
 from flashcore.backends.numba_cpu import simd
-from flashcore.backends.numba_cpu.products import product, product_into
+from flashcore.backends.numba_cpu.products import (
+    block_product4,
+    block_product8,
+    product,
+    product_into,
+)
 from flashcore.backends.numba_cpu.softmax import online_softmax, probabilities
 from flashcore.backends.numba_cpu.tiles import product_tiles
 from numba import njit
@@ -31,6 +36,31 @@ def test_products_match_a_float64_product(dtype):
     tol = 1e-14 if dtype == "float64" else 1e-5
     assert np.abs(c - want).max() <= tol * np.abs(want).max()
     assert np.abs(c2 - 2 * want).max() <= 2 * tol * np.abs(want).max()
+
+
+@njit
+def _blocks(a, b, c4, c8):
+    m, k = a.shape
+    n = b.shape[1]
+    block_product4(a, 0, k, 1, b, c4, 0, m, n, k, False)
+    block_product8(a, 0, k, 1, b, c8, 0, m, n, k, False)
+    block_product8(a, 0, k, 1, b, c8, 0, m, n, k, True)  # c8 = 2 a @ b
+
+
+def test_both_row_blocks_on_any_host():
+    """The 4-row block (AVX2 hosts) and the 8-row block (AVX-512 hosts; products.ROWS picks
+    one per host) give the same product wherever they run (the 8-row one spills on a
+    16-register host, which only slows it)."""
+    rng = np.random.default_rng(1)
+    w = 2 * simd.lanes(4)
+    m, k, n = 16, 29, 2 * w
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c4, c8 = np.full((m, n), np.nan, np.float32), np.full((m, n), np.nan, np.float32)
+    _blocks(a, b, c4, c8)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(c4 - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(c8 - 2 * want).max() <= 2e-5 * np.abs(want).max()
 
 
 @njit

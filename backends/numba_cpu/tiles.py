@@ -13,12 +13,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .simd import host_vector_bits
+
 #: OpenBLAS's single-thread bound on M*N*K for one GEMM (SMP_THRESHOLD_MIN * 4).
 BLAS_SINGLE_THREAD_MNK = 65536 * 4
 
 #: The row block of products.py (its ROWS): query tiles of the kernels that call it are a
-#: multiple of it (every candidate below is; decode_tiles rounds up to it).
-PRODUCT_ROWS = 4
+#: multiple of it (every candidate below is; decode_tiles rounds up to it). 8 where the host
+#: has 32 vector registers (AVX-512), 4 elsewhere (products.py says why).
+PRODUCT_ROWS = 8 if host_vector_bits() >= 512 else 4
 
 #: Forward (block_q, block_k) candidates, best first: long key tiles first (longer softmax
 #: rows, a longer inner dimension for P @ V), then tall query tiles. At D=128, 32x64 ran
