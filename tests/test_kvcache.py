@@ -261,16 +261,22 @@ def test_jax_returns_the_updated_caches(jit):
 def test_split_counts():
     """num_splits=0 keeps a short or already parallel decode in one split and splits a
     long one; an explicit count shortens the key tiles until it has that many."""
-    from flashcore.backends.numba_cpu.tiles import choose_splits, choose_tiles, decode_tiles
+    from flashcore.backends.numba_cpu.tiles import (
+        PRODUCT_ROWS,
+        choose_splits,
+        choose_tiles,
+        decode_tiles,
+    )
 
     base = choose_tiles(64, "float32", False)
     assert choose_splits(0, jobs=8, longest=300, threads=2, block_k=128) == 1
     assert choose_splits(0, jobs=1, longest=32768, threads=2, block_k=512) == 8
     assert choose_splits(0, jobs=1, longest=1 << 20, threads=64, block_k=512) == 64
     assert choose_splits(5, jobs=1, longest=100, threads=2, block_k=512) == 1
-    assert decode_tiles(1, 64, base, 32768, 0) == (4, 512)  # (products' 4-row blocks)
+    # one query row: the products' row block (4 rows, 8 on AVX-512 hosts)
+    assert decode_tiles(1, 64, base, 32768, 0) == (PRODUCT_ROWS, 512)
     bq, bk = decode_tiles(3, 16, base, 85, 3)
-    assert bq == 4 and -(-85 // bk) >= 3
+    assert bq == max(4, PRODUCT_ROWS) and -(-85 // bk) >= 3
 
 
 def kpos_bias(s, b, h, i, j, bias):
