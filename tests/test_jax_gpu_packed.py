@@ -327,3 +327,137 @@ def test_split_room():
     assert _split_room(case(8, 32, 1, 128, 32768, 5)) == 5
     assert _split_room(case(8, 32, 1, 128, 3, 0)) == 3
     assert _split_room(case(64, 32, 16, 128, 32768, 0)) == 1
+
+
+# --- offline: the GPU callbacks under numba's CUDA simulator ----------------------------
+#
+# buffer_callback is replaced by a pure_callback that lends NumPy buffers (outputs NaN,
+# aliased outputs holding a copy of their input, as XLA's copy gives them without
+# donation) and the callbacks' view of a buffer by its simulator view: the callbacks'
+# own code (checks on host reads, lent outputs in order, the shifted lengths, the split
+# cap) runs as on a GPU, with the kernels on the simulator.
+
+SIM = __import__("os").environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+
+
+def _fake_buffer_callback(cb, types, *, vmap_method=None, input_output_aliases=None):
+    from types import SimpleNamespace
+
+    aliases = dict(input_output_aliases or {})
+
+    def host(*ins):
+        ins = [np.array(x) for x in ins]
+        outs = [np.full(t.shape, np.nan, t.dtype) for t in types]
+        for i, o in aliases.items():
+            outs[o][...] = ins[i]
+        cb(SimpleNamespace(stream=0), tuple(outs), *ins)
+        return tuple(outs)
+
+    return lambda *args: jax.pure_callback(host, tuple(types), *args,
+                                           vmap_method=vmap_method)
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    from flashcore.backends.numba_cuda import launch
+
+    from flashcore import _jax_ops, _jax_varlen
+
+    def view(x, keep):
+        flat, strides = launch.host_flat(x.buf)
+        keep.append(flat)
+        return flat, strides[len(strides) - x.ndim_core:]
+
+    monkeypatch.setattr(_jax_varlen, "_buffer_callback", lambda: _fake_buffer_callback)
+    monkeypatch.setattr(_jax_varlen, "_where", lambda *xs: "cuda:0")
+    monkeypatch.setattr(_jax_ops, "_xla_view", view)
+    for f in (_jax_varlen._varlen_fn, _jax_varlen._kvcache_gpu_fn):
+        f.cache_clear()
+    yield _jax_varlen
+    for f in (_jax_varlen._varlen_fn, _jax_varlen._kvcache_gpu_fn):
+        f.cache_clear()
+
+
+if not SIM:
+
+    @pytest.mark.cudasim
+    def test_callbacks_under_simulator():
+        """Runs the cases below in a subprocess with the simulator on (CUDA-core family)."""
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        env = dict(__import__("os").environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1",
+                   FLASHCORE_TENSOR_CORES="0")
+        here = Path(__file__).resolve()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
+             "sim_"], cwd=here.parent.parent, env=env, capture_output=True, text=True,
+            timeout=1800, check=False)
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
+        assert " passed" in proc.stdout, tail
+
+else:
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+    def test_sim_varlen_forward_and_grad(jit, simulated_gpu, launches):
+        rng = np.random.default_rng(5)
+        q, k, v, cq, ck = packed(rng, [0, 9, 23], [7, 4, 23], Hq=4, Hkv=2, D=16,
+                                 dtype="float32")
+        do = rng.standard_normal(q.shape).astype(np.float32)
+        ro, rl, *rg = oracle_varlen(q, k, v, cq, ck, do=do, causal=True)
+
+        def fwd(a, b, c, x, y):
+            return flashcore.attention_varlen(a, b, c, x, y, causal=True, return_lse=True)
+
+        def loss(a, b, c, x, y):
+            return jnp.sum(flashcore.attention_varlen(a, b, c, x, y, causal=True) * do)
+
+        wrap = jax.jit if jit else (lambda f: f)
+        args = tuple(jnp.asarray(x) for x in (q, k, v, cq, ck))
+        o, lse = wrap(fwd)(*args)
+        _check_o_lse("float32", o, lse, ro, rl)
+        grads = wrap(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+            assert rel_err(host(g), r) < TOL_BWD["float32"], name
+        assert launches.count("run_forward") == 2 and launches.count("run_backward") == 1
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("paged, nq, splits, room", [
+        (True, 3, 3, 2), (False, 1, 1, None), (True, 1, 2, None)],
+        ids=["paged-capped", "contiguous", "paged-split"])
+    def test_sim_kvcache(paged, nq, splits, room, simulated_gpu, launches, monkeypatch):
+        import test_kvcache as T
+
+        if room is not None:  # lent partials for 2 splits: the plan keeps to them
+            rows = T.B * T.HQ * nq
+            monkeypatch.setattr(simulated_gpu, "_SPLIT_WORDS", room * rows * (T.D + 1))
+        merged = []
+        from flashcore.backends.numba_cuda import launch
+
+        real_merge = launch.run_merge
+        monkeypatch.setattr(launch, "run_merge",
+                            lambda *a: merged.append(a[-1]) or real_merge(*a))
+        kc, vc, table, q, k, v, want_k, want_v = T.inputs(2, paged, nq=nq, n_new=2,
+                                                          dtype="float32")
+
+        def step(q, kc, vc, lengths, k, v, t):
+            return flashcore.attention_with_kvcache(
+                q, kc, vc, cache_seqlens=lengths, k=k, v=v, block_table=t, causal=True,
+                num_splits=splits, return_lse=True)
+
+        jt = None if table is None else jnp.asarray(table)
+        o, lse, new_k, new_v = jax.jit(step)(*(jnp.asarray(x) for x in (q, kc, vc, T.SEQLENS,
+                                                                         k, v)), jt)
+        assert np.array_equal(np.asarray(new_k), want_k)
+        assert np.array_equal(np.asarray(new_v), want_v)
+        ro, rl = oracle_kvcache(q, want_k, want_v, T.SEQLENS + 2, table, T.PAGE, causal=True)
+        _check_o_lse("float32", o, lse, ro, rl)
+        assert launches.count("run_append") == 2
+        want_merge = {2: [2], 1: []}.get(room or splits, None)
+        if want_merge is not None:
+            assert merged == want_merge
+        else:
+            assert merged and merged[0] <= splits
