@@ -1,15 +1,22 @@
 """JAX glue of the packed calls: varlen behind a ``jax.custom_vjp``, and the KV cache as a
 pure function that returns the updated caches.
 
-The kernels run on the host through ``jax.pure_callback`` (NumPy views of the operands; the
-backend is the one chosen at trace time, numba_cpu for CPU arrays): they work eagerly and
-under ``jit``. Arguments are checked where the call is written, on zero-byte stand-ins of
-the arrays; under ``jit`` the values of the offsets, lengths and page table are checked
-when the callback runs.
+On the host (numba_cpu for CPU arrays) the kernels run through ``jax.pure_callback`` on
+NumPy views of the operands; on a GPU (numba_cuda) through ``jax.experimental.buffer_callback``
+on XLA's own buffers and stream, as dense calls do (:mod:`flashcore._jax_ops`). Both work
+eagerly and under ``jit``. Arguments are checked where the call is written, on zero-byte
+stand-ins of the arrays; under ``jit`` the values of the offsets, lengths and page table
+are checked when the callback runs (on a GPU it copies them to the host on XLA's stream
+and waits: one synchronization per index array and call), before anything is written.
 
-JAX arrays are immutable, so ``attention_with_kvcache`` cannot write into the caches: JAX
-itself scatters the new keys into copies (``k_cache.at[...].set(k)``, which XLA does in
-place when the old cache is donated or dead) and the call returns ``(o, k_cache, v_cache)``.
+JAX arrays are immutable, so ``attention_with_kvcache`` cannot write into the caches the
+caller holds: it returns ``(o, k_cache, v_cache)``. On the host JAX scatters the new keys
+into copies (``k_cache.at[...].set(k)``, which XLA does in place when the old cache is
+donated or dead). On a GPU the callback's cache outputs alias its cache inputs
+(``input_output_aliases``) and numba_cuda's append kernel writes the new keys into them:
+with the caches donated (``jax.jit(..., donate_argnums=...)``) nothing else is copied;
+without, XLA first copies each cache into the output (one device copy of the whole cache
+per call, at the copy bandwidth).
 """
 from __future__ import annotations
 
@@ -21,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _dispatch
+from ._jax_ops import _buffer_callback, _device, _Folded, _gpu_launcher
 from ._mods import options as _options
-from ._packed_checks import make_kvcache_case, make_varlen_case
+from ._packed_checks import check_max_seqlen, make_kvcache_case, make_varlen_case
 from ._rules import lse_dtype
 
 
@@ -72,9 +80,22 @@ def _stand_in_options(options, concrete):
     return out
 
 
-def _select(case, backend):
-    device = "cpu" if jax.default_backend() == "cpu" else "cuda:0"
-    return _dispatch.select(replace(case, library="jax", device=device), backend).NAME
+def _where(*xs):
+    """``"cpu"``/``"cuda:N"``: the device of the first concrete array, else (traced arrays)
+    the default backend's, where ``jit`` will run them."""
+    for x in xs:
+        d = None if x is None else _device(x)
+        if d is not None:
+            return d
+    return "cpu" if jax.default_backend() == "cpu" else "cuda:0"
+
+
+def _select(case, backend, device):
+    """The name of the backend for ``case`` on ``device``, and whether it runs on XLA's
+    buffers on a GPU (a backend with a ``buffer_launcher``) rather than on host copies."""
+    impl = _dispatch.select(replace(case, library="jax", device=device), backend)
+    on_buffers = device.startswith("cuda") and hasattr(impl, "buffer_launcher")
+    return impl.NAME, on_buffers
 
 
 def _lse_type(shape, q):
@@ -90,20 +111,48 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen
     """Differentiable, jit-able varlen forward for JAX arrays: ``(o, lse)``."""
     options = _options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args, None)
     concrete = _concrete(cu_seqlens_q, cu_seqlens_k)
+    if not concrete:  # (their values are checked against the offsets in the callback)
+        check_max_seqlen("max_seqlen_q", max_seqlen_q, 0)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k, 0)
     case = make_varlen_case(
         _stand_in(q), _stand_in(k), _stand_in(v), _small(cu_seqlens_q, concrete),
-        _small(cu_seqlens_k, concrete), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        causal=causal, scale=scale, need_lse=True, explicit=backend != "auto",
+        _small(cu_seqlens_k, concrete), max_seqlen_q=max_seqlen_q if concrete else None,
+        max_seqlen_k=max_seqlen_k if concrete else None, causal=causal, scale=scale,
+        need_lse=True, explicit=backend != "auto",
         options=_stand_in_options(options, concrete), values=concrete)
-    name = _select(case, backend)
+    name, on_buffers = _select(case, backend, _where(q, k, v))
     static, arrays = _split(options)
-    f = _varlen_fn((max_seqlen_q, max_seqlen_k, causal, case.scale, name, static))
+    f = _varlen_fn((max_seqlen_q, max_seqlen_k, causal, case.scale, name, static, on_buffers))
     o, lse = f(q, k, v, cu_seqlens_q, cu_seqlens_k, *arrays)
     return o, jax.lax.stop_gradient(lse)
 
 
 @functools.cache
 def _varlen_fn(static):
+    """The differentiable varlen call: a custom VJP around the forward and backward
+    callbacks (on host copies, or on XLA's buffers on a GPU)."""
+    calls = _varlen_gpu_calls if static[-1] else _varlen_host_calls
+    call_fwd, call_bwd = calls(static[:-1])
+
+    @jax.custom_vjp
+    def f(q, k, v, cq, ck, *arrays):
+        return call_fwd(q, k, v, cq, ck, *arrays)
+
+    def f_fwd(q, k, v, cq, ck, *arrays):
+        o, lse = call_fwd(q, k, v, cq, ck, *arrays)
+        return (o, lse), (q, k, v, o, lse, cq, ck, arrays)
+
+    def f_bwd(res, cts):
+        do, _ = cts  # lse leaves through stop_gradient
+        q, k, v, o, lse, cq, ck, arrays = res
+        grads = call_bwd(do, q, k, v, o, lse, cq, ck, *arrays)
+        return (*grads, *(_no_cotangent(x) for x in (cq, ck, *arrays)))
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _varlen_host_calls(static):
     max_q, max_k, causal, scale, name, mods = static
     kw = {"max_seqlen_q": max_q, "max_seqlen_k": max_k, "causal": causal, "scale": scale,
           "explicit": True}
@@ -128,24 +177,76 @@ def _varlen_fn(static):
         return jax.pure_callback(fwd_host, types, q, k, v, cq, ck, *arrays,
                                  vmap_method="sequential")
 
-    @jax.custom_vjp
-    def f(q, k, v, cq, ck, *arrays):
-        return call_fwd(q, k, v, cq, ck, *arrays)
-
-    def f_fwd(q, k, v, cq, ck, *arrays):
-        o, lse = call_fwd(q, k, v, cq, ck, *arrays)
-        return (o, lse), (q, k, v, o, lse, cq, ck, arrays)
-
-    def f_bwd(res, cts):
-        do, _ = cts  # lse leaves through stop_gradient
-        q, k, v, o, lse, cq, ck, arrays = res
+    def call_bwd(do, q, k, v, o, lse, cq, ck, *arrays):
         types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        grads = jax.pure_callback(bwd_host, types, do, q, k, v, o, lse, cq, ck, *arrays,
-                                  vmap_method="sequential")
-        return (*grads, *(_no_cotangent(x) for x in (cq, ck, *arrays)))
+        return jax.pure_callback(bwd_host, types, do, q, k, v, o, lse, cq, ck, *arrays,
+                                 vmap_method="sequential")
 
-    f.defvjp(f_fwd, f_bwd)
-    return f
+    return call_fwd, call_bwd
+
+
+def _varlen_gpu_calls(static):
+    """Forward and backward through ``buffer_callback``: numba_cuda's kernels on XLA's
+    buffers and stream. The offsets are made int32 by XLA before the callback, which reads
+    them to the host (the checks, and the longest sequence, which sizes the grid)."""
+    max_q, max_k, causal, scale, name, mods = static
+    buffer_callback = _buffer_callback()
+    launcher = _gpu_launcher(name)
+    kw = {"max_seqlen_q": max_q, "max_seqlen_k": max_k, "causal": causal, "scale": scale,
+          "explicit": True}
+
+    def host_case(run, q, k, v, cq, ck, arrays, **more):
+        dev = q.__dlpack_device__()[1]
+        cqv, ckv = (run.read(_Folded(x, 1), dev) for x in (cq, ck))
+        case = make_varlen_case(_stand_in(q), _stand_in(k), _stand_in(v), cqv, ckv,
+                                options=_join(mods, map(_stand_in, arrays)), **kw, **more)
+        lent = replace(case.varlen, cu_seqlens_q=_Folded(cq, 1), cu_seqlens_k=_Folded(ck, 1))
+        return _on_gpu(case, dev, mods, arrays, varlen=lent)
+
+    def fwd_cb(ctx, out, q, k, v, cq, ck, *arrays):
+        o, lse = out
+        run = launcher([_Folded(o, 3), _Folded(lse, 2)], ctx.stream)
+        case = host_case(run, q, k, v, cq, ck, arrays, need_lse=True)
+        run.forward(_Folded(q, 3), _Folded(k, 3), _Folded(v, 3), case)
+
+    def bwd_cb(ctx, out, do, q, k, v, o, lse, cq, ck, *arrays):
+        dq, dk, dv, delta = out
+        run = launcher([_Folded(dq, 3), _Folded(dk, 3), _Folded(dv, 3), _Folded(delta, 2)],
+                       ctx.stream)
+        extra = {"do": _stand_in(do), "o": _stand_in(o), "lse": _stand_in(lse)}
+        case = host_case(run, q, k, v, cq, ck, arrays, direction="backward", extra=extra)
+        run.backward(*(_Folded(x, 3) for x in (do, q, k, v, o)), _Folded(lse, 2), case)
+
+    def call_fwd(q, k, v, cq, ck, *arrays):
+        types = (jax.ShapeDtypeStruct(q.shape, q.dtype), _lse_type((q.shape[1], q.shape[0]), q))
+        fwd = buffer_callback(fwd_cb, types, vmap_method="sequential")
+        return fwd(q, k, v, _int32(cq), _int32(ck), *arrays)
+
+    def call_bwd(do, q, k, v, o, lse, cq, ck, *arrays):
+        types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        # scratch: D = rowsum(dO * O), float32 (Hq, total_q), at least one column
+        delta = jax.ShapeDtypeStruct((q.shape[1], max(1, q.shape[0])), np.float32)
+        bwd = buffer_callback(bwd_cb, (*types, delta), vmap_method="sequential")
+        dq, dk, dv, _ = bwd(do, q, k, v, o, lse, _int32(cq), _int32(ck), *arrays)
+        return dq, dk, dv
+
+    return call_fwd, call_bwd
+
+
+def _int32(x):
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def _on_gpu(case, dev, mods, arrays, **packed):
+    """The host-checked ``case`` (made on stand-ins) as the kernels take it: JAX on GPU
+    ``dev``, with the lent buffers of the option arrays and the packed call's."""
+    lent = {}
+    if arrays:
+        folded = [_Folded(a, len(a.shape)) for a in arrays]
+        has_alibi = mods[1]
+        lent = {"alibi_slopes": folded.pop(0) if has_alibi else None,
+                "mod_args": tuple(folded)}
+    return replace(case, library="jax", device=f"cuda:{dev}", **lent, **packed)
 
 
 def _no_cotangent(x):
@@ -168,7 +269,15 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
         stand(v), _small(block_table, concrete), causal=causal, scale=scale,
         num_splits=num_splits, need_lse=True, explicit=backend != "auto",
         options=_stand_in_options(options, concrete), values=concrete, in_place=False)
-    name = _select(case, backend)
+    name, on_buffers = _select(case, backend, _where(q, k_cache, v_cache))
+    static, arrays = _split(options)
+    if on_buffers:
+        f = _kvcache_gpu_fn((causal, case.scale, num_splits, name, static,
+                             block_table is not None, case.kvcache.n_new, _split_room(case)))
+        new = () if k is None else (k, v)
+        table = () if block_table is None else (block_table,)
+        o, lse, k_cache, v_cache = f(q, k_cache, v_cache, cache_seqlens, *new, *table, *arrays)
+        return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
     kv = case.kvcache
     lengths = jnp.asarray(cache_seqlens)
     if k is not None:
@@ -182,7 +291,6 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
         k_cache = k_cache.at[first, second].set(k)
         v_cache = v_cache.at[first, second].set(v)
         lengths = lengths + kv.n_new
-    static, arrays = _split(options)
     f = _kvcache_fn((causal, case.scale, num_splits, name, static, block_table is not None))
     table = () if block_table is None else (block_table,)
     o, lse = f(q, k_cache, v_cache, lengths, *table, *arrays)
@@ -210,3 +318,85 @@ def _kvcache_fn(static):
                                  vmap_method="sequential")
 
     return f
+
+
+#: Split-KV partials lent to numba_cuda under ``jit`` are sized when the call is traced,
+#: before the lengths are known (its heuristic needs the longest), so the glue lends room
+#: for ``num_splits`` splits, or for 64 (the heuristic's ceiling) where it is 0, within
+#: ``_SPLIT_WORDS`` float32 words: 32 MiB. The kernels use as many as their plan asks, at
+#: most that many (``BufferLauncher.max_splits``); a decode step (B=8, Hq=32, D=128, one
+#: row) gets its 64 (8 MiB), while a call with many rows, which fills the GPU without
+#: splitting, gets few or none.
+_SPLITS = 64
+_SPLIT_WORDS = 1 << 23
+
+
+def _split_room(case):
+    rows = case.batch * case.heads_q * case.seqlen_q
+    room = _SPLIT_WORDS // max(1, rows * (case.head_dim + 1))
+    return max(1, min(case.kvcache.num_splits or _SPLITS, room, case.seqlen_k))
+
+
+@functools.cache
+def _kvcache_gpu_fn(static):
+    """``f(q, k_cache, v_cache, cache_seqlens, [k, v], [block_table], *option arrays) ->
+    (o, lse, k_cache, v_cache)`` on a GPU: one ``buffer_callback`` whose cache outputs
+    alias its cache inputs, so numba_cuda's append kernel writes the new keys into the
+    returned caches (in place when the caller donates them), then attends."""
+    causal, scale, num_splits, name, mods, paged, n_new, room = static
+    buffer_callback = _buffer_callback()
+    launcher = _gpu_launcher(name)
+
+    def cb(ctx, out, q, kc, vc, lengths, ends, *rest):
+        o, lse, kc_out, vc_out, *parts = out
+        run = launcher([_Folded(o, 4), _Folded(lse, 3), *(_Folded(p, len(p.shape))
+                                                           for p in parts)], ctx.stream)
+        dev = q.__dlpack_device__()[1]
+        k, v = rest[:2] if n_new else (None, None)
+        rest = rest[2:] if n_new else rest
+        table, arrays = (rest[0], rest[1:]) if paged else (None, rest)
+        lens = run.read(_Folded(lengths, 1), dev)
+        case = make_kvcache_case(
+            _stand_in(q), _stand_in(kc), _stand_in(vc), lens,
+            *(None if x is None else _stand_in(x) for x in (k, v)),
+            None if table is None else run.read(_Folded(table, 2), dev), causal=causal,
+            scale=scale, num_splits=num_splits, need_lse=True, explicit=True,
+            options=_join(mods, map(_stand_in, arrays)), in_place=False)
+        lent = replace(case.kvcache, cache_seqlens=_Lengths(lengths, ends, n_new),
+                       block_table=None if table is None else _Folded(table, 2),
+                       k_new=None if k is None else _Folded(k, 4),
+                       v_new=None if v is None else _Folded(v, 4))
+        case = _on_gpu(case, dev, mods, arrays, kvcache=lent)
+        run.forward(_Folded(q, 4), _Folded(kc_out, 4), _Folded(vc_out, 4), case)
+
+    def f(q, kc, vc, cache_seqlens, *rest):
+        B, Nq, Hq, D = q.shape
+        types = [jax.ShapeDtypeStruct(q.shape, q.dtype), _lse_type((B, Hq, Nq), q),
+                 jax.ShapeDtypeStruct(kc.shape, kc.dtype),
+                 jax.ShapeDtypeStruct(vc.shape, vc.dtype)]
+        if room > 1:  # split-KV partials: (S, rows, D) outputs, (S, rows) lse
+            types += [jax.ShapeDtypeStruct((room, B * Hq * Nq, D), np.float32),
+                      jax.ShapeDtypeStruct((room, B * Hq * Nq), np.float32)]
+        call = buffer_callback(cb, tuple(types), vmap_method="sequential",
+                               input_output_aliases={1: 2, 2: 3})
+        lengths = _int32(cache_seqlens)
+        if paged:
+            rest = (*rest[:2], _int32(rest[2]), *rest[3:]) if n_new else (
+                _int32(rest[0]), *rest[1:])
+        return tuple(call(q, kc, vc, lengths, lengths + n_new, *rest)[:4])
+
+    return f
+
+
+class _Lengths(_Folded):
+    """``cache_seqlens`` lent to the kernels with ``cache_seqlens + n_new``, which XLA
+    computed before the callback (``shifted``: see ``BufferLauncher.int32``)."""
+
+    def __init__(self, buf, ends, n_new):
+        super().__init__(buf, 1)
+        self._ends, self._n_new = ends, n_new
+
+    def shifted(self, n):
+        if n != self._n_new:
+            raise ValueError(f"lengths + {n} were not lent (only + {self._n_new})")
+        return _Folded(self._ends, 1)

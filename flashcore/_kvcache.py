@@ -54,7 +54,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
         at most 64); 1 turns split-KV off. The result does not depend on it beyond
         rounding.
     backend : {"auto", "numba_cuda", "numba_cpu", "reference"}
-        numba_cuda serves torch and CuPy GPU arrays (JAX GPU arrays find no backend yet).
+        numba_cuda serves torch, CuPy and JAX GPU arrays (JAX: the returned caches alias
+        the given ones, so with the caches donated to ``jit`` the append is in place).
         With one query row per sequence and grouped heads (a decode step without window,
         ALiBi or user mods) it computes a group's query heads in one block, so the cache
         is read once per key/value head.

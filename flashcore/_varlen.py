@@ -34,8 +34,8 @@ _DOC = """
     scale : float, optional
         Defaults to ``1/sqrt(D)``.
     backend : {"auto", "numba_cuda", "numba_cpu", "reference"}
-        numba_cuda serves torch and CuPy GPU arrays (tensor cores for fp16/bf16); torch
-        and jax decline packed calls, and JAX GPU arrays find no backend yet.
+        numba_cuda serves torch, CuPy and JAX GPU arrays (tensor cores for fp16/bf16);
+        torch and jax decline packed calls.
 """
 
 

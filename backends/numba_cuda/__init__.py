@@ -119,12 +119,11 @@ def _mods_reason(case):
 def supports(case):
     """None when this backend can serve ``case``, else why not."""
     if case.packed:
-        if case.library == "jax":
-            return ("the CUDA kernels serve varlen and KV-cache calls on torch and CuPy "
-                    "arrays, not on JAX arrays yet")
+        if case.library == "jax" and not case.on_gpu:  # (before the mods' numba.cuda import)
+            return f"jax arrays on {case.device} are not on a CUDA GPU"
         if case.library == "numpy" and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "0":
-            return ("the CUDA kernels serve varlen and KV-cache calls on torch and CuPy "
-                    "arrays (NumPy arrays only under the CUDA simulator)")
+            return ("the CUDA kernels serve varlen and KV-cache calls on torch, CuPy and "
+                    "JAX GPU arrays (NumPy arrays only under the CUDA simulator)")
     why = _mods_reason(case)
     if why is not None:
         return why
@@ -176,7 +175,16 @@ def buffer_launcher(view, outputs, stream):
     ``buffer_callback`` under ``jit``): an object whose ``forward(q, k, v, case)`` and
     ``backward(do, q, k, v, o, lse, case)`` read their arrays through ``view(x, keep) ->
     (address, strides in elements)``, write into ``outputs`` (o, lse; or dq, dk, dv and a
-    float32 (B, Hq, Nq) scratch buffer), and launch on raw stream ``stream``."""
+    float32 (B, Hq, Nq) scratch buffer), and launch on raw stream ``stream``.
+
+    Packed calls (``case.packed``) take the same object: varlen outputs are o, lse
+    ``(Hq, total_q)`` (backward: dq, dk, dv and a float32 ``(Hq, max(1, total_q))``
+    scratch); a KV-cache call's are o, lse, then optionally two float32 split-KV partial
+    buffers ``(S, B*Hq*Nq, D)`` and ``(S, B*Hq*Nq)`` that bound its splits to ``S``, and it
+    appends into the k_cache and v_cache it is given. Index arrays must be int32 buffers;
+    ``cache_seqlens + n_new`` is ``cache_seqlens.shifted(n_new)``, a buffer the framework
+    computed. ``read(x, device)`` copies a lent buffer to the host on ``stream`` (after the
+    work queued there: the offsets and lengths the host checks need)."""
     from .adapters import BufferLauncher
 
     return BufferLauncher(view, outputs, stream)

@@ -177,6 +177,12 @@ class _Adapter:
         """The handle of a contiguous buffer (lse, delta) the kernels index flat."""
         return self.raw(x, keep)[0]
 
+    def max_splits(self):
+        """The most split-KV ranges a KV-cache call may use here (None: any number, the
+        partials being allocated per call): a framework that lends its buffers lends
+        partials of a size fixed before the plan is made."""
+        return None
+
     def scratch(self, like, n, dev):
         """The handle of a float32 buffer of at least ``n`` words on GPU ``dev`` that the
         kernels may write and nobody reads (an lse the caller did not ask for), kept for
@@ -237,18 +243,40 @@ class BufferLauncher(_Adapter):
         return cuda.to_device(host)
 
     def host_copy(self, x, case):
-        """A mod_args buffer copied to the host on XLA's stream, after the work queued
-        there (the callback's inputs are ready only in stream order): one synchronization
-        per call that evaluates a mask_mod's tile classes without a block_mask."""
+        """A mod_args buffer copied to the host on XLA's stream: one synchronization per
+        call that evaluates a mask_mod's tile classes without a block_mask."""
+        return self.read(x, self.device_index(case))
+
+    def read(self, x, device):
+        """A NumPy copy of the lent buffer ``x`` made on XLA's stream, after the work
+        queued there (the callback's inputs are ready only in stream order), waiting for
+        it: a synchronization, which the packed calls' checks of their offsets and lengths
+        pay once per index array."""
         keep = []
         ptr, _ = self.raw(x, keep)  # (XLA's buffers are dense and row-major)
         out = np.empty(tuple(x.shape), dtype=np.dtype(x.dtype))
         if out.nbytes:
+            if SIMULATOR:  # (ptr: a flat view of host memory)
+                return np.array(ptr[:out.size]).view(out.dtype).reshape(out.shape)
             from .driver import copy_to_host
 
-            copy_to_host(out.ctypes.data, ptr, out.nbytes, self._stream,
-                         self.device_index(case))
+            copy_to_host(out.ctypes.data, ptr, out.nbytes, self._stream, device)
         return out
+
+    def int32(self, x, keep, plus=0):
+        """The address of a lent int32 index buffer; with ``plus``, of the buffer the
+        framework lent for ``x + plus`` (``x.shifted(plus)``): no arithmetic can be
+        queued on the device here without a kernel of its own."""
+        if plus:
+            x = x.shifted(plus)
+        if np.dtype(x.dtype) != np.int32:
+            raise TypeError(f"lent index buffers must be int32; got {np.dtype(x.dtype)}")
+        return self.address(x, keep)
+
+    def max_splits(self):
+        """The splits the lent partials hold (their first axis): a KV-cache call's outputs
+        after o and lse, when it has them; 1 (no split) without."""
+        return int(self._outs[0].shape[0]) if len(self._outs) == 2 else 1
 
     def empty(self, like, shape, dtype, dev, poison=True):
         return self._outs.pop(0)
@@ -387,9 +415,25 @@ class _Jax(_Adapter):
 
     synchronous = True
 
+    def forward(self, q, k, v, case):
+        if case.kvcache is not None and case.kvcache.n_new:
+            raise TypeError("JAX arrays are immutable: their caches cannot be appended to in "
+                            "place; flashcore.attention_with_kvcache returns the updated "
+                            "caches instead")
+        return super().forward(q, k, v, case)
+
     def raw(self, x, keep):
         x.block_until_ready()
         return cuda_raw(x, keep)
+
+    def int32(self, x, keep, plus=0):
+        import jax.numpy as jnp
+
+        y = jnp.asarray(x, dtype=jnp.int32)
+        if plus:
+            y = y + plus
+        keep.append(y)
+        return self.raw(y, keep)[0]
 
     def empty(self, like, shape, dtype, dev, poison=True):
         import jax.numpy as jnp

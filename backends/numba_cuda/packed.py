@@ -14,7 +14,8 @@ The kernels are the dense ones compiled for a row layout (``Variant.packed``; th
   the rows of one block (q ``(B, 1, Hq, D)`` viewed as ``(B, Hkv, group, D)``, no copy), so
   each key/value tile is read once per key/value head, not once per query head. Split-KV
   cuts each sequence's keys into ranges computed by separate blocks (grid z) into float32
-  partials, merged by their lse (``simt/cache.py``).
+  partials, merged by their lse (``simt/cache.py``). Where the adapter lends partials of
+  a fixed size (JAX under ``jit``: ``max_splits``), the plan keeps to it.
 """
 from __future__ import annotations
 
@@ -153,6 +154,9 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
             "buffer": at}
     shape = launch.forward_shape(lcase, dev, qv, kv, vv, tc_ok)
     splits, chunk = launch.split_plan(lcase, shape, kc.num_splits, sm_count(dev))
+    most = ad.max_splits()  # (lent partials, sized before the lengths were known)
+    if most is not None and splits > most:
+        splits, chunk = launch.split_plan(lcase, shape, most, sm_count(dev))
     inputs = _inputs(ad, case, q, keep)
     if splits == 1:
         launch.run_forward(lcase, dev, stream, qv, kv, vv, ov, at,
