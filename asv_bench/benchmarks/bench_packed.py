@@ -1,4 +1,4 @@
-"""Packed sequences and KV-cache decoding (issue 15) on the CPU.
+"""Packed sequences and KV-cache decoding (issue 15) on the CPU and on a GPU.
 
 - ``DecodeCPU``: ``flashcore.attention_with_kvcache`` (numba_cpu) for one new query token
   per sequence against a cache of ``cache_len`` keys, B=1, Hq=32, Hkv=8, D=128, float32,
@@ -9,6 +9,14 @@
   1024, 256 and 2304 tokens (H=8, D=64, float32, causal), next to the same sequences as
   separate ``flashcore.attention`` calls (the work without padding) and as one padded
   batch of 4 x 2304 (what padding costs).
+
+- ``DecodeGPU``: the issue's decoding step on a GPU: B=8, Hq=32, Hkv=8, D=128, bf16, one
+  query token, 4k/32k/128k cached keys, contiguous or paged (256), numba_cuda (split-KV by
+  its heuristic) next to SDPA on the dense cache; ``track_gbps`` as on the CPU.
+- ``VarlenGPU``: 16 sequences of 128..4096 tokens (seeded), H=16, D=128, bf16, causal or
+  not: ``attention_varlen`` forward next to ``attention`` on the batch padded to the
+  longest (what padding costs).
+Calls on a GPU wait for it (``torch.cuda.synchronize``); machines without one skip them.
 
 Run as a script for a quick table: ``python asv_bench/benchmarks/bench_packed.py``.
 """
@@ -124,10 +132,119 @@ class VarlenCPU:
         self.run()
 
 
+def _cuda_torch():
+    torch = _import("torch")
+    if not torch.cuda.is_available():
+        raise NotImplementedError("no CUDA GPU")
+    return torch
+
+
+class DecodeGPU:
+    param_names = ["contender", "cache_len", "cache"]
+    params = [["flashcore:numba_cuda@gpu", "torch_sdpa@gpu"], [4096, 32768, 131072],
+              ["contiguous", "paged"]]
+    number = 1
+    repeat = (5, 20, 10.0)
+    warmup_time = 0.0
+    timeout = 600
+
+    def setup(self, contender, cache_len, cache):
+        torch = _cuda_torch()
+        import flashcore
+
+        b, dt = 8, torch.bfloat16
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, 1, HQ, D, device="cuda", dtype=dt, generator=g)
+        k = torch.randn(b, cache_len, HKV, D, device="cuda", dtype=dt, generator=g)
+        v = torch.randn(b, cache_len, HKV, D, device="cuda", dtype=dt, generator=g)
+        self.bytes = 2 * k.numel() * k.element_size()
+        seqlens = torch.full((b,), cache_len, dtype=torch.int32, device="cuda")
+        if contender == "torch_sdpa@gpu":
+            if cache == "paged":
+                raise NotImplementedError("SDPA has no paged KV cache")
+            tq, tk, tv = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            f = torch.nn.functional.scaled_dot_product_attention
+
+            def call():
+                f(tq, tk, tv, enable_gqa=True)
+        else:
+            table = None
+            if cache == "paged":  # the same keys, in pages placed in reverse order
+                n = cache_len // PAGE
+                k = k.reshape(b * n, PAGE, HKV, D).flip(0).contiguous()
+                v = v.reshape(b * n, PAGE, HKV, D).flip(0).contiguous()
+                table = (b * n - 1 - torch.arange(b * n, dtype=torch.int32, device="cuda")
+                         ).reshape(b, n)
+
+            def call():
+                flashcore.attention_with_kvcache(q, k, v, cache_seqlens=seqlens,
+                                                 block_table=table, backend="numba_cuda")
+
+        def run():
+            call()
+            torch.cuda.synchronize()
+        run()  # compile
+        self.run = run
+
+    def time_decode(self, *params):
+        self.run()
+
+    def track_gbps(self, *params):
+        return DecodeCPU.track_gbps(self, *params)
+
+    track_gbps.unit = "GB/s"
+
+
+class VarlenGPU:
+    param_names = ["how", "causal"]
+    params = [["varlen", "padded"], [False, True]]
+    number = 1
+    repeat = (5, 20, 10.0)
+    warmup_time = 0.0
+    timeout = 600
+
+    def setup(self, how, causal):
+        torch = _cuda_torch()
+        import flashcore
+
+        lengths = np.random.default_rng(0).integers(128, 4097, size=16)
+        h, d, dt = 16, 128, torch.bfloat16
+        total = int(lengths.sum())
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(total, h, d, device="cuda", dtype=dt, generator=g)
+                   for _ in range(3))
+        cu_host = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        cu = torch.from_numpy(cu_host).cuda()
+        if how == "varlen":
+            def call():
+                flashcore.attention_varlen(q, k, v, cu, cu, max_seqlen_q=int(lengths.max()),
+                                           max_seqlen_k=int(lengths.max()), causal=causal,
+                                           backend="numba_cuda")
+        else:
+            n = int(lengths.max())
+            pad = [torch.zeros(len(lengths), h, n, d, device="cuda", dtype=dt)
+                   for _ in range(3)]
+            for s_, (a, b) in enumerate(zip(cu_host[:-1], cu_host[1:])):
+                for x, y in zip(pad, (q, k, v)):
+                    x[s_, :, : b - a] = y[a:b].transpose(0, 1)
+
+            def call():
+                flashcore.attention(*pad, causal=causal, backend="numba_cuda")
+
+        def run():
+            call()
+            torch.cuda.synchronize()
+        run()
+        self.run = run
+
+    def time_forward(self, *params):
+        self.run()
+
+
 if __name__ == "__main__":
     import itertools
 
-    for cls in (DecodeCPU, VarlenCPU):
+    for cls in (DecodeCPU, VarlenCPU, DecodeGPU, VarlenGPU):
         for params in itertools.product(*cls.params):
             bench = cls()
             try:
