@@ -230,12 +230,23 @@ SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
           (1, 2, 2, 333, 200, "bhnd"), (1, 2, 1, 1024, 1024, "bnhd"), (1, 1, 1, 1, 77, "bhnd")]
 
 
+@pytest.fixture(scope="module")
+def hopper_gpu():
+    """torch, once the variants are compiled in parallel processes (numba's disk cache):
+    one at a time here they would take 15-20 s each."""
+    torch = _gpu()
+    from flashcore._warmup import compile_variants
+
+    compile_variants([_variant(d, t, c) for d, t, c in ALL], 0)
+    return torch
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("head_dim,dtype,causal", [
     pytest.param(d, t, c, id=f"D{d}-{t}-{'causal' if c else 'full'}") for d, t, c in ALL])
-def test_hopper_forward_on_gpu(monkeypatch, shape, head_dim, dtype, causal):
-    torch = _gpu()
+def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, shape, head_dim, dtype, causal):
+    torch = hopper_gpu
     from helpers import TOL_FWD, oracle_forward, rel_err
 
     import flashcore

@@ -1,0 +1,197 @@
+"""The sm_90a wgmma forward (backends/numba_cuda/hopper/forward.py) on an H100/H200: checked
+against the mma.sync forward, then timed beside it and beside torch SDPA's FlashAttention-2
+and cuDNN backends.
+
+Cases: bf16, B=4 H=16 N=4096 and B=1 H=16 N=16384, head dims 64 and 128, causal or not
+(``--quick``: N=4096 only). First the kernels are compiled in parallel processes (numba's
+disk cache). Per case, first a check: the wgmma forward (``FLASHCORE_HOPPER=1``) against
+the mma.sync forward (the switch unset; which kernel ran is checked for both), norm-wise
+relative error of o and the largest lse difference. Then the times: CUDA events around
+each call, the median of ``--repeat`` calls after 3 warm-up calls, as TFLOP/s (4 B H N² D,
+halved for causal) and as ratios to cuDNN's time. The table comes last; exit status 1 when
+a check fails, 2 when it cannot run.
+
+Usage: python tools/hopper_forward.py [--quick] [--repeat 20] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import numpy as np
+
+HOPPER_ENV = "FLASHCORE_HOPPER"
+CASES = [(4, 16, 4096), (1, 16, 16384)]
+HEAD_DIMS = (64, 128)
+#: Norm-wise relative difference allowed between the two bf16 forwards (each within ~4e-3
+#: of the exact result: bf16's rounding of o).
+TOL = 1e-2
+
+
+def fail(msg, code=2):
+    print(f"hopper_forward: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def environment():
+    """(torch, flashcore, launch) where an H100/H200 and the backend are there, else exit."""
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 5):
+        fail(f"NumPy {np.__version__}: numba-cuda 0.30.4 cannot compile kernels with NumPy "
+             ">= 2.5 (bash tools/gpu_session.sh hopper installs the carried NumPy 2.4)")
+    import torch
+    from flashcore.backends import numba_cuda
+    from flashcore.backends.numba_cuda import launch
+
+    import flashcore
+
+    why = numba_cuda.unavailable_reason()
+    if why is not None:
+        fail(f"numba_cuda is unavailable: {why}")
+    if not torch.cuda.is_available():
+        fail("torch sees no CUDA GPU")
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        fail(f"{torch.cuda.get_device_name(0)} is not compute capability 9.0: no wgmma")
+    return torch, flashcore, launch
+
+
+def variants(launch, causal_modes):
+    """The kernels the run needs: the wgmma and the mma.sync forward per (D, causal)."""
+    from flashcore.backends.numba_cuda.driver import device_cc
+
+    out = []
+    for d in HEAD_DIMS:
+        for c in causal_modes:
+            out.append(launch.hopper_variant(d, "bfloat16", c))
+            out.append(launch.tc_variants(d, "bfloat16", c, device_cc(0),
+                                          gpu=launch._gpu(0)[1])[0])
+    return out
+
+
+def timer(torch, fn, repeat):
+    """Median milliseconds of ``fn()`` between CUDA events, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    pairs = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        pairs.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in pairs)
+
+
+def table(rows) -> str:
+    """The results as a table: TFLOP/s per contender, then time ratios to cuDNN."""
+    labels = ("wgmma", "mma.sync", "sdpa_flash", "sdpa_cudnn")
+    lines = ["", f"{'case':<28}" + "".join(f"{x:>12}" for x in labels)
+             + f"{'wgmma/cuDNN':>13}{'mma/cuDNN':>11}  (TFLOP/s; time ratios)"]
+    for r in rows:
+        tf, ms = r["tflops"], r["ms"]
+        ref = ms.get("sdpa_cudnn")
+
+        def ratio(x, ms=ms, ref=ref):
+            return f"{ms[x] / ref:.2f}" if ref and x in ms else "-"
+
+        lines.append(f"{r['case']:<28}"
+                     + "".join(f"{tf[x]:>12.0f}" if x in tf else f"{'-':>12}" for x in labels)
+                     + f"{ratio('wgmma'):>13}{ratio('mma.sync'):>11}"
+                     + ("" if r["check"] else "  CHECK FAILED"))
+    return "\n".join(lines)
+
+
+def run(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="N=4096 only")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--json", default=os.environ.get("HOPPER_JSON"))
+    args = ap.parse_args(argv)
+    torch, flashcore, launch = environment()
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashcore._warmup import compile_variants
+
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
+    todo = variants(launch, (False, True))
+    for tag, s in compile_variants(todo, 0):
+        print(f"compiled {tag}: {s:.1f} s", flush=True)
+
+    ran = []
+    real = launch.launch_forward
+
+    def spy(kern, *a, **kw):
+        ran.append(kern.name)
+        return real(kern, *a, **kw)
+
+    launch.launch_forward = spy
+
+    def ours(q, k, v, causal, hopper):
+        if hopper:
+            os.environ[HOPPER_ENV] = "1"
+        else:
+            os.environ.pop(HOPPER_ENV, None)
+        return flashcore.attention_forward(q, k, v, causal=causal, backend="numba_cuda")
+
+    def sdpa(backend, q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    rows, failed = [], False
+    cases = CASES[:1] if args.quick else CASES
+    for B, H, N in cases:
+        for D in HEAD_DIMS:
+            for causal in (False, True):
+                name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
+                g = torch.Generator(device="cuda").manual_seed(N + D + causal)
+                q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g,
+                                       dtype=torch.bfloat16) for _ in range(3))
+                ran.clear()
+                try:
+                    oh, lh = ours(q, k, v, causal, True)
+                    om, lm = ours(q, k, v, causal, False)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001  (a fault ends the CUDA context)
+                    print(f"check {name}: ERROR {type(e).__name__}: {e}", flush=True)
+                    rows.append({"case": name, "check": False, "ms": {}, "tflops": {}})
+                    print(table(rows))
+                    return 1
+                kinds = tuple(ran)
+                err = float(torch.linalg.vector_norm((oh.float() - om.float()).ravel())
+                            / torch.linalg.vector_norm(om.float().ravel()))
+                fin = torch.isfinite(lm)
+                dl = float((lh[fin] - lm[fin]).abs().max()) if fin.any() else 0.0
+                ok = (kinds == ("attn_forward_wgmma", "attn_forward_tc") and err < TOL
+                      and dl < 1e-3 and bool((torch.isfinite(lh) == fin).all()))
+                failed |= not ok
+                print(f"check {name}: {'pass' if ok else 'FAIL'} (o rel {err:.1e}, lse max "
+                      f"diff {dl:.1e}, kernels {kinds})", flush=True)
+                ms = {"wgmma": timer(torch, lambda: ours(q, k, v, causal, True), args.repeat),
+                      "mma.sync": timer(torch, lambda: ours(q, k, v, causal, False),
+                                        args.repeat)}
+                for label, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                                  ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        ms[label] = timer(torch, lambda be=be: sdpa(be, q, k, v, causal),
+                                          args.repeat)
+                    except RuntimeError as e:  # (a backend that declines the case)
+                        print(f"  {label}: {str(e).splitlines()[0][:100]}")
+                flops = 4 * B * H * N * N * D / (2 if causal else 1)
+                rows.append({"case": name, "check": ok, "o_rel": err, "ms": ms,
+                             "tflops": {k_: flops / t / 1e9 for k_, t in ms.items()}})
+    os.environ.pop(HOPPER_ENV, None)
+    launch.launch_forward = real
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(table(rows))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
