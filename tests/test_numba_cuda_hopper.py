@@ -7,8 +7,9 @@
 - Without a GPU: the variants compile for sm_90a (compile_ptx, cc=(9, 0, "a")) with
   wgmma.mma_async, no local memory, the launch's parameter list; where ptxas is installed
   it assembles them with no spills and no injected warpgroup.arrive (C7519).
-- On an H100/H200 (marked ``gpu``, cc 9.0 only), with FLASHCORE_HOPPER=1: the kernel (that
-  it ran is checked) against the float64 oracle, outputs poisoned first (conftest).
+- On an H100/H200 (marked ``gpu``, cc 9.0 only), with FLASHCORE_HOPPER=1: the kernel in each
+  candidate tiling (that it ran is checked) against the float64 oracle, outputs poisoned
+  first (conftest); then the mma.sync kernel without the switch.
 """
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ ALL = [(d, t, c) for d in tilings.HOPPER_HEAD_DIMS for t in ("bfloat16", "float1
        for c in (False, True)] if not SIM and importlib.util.find_spec("numba_cuda") else []
 CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
       (128, "bfloat16", True)}
+#: The tilings the tool times (v1's schedule first, the table's), and per overlapped one the
+#: case CI compiles.
+TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
+CI_OVERLAP = {"g2n128o": (128, "bfloat16", False), "g2n64o": (64, "float16", True)}
+
+
+def _in_ci(t, case):
+    return case in CI if not t.overlap else CI_OVERLAP.get(t.tag) == case
 
 
 def _variant(d, dtype, causal, t=None):
@@ -167,15 +176,16 @@ def sm90(monkeypatch):
                         lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
 
 
-@pytest.mark.parametrize("head_dim,dtype,causal", [
-    pytest.param(d, t, c, id=f"D{d}-{t}-{'causal' if c else 'full'}",
-                 marks=() if (d, t, c) in CI else pytest.mark.slow) for d, t, c in ALL])
-def test_ptx_sm90a(sm90, head_dim, dtype, causal):
+@pytest.mark.parametrize("tiles,head_dim,dtype,causal", [
+    pytest.param(tt, d, t, c, id=f"{tt.tag}-D{d}-{t}-{'causal' if c else 'full'}",
+                 marks=() if _in_ci(tt, (d, t, c)) else pytest.mark.slow)
+    for tt in TILINGS for d, t, c in ALL])
+def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     from flashcore.backends.numba_cuda import driver
     from numba import cuda
     from test_numba_cuda_wgmma import _ptxas
 
-    v = _variant(head_dim, dtype, causal)
+    v = _variant(head_dim, dtype, causal, tiles)
     sig = launch.signature(v.entry, dtype)
     try:
         ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
@@ -185,13 +195,18 @@ def test_ptx_sm90a(sm90, head_dim, dtype, causal):
             pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
         raise
     assert ".target sm_90a" in ptx
-    n = head_dim // 16 + v.tiles.block_n // 16  # k-steps of Q Kᵀ and of P V
+    # k-steps of Q Kᵀ and of P V, written out (the overlapped schedule: twice, its first
+    # tile's S and its last tile's P V outside the loop)
+    copies = 2 if tiles.overlap else 1
+    n_ss, n_rs = copies * head_dim // 16, copies * tiles.block_n // 16
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    assert len(mma) == n, f"{len(mma)} wgmma for {n} k-steps (loops left rolled?)"
+    assert len(mma) == n_ss + n_rs, f"{len(mma)} wgmma (loops left rolled?)"
     kind = "bf16" if dtype == "bfloat16" else "f16"
     ss = [ln for ln in mma if ln.count("{") == 2]  # (RS: one brace more, A's registers)
     rs = [ln for ln in mma if ln.count("{") == 3]
-    assert len(ss) == head_dim // 16 and len(rs) == v.tiles.block_n // 16
+    assert len(ss) == n_ss and len(rs) == n_rs
+    if tiles.overlap:  # S of the next tile waited for while P V runs
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert all(f"m64n{v.tiles.block_n}k16.f32.{kind}.{kind}" in ln for ln in ss)
     assert all(f"m64n{head_dim}k16.f32.{kind}.{kind}" in ln for ln in rs)
     assert "fence.proxy.async.shared::cta;" in ptx
@@ -237,7 +252,7 @@ def hopper_gpu():
     torch = _gpu()
     from flashcore._warmup import compile_variants
 
-    compile_variants([_variant(d, t, c) for d, t, c in ALL], 0)
+    compile_variants([_variant(d, t, c, tt) for tt in TILINGS for d, t, c in ALL], 0)
     return torch
 
 
@@ -245,7 +260,9 @@ def hopper_gpu():
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("head_dim,dtype,causal", [
     pytest.param(d, t, c, id=f"D{d}-{t}-{'causal' if c else 'full'}") for d, t, c in ALL])
-def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, shape, head_dim, dtype, causal):
+@pytest.mark.parametrize("tiles", TILINGS, ids=lambda t: t.tag)
+def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, dtype,
+                               causal):
     torch = hopper_gpu
     from helpers import TOL_FWD, oracle_forward, rel_err
 
@@ -253,6 +270,8 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, shape, head_dim, dtype, 
 
     B, Hq, Hkv, Nq, Nk, layout = shape
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
+    monkeypatch.setitem(tilings.HOPPER_FORWARD, (head_dim, causal), tiles)
+    monkeypatch.setattr(launch, "_PLANS", {})  # (plans do not key on the wgmma tiling)
     ran = []
     real = launch.launch_forward
 

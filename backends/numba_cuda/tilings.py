@@ -454,10 +454,13 @@ HOPPER_HEAD_DIMS = (64, 128)
 class HopperTiles:
     """The wgmma forward's tiling: ``warpgroups`` consumer warpgroups of 128 threads own 64
     query rows each (``block_m = 64 * warpgroups``); keys stream through in tiles of
-    ``block_n`` (one m64nNk16 per k-step of S = Q Kᵀ, N = ``block_n``)."""
+    ``block_n`` (one m64nNk16 per k-step of S = Q Kᵀ, N = ``block_n``). ``overlap``:
+    FlashAttention 3's intra-warpgroup schedule (the softmax of one key tile runs while the
+    P V wgmmas of the one before it do; one barrier per tile instead of two)."""
 
     warpgroups: int
     block_n: int
+    overlap: bool = False
 
     def __post_init__(self):
         if self.warpgroups not in (1, 2) or self.block_n not in (64, 128, 192, 256):
@@ -465,8 +468,8 @@ class HopperTiles:
 
     @property
     def tag(self) -> str:
-        """``g2n128``: names the tiling in kernel names and timings."""
-        return f"g{self.warpgroups}n{self.block_n}"
+        """``g2n128``, ``g2n128o`` (overlap): names the tiling in kernel names and timings."""
+        return f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
 
     @property
     def block_m(self) -> int:
@@ -489,6 +492,8 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 128), (64, True): HopperTiles(2, 1
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
+#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers).
+HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True))
 
 
 def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:

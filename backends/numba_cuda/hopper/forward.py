@@ -131,6 +131,72 @@ def mask_scores(s, base, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
             s[x] = score(s[x], i, n0 + 8 * jn + 2 * tq + e, Nk, causal_offset, CAUSAL, -1, -1)
 
 
+@device_function
+def issue_qk(BF16, sacc, qa, kb, KSTEPS, BM, BN):
+    """Issue ``S = Q Kᵀ`` (``KSTEPS`` wgmmas, K-major descriptors of Q's 64 rows at shared
+    address ``qa`` in a ``BM``-line tile and of the key tile at ``kb``, ``BN`` lines) as one
+    commit group; ``sacc`` (fenced zeros) is overwritten by k-step 0."""
+    for kk in range(KSTEPS):
+        da = smem_descriptor(qa + k_start(kk, BM), 16, PATTERN, SWIZZLE_128B)
+        db = smem_descriptor(kb + k_start(kk, BN), 16, PATTERN, SWIZZLE_128B)
+        sacc = qk_step(BF16, sacc, da, db, kk)
+    wgmma_commit_group()
+    return sacc
+
+
+@device_function
+def issue_pv(BF16, acc, pf, vb, PSTEPS, V_LBO):
+    """Issue ``O += P V`` (``PSTEPS`` wgmmas, P's A fragments ``pf[4 kk:4 kk + 4]``, V
+    MN-major at shared address ``vb``) as one commit group."""
+    for kk in range(PSTEPS):
+        db = smem_descriptor(vb + 16 * kk * LINE, V_LBO, PATTERN, SWIZZLE_128B)
+        acc = pv_step(BF16, acc, pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
+                      db)
+    wgmma_commit_group()
+    return acc
+
+
+@device_function
+def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma, mb, la,
+                 lb, sl2):
+    """The online softmax of one score tile on this thread's rows ``i`` (``s[4 jn + 0,
+    1]``) and ``i + 8`` (``s[4 jn + 2, 3]``), in the log2 domain, a diagonal or tail tile
+    through the mask first; ``s`` becomes P (fp32). Returns the new ``(ma, mb, la, lb)``
+    and the factors ``(al0, al1)`` that rescale the rows' accumulators."""
+    if n0 + BN > n_full:
+        mask_scores(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
+        mask_scores(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False)
+    la = la * al0 + ps
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False)
+    lb = lb * al1 + ps
+    return ma, mb, la, lb, al0, al1
+
+
+@device_function
+def pack_p(BF16, pf, s, NP):
+    """P rounded to the input dtype and packed in pairs: ``pf[4 kk + r]`` is register ``r``
+    of k-step ``kk``'s A fragment (wgmma's accumulator order is mma.sync's C order, whose
+    two adjacent n-tiles are one A fragment)."""
+    for x in range(NP):
+        pf[x] = pack(BF16, s[2 * x], s[2 * x + 1])
+
+
+@device_function
+def rescale(oa, al0, al1, DTILES):
+    """O's rows ``i`` and ``i + 8`` (local array ``oa``) times their factors."""
+    rescale_row(oa, 0, al0, DTILES)
+    rescale_row(oa, 2, al1, DTILES)
+
+
+@device_function
+def publish():
+    """This thread's landed copies to the async proxy, then the barrier that shows every
+    thread's to every warpgroup's wgmmas."""
+    fence_proxy_async()
+    cuda.syncthreads()
+
+
 def make_attn_forward_wgmma(var):
     """The forward kernel of variant ``var`` (family "hopper"): head dim 64 or 128, tiling
     :class:`tilings.HopperTiles`, causal or not, fp16 or bf16."""
@@ -158,6 +224,7 @@ def make_attn_forward_wgmma(var):
     V_LBO = BN * LINE  # MN-major: the next 64 columns of V (a block of BN lines)
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
+    OVERLAP = t.overlap  # the softmax of tile j under the P V wgmmas of tile j - 1
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -192,15 +259,6 @@ def make_attn_forward_wgmma(var):
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_tiles = (n_end + BN - 1) // BN
 
-        # groups in flight, oldest first: {Q, K0}, {V0}
-        load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
-        if n_tiles > 0:
-            load_tile(smem, el + K_OFF // 2, k, kbase, 0, Nk, ksn, BN, CH, tid, NT)
-        cp_async_commit()
-        if n_tiles > 0:
-            load_tile(smem, el + V_OFF // 2, v, vbase, 0, Nk, vsn, BN, CH, tid, NT)
-        cp_async_commit()
-
         qa = at + Q_OFF + 64 * wg * LINE  # this warpgroup's 64 rows of Q
         s = cuda.local.array(NS, float32)
         oa = cuda.local.array(NO, float32)
@@ -211,65 +269,109 @@ def make_attn_forward_wgmma(var):
         la = lb = float32(0.0)
         i = q0 + 64 * wg + 16 * warp + g  # this thread's rows: i, i + 8
 
-        for it in range(n_tiles):
-            n0 = it * BN
-            buf = (it & 1) * KV_BYTES
-            cp_async_wait(1)  # Q and K[it] (V[it] may still be in flight)
-            fence_proxy_async()  # this thread's copies, to the async proxy (wgmma)
-            cuda.syncthreads()
-            # Every warpgroup has waited for its wgmmas of tile it-1: its buffers take it+1.
-            nb = (1 - (it & 1)) * KV_BYTES
-            if it + 1 < n_tiles:
-                load_tile(smem, el + (K_OFF + nb) // 2, k, kbase, n0 + BN, Nk, ksn, BN, CH,
-                          tid, NT)
+        if not OVERLAP:
+            # groups in flight, oldest first: {Q, K0}, {V0}
+            load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
+            if n_tiles > 0:
+                load_tile(smem, el + K_OFF // 2, k, kbase, 0, Nk, ksn, BN, CH, tid, NT)
             cp_async_commit()
-            if it + 1 < n_tiles:
-                load_tile(smem, el + (V_OFF + nb) // 2, v, vbase, n0 + BN, Nk, vsn, BN, CH,
-                          tid, NT)
+            if n_tiles > 0:
+                load_tile(smem, el + V_OFF // 2, v, vbase, 0, Nk, vsn, BN, CH, tid, NT)
             cp_async_commit()
+            for it in range(n_tiles):
+                n0 = it * BN
+                buf = (it & 1) * KV_BYTES
+                cp_async_wait(1)  # Q and K[it] (V[it] may still be in flight)
+                publish()
+                # Every warpgroup has waited for its wgmmas of tile it-1: its buffers take
+                # tile it+1.
+                nb = (1 - (it & 1)) * KV_BYTES
+                if it + 1 < n_tiles:
+                    load_tile(smem, el + (K_OFF + nb) // 2, k, kbase, n0 + BN, Nk, ksn, BN,
+                              CH, tid, NT)
+                cp_async_commit()
+                if it + 1 < n_tiles:
+                    load_tile(smem, el + (V_OFF + nb) // 2, v, vbase, n0 + BN, Nk, vsn, BN,
+                              CH, tid, NT)
+                cp_async_commit()
 
-            # S = Q Kᵀ
-            sacc = wgmma_fence_acc(zero_accumulators(BN))
-            kb = at + K_OFF + buf
-            for kk in range(KSTEPS):
-                da = smem_descriptor(qa + k_start(kk, BM), 16, PATTERN, SWIZZLE_128B)
-                db = smem_descriptor(kb + k_start(kk, BN), 16, PATTERN, SWIZZLE_128B)
-                sacc = qk_step(BF16, sacc, da, db, kk)  # (k-step 0 ignores the zeros)
-            wgmma_commit_group()
-            sacc = wgmma_wait_group_acc(0, sacc)
-            acc_to_local(sacc, s)
+                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                                at + K_OFF + buf, KSTEPS, BM, BN)
+                sacc = wgmma_wait_group_acc(0, sacc)
+                acc_to_local(sacc, s)
+                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
+                                                        causal_offset, CAUSAL, NTILES, tq,
+                                                        ma, mb, la, lb, sl2)
+                acc_to_local(acc, oa)
+                rescale(oa, al0, al1, DTILES)
+                acc = acc_from_local(oa, D)
+                # P's A fragments, all before the fence: a register written between two
+                # wgmmas makes ptxas serialize them (it injects warpgroup.arrive, C7519)
+                pack_p(BF16, pf, s, NP)
 
-            # online softmax in the log2 domain, this thread's rows i (s[4 jn + 0, 1]) and
-            # i + 8 (s[4 jn + 2, 3]); a diagonal or tail tile through the mask first
-            if n0 + BN > n_full:
-                mask_scores(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
-                mask_scores(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
-            ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False)
-            la = la * al0 + ps
-            mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False)
-            lb = lb * al1 + ps
-            acc_to_local(acc, oa)
-            rescale_row(oa, 0, al0, DTILES)
-            rescale_row(oa, 2, al1, DTILES)
-            acc = acc_from_local(oa, D)
+                cp_async_wait(2)  # V[it] (K and V of it+1 may still be in flight)
+                publish()
+                acc = issue_pv(BF16, wgmma_fence_acc(acc), pf, at + V_OFF + buf, PSTEPS,
+                               V_LBO)
+                acc = wgmma_wait_group_acc(0, acc)
+        else:
+            # FlashAttention 3's intra-warpgroup overlap: step it issues S_it = Q K_itᵀ and
+            # O += P_{it-1} V_{it-1} back to back, then runs the softmax of S_it while the
+            # P V wgmmas run, and rescales O once they are done. One barrier per step: the
+            # copies of step it (K_{it+1}, V_it, issued after it) land in the buffers that
+            # step it-1's wgmmas read, which every warpgroup waited for before it.
+            load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
+            if n_tiles > 0:
+                load_tile(smem, el + K_OFF // 2, k, kbase, 0, Nk, ksn, BN, CH, tid, NT)
+            cp_async_commit()  # {Q, K0}
+            if n_tiles > 1:
+                load_tile(smem, el + (K_OFF + KV_BYTES) // 2, k, kbase, BN, Nk, ksn, BN, CH,
+                          tid, NT)
+            if n_tiles > 0:
+                load_tile(smem, el + V_OFF // 2, v, vbase, 0, Nk, vsn, BN, CH, tid, NT)
+            cp_async_commit()  # {K1, V0}
+            cp_async_wait(1)
+            publish()
+            if n_tiles > 0:
+                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                                at + K_OFF, KSTEPS, BM, BN)
+                sacc = wgmma_wait_group_acc(0, sacc)
+                acc_to_local(sacc, s)
+                ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
+                                                        causal_offset, CAUSAL, NTILES, tq,
+                                                        ma, mb, la, lb, sl2)
+                pack_p(BF16, pf, s, NP)  # (O is still zero: nothing to rescale)
+            for it in range(1, n_tiles):
+                n0 = it * BN
+                cp_async_wait(0)  # {K_it, V_it-1}
+                publish()
+                if it + 1 < n_tiles:
+                    load_tile(smem, el + (K_OFF + ((it + 1) & 1) * KV_BYTES) // 2, k, kbase,
+                              n0 + BN, Nk, ksn, BN, CH, tid, NT)
+                load_tile(smem, el + (V_OFF + (it & 1) * KV_BYTES) // 2, v, vbase, n0, Nk,
+                          vsn, BN, CH, tid, NT)
+                cp_async_commit()  # {K_it+1, V_it}
 
-            # P's A fragments, all before the fence: a register written between two wgmmas
-            # makes ptxas serialize them (it injects warpgroup.arrive, info C7519)
-            for x in range(NP):
-                pf[x] = pack(BF16, s[2 * x], s[2 * x + 1])
-
-            cp_async_wait(2)  # V[it] (K and V of it+1 may still be in flight)
-            fence_proxy_async()
-            cuda.syncthreads()
-            # O += P V, P straight from the score registers
-            acc = wgmma_fence_acc(acc)
-            vb = at + V_OFF + buf
-            for kk in range(PSTEPS):
-                db = smem_descriptor(vb + 16 * kk * LINE, V_LBO, PATTERN, SWIZZLE_128B)
-                acc = pv_step(BF16, acc, pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2],
-                              pf[4 * kk + 3], db)
-            wgmma_commit_group()
-            acc = wgmma_wait_group_acc(0, acc)
+                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                                at + K_OFF + (it & 1) * KV_BYTES, KSTEPS, BM, BN)
+                acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                               at + V_OFF + ((it - 1) & 1) * KV_BYTES, PSTEPS, V_LBO)
+                sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
+                acc_to_local(sacc, s)
+                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
+                                                        causal_offset, CAUSAL, NTILES, tq,
+                                                        ma, mb, la, lb, sl2)
+                acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)
+                acc_to_local(acc, oa)
+                rescale(oa, al0, al1, DTILES)
+                acc = acc_from_local(oa, D)
+                pack_p(BF16, pf, s, NP)
+            if n_tiles > 0:
+                cp_async_wait(0)  # V_last
+                publish()
+                acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                               at + V_OFF + ((n_tiles - 1) & 1) * KV_BYTES, PSTEPS, V_LBO)
+                acc = wgmma_wait_group_acc(0, acc)
         cp_async_wait(0)
 
         acc_to_local(acc, oa)
