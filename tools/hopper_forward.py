@@ -5,8 +5,9 @@ and cuDNN backends.
 Cases: bf16, B=4 H=16 N=4096 and B=1 H=16 N=16384, head dims 64 and 128, causal or not
 (``--quick``: N=4096 only). First the kernels are compiled in parallel processes (numba's
 disk cache). Per case, first a check: the wgmma forward (``FLASHCORE_HOPPER=1``) in each
-candidate tiling (``tilings.HOPPER_CANDIDATES``: v1's schedule, and FlashAttention 3's
-overlapped one at 128 and 64 keys) against the mma.sync forward (the switch unset; which
+candidate tiling (``tilings.HOPPER_CANDIDATES``: v1's schedule, FlashAttention 3's
+overlapped one at 128 and 64 keys, and that one with a single warpgroup and two blocks per
+SM) against the mma.sync forward (the switch unset; which
 kernel ran is checked), norm-wise relative error of o and the largest lse difference. Then
 the times of the tilings that passed: CUDA events around each call, the median of
 ``--repeat`` calls after 3 warm-up calls, as TFLOP/s (4 B H N² D, halved for causal) and as

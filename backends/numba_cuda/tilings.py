@@ -456,20 +456,33 @@ class HopperTiles:
     query rows each (``block_m = 64 * warpgroups``); keys stream through in tiles of
     ``block_n`` (one m64nNk16 per k-step of S = Q Kᵀ, N = ``block_n``). ``overlap``:
     FlashAttention 3's intra-warpgroup schedule (the softmax of one key tile runs while the
-    P V wgmmas of the one before it do; one barrier per tile instead of two)."""
+    P V wgmmas of the one before it do; one barrier per tile instead of two).
+    ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
+    65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
+    block's softmax can run under another's wgmmas."""
 
     warpgroups: int
     block_n: int
     overlap: bool = False
+    min_blocks: int = 1
 
     def __post_init__(self):
-        if self.warpgroups not in (1, 2) or self.block_n not in (64, 128, 192, 256):
-            raise ValueError(f"warpgroups must be 1 or 2, block_n 64, 128, 192 or 256: {self}")
+        if (self.warpgroups not in (1, 2) or self.block_n not in (64, 128, 192, 256)
+                or self.min_blocks not in (1, 2, 3)):
+            raise ValueError(f"warpgroups must be 1 or 2, block_n 64, 128, 192 or 256, "
+                             f"min_blocks 1, 2 or 3: {self}")
 
     @property
     def tag(self) -> str:
-        """``g2n128``, ``g2n128o`` (overlap): names the tiling in kernel names and timings."""
-        return f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
+        """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM): names the
+        tiling in kernel names and timings."""
+        return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
+                + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
+
+    @property
+    def launch_bounds(self):
+        """numba's ``launch_bounds`` where several blocks must fit an SM, else None."""
+        return (self.threads, self.min_blocks) if self.min_blocks > 1 else None
 
     @property
     def block_m(self) -> int:
@@ -493,7 +506,8 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 128), (64, True): HopperTiles(2, 1
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers).
-HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True))
+HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
+                     HopperTiles(1, 64, True, 2))
 
 
 def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:

@@ -122,8 +122,8 @@ class Variant:
 
     @property
     def launch_bounds(self):
-        """numba's ``launch_bounds`` (SIMT tilings that cap registers), or None."""
-        if self.family == "simt" and self.kernel not in ELEMENTWISE:
+        """numba's ``launch_bounds`` (SIMT and wgmma tilings that cap registers), or None."""
+        if self.family in ("simt", "hopper") and self.kernel not in ELEMENTWISE:
             return self.tiles.launch_bounds
         return None
 
