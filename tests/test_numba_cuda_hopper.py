@@ -252,13 +252,15 @@ SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
 
 @pytest.fixture(scope="module")
 def hopper_gpu():
-    """torch, once the variants are compiled in parallel processes (numba's disk cache):
-    one at a time here they would take 15-20 s each."""
+    """torch, once the variants the tests run (and the mma.sync forwards they compare with)
+    are compiled in parallel processes (numba's disk cache): one at a time here they would
+    take 15-20 s each."""
     torch = _gpu()
     from flashcore._warmup import compile_variants
 
-    compile_variants(sorted({_variant(d, t, c, tt) for tt, _, d, t, c in GPU_CASES},
-                            key=lambda v: v.tag), 0)
+    ours = {_variant(d, t, c, tt) for tt, _, d, t, c in GPU_CASES}
+    mma = {launch.tc_variants(d, t, c, (9, 0), gpu=launch._gpu(0)[1])[0] for d, t, c in ALL}
+    compile_variants(sorted(ours | mma, key=lambda v: v.tag), 0)
     return torch
 
 
