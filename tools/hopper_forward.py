@@ -9,7 +9,9 @@ candidate tiling (``tilings.HOPPER_CANDIDATES``: v1's schedule, FlashAttention 3
 overlapped one at 128 and 64 keys, and that one with a single warpgroup and two blocks per
 SM) against the mma.sync forward (the switch unset; which
 kernel ran is checked), norm-wise relative error of o and the largest lse difference. Then
-the times of the tilings that passed: CUDA events around each call, the median of
+the times of the tilings that passed: CUDA events around each call (flashcore's front end
+included, some tens of microseconds of host time, hidden while the GPU queue stays full),
+the median of
 ``--repeat`` calls after 3 warm-up calls, as TFLOP/s (4 B H N² D, halved for causal) and as
 ratios to cuDNN's time. The table comes last; exit status 1 when a check fails, 2 when it
 cannot run.
