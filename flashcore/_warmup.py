@@ -87,6 +87,9 @@ def job(args):
                     if not (causal and v.kernel == "preprocess")]
         if dtype != "float32" and head_dim in tilings.HEAD_DIMS:
             variants += launch.tc_variants(head_dim, dtype, causal, cc, gpu=gpu)
+            hop = launch.hopper_variant(head_dim, dtype, causal)
+            if hop is not None and cc == (9, 0) and os.environ.get(launch.HOPPER_ENV) == "1":
+                variants.append(hop)  # (the opt-in wgmma forward, where it would run)
         for v in variants:
             launch.kernel(v, device)
         n += len(variants)
@@ -125,15 +128,33 @@ def run_warmup(argv) -> int:
     return 0
 
 
-def _run(work, procs):
+def _compile_one(args):
+    variant, device = args
+    from flashcore.backends.numba_cuda import launch
+
+    t0 = time.perf_counter()
+    launch.kernel(variant, device)
+    return variant.tag, time.perf_counter() - t0
+
+
+def compile_variants(variants, device=0, processes=None) -> list:
+    """Compile (or load from numba's disk cache) the numba_cuda ``variants`` for GPU
+    ``device`` in parallel processes, so that this process then loads them from the disk
+    cache: ``[(tag, seconds)]``. For tools and GPU tests that need a few chosen kernels."""
+    work = [(v, device) for v in variants]
+    procs = processes or max(1, min(len(work), (os.cpu_count() or 2) - 1))
+    return list(_run(work, procs, _compile_one))
+
+
+def _run(work, procs, fn=job):
     """Job results as they finish: in this process for one process, else in a pool."""
     if procs == 1:
-        yield from map(job, work)
+        yield from map(fn, work)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # spawn: a forked child would inherit a CUDA context the parent may already hold
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        for f in as_completed([ex.submit(job, w) for w in work]):
+        for f in as_completed([ex.submit(fn, w) for w in work]):
             yield f.result()

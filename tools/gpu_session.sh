@@ -21,6 +21,9 @@
 #           or not, SDPA beside) and varlen against padded calls (issue 15)
 #   wgmma   tools/wgmma_ceiling.py: the wgmma layouts checked against NumPy, then the wgmma
 #           and mma.sync ceilings from Numba (TFLOP/s); $WGMMA_ARGS (e.g. --check)
+#   hopper  tools/hopper_forward.py: the sm_90a wgmma forward (opt-in, FLASHCORE_HOPPER=1)
+#           checked against the mma.sync forward, then timed beside it and SDPA's flash and
+#           cuDNN backends (bf16, N=4096 and 16384); $HOPPER_ARGS (e.g. --quick)
 #   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink
 #           multicast off): ring attention against one GPU, then the scaling table
 #           ($RING_ARGS); on nvidia-h200-x2
@@ -36,7 +39,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring packed wgmma"
+STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -197,6 +200,11 @@ stage_wgmma() {
   timeout "${WGMMA_TIMEOUT:-240}" python3 tools/wgmma_ceiling.py ${WGMMA_ARGS:-}
 }
 
+stage_hopper() {
+  HOPPER_JSON=$FILES/hopper.json timeout "${HOPPER_TIMEOUT:-230}" \
+      python3 tools/hopper_forward.py ${HOPPER_ARGS:-}
+}
+
 stage_ring() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   precompile
@@ -213,6 +221,8 @@ result() {  # one line for the summary table
   ncu)   grep -hE "^ *Duration" "$log" | xargs ;;
   sass)  echo "$(grep -c ' registers' "$log") kernels, $(grep -c Error "$log") errors (sass.json)" ;;
   ring)  grep -hE "^N=" "$log" | tail -1 ;;
+  hopper) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
+               "$(grep -cE '^check .*: FAIL' "$log") failed (hopper.json)" ;;
   wgmma) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
               "$(grep -cE '^check .*: (FAIL|ERROR)' "$log") failed; best:" \
               "$(grep -E '^ceiling wgmma' "$log" |

@@ -3,7 +3,8 @@ and the launches on the caller's stream.
 
 A launch goes (case, buffers) -> plan -> :class:`driver.Prepared` kernels -> launch. The
 plan picks the family: the tensor-core kernels (``tensor_core/``) for fp16/bf16 where
-:func:`tc_serves`, else the SIMT kernels (``simt/``), whose tiles stream by cp.async for
+:func:`tc_serves` (the forward: the wgmma kernel, ``hopper/``, where also
+:func:`hopper_serves`), else the SIMT kernels (``simt/``), whose tiles stream by cp.async for
 fp32 rows that are 16-byte aligned; it is cached per kind of call (:data:`_PLANS`), so a
 repeated call only looks it up. Both families take the same launch arguments. Buffers are
 ``(handle, strides)`` views: an address (on the GPU) or a flat NumPy array (under the
@@ -21,6 +22,7 @@ from . import tilings
 from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
+from .hopper import forward as _hop_fwd
 from .simt import backward as _simt_bwd
 from .simt import cache as _simt_cache
 from .simt import forward as _simt_fwd
@@ -36,6 +38,9 @@ _F64 = types.float64
 #: Environment switch: the tensor-core kernels serve fp16/bf16 by default;
 #: ``FLASHCORE_TENSOR_CORES=0`` selects the SIMT kernels instead.
 TC_ENV = "FLASHCORE_TENSOR_CORES"
+#: Environment switch: ``FLASHCORE_HOPPER=1`` lets the wgmma forward (hopper/) serve the
+#: forwards it can on an sm_90 GPU (opt-in until it has passed on one); read per call.
+HOPPER_ENV = "FLASHCORE_HOPPER"
 _TC_DTYPES = ("float16", "bfloat16")
 
 #: (family, kernel) -> factory of the Python kernel function of a variant
@@ -47,6 +52,7 @@ FACTORIES = {
     ("tensor_core", "forward"): _tc_fwd.make_attn_forward_tc,
     ("tensor_core", "dkdv"): _tc_bwd.make_attn_backward_dkdv_tc,
     ("tensor_core", "dq"): _tc_bwd.make_attn_backward_dq_tc,
+    ("hopper", "forward"): _hop_fwd.make_attn_forward_wgmma,
     ("simt", "merge"): _simt_cache.make_attn_merge_splits,
     ("simt", "append"): _simt_cache.make_cache_append,
 }
@@ -149,6 +155,27 @@ def tc_serves(case, device, q, k, v, do=None) -> bool:
             and (do is None or rows_aligned(do, sq, 8)))
 
 
+def hopper_serves(case, device) -> bool:
+    """Whether the wgmma forward (hopper/forward.py) takes a forward the tensor-core
+    kernels take (:func:`tc_serves` first): ``FLASHCORE_HOPPER=1``, compute capability
+    exactly 9.0 (wgmma is sm_90a only: numba-cuda builds a cc 9.x kernel for sm_9xa, and
+    Blackwell has no wgmma), a head dim it is built for, and a dense call with no mask
+    beyond causal (no window, softcap, ALiBi, user mods, varlen or KV cache)."""
+    if (SIMULATOR or os.environ.get(HOPPER_ENV, "0") != "1"
+            or case.head_dim not in tilings.HOPPER_HEAD_DIMS
+            or device_cc(device) != (9, 0) or case.packed):
+        return False
+    m = mask_options(case)
+    return (m["window"] == () and m["softcap"] == 0.0 and not m["alibi"]
+            and m["user"] is None and m["packed"] == "")
+
+
+def hopper_variant(head_dim, dtype, causal):
+    """The wgmma forward's variant of one case class, or None where it has no tiling."""
+    t = tilings.choose_hopper(head_dim, causal)
+    return None if t is None else Variant("forward", "hopper", head_dim, dtype, causal, t)
+
+
 def rows_aligned(view, sizes, elems=4) -> bool:
     """Whether every row of a (handle, strides) view of a (B, H, N, D) array (``sizes``: B,
     H, N) is contiguous and starts 16 bytes aligned, ``elems`` elements making 16 bytes
@@ -216,15 +243,16 @@ def case_variants(head_dim, dtype, causal, cc, aligned=True, **mask):
 _PLANS: dict = {}
 
 
-def _plan(direction, case, device, tiles, aligned, tc, split=False):
+def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False):
     """``(forward kernel, block_m)`` or ``(preprocess, threads, dkdv, block_m, dq,
-    block_m)`` for one kind of call (``split``: the split-KV forward)."""
+    block_m)`` for one kind of call (``split``: the split-KV forward; ``hopper``: the
+    wgmma forward, :func:`hopper_serves`)."""
     mask = mask_options(case)
     if split:
         mask["split"] = True
     decode = decodes(case)
     key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
-           decode, *mask.values())
+           decode, hopper, *mask.values())
     plan = _PLANS.get(key)
     if plan is None:
         d, dt, c = case.head_dim, case.dtype, case.causal
@@ -237,6 +265,8 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False):
                               **mask)
         else:
             fam = [simt[0], simt[2], simt[3]]
+        if hopper and direction == "forward":
+            fam = [hopper_variant(d, dt, c)]
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
     return plan
@@ -335,8 +365,9 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     the alignment checks of the arrays alone do not see (a paged cache's page stride) rules
     out the 16-byte copies."""
     tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v)
+    hop = tc and split is None and hopper_serves(case, device)
     kern, bm = _plan("forward", case, device, tiles,
-                     tc_ok and _fp32_rows_aligned(case, q, k, v), tc, split is not None)
+                     tc_ok and _fp32_rows_aligned(case, q, k, v), tc, split is not None, hop)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                    margs or no_mod_args(lse), classes or no_classes(lse), packed,
                    1 if split is None else split[0])
@@ -347,6 +378,9 @@ def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:
     query rows per block, keys per tile (split-KV ranges are whole tiles), warps per
     block."""
     if tc_ok and tc_serves(case, device, q, k, v):
+        if hopper_serves(case, device):
+            t = tilings.choose_hopper(case.head_dim, case.causal)
+            return t.block_m, t.block_n, t.warps
         t = (tilings.DECODE_TC if decodes(case) and not SIMULATOR
              else _tc_tiles("forward", case.head_dim, case.dtype, case.causal, device))
         return t.block_m, t.block_n, t.warps

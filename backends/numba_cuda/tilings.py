@@ -444,6 +444,84 @@ def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
     return rows * (head_dim + PAD)
 
 
+# --- Hopper (wgmma) tilings ---------------------------------------------------------------
+
+#: Head dims the wgmma forward (``hopper/forward.py``) is built for.
+HOPPER_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class HopperTiles:
+    """The wgmma forward's tiling: ``warpgroups`` consumer warpgroups of 128 threads own 64
+    query rows each (``block_m = 64 * warpgroups``); keys stream through in tiles of
+    ``block_n`` (one m64nNk16 per k-step of S = Q Kᵀ, N = ``block_n``). ``overlap``:
+    FlashAttention 3's intra-warpgroup schedule (the softmax of one key tile runs while the
+    P V wgmmas of the one before it do; one barrier per tile instead of two).
+    ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
+    65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
+    block's softmax can run under another's wgmmas."""
+
+    warpgroups: int
+    block_n: int
+    overlap: bool = False
+    min_blocks: int = 1
+
+    def __post_init__(self):
+        if (self.warpgroups not in (1, 2) or self.block_n not in (64, 128, 192, 256)
+                or self.min_blocks not in (1, 2, 3)):
+            raise ValueError(f"warpgroups must be 1 or 2, block_n 64, 128, 192 or 256, "
+                             f"min_blocks 1, 2 or 3: {self}")
+
+    @property
+    def tag(self) -> str:
+        """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM): names the
+        tiling in kernel names and timings."""
+        return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
+                + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
+
+    @property
+    def launch_bounds(self):
+        """numba's ``launch_bounds`` where several blocks must fit an SM, else None."""
+        return (self.threads, self.min_blocks) if self.min_blocks > 1 else None
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def warps(self) -> int:
+        return 4 * self.warpgroups
+
+
+#: Per (head dim, causal): two warpgroups (128 query rows) and 128-key tiles, FlashAttention
+#: 3's block shape at head dim 128 (not tuned yet). Registers per thread: 64 fp32 of S,
+#: D / 2 of O, 32 of P's A fragments.
+HOPPER_FORWARD = {(64, False): HopperTiles(2, 128), (64, True): HopperTiles(2, 128),
+                  (128, False): HopperTiles(2, 128), (128, True): HopperTiles(2, 128)}
+#: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
+#: descriptor's base offset stays 0 only for tiles that start on it.
+HOPPER_ALIGN = 1024
+#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers).
+HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
+                     HopperTiles(1, 64, True, 2))
+
+
+def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:
+    """Shared memory of the wgmma forward: Q (``block_m`` rows), K and V double-buffered
+    (``block_n`` rows each), 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to align the
+    dynamic shared memory's start at run time."""
+    return HOPPER_ALIGN + (t.block_m + 4 * t.block_n) * head_dim * 2
+
+
+def choose_hopper(head_dim: int, causal: bool) -> HopperTiles | None:
+    """The wgmma forward's tiling at ``head_dim``, or None where it has none."""
+    return HOPPER_FORWARD.get((head_dim, bool(causal)))
+
+
 # --- the autotuner's cache: its candidates and its choices per GPU ------------------------
 
 #: Tilings tried per kernel: (warps, block_n[, m_tiles[, d_splits]]); those that do not fit

@@ -28,7 +28,7 @@ ELEMENTWISE = ("preprocess", "merge", "append")
 #: Row layouts (Variant.packed): a dense batch, packed variable-length sequences, a
 #: contiguous KV cache, a paged KV cache.
 PACKINGS = ("", "varlen", "cache", "paged")
-FAMILIES = ("simt", "tensor_core")
+FAMILIES = ("simt", "tensor_core", "hopper")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Variant:
     """One compiled kernel.
 
     ``tiles`` is a :class:`tilings.Tiles` (simt), a :class:`tilings.TCTiles`
-    (tensor_core), or the thread count of the preprocess kernel. ``streamed`` (simt fp32
+    (tensor_core), a :class:`tilings.HopperTiles` (hopper: the sm_90a wgmma forward), or the thread count of the preprocess kernel. ``streamed`` (simt fp32
     only): K and V (forward, dQ) or Q and dO (dK/dV) arrive by 16-byte ``cp.async`` copies
     and are stored as rows (``tilings.streams``).
     """
@@ -97,6 +97,8 @@ class Variant:
             raise ValueError(f"family={self.family!r} is not one of {FAMILIES}")
         if self.family == "tensor_core" and self.kernel in ELEMENTWISE:
             raise ValueError(f"the {self.kernel} kernel has no tensor-core form")
+        if self.family == "hopper" and self.kernel != "forward":
+            raise ValueError(f"the {self.kernel} kernel has no wgmma (hopper) form yet")
         if self.packed not in PACKINGS:
             raise ValueError(f"packed={self.packed!r} is not one of {PACKINGS}")
 
@@ -120,8 +122,8 @@ class Variant:
 
     @property
     def launch_bounds(self):
-        """numba's ``launch_bounds`` (SIMT tilings that cap registers), or None."""
-        if self.family == "simt" and self.kernel not in ELEMENTWISE:
+        """numba's ``launch_bounds`` (SIMT and wgmma tilings that cap registers), or None."""
+        if self.family in ("simt", "hopper") and self.kernel not in ELEMENTWISE:
             return self.tiles.launch_bounds
         return None
 
@@ -130,6 +132,8 @@ class Variant:
         """Dynamic shared memory in 4-byte words."""
         if self.kernel in ELEMENTWISE:
             return 0
+        if self.family == "hopper":
+            return tilings.hopper_smem_bytes(self.tiles, self.head_dim) // 4
         if self.family == "tensor_core":
             return tilings.smem_elements(self.kernel, self.tiles, self.head_dim) // 2
         layout = {"forward": tilings.forward_layout, "dkdv": tilings.dkdv_layout,
@@ -159,6 +163,8 @@ class Variant:
             return f"{self.entry}_d{d}_t{t}"
         if self.kernel in ELEMENTWISE:
             return f"{self.entry}_{self.packed or 'dense'}_t{t}_{self.dtype}"
+        if self.family == "hopper":
+            return f"{self.entry}_wgmma_d{d}_{t.tag}_{mask}_{self.dtype}"
         if self.family == "tensor_core":
             return f"{self.entry}_tc_d{d}_{t.tag}_{mask}_{self.dtype}"
         tag = f"d{d}_{t.block_m}x{t.block_n}_{t.rows}x{t.cols}"

@@ -35,6 +35,11 @@ The instructions (PTX ISA 8.0+, "Asynchronous Warpgroup Level Matrix Multiply-Ac
   matrix descriptor (uint64 arithmetic; :func:`descriptor_value` is the same code on the
   host).
 - ``zero_accumulators(n)``: a tuple of ``n // 2`` float32 zeros (``n`` a literal).
+- ``acc_to_local(acc, arr)`` / ``acc_from_local(arr, n)``: the tuple stored into a float32
+  local array (register ``i`` at ``arr[i]``) and ``n // 2`` values of one read back as a
+  tuple (``n`` a literal): element-wise work (a softmax, a rescale, the stores) is then
+  written on arrays with constant indices, which LLVM keeps in registers as it does for the
+  mma.sync kernels' fragments.
 
 Accumulator layout (PTX ISA, "Matrix Fragments for wgmma.mma_async.m64nNk16", D): thread
 ``t`` of the warpgroup (0..127), ``w = t // 32``, ``g = (t % 32) // 4``, ``q = t % 4``; its
@@ -85,6 +90,8 @@ __all__ = [
     "SWIZZLE_NONE",
     "a_coords",
     "acc_coords",
+    "acc_from_local",
+    "acc_to_local",
     "descriptor_value",
     "fence_proxy_async",
     "layout_strides",
@@ -208,7 +215,8 @@ if SIMULATOR:
 
     smem_descriptor = _descriptor
     for _name in __all__:
-        if _name.startswith(("wgmma_", "fence_", "zero_", "smem_address")):
+        if _name.startswith(("wgmma_", "fence_", "zero_", "smem_address", "acc_to_local",
+                             "acc_from_local")):
             globals()[_name] = _unavailable(_name)
     del _name
 
@@ -287,6 +295,40 @@ else:
             return context.make_tuple(builder, rt, [zero] * (nv // 2))
 
         return rt(n), codegen
+
+    @intrinsic
+    def acc_to_local(typingctx, acc, arr):
+        """``arr[i] = acc[i]`` for every accumulator (``arr`` a float32 local array)."""
+        m = _acc_count(acc)
+        if m is None or not isinstance(arr, types.Array) or arr.dtype != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[1])(context, builder, args[1]).data
+            for i in range(m):
+                builder.store(builder.extract_value(args[0], i),
+                              builder.gep(data, [ir.Constant(_I32, i)]))
+            return context.get_dummy_value()
+
+        return types.void(acc, arr), codegen
+
+    @intrinsic
+    def acc_from_local(typingctx, arr, n):
+        """``(arr[0], ..., arr[n // 2 - 1])`` as an accumulator tuple (``n`` a literal in
+        VALID_N, the N of the wgmma it feeds)."""
+        nv = _literal(n)
+        if (nv not in VALID_N or not isinstance(arr, types.Array)
+                or arr.dtype != types.float32):
+            return None
+        rt = types.UniTuple(types.float32, nv // 2)
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            vals = [builder.load(builder.gep(data, [ir.Constant(_I32, i)]))
+                    for i in range(nv // 2)]
+            return context.make_tuple(builder, rt, vals)
+
+        return rt(arr, n), codegen
 
     @intrinsic
     def wgmma_fence_acc(typingctx, acc):

@@ -1,0 +1,319 @@
+"""The sm_90a forward with wgmma (backends/numba_cuda/hopper/forward.py).
+
+- Host side (any machine with numba-cuda): the swizzled tiles the kernel's copies write,
+  read back at every k-step through the PTX ISA's canonical layouts (the transcription in
+  test_numba_cuda_wgmma.py) with the kernel's descriptors, give Q, K and V; P's packed
+  registers are wgmma's A fragments; the launch picks the kernel only where it should.
+- Without a GPU: the variants compile for sm_90a (compile_ptx, cc=(9, 0, "a")) with
+  wgmma.mma_async, no local memory, the launch's parameter list; where ptxas is installed
+  it assembles them with no spills and no injected warpgroup.arrive (C7519).
+- On an H100/H200 (marked ``gpu``, cc 9.0 only), with FLASHCORE_HOPPER=1: the kernel in each
+  candidate tiling (that it ran is checked) against the float64 oracle, outputs poisoned
+  first (conftest); then the mma.sync kernel without the switch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import types as pytypes
+
+import numpy as np
+import pytest
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
+                       reason="numba-cuda is not installed"),
+    pytest.mark.skipif(SIM, reason="wgmma has no CUDA-simulator form"),
+]
+
+if not SIM and importlib.util.find_spec("numba_cuda") is not None:
+    from flashcore.backends.numba_cuda import launch, tilings
+    from flashcore.backends.numba_cuda.device import wgmma as w
+    from flashcore.backends.numba_cuda.hopper import forward as hf
+    from flashcore.backends.numba_cuda.variant import Variant
+
+#: Every (head dim, dtype, causal) the kernel serves; CI compiles the first four, one per
+#: head dim and causal mode with both dtypes (the others are marked slow).
+ALL = [(d, t, c) for d in tilings.HOPPER_HEAD_DIMS for t in ("bfloat16", "float16")
+       for c in (False, True)] if not SIM and importlib.util.find_spec("numba_cuda") else []
+CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
+      (128, "bfloat16", True)}
+#: The tilings the tool times (v1's schedule first, the table's), and per overlapped one the
+#: case CI compiles.
+TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
+CI_OVERLAP = {"g2n128o": (128, "bfloat16", False), "g2n64o": (64, "float16", True),
+              "g1n64ob2": (128, "float16", True)}
+
+
+def _in_ci(t, case):
+    return case in CI if not t.overlap else CI_OVERLAP.get(t.tag) == case
+
+
+def _variant(d, dtype, causal, t=None):
+    return Variant("forward", "hopper", d, dtype, causal, t or tilings.choose_hopper(d, causal))
+
+
+# --- host side ----------------------------------------------------------------------------
+
+def _tile_image(monkeypatch, rows, D, nvalid, nt, e0):
+    """Run ``load_tile`` on the host for every thread of a block of ``nt``: returns the
+    elements it places, ``{smem element index: (row, column)}``, and the zero-filled ones."""
+    placed, zeros = {}, set()
+
+    def fake_copy(smem, so, src, gidx, nbytes):
+        for x in range(8):
+            assert so + x not in placed and so + x not in zeros, "two copies to one place"
+            if nbytes == 16:
+                placed[so + x] = divmod(gidx + x, 1000)  # (source rows 1000 elements apart)
+            else:
+                zeros.add(so + x)
+
+    monkeypatch.setattr(hf, "cp_async16", fake_copy)
+    for tid in range(nt):
+        hf.load_tile.py_func(None, e0, None, 0, 0, nvalid, 1000, rows, D // 8, tid, nt)
+    return placed, zeros
+
+
+def _canonical():
+    from test_numba_cuda_wgmma import _canonical as canonical
+
+    return canonical
+
+
+@pytest.mark.parametrize("rows,D,nvalid", [(128, 64, 128), (128, 128, 77), (64, 128, 64)])
+@pytest.mark.parametrize("pad", [0, 48])  # where the dynamic shared memory starts
+def test_tiles_read_back_through_the_descriptors(monkeypatch, rows, D, nvalid, pad):
+    """The copies place a ``rows x D`` tile as ``wgmma.tile_offset`` says (rows past
+    ``nvalid`` zero), from the aligned start whatever the array's own start; the kernel's
+    K-major descriptors (Q, K) and MN-major ones (V) read its k-steps back right."""
+    canonical = _canonical()
+    e0 = pad // 2 + 512  # the tile: 1024 bytes into the aligned region
+    placed, zeros = _tile_image(monkeypatch, rows, D, nvalid, 256, e0)
+    assert len(placed) + len(zeros) == rows * D
+    at = {rc: 2 * (i - pad // 2) for i, rc in placed.items()}  # bytes from the aligned start
+    for r in range(rows):
+        for c in range(D):
+            if r < nvalid:
+                assert at[r, c] == 1024 + w.tile_offset(r, c, rows, D, w.SWIZZLE_128B)
+    # K-major (S = Q Kᵀ, A and Bᵀ): 64-row sub-tiles from row 64 wg, 16 columns a k-step
+    for wg in range(rows // 64):
+        for kk in range(D // 16):
+            start = 1024 + 64 * wg * hf.LINE + hf.k_start.py_func(kk, rows)
+            for i in range(64):
+                for k in range(16):
+                    r, c = 64 * wg + i, 16 * kk + k
+                    if r < nvalid:
+                        assert canonical("k", 1, start, 16, hf.PATTERN, i, k) == at[r, c]
+    # MN-major (O += P V, B = V): k = the tile's rows, n = its columns
+    for kk in range(rows // 16):
+        start = 1024 + 16 * kk * hf.LINE
+        for k in range(16):
+            for n in range(D):
+                if 16 * kk + k < nvalid:
+                    assert canonical("mn", 1, start, rows * hf.LINE, hf.PATTERN, k, n) == \
+                        at[16 * kk + k, n]
+
+
+def test_p_registers_are_the_a_fragments():
+    """``pf[4 kk + r] = pack(s[8 kk + 2 r], s[8 kk + 2 r + 1])`` with ``s`` in wgmma's
+    accumulator order holds the A fragment of k-step ``kk`` of ``P V`` (wgmma.a_coords)."""
+    for t in range(128):
+        acc = w.acc_coords(t, 128)  # S of 128 keys: (row, key) of s[x]
+        frag = w.a_coords(t)  # (row, k) of A's 8 halves, register by register
+        for kk in range(8):
+            for r in range(4):
+                lo, hi = acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]
+                assert (lo[0], lo[1] - 16 * kk) == frag[2 * r]
+                assert (hi[0], hi[1] - 16 * kk) == frag[2 * r + 1]
+
+
+def test_tilings_and_variants():
+    for d, t, c in ALL:
+        v = _variant(d, t, c)
+        assert v.threads == 128 * v.tiles.warpgroups and v.block_m == 64 * v.tiles.warpgroups
+        assert v.smem_words * 4 <= tilings.SMEM_LIMIT[(9, 0)]
+        assert v.tag.startswith(f"attn_forward_wgmma_d{d}_")
+    with pytest.raises(ValueError):
+        Variant("dkdv", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 128))
+
+
+def _case(dtype="float16", D=64, **options):
+    from flashcore._checks import make_case
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 40, D)).astype(dtype) for _ in range(3))
+    full = {"window": None, "softcap": None, "alibi_slopes": None, "score_mod": None,
+            "mask_mod": None, "mod_args": (), "block_mask": None}
+    return make_case(q, k, v, causal=True, scale=None, layout="bhnd", explicit=True,
+                     options={**full, **options} if options else None)
+
+
+def test_the_launch_picks_it_only_where_it_should(monkeypatch):
+    monkeypatch.setattr(launch, "device_cc", lambda device: (9, 0))
+    case = _case()
+    monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
+    assert not launch.hopper_serves(case, 0)  # opt-in
+    monkeypatch.setenv(launch.HOPPER_ENV, "1")
+    assert launch.hopper_serves(case, 0)
+    assert not launch.hopper_serves(_case(D=32), 0)
+    assert not launch.hopper_serves(_case(window=(8, 0)), 0)
+    assert not launch.hopper_serves(_case(softcap=20.0), 0)
+    for cc in ((8, 0), (9, 1), (10, 0), (12, 0)):
+        monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)
+        assert not launch.hopper_serves(case, 0), cc
+
+
+# --- PTX for sm_90a, without a GPU --------------------------------------------------------
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Device helpers are typed against the current GPU's compute capability; without one,
+    answer 9.0 (the kernels are compiled for cc=(9, 0, "a"))."""
+    import numba.cuda.dispatcher as nd
+
+    monkeypatch.setattr(nd, "get_current_device",
+                        lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+
+
+@pytest.mark.parametrize("tiles,head_dim,dtype,causal", [
+    pytest.param(tt, d, t, c, id=f"{tt.tag}-D{d}-{t}-{'causal' if c else 'full'}",
+                 marks=() if _in_ci(tt, (d, t, c)) else pytest.mark.slow)
+    for tt in TILINGS for d, t, c in ALL])
+def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
+    from flashcore.backends.numba_cuda import driver
+    from numba import cuda
+    from test_numba_cuda_wgmma import _ptxas
+
+    v = _variant(head_dim, dtype, causal, tiles)
+    sig = launch.signature(v.entry, dtype)
+    try:
+        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
+                                  fastmath=driver.FASTMATH,
+                                  **driver.jit_options(v.launch_bounds))
+    except Exception as e:
+        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
+            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
+        raise
+    assert ".target sm_90a" in ptx
+    # k-steps of Q Kᵀ and of P V, written out (the overlapped schedule: twice, its first
+    # tile's S and its last tile's P V outside the loop)
+    copies = 2 if tiles.overlap else 1
+    n_ss, n_rs = copies * head_dim // 16, copies * tiles.block_n // 16
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert len(mma) == n_ss + n_rs, f"{len(mma)} wgmma (loops left rolled?)"
+    kind = "bf16" if dtype == "bfloat16" else "f16"
+    ss = [ln for ln in mma if ln.count("{") == 2]  # (RS: one brace more, A's registers)
+    rs = [ln for ln in mma if ln.count("{") == 3]
+    assert len(ss) == n_ss and len(rs) == n_rs
+    if tiles.overlap:  # S of the next tile waited for while P V runs
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    if tiles.min_blocks > 1:  # compiled for several blocks per SM, and they fit
+        assert re.search(rf"\.minnctapersm\s+{tiles.min_blocks}\b", ptx)
+        assert tilings.blocks_fit(v.smem_words, tiles.min_blocks, (9, 0))
+    assert all(f"m64n{v.tiles.block_n}k16.f32.{kind}.{kind}" in ln for ln in ss)
+    assert all(f"m64n{head_dim}k16.f32.{kind}.{kind}" in ln for ln in rs)
+    assert "fence.proxy.async.shared::cta;" in ptx
+    assert ".local" not in ptx, "register tiles went to local memory"
+    entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
+    assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
+    res = _ptxas(ptx, "sm_90a")
+    if res is None:
+        return
+    rc, report = res
+    assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
+
+
+# --- on an H100/H200 ----------------------------------------------------------------------
+
+def _gpu():
+    """torch, where a cc 9.0 GPU and the backend are there (else the test is skipped)."""
+    from flashcore.backends import numba_cuda
+
+    reason = numba_cuda.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wgmma forward needs compute capability 9.0 (H100/H200)")
+    return torch
+
+
+#: (B, Hq, Hkv, Nq, Nk, layout): tails (N not a multiple of 128), GQA 4:2, Nq != Nk both
+#: ways (Nq > Nk causal: rows that see no key), several tiles, both layouts.
+SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
+          (1, 2, 2, 333, 200, "bhnd"), (1, 2, 1, 1024, 1024, "bnhd"), (1, 1, 1, 1, 77, "bhnd")]
+
+
+@pytest.fixture(scope="module")
+def hopper_gpu():
+    """torch, once the variants the tests run (and the mma.sync forwards they compare with)
+    are compiled in parallel processes (numba's disk cache): one at a time here they would
+    take 15-20 s each."""
+    torch = _gpu()
+    from flashcore._warmup import compile_variants
+
+    ours = {_variant(d, t, c, tt) for tt, _, d, t, c in GPU_CASES}
+    mma = {launch.tc_variants(d, t, c, (9, 0), gpu=launch._gpu(0)[1])[0] for d, t, c in ALL}
+    compile_variants(sorted(ours | mma, key=lambda v: v.tag), 0)
+    return torch
+
+
+#: The table's tiling (the first candidate) on every shape, dtype, head dim and causal mode;
+#: the other candidates in bf16 on the first three shapes.
+GPU_CASES = [(tt, shape, d, t, c) for tt in TILINGS for shape in SHAPES for d, t, c in ALL
+             if tt == TILINGS[0] or (t == "bfloat16" and shape in SHAPES[:3])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles,shape,head_dim,dtype,causal", [
+    pytest.param(*x, id=f"{x[0].tag}-{'x'.join(map(str, x[1]))}-D{x[2]}-{x[3]}-"
+                        f"{'causal' if x[4] else 'full'}") for x in GPU_CASES])
+def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, dtype,
+                               causal):
+    torch = hopper_gpu
+    from helpers import TOL_FWD, oracle_forward, rel_err
+
+    import flashcore
+
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    monkeypatch.setenv(launch.HOPPER_ENV, "1")
+    monkeypatch.setitem(tilings.HOPPER_FORWARD, (head_dim, causal), tiles)
+    monkeypatch.setattr(launch, "_PLANS", {})  # (plans do not key on the wgmma tiling)
+    ran = []
+    real = launch.launch_forward
+
+    def spy(kern, *a, **kw):
+        ran.append(kern.name)
+        return real(kern, *a, **kw)
+
+    monkeypatch.setattr(launch, "launch_forward", spy)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(Nq * 7 + Nk + head_dim)
+
+    def t(h, n):
+        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
+        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
+
+    q, k, v = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk)
+    o, lse = flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
+                                         backend="numba_cuda")
+    assert ran == ["attn_forward_wgmma"], ran
+    torch.cuda.synchronize()
+    ref_o, ref_lse = oracle_forward(*(x.float().cpu().numpy() for x in (q, k, v)),
+                                    causal=causal, layout=layout)
+    e = rel_err(o.float().cpu().numpy(), ref_o)
+    assert e < TOL_FWD[dtype], f"o: {e}"
+    assert rel_err(lse.cpu().numpy(), ref_lse) < 1e-5
+
+    # and without the switch, the mma.sync kernel (plans keyed by it, chosen per call)
+    monkeypatch.delenv(launch.HOPPER_ENV)
+    o2, _ = flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
+                                        backend="numba_cuda")
+    assert ran[-1] == "attn_forward_tc", ran
+    assert rel_err(o2.float().cpu().numpy(), ref_o) < TOL_FWD[dtype]
