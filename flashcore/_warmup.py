@@ -88,8 +88,8 @@ def job(args):
         if dtype != "float32" and head_dim in tilings.HEAD_DIMS:
             variants += launch.tc_variants(head_dim, dtype, causal, cc, gpu=gpu)
             hop = launch.hopper_variant(head_dim, dtype, causal)
-            if hop is not None and cc == (9, 0) and os.environ.get(launch.HOPPER_ENV) == "1":
-                variants.append(hop)  # (the opt-in wgmma forward, where it would run)
+            if hop is not None and cc == (9, 0) and os.environ.get(launch.HOPPER_ENV) != "0":
+                variants.append(hop)  # (the wgmma forward, where it runs)
         for v in variants:
             launch.kernel(v, device)
         n += len(variants)

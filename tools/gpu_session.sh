@@ -21,7 +21,7 @@
 #           or not, SDPA beside) and varlen against padded calls (issue 15)
 #   wgmma   tools/wgmma_ceiling.py: the wgmma layouts checked against NumPy, then the wgmma
 #           and mma.sync ceilings from Numba (TFLOP/s); $WGMMA_ARGS (e.g. --check)
-#   hopper  tools/hopper_forward.py: the sm_90a wgmma forward (opt-in, FLASHCORE_HOPPER=1)
+#   hopper  tools/hopper_forward.py: the sm_90a wgmma forward (the default on cc 9.0; FLASHCORE_HOPPER=0 turns it off)
 #           checked against the mma.sync forward, then timed beside it and SDPA's flash and
 #           cuDNN backends (bf16, N=4096 and 16384); $HOPPER_ARGS (e.g. --quick)
 #   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink

@@ -38,8 +38,10 @@ _F64 = types.float64
 #: Environment switch: the tensor-core kernels serve fp16/bf16 by default;
 #: ``FLASHCORE_TENSOR_CORES=0`` selects the SIMT kernels instead.
 TC_ENV = "FLASHCORE_TENSOR_CORES"
-#: Environment switch: ``FLASHCORE_HOPPER=1`` lets the wgmma forward (hopper/) serve the
-#: forwards it can on an sm_90 GPU (opt-in until it has passed on one); read per call.
+#: Environment switch: the wgmma forward (hopper/) serves the forwards it can on an sm_90
+#: GPU by default (it passed on an H100 and is 1.05-1.36x faster than the mma.sync forward
+#: there: notes/hopper_forward_2026-11-24.md); ``FLASHCORE_HOPPER=0`` selects the mma.sync
+#: forward instead; read per call.
 HOPPER_ENV = "FLASHCORE_HOPPER"
 _TC_DTYPES = ("float16", "bfloat16")
 
@@ -157,11 +159,11 @@ def tc_serves(case, device, q, k, v, do=None) -> bool:
 
 def hopper_serves(case, device) -> bool:
     """Whether the wgmma forward (hopper/forward.py) takes a forward the tensor-core
-    kernels take (:func:`tc_serves` first): ``FLASHCORE_HOPPER=1``, compute capability
+    kernels take (:func:`tc_serves` first): unless ``FLASHCORE_HOPPER=0``, compute capability
     exactly 9.0 (wgmma is sm_90a only: numba-cuda builds a cc 9.x kernel for sm_9xa, and
     Blackwell has no wgmma), a head dim it is built for, and a dense call with no mask
     beyond causal (no window, softcap, ALiBi, user mods, varlen or KV cache)."""
-    if (SIMULATOR or os.environ.get(HOPPER_ENV, "0") != "1"
+    if (SIMULATOR or os.environ.get(HOPPER_ENV, "1") == "0"
             or case.head_dim not in tilings.HOPPER_HEAD_DIMS
             or device_cc(device) != (9, 0) or case.packed):
         return False

@@ -497,11 +497,14 @@ class HopperTiles:
         return 4 * self.warpgroups
 
 
-#: Per (head dim, causal): two warpgroups (128 query rows) and 128-key tiles, FlashAttention
-#: 3's block shape at head dim 128 (not tuned yet). Registers per thread: 64 fp32 of S,
-#: D / 2 of O, 32 of P's A fragments.
-HOPPER_FORWARD = {(64, False): HopperTiles(2, 128), (64, True): HopperTiles(2, 128),
-                  (128, False): HopperTiles(2, 128), (128, True): HopperTiles(2, 128)}
+#: Per (head dim, causal): two warpgroups (128 query rows) and FlashAttention 3's
+#: intra-warpgroup overlap, with 64-key tiles at head dim 64 and 128-key tiles at 128: the
+#: fastest of :data:`HOPPER_CANDIDATES` on an H100 (bf16, B=4 H=16 N=4096 and B=1 H=16
+#: N=16384, 2026-11-25): D=64 g2n64o 333-393 TFLOP/s (g2n128 262-317, g1n64ob2 311-341);
+#: D=128 g2n128o 330-429 (g2n128 338-421, g2n64o 317-388).
+HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles(2, 64, True),
+                  (128, False): HopperTiles(2, 128, True),
+                  (128, True): HopperTiles(2, 128, True)}
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
