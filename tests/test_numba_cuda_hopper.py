@@ -219,6 +219,9 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     assert all(f"m64n{head_dim}k16.f32.{kind}.{kind}" in ln for ln in rs)
     assert "fence.proxy.async.shared::cta;" in ptx
     assert ".local" not in ptx, "register tiles went to local memory"
+    from ptx_addresses import narrowed_addresses
+
+    assert narrowed_addresses(ptx) == []  # 64-bit addresses: tensors past 2^31 elements
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
     assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
     res = _ptxas(ptx, "sm_90a")
