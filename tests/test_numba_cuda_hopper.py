@@ -161,8 +161,15 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     assert launch.hopper_serves(case, 0)
     assert not launch.hopper_serves(_case(D=32), 0)
-    assert not launch.hopper_serves(_case(window=(8, 0)), 0)
-    assert not launch.hopper_serves(_case(softcap=20.0), 0)
+    # masks and score modifiers: the wgmma forward too (a mask_mod: without the overlap)
+    assert launch.hopper_serves(_case(window=(8, 0)), 0)
+    assert launch.hopper_serves(_case(softcap=20.0), 0)
+    plain = launch.hopper_variant(64, "float16", True)
+    assert plain.tiles.overlap
+    mm = launch.hopper_variant(64, "float16", True, user=pytypes.SimpleNamespace(
+        score_mod=None, mask_mod=lambda b, h, i, j: True))
+    assert not mm.tiles.overlap and mm.tiles.block_n == plain.tiles.block_n
+    assert launch.hopper_variant(64, "float16", True, packed="varlen") is None
     for cc in ((8, 0), (9, 1), (10, 0), (12, 0)):
         monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)
         assert not launch.hopper_serves(case, 0), cc
@@ -230,6 +237,64 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     rc, report = res
     assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
+
+
+def _mod_variants():
+    """Variants with masks and score modifiers (the table's tiling; a mask_mod's: one
+    without the overlap), one per kind, each on another head dim, dtype and causal mode."""
+    from flashcore.backends.numba_cuda.variant import UserMods
+    from test_numba_cuda_mods import _takes_all, prefix_lm, rel_bias
+
+    user = UserMods(_takes_all(rel_bias, 0, 2), _takes_all(prefix_lm, 1, 2),
+                    (("float32", 2), ("int64", 1)))
+    return [("window", dict(window=(200, 100)), 128, "bfloat16", True),
+            ("softcap", dict(softcap=20.0), 64, "float16", False),
+            ("alibi", dict(alibi=True), 128, "bfloat16", False),
+            ("alibi+cap", dict(alibi=True, softcap=30.0), 64, "bfloat16", True),
+            ("user", dict(user=user), 64, "bfloat16", False),
+            ("user+window", dict(user=user, window=(64, 0)), 128, "float16", True)]
+
+
+@pytest.mark.parametrize("which", [
+    pytest.param(i, id=name, marks=() if i < 3 else pytest.mark.slow)
+    for i, name in enumerate(["window", "softcap", "alibi", "alibi+cap", "user",
+                              "user+window"])])
+def test_ptx_sm90a_with_mods(sm90, which):
+    """The wgmma forward with masks and score modifiers compiles for sm_90a with the
+    launch's parameters, no local memory and (ptxas) no spills nor serialized wgmmas; a
+    mask_mod takes the schedule without the overlap."""
+    from flashcore.backends.numba_cuda import driver
+    from numba import cuda
+    from test_numba_cuda_wgmma import _ptxas
+
+    name, opts, d, dtype, causal = _mod_variants()[which]
+    v = launch.hopper_variant(d, dtype, causal, **opts)
+    user = opts.get("user")
+    assert not (user is not None and v.tiles.overlap), v.tag
+    sig = launch.signature(v.entry, dtype, user.args if user is not None else ())
+    try:
+        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
+                                  fastmath=driver.FASTMATH,
+                                  **driver.jit_options(v.launch_bounds))
+    except Exception as e:
+        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
+            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
+        raise
+    assert "wgmma.mma_async" in ptx
+    assert ".local" not in ptx, "register tiles went to local memory"
+    entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
+    assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
+    res = _ptxas(ptx, "sm_90a")
+    if res is None:
+        return
+    rc, report = res
+    assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
+    spilled = sum(map(int, re.findall(r"(\d+) bytes spill stores", report)))
+    # Two user mods reading two arrays, a window and head dim 128 (255 registers): a few
+    # registers go to the stack (64 bytes at ptxas 13.0; the mma.sync forward of the same
+    # variant spills 948 bytes); every other variant none.
+    assert spilled <= (64 if name == "user+window" else 0), (v.tag, report)
     assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
 
 
@@ -342,3 +407,57 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
                                         backend="numba_cuda")
     assert ran[-1] == "attn_forward_tc", ran
     assert rel_err(o2.float().cpu().numpy(), ref_o) < TOL_FWD[dtype]
+
+
+#: Masks and score modifiers on the wgmma forward (test_numba_cuda_mods' case format): the
+#: window, the softcap, ALiBi (alone and with the softcap), two user mods reading two arrays
+#: (with a window too), and a document mask_mod whose empty tiles are skipped, with and
+#: without a BlockMask.
+MOD_CASES = [
+    dict(B=2, Hq=4, Hkv=2, Nq=600, Nk=600, D=128, dtype="bfloat16", causal=True,
+         layout="bnhd", mods="", window=(200, 100)),
+    dict(B=1, Hq=4, Hkv=4, Nq=333, Nk=500, D=64, dtype="float16", causal=False,
+         layout="bhnd", mods="", softcap=20.0),
+    dict(B=1, Hq=4, Hkv=2, Nq=500, Nk=333, D=128, dtype="bfloat16", causal=False,
+         layout="bhnd", mods="", alibi=True),
+    dict(B=2, Hq=2, Hkv=1, Nq=400, Nk=400, D=64, dtype="bfloat16", causal=True,
+         layout="bnhd", mods="", alibi=True, softcap=30.0),
+    dict(B=1, Hq=4, Hkv=2, Nq=500, Nk=650, D=64, dtype="bfloat16", causal=False,
+         layout="bhnd", mods="rel+prefix"),
+    dict(B=1, Hq=4, Hkv=2, Nq=500, Nk=500, D=128, dtype="float16", causal=True,
+         layout="bhnd", mods="rel+prefix", window=(64, 0)),
+    dict(B=2, Hq=4, Hkv=4, Nq=900, Nk=900, D=128, dtype="bfloat16", causal=False,
+         layout="bhnd", mods="doc"),
+    dict(B=2, Hq=4, Hkv=4, Nq=900, Nk=900, D=64, dtype="float16", causal=True,
+         layout="bnhd", mods="doc", block_mask=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", MOD_CASES, ids=lambda c: "-".join(
+    f"{k}{v}" for k, v in c.items()).replace(" ", ""))
+def test_hopper_forward_with_mods_on_gpu(monkeypatch, c):
+    """The wgmma forward (that it ran is checked) with masks and score modifiers against
+    the float64 reference, forward and the backward that takes its lse."""
+    torch = _gpu()
+    from test_numba_cuda_mods import _check, _torch_case
+
+    import flashcore
+
+    monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
+    ran = []
+    real = launch.launch_forward
+
+    def spy(kern, *a, **kw):
+        ran.append(kern.name)
+        return real(kern, *a, **kw)
+
+    monkeypatch.setattr(launch, "launch_forward", spy)
+    (q, k, v, do), _, mods, opts = _torch_case(c, torch)
+    o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+    assert ran == ["attn_forward_wgmma"], ran
+    grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
+    torch.cuda.synchronize()
+    hq, hk, hv, hdo = (x.float().cpu().numpy() for x in (q, k, v, do))
+    _check(hq, hk, hv, hdo, c, mods, o.float().cpu().numpy(), lse.cpu().numpy(),
+           [g.float().cpu().numpy() for g in grads])

@@ -161,21 +161,23 @@ def hopper_serves(case, device) -> bool:
     """Whether the wgmma forward (hopper/forward.py) takes a forward the tensor-core
     kernels take (:func:`tc_serves` first): unless ``FLASHCORE_HOPPER=0``, compute capability
     exactly 9.0 (wgmma is sm_90a only: numba-cuda builds a cc 9.x kernel for sm_9xa, and
-    Blackwell has no wgmma), a head dim it is built for, and a dense call with no mask
-    beyond causal (no window, softcap, ALiBi, user mods, varlen or KV cache)."""
-    if (SIMULATOR or os.environ.get(HOPPER_ENV, "1") == "0"
-            or case.head_dim not in tilings.HOPPER_HEAD_DIMS
-            or device_cc(device) != (9, 0) or case.packed):
-        return False
-    m = mask_options(case)
-    return (m["window"] == () and m["softcap"] == 0.0 and not m["alibi"]
-            and m["user"] is None and m["packed"] == "")
+    Blackwell has no wgmma), a head dim it is built for, and a dense call (masks and score
+    modifiers included; varlen and KV-cache calls go to the mma.sync kernels)."""
+    return not (SIMULATOR or os.environ.get(HOPPER_ENV, "1") == "0"
+                or case.head_dim not in tilings.HOPPER_HEAD_DIMS
+                or device_cc(device) != (9, 0) or case.packed or packing(case) != "")
 
 
-def hopper_variant(head_dim, dtype, causal):
-    """The wgmma forward's variant of one case class, or None where it has no tiling."""
-    t = tilings.choose_hopper(head_dim, causal)
-    return None if t is None else Variant("forward", "hopper", head_dim, dtype, causal, t)
+def hopper_variant(head_dim, dtype, causal, window=(), softcap=0.0, alibi=False, user=None,
+                   packed="", split=False):
+    """The wgmma forward's variant of one case class (the mask options of
+    :func:`mask_options`), or None where it has no tiling."""
+    t = tilings.choose_hopper(head_dim, causal,
+                              user is not None and user.mask_mod is not None)
+    if t is None or packed or split:
+        return None
+    return Variant("forward", "hopper", head_dim, dtype, causal, t, window=window,
+                   softcap=softcap, alibi=alibi, user=user)
 
 
 def rows_aligned(view, sizes, elems=4) -> bool:
@@ -268,7 +270,7 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
         else:
             fam = [simt[0], simt[2], simt[3]]
         if hopper and direction == "forward":
-            fam = [hopper_variant(d, dt, c)]
+            fam = [hopper_variant(d, dt, c, **mask)]
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
     return plan
@@ -381,7 +383,9 @@ def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:
     block."""
     if tc_ok and tc_serves(case, device, q, k, v):
         if hopper_serves(case, device):
-            t = tilings.choose_hopper(case.head_dim, case.causal)
+            u = mask_options(case)["user"]
+            t = tilings.choose_hopper(case.head_dim, case.causal,
+                                      u is not None and u.mask_mod is not None)
             return t.block_m, t.block_n, t.warps
         t = (tilings.DECODE_TC if decodes(case) and not SIMULATOR
              else _tc_tiles("forward", case.head_dim, case.dtype, case.causal, device))

@@ -520,9 +520,16 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:
     return HOPPER_ALIGN + (t.block_m + 4 * t.block_n) * head_dim * 2
 
 
-def choose_hopper(head_dim: int, causal: bool) -> HopperTiles | None:
-    """The wgmma forward's tiling at ``head_dim``, or None where it has none."""
-    return HOPPER_FORWARD.get((head_dim, bool(causal)))
+#: The wgmma forward's tiling for variants with a mask_mod: a schedule without the overlap
+#: (an empty tile is skipped between its copies and the next tile's), v1's block shape.
+HOPPER_MASK_MOD = HopperTiles(2, 64)
+
+
+def choose_hopper(head_dim: int, causal: bool, mask_mod: bool = False) -> HopperTiles | None:
+    """The wgmma forward's tiling at ``head_dim`` (``mask_mod``: for a variant with one),
+    or None where it has none."""
+    t = HOPPER_FORWARD.get((head_dim, bool(causal)))
+    return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
 
 
 # --- the autotuner's cache: its candidates and its choices per GPU ------------------------

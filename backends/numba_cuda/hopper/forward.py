@@ -30,20 +30,34 @@ mbarrier pipelines instead of ``cp.async`` + ``bar.sync``, two warpgroups ping-p
 one's softmax hides under the other's GEMMs, and the softmax of tile ``j`` overlapped with
 ``Q K_{j+1}ᵀ`` inside a warpgroup. Each wgmma group here is waited for at once.
 
-Serves dense calls without masks beyond causal (no window, softcap, ALiBi, user mods,
-packed rows, split-KV): ``launch.hopper_serves`` sends every other call to the mma.sync
-kernels. Launch arguments are those of every forward (``launch.signature``), so the host
+Masks and score modifiers go through the seams as in the mma.sync forward (the same row
+functions on the same fragment layout): the window's key range and edge tiles, the softcap,
+ALiBi, the user's score_mod and mask_mod (tiles a mask_mod's classes leave empty are
+skipped: such variants take a schedule without the overlap, where a tile can be skipped
+between its copies). Dense rows only: packed rows and split-KV go to the mma.sync kernels
+(``launch.hopper_serves``). Launch arguments are those of every forward (``launch.signature``), so the host
 side is shared.
 """
 from __future__ import annotations
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, FLT_MIN, LOG2E, NEG_INF, SMEM_ALIGN
+from ..device.constants import DENSE, EMPTY, FLT_MIN, LOG2E, NEG_INF, PARTIAL, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, score, stat_rows
+from ..device.seams import (
+    class_key_range,
+    distance,
+    key_range,
+    score,
+    slope_of,
+    softcap,
+    stat_rows,
+    tile_class,
+    window_key_range,
+)
+from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     SWIZZLE_128B,
     acc_from_local,
@@ -60,7 +74,15 @@ from ..device.wgmma import (
     wgmma_wait_group_acc,
     zero_accumulators,
 )
-from ..tensor_core.forward import finish_row, rescale_row, softmax_row
+from ..tensor_core.forward import (
+    alibi_row,
+    alibi_side,
+    finish_row,
+    mask_row,
+    rescale_row,
+    softmax_row,
+    user_row,
+)
 from ..tensor_core.fragments import pack, store_frags
 from ..tilings import HOPPER_ALIGN
 
@@ -174,6 +196,40 @@ def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma
 
 
 @device_function
+def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h,
+                      tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
+                      LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES):
+    """:func:`softmax_tile` with the masks and score modifiers, in the mma.sync forward's
+    order: the softcap, ALiBi (warp ``w0``'s 16 rows for its linear form), the user's
+    score_mod, then the masks (causal, the window, the user's mask_mod where ``partial``)
+    on tiles that need them; each compile-time flag off leaves that step out, so a plain
+    variant compiles to :func:`softmax_tile`'s code."""
+    if CAP:  # (compile-time) raw scores s -> (c / scale) tanh(s scale / c)
+        for e in range(4 * NTILES):
+            s[e], _ = softcap(s[e], capr, rcapr, True)
+    ra = rb = float32(0.0)
+    if ALIBI:  # (compile-time) the distance bias, after the softcap
+        side, lin = alibi_side(n0, BN, w0, 16, causal_offset, slope, CAUSAL, LINEAR)
+        d0 = distance(i, n0 + 2 * tq, causal_offset)
+        ra = alibi_row(s, 0, d0, slope, side, lin, NTILES)
+        rb = alibi_row(s, 2, d0 + float32(8.0), slope, side, lin, NTILES)
+    if SMOD:  # (compile-time) the user's score_mod, after the softcap and ALiBi
+        user_row(s, 0, n0, i, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
+        user_row(s, 2, n0, i + 8, Nk, NTILES, tq, VALUE, margs, b, h, Nq, unit, sc)
+    # a diagonal, edge or tail tile; with a mask_mod, every partial tile
+    if partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
+        mask_row(s, 0, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq, partial,
+                 KEEPS, margs, b, h, Nq)
+        mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
+                 partial, KEEPS, margs, b, h, Nq)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI)
+    la = la * al0 + ps
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI)
+    lb = lb * al1 + ps
+    return ma, mb, la, lb, al0, al1
+
+
+@device_function
 def pack_p(BF16, pf, s, NP):
     """P rounded to the input dtype and packed in pairs: ``pf[4 kk + r]`` is register ``r``
     of k-step ``kk``'s A fragment (wgmma's accumulator order is mma.sync's C order, whose
@@ -199,14 +255,17 @@ def publish():
 
 def make_attn_forward_wgmma(var):
     """The forward kernel of variant ``var`` (family "hopper"): head dim 64 or 128, tiling
-    :class:`tilings.HopperTiles`, causal or not, fp16 or bf16."""
+    :class:`tilings.HopperTiles`, causal or not, fp16 or bf16, any masks and score
+    modifiers (a mask_mod: a tiling without the overlap)."""
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
-    if var.window or var.softcap or var.alibi or var.user is not None or var.packed \
-            or var.split:
-        raise ValueError(f"the wgmma forward takes no masks beyond causal, no packed rows "
-                         f"and no split-KV: {var.tag}")
+    if var.packed or var.split:
+        raise ValueError(f"the wgmma forward takes no packed rows and no split-KV: {var.tag}")
+    SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
+    if MMOD and t.overlap:
+        raise ValueError(f"a mask_mod's empty tiles are skipped in the schedule without the "
+                         f"overlap only: {var.tag}")
     BN = t.block_n
     BM, NT = t.block_m, t.threads
     CH = D // 8  # 16-byte chunks per row
@@ -225,6 +284,14 @@ def make_attn_forward_wgmma(var):
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
     OVERLAP = t.overlap  # the softmax of tile j under the P V wgmmas of tile j - 1
+    LEFT, RIGHT = var.bounds  # the window (-1: unbounded side)
+    WINDOW = bool(var.window)
+    CAP = bool(var.softcap)
+    CAP_C = float32(var.softcap) if CAP else float32(1.0)
+    ALIBI = var.alibi  # slopes in raw-score units here: slope / scale
+    # ALiBi's per-row part leaves the scores for the softmax (alibi_row) unless a score_mod
+    # must see the biased score
+    LINEAR = ALIBI and not SMOD
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -249,6 +316,14 @@ def make_attn_forward_wgmma(var):
         vbase = b * vsb + hk * vsh
         # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
         sl2 = float32(max(scale * LOG2E, FLT_MIN))
+        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
+        rcapr = float32(scale) / CAP_C
+        slope = slope_of(slopes, b, h, ssb, ssh, float32(1.0) / float32(scale), ALIBI)
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
+        unit = float32(1.0) / float32(scale)  # (SMOD) natural scores to raw ones
+        sc = float32(scale)
+        cbase = b * csb + h * csh  # (MMOD) this head's tile classes
 
         # the tiles start on a 1024-byte boundary of the shared state space
         raw = int64(smem_address(smem, 0))
@@ -257,7 +332,17 @@ def make_attn_forward_wgmma(var):
         el = pad >> 1  # its element index (copies)
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_tiles = (n_end + BN - 1) // BN
+        n_begin = 0
+        n_lo = 0
+        if WINDOW:  # (compile-time) the window's first tile and left edge too
+            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
+                                                            CAUSAL, LEFT, RIGHT)
+        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
+            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
+                                             n_end)
+        n_tiles = (n_end + BN - 1) // BN  # (n_begin is 0 here: plain variants keep this)
+        if WINDOW or MMOD:  # (compile-time)
+            n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         qa = at + Q_OFF + 64 * wg * LINE  # this warpgroup's 64 rows of Q
         s = cuda.local.array(NS, float32)
@@ -267,19 +352,22 @@ def make_attn_forward_wgmma(var):
         # running max (raw scores) and this thread's running sum of its two rows
         ma = mb = NEG_INF
         la = lb = float32(0.0)
-        i = q0 + 64 * wg + 16 * warp + g  # this thread's rows: i, i + 8
+        w0 = q0 + 64 * wg + 16 * warp  # this warp's 16 rows
+        i = w0 + g  # this thread's rows: i, i + 8
 
         if not OVERLAP:
             # groups in flight, oldest first: {Q, K0}, {V0}
             load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
             if n_tiles > 0:
-                load_tile(smem, el + K_OFF // 2, k, kbase, 0, Nk, ksn, BN, CH, tid, NT)
+                load_tile(smem, el + K_OFF // 2, k, kbase, n_begin, Nk, ksn, BN, CH, tid,
+                          NT)
             cp_async_commit()
             if n_tiles > 0:
-                load_tile(smem, el + V_OFF // 2, v, vbase, 0, Nk, vsn, BN, CH, tid, NT)
+                load_tile(smem, el + V_OFF // 2, v, vbase, n_begin, Nk, vsn, BN, CH, tid,
+                          NT)
             cp_async_commit()
             for it in range(n_tiles):
-                n0 = it * BN
+                n0 = n_begin + it * BN
                 buf = (it & 1) * KV_BYTES
                 cp_async_wait(1)  # Q and K[it] (V[it] may still be in flight)
                 publish()
@@ -295,13 +383,23 @@ def make_attn_forward_wgmma(var):
                               CH, tid, NT)
                 cp_async_commit()
 
+                # the tile's class under a mask_mod: an empty tile is skipped (its copies
+                # were issued above; the next tile's wait covers them, and its barrier the
+                # reuse of this tile's buffers), a full one takes no mask_mod
+                partial = MMOD
+                if MMOD:  # (compile-time)
+                    cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
+                    if cl == EMPTY:
+                        continue
+                    partial = cl == PARTIAL
                 sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
                                 at + K_OFF + buf, KSTEPS, BM, BN)
                 sacc = wgmma_wait_group_acc(0, sacc)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
-                                                        causal_offset, CAUSAL, NTILES, tq,
-                                                        ma, mb, la, lb, sl2)
+                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
+                    s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h, tq,
+                    ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES)
                 acc_to_local(acc, oa)
                 rescale(oa, al0, al1, DTILES)
                 acc = acc_from_local(oa, D)
@@ -322,13 +420,15 @@ def make_attn_forward_wgmma(var):
             # step it-1's wgmmas read, which every warpgroup waited for before it.
             load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
             if n_tiles > 0:
-                load_tile(smem, el + K_OFF // 2, k, kbase, 0, Nk, ksn, BN, CH, tid, NT)
+                load_tile(smem, el + K_OFF // 2, k, kbase, n_begin, Nk, ksn, BN, CH, tid,
+                          NT)
             cp_async_commit()  # {Q, K0}
             if n_tiles > 1:
-                load_tile(smem, el + (K_OFF + KV_BYTES) // 2, k, kbase, BN, Nk, ksn, BN, CH,
-                          tid, NT)
+                load_tile(smem, el + (K_OFF + KV_BYTES) // 2, k, kbase, n_begin + BN, Nk,
+                          ksn, BN, CH, tid, NT)
             if n_tiles > 0:
-                load_tile(smem, el + V_OFF // 2, v, vbase, 0, Nk, vsn, BN, CH, tid, NT)
+                load_tile(smem, el + V_OFF // 2, v, vbase, n_begin, Nk, vsn, BN, CH, tid,
+                          NT)
             cp_async_commit()  # {K1, V0}
             cp_async_wait(1)
             publish()
@@ -337,12 +437,13 @@ def make_attn_forward_wgmma(var):
                                 at + K_OFF, KSTEPS, BM, BN)
                 sacc = wgmma_wait_group_acc(0, sacc)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
-                                                        causal_offset, CAUSAL, NTILES, tq,
-                                                        ma, mb, la, lb, sl2)
+                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
+                    s, n_begin, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h,
+                    tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
+                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES)
                 pack_p(BF16, pf, s, NP)  # (O is still zero: nothing to rescale)
             for it in range(1, n_tiles):
-                n0 = it * BN
+                n0 = n_begin + it * BN
                 cp_async_wait(0)  # {K_it, V_it-1}
                 publish()
                 if it + 1 < n_tiles:
@@ -358,9 +459,10 @@ def make_attn_forward_wgmma(var):
                                at + V_OFF + ((it - 1) & 1) * KV_BYTES, PSTEPS, V_LBO)
                 sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
-                                                        causal_offset, CAUSAL, NTILES, tq,
-                                                        ma, mb, la, lb, sl2)
+                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
+                    s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h, tq,
+                    ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES)
                 acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)
                 acc_to_local(acc, oa)
                 rescale(oa, al0, al1, DTILES)
