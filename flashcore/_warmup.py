@@ -87,9 +87,12 @@ def job(args):
                     if not (causal and v.kernel == "preprocess")]
         if dtype != "float32" and head_dim in tilings.HEAD_DIMS:
             variants += launch.tc_variants(head_dim, dtype, causal, cc, gpu=gpu)
-            hop = launch.hopper_variant(head_dim, dtype, causal)
-            if hop is not None and cc == (9, 0) and os.environ.get(launch.HOPPER_ENV) != "0":
-                variants.append(hop)  # (the wgmma forward, where it runs)
+            if cc == (9, 0) and os.environ.get(launch.HOPPER_ENV) != "0":
+                # the wgmma forward and backward, where they run
+                names = ("forward",) + (("dkdv", "dq") if os.environ.get(
+                    launch.HOPPER_BWD_ENV) != "0" else ())
+                variants += [x for x in (launch.hopper_variant(head_dim, dtype, causal, n)
+                                         for n in names) if x is not None]
         for v in variants:
             launch.kernel(v, device)
         n += len(variants)

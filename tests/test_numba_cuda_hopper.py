@@ -137,7 +137,7 @@ def test_tilings_and_variants():
         assert v.smem_words * 4 <= tilings.SMEM_LIMIT[(9, 0)]
         assert v.tag.startswith(f"attn_forward_wgmma_d{d}_")
     with pytest.raises(ValueError):
-        Variant("dkdv", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 128))
+        Variant("preprocess", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 128))
 
 
 def _case(dtype="float16", D=64, **options):

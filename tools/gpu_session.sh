@@ -24,6 +24,9 @@
 #   hopper  tools/hopper_forward.py: the sm_90a wgmma forward (the default on cc 9.0; FLASHCORE_HOPPER=0 turns it off)
 #           checked against the mma.sync forward, then timed beside it and SDPA's flash and
 #           cuDNN backends (bf16, N=4096 and 16384); $HOPPER_ARGS (e.g. --quick)
+#   hopper_bwd  tools/hopper_backward.py: the sm_90a wgmma backward (FLASHCORE_HOPPER_BWD=0
+#           turns it off) checked against the mma.sync backward, then forward+backward
+#           timed beside SDPA's flash and cuDNN backends; $HOPPER_BWD_ARGS (e.g. --quick)
 #   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink
 #           multicast off): ring attention against one GPU, then the scaling table
 #           ($RING_ARGS); on nvidia-h200-x2
@@ -39,7 +42,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper"
+STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -205,6 +208,11 @@ stage_hopper() {
       python3 tools/hopper_forward.py ${HOPPER_ARGS:-}
 }
 
+stage_hopper_bwd() {
+  HOPPER_BWD_JSON=$FILES/hopper_bwd.json timeout "${HOPPER_BWD_TIMEOUT:-400}" \
+      python3 tools/hopper_backward.py ${HOPPER_BWD_ARGS:-}
+}
+
 stage_ring() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   precompile
@@ -223,6 +231,8 @@ result() {  # one line for the summary table
   ring)  grep -hE "^N=" "$log" | tail -1 ;;
   hopper) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                "$(grep -cE '^check .*: FAIL' "$log") failed (hopper.json)" ;;
+  hopper_bwd) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
+                   "$(grep -cE '^check .*: (FAIL|ERROR)' "$log") failed (hopper_bwd.json)" ;;
   wgmma) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
               "$(grep -cE '^check .*: (FAIL|ERROR)' "$log") failed; best:" \
               "$(grep -E '^ceiling wgmma' "$log" |

@@ -3,8 +3,8 @@ and the launches on the caller's stream.
 
 A launch goes (case, buffers) -> plan -> :class:`driver.Prepared` kernels -> launch. The
 plan picks the family: the tensor-core kernels (``tensor_core/``) for fp16/bf16 where
-:func:`tc_serves` (the forward: the wgmma kernel, ``hopper/``, where also
-:func:`hopper_serves`), else the SIMT kernels (``simt/``), whose tiles stream by cp.async for
+:func:`tc_serves` (the wgmma kernels, ``hopper/``, where also :func:`hopper_serves`, and
+for the backward :func:`hopper_bwd_serves`), else the SIMT kernels (``simt/``), whose tiles stream by cp.async for
 fp32 rows that are 16-byte aligned; it is cached per kind of call (:data:`_PLANS`), so a
 repeated call only looks it up. Both families take the same launch arguments. Buffers are
 ``(handle, strides)`` views: an address (on the GPU) or a flat NumPy array (under the
@@ -22,6 +22,7 @@ from . import tilings
 from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
+from .hopper import backward as _hop_bwd
 from .hopper import forward as _hop_fwd
 from .simt import backward as _simt_bwd
 from .simt import cache as _simt_cache
@@ -43,6 +44,10 @@ TC_ENV = "FLASHCORE_TENSOR_CORES"
 #: there: notes/hopper_forward_2026-11-24.md); ``FLASHCORE_HOPPER=0`` selects the mma.sync
 #: forward instead; read per call.
 HOPPER_ENV = "FLASHCORE_HOPPER"
+#: Environment switch of the wgmma backward alone (hopper/backward.py): it serves where the
+#: wgmma forward would (so ``FLASHCORE_HOPPER=0`` turns both off); ``FLASHCORE_HOPPER_BWD=0``
+#: keeps the mma.sync backward while the wgmma forward serves; read per call.
+HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
 _TC_DTYPES = ("float16", "bfloat16")
 
 #: (family, kernel) -> factory of the Python kernel function of a variant
@@ -55,6 +60,8 @@ FACTORIES = {
     ("tensor_core", "dkdv"): _tc_bwd.make_attn_backward_dkdv_tc,
     ("tensor_core", "dq"): _tc_bwd.make_attn_backward_dq_tc,
     ("hopper", "forward"): _hop_fwd.make_attn_forward_wgmma,
+    ("hopper", "dkdv"): _hop_bwd.make_attn_backward_dkdv_wgmma,
+    ("hopper", "dq"): _hop_bwd.make_attn_backward_dq_wgmma,
     ("simt", "merge"): _simt_cache.make_attn_merge_splits,
     ("simt", "append"): _simt_cache.make_cache_append,
 }
@@ -168,15 +175,30 @@ def hopper_serves(case, device) -> bool:
                 or device_cc(device) != (9, 0) or case.packed or packing(case) != "")
 
 
-def hopper_variant(head_dim, dtype, causal, window=(), softcap=0.0, alibi=False, user=None,
-                   packed="", split=False):
-    """The wgmma forward's variant of one case class (the mask options of
-    :func:`mask_options`), or None where it has no tiling."""
-    t = tilings.choose_hopper(head_dim, causal,
-                              user is not None and user.mask_mod is not None)
-    if t is None or packed or split:
+def hopper_bwd_serves(case, device) -> bool:
+    """Whether the wgmma dK/dV and dQ kernels (hopper/backward.py) take a backward the
+    tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
+    for calls with no mask beyond causal (masks and score modifiers: the mma.sync
+    backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
+    if os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device):
+        return False
+    m = mask_options(case)
+    return m["window"] == () and m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None
+
+
+def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
+                   alibi=False, user=None, packed="", split=False):
+    """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
+    options of :func:`mask_options`: the forward takes them all but packed rows and
+    split-KV, the backward none), or None where it has no tiling."""
+    masked = bool(window) or bool(softcap) or alibi or user is not None
+    if packed or split or (kernel != "forward" and masked):
         return None
-    return Variant("forward", "hopper", head_dim, dtype, causal, t, window=window,
+    t = tilings.choose_hopper(head_dim, causal, kernel,
+                              user is not None and user.mask_mod is not None)
+    if t is None:
+        return None
+    return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user)
 
 
@@ -250,7 +272,7 @@ _PLANS: dict = {}
 def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False):
     """``(forward kernel, block_m)`` or ``(preprocess, threads, dkdv, block_m, dq,
     block_m)`` for one kind of call (``split``: the split-KV forward; ``hopper``: the
-    wgmma forward, :func:`hopper_serves`)."""
+    wgmma kernels, :func:`hopper_serves` / :func:`hopper_bwd_serves`)."""
     mask = mask_options(case)
     if split:
         mask["split"] = True
@@ -269,8 +291,9 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
                               **mask)
         else:
             fam = [simt[0], simt[2], simt[3]]
-        if hopper and direction == "forward":
-            fam = [hopper_variant(d, dt, c, **mask)]
+        if hopper:
+            fam = ([hopper_variant(d, dt, c, **mask)] if direction == "forward" else
+                   [hopper_variant(d, dt, c, "dkdv"), hopper_variant(d, dt, c, "dq")])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
     return plan
@@ -384,7 +407,7 @@ def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:
     if tc_ok and tc_serves(case, device, q, k, v):
         if hopper_serves(case, device):
             u = mask_options(case)["user"]
-            t = tilings.choose_hopper(case.head_dim, case.causal,
+            t = tilings.choose_hopper(case.head_dim, case.causal, "forward",
                                       u is not None and u.mask_mod is not None)
             return t.block_m, t.block_n, t.warps
         t = (tilings.DECODE_TC if decodes(case) and not SIMULATOR
@@ -453,13 +476,16 @@ def run_append(case, device, stream, src, dst, seqlens, table, page):
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None,
                  slopes=None, margs=None, classes=None, packed=None):
     """Launch the preprocess kernel, then the dK/dV and dQ kernels (tensor-core ones where
-    :func:`tc_serves`, as in :func:`run_forward`). Arrays are (handle, strides) pairs; lse
+    :func:`tc_serves`, wgmma ones where also :func:`hopper_bwd_serves`, as in
+    :func:`run_forward`). Arrays are (handle, strides) pairs; lse
     has three strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch
     buffer ((Hq, total_q) for varlen, whose preprocess runs over the packed rows as one
     batch entry)."""
     tc = tiles is None and tc_serves(case, device, q, k, v, do)
+    hop = tc and hopper_bwd_serves(case, device)
     pre, pt, dkdv, dkdv_bm, dqk, dq_bm = _plan(
-        "backward", case, device, tiles, _fp32_rows_aligned(case, q, k, v, do), tc)
+        "backward", case, device, tiles, _fp32_rows_aligned(case, q, k, v, do), tc,
+        hopper=hop)
     B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
     if case.varlen is not None:
         B, Nq = 1, case.varlen.total_q

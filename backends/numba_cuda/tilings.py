@@ -452,9 +452,10 @@ HOPPER_HEAD_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class HopperTiles:
-    """The wgmma forward's tiling: ``warpgroups`` consumer warpgroups of 128 threads own 64
-    query rows each (``block_m = 64 * warpgroups``); keys stream through in tiles of
-    ``block_n`` (one m64nNk16 per k-step of S = Q Kᵀ, N = ``block_n``). ``overlap``:
+    """A wgmma kernel's tiling: ``warpgroups`` consumer warpgroups of 128 threads own 64
+    rows each (``block_m = 64 * warpgroups``: query rows in the forward and dQ kernels,
+    keys in the dK/dV kernel); the other side streams through in tiles of ``block_n``
+    (one m64nNk16 per k-step of S = Q Kᵀ, or of Sᵀ = K Qᵀ, N = ``block_n``). ``overlap``:
     FlashAttention 3's intra-warpgroup schedule (the softmax of one key tile runs while the
     P V wgmmas of the one before it do; one barrier per tile instead of two).
     ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
@@ -467,9 +468,9 @@ class HopperTiles:
     min_blocks: int = 1
 
     def __post_init__(self):
-        if (self.warpgroups not in (1, 2) or self.block_n not in (64, 128, 192, 256)
+        if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
                 or self.min_blocks not in (1, 2, 3)):
-            raise ValueError(f"warpgroups must be 1 or 2, block_n 64, 128, 192 or 256, "
+            raise ValueError(f"warpgroups must be 1 or 2, block_n 32, 64, 128, 192 or 256, "
                              f"min_blocks 1, 2 or 3: {self}")
 
     @property
@@ -513,22 +514,45 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(1, 64, True, 2))
 
 
-def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:
-    """Shared memory of the wgmma forward: Q (``block_m`` rows), K and V double-buffered
-    (``block_n`` rows each), 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to align the
-    dynamic shared memory's start at run time."""
-    return HOPPER_ALIGN + (t.block_m + 4 * t.block_n) * head_dim * 2
+#: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): dK/dV
+#: blocks of 128 keys (two warpgroups) and query steps of 64 at D=64, 32 at D=128 (there dK
+#: and dV hold 128 accumulator registers per thread, and steps of 64 spill or make ptxas
+#: serialize wgmmas at 255 registers); dQ blocks of 128 queries and key steps of 128 at
+#: D=64, 64 at D=128. Not yet timed (:data:`HOPPER_BWD_CANDIDATES`).
+HOPPER_DKDV = {(64, False): HopperTiles(2, 64), (64, True): HopperTiles(2, 64),
+               (128, False): HopperTiles(2, 32), (128, True): HopperTiles(2, 32)}
+HOPPER_DQ = {(64, False): HopperTiles(2, 128), (64, True): HopperTiles(2, 128),
+             (128, False): HopperTiles(2, 64), (128, True): HopperTiles(2, 64)}
+#: Per head dim, (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against each other
+#: (the table's first).
+HOPPER_BWD_CANDIDATES = {
+    64: ((HopperTiles(2, 64), HopperTiles(2, 128)), (HopperTiles(2, 32), HopperTiles(2, 64)),
+         (HopperTiles(1, 64), HopperTiles(1, 128))),
+    128: ((HopperTiles(2, 32), HopperTiles(2, 64)), (HopperTiles(2, 32), HopperTiles(2, 128)),
+          (HopperTiles(1, 32), HopperTiles(1, 64))),
+}
+_HOPPER_TABLES = {"forward": HOPPER_FORWARD, "dkdv": HOPPER_DKDV, "dq": HOPPER_DQ}
+
+
+def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") -> int:
+    """Shared memory of a wgmma kernel, 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
+    align the dynamic shared memory's start at run time: the forward, Q (``block_m`` rows)
+    and K and V double-buffered (``block_n`` rows each); dK/dV, K and V (``block_m``) and
+    Q and dO double-buffered; dQ, Q and dO and K and V double-buffered."""
+    rows = t.block_m + 4 * t.block_n if kernel == "forward" else 2 * t.block_m + 4 * t.block_n
+    return HOPPER_ALIGN + rows * head_dim * 2
 
 
 #: The wgmma forward's tiling for variants with a mask_mod: a schedule without the overlap
-#: (an empty tile is skipped between its copies and the next tile's), v1's block shape.
+#: (an empty tile is skipped between its copies and the next tile's).
 HOPPER_MASK_MOD = HopperTiles(2, 64)
 
 
-def choose_hopper(head_dim: int, causal: bool, mask_mod: bool = False) -> HopperTiles | None:
-    """The wgmma forward's tiling at ``head_dim`` (``mask_mod``: for a variant with one),
-    or None where it has none."""
-    t = HOPPER_FORWARD.get((head_dim, bool(causal)))
+def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
+                  mask_mod: bool = False) -> HopperTiles | None:
+    """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
+    (``mask_mod``: of a forward with one), or None where it has none."""
+    t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
     return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
 
 

@@ -60,7 +60,7 @@ class Variant:
     """One compiled kernel.
 
     ``tiles`` is a :class:`tilings.Tiles` (simt), a :class:`tilings.TCTiles`
-    (tensor_core), a :class:`tilings.HopperTiles` (hopper: the sm_90a wgmma forward), or the thread count of the preprocess kernel. ``streamed`` (simt fp32
+    (tensor_core), a :class:`tilings.HopperTiles` (hopper: the sm_90a wgmma forward and backward), or the thread count of the preprocess kernel. ``streamed`` (simt fp32
     only): K and V (forward, dQ) or Q and dO (dK/dV) arrive by 16-byte ``cp.async`` copies
     and are stored as rows (``tilings.streams``).
     """
@@ -97,8 +97,8 @@ class Variant:
             raise ValueError(f"family={self.family!r} is not one of {FAMILIES}")
         if self.family == "tensor_core" and self.kernel in ELEMENTWISE:
             raise ValueError(f"the {self.kernel} kernel has no tensor-core form")
-        if self.family == "hopper" and self.kernel != "forward":
-            raise ValueError(f"the {self.kernel} kernel has no wgmma (hopper) form yet")
+        if self.family == "hopper" and self.kernel not in ("forward", "dkdv", "dq"):
+            raise ValueError(f"the {self.kernel} kernel has no wgmma (hopper) form")
         if self.packed not in PACKINGS:
             raise ValueError(f"packed={self.packed!r} is not one of {PACKINGS}")
 
@@ -133,7 +133,7 @@ class Variant:
         if self.kernel in ELEMENTWISE:
             return 0
         if self.family == "hopper":
-            return tilings.hopper_smem_bytes(self.tiles, self.head_dim) // 4
+            return tilings.hopper_smem_bytes(self.tiles, self.head_dim, self.kernel) // 4
         if self.family == "tensor_core":
             return tilings.smem_elements(self.kernel, self.tiles, self.head_dim) // 2
         layout = {"forward": tilings.forward_layout, "dkdv": tilings.dkdv_layout,

@@ -1,0 +1,437 @@
+"""The sm_90a backward with wgmma (backends/numba_cuda/hopper/backward.py).
+
+- Host side (any machine with numba-cuda): the kernels' elementwise step, run per thread of
+  a warpgroup on score tiles laid out as wgmma's accumulators (``wgmma.acc_coords``), gives
+  Pᵀ and dSᵀ (dK/dV kernel: lse and delta per query column, the causal mask on diagonal
+  steps, queries past Nq and rows that see no key at P = 0) and P and dS (dQ kernel: keys
+  past Nk masked) as NumPy does; tilings, variants and the launch's choice. Their operand
+  layouts are the forward's (test_numba_cuda_hopper.py reads them back through the
+  descriptors), and the register tiles are the A fragments as P is there.
+- Without a GPU: every variant compiles for sm_90a with the expected wgmma counts, no local
+  memory, the launch's parameter list; where ptxas is installed it assembles them with no
+  spills and no injected warpgroup.arrive (C7519).
+- On an H100/H200 (marked ``gpu``, cc 9.0 only): the wgmma backward in the table's tilings
+  on every case, and in each other candidate pair on a few (that its two kernels ran is
+  checked), against the float64 oracle, outputs poisoned first (conftest); then the
+  mma.sync backward with FLASHCORE_HOPPER_BWD=0 on the same inputs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import types as pytypes
+
+import numpy as np
+import pytest
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
+HAVE = not SIM and importlib.util.find_spec("numba_cuda") is not None
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
+                       reason="numba-cuda is not installed"),
+    pytest.mark.skipif(SIM, reason="wgmma has no CUDA-simulator form"),
+]
+
+if HAVE:
+    from flashcore.backends.numba_cuda import launch, tilings
+    from flashcore.backends.numba_cuda.device import prologue, seams
+    from flashcore.backends.numba_cuda.device import wgmma as w
+    from flashcore.backends.numba_cuda.hopper import backward as hb
+    from flashcore.backends.numba_cuda.variant import Variant
+
+KERNELS = ("dkdv", "dq")
+#: Every (kernel, head dim, dtype, causal) of the table; CI compiles one per kernel, head
+#: dim and causal mode (both dtypes among them), the others are marked slow.
+ALL = [(n, d, t, c) for n in KERNELS for d in (64, 128) for t in ("bfloat16", "float16")
+       for c in (False, True)] if HAVE else []
+CI = {("dkdv", 64, "bfloat16", True), ("dkdv", 128, "float16", False),
+      ("dq", 64, "float16", False), ("dq", 128, "bfloat16", True)}
+
+
+def _variant(kernel, d, dtype, causal, t=None):
+    return Variant(kernel, "hopper", d, dtype, causal,
+                   t or tilings.choose_hopper(d, causal, kernel))
+
+
+def _candidates():
+    """``(kernel, tiles, head dim)`` of every candidate tiling not in the table."""
+    out = set()
+    for d, pairs in tilings.HOPPER_BWD_CANDIDATES.items():
+        for pair in pairs:
+            for n, t in zip(KERNELS, pair):
+                if t not in (tilings.choose_hopper(d, c, n) for c in (False, True)):
+                    out.add((n, t, d))
+    return sorted(out, key=lambda x: (x[0], x[2], x[1].tag))
+
+
+# --- host side ----------------------------------------------------------------------------
+
+@pytest.fixture
+def on_host(monkeypatch):
+    """The helpers the elementwise step calls, as plain Python."""
+    monkeypatch.setattr(hb, "query_stats", prologue.query_stats.py_func)
+    monkeypatch.setattr(hb, "hides", seams.hides.py_func)
+    monkeypatch.setattr(seams, "hides", seams.hides.py_func)
+    monkeypatch.setattr(hb, "visible", seams.visible.py_func)
+
+
+def _reference(s, lse, dp, delta, scale, seen):
+    """P and dS of a score tile ``s`` (queries x keys) by the rule: P = exp(s scale - lse)
+    where ``seen``, else 0 (lse -inf: 0)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(seen & np.isfinite(lse)[:, None],
+                     np.exp(s * scale - np.where(np.isfinite(lse), lse, 0)[:, None]), 0.0)
+    return p, p * (dp - delta[:, None])
+
+
+@pytest.mark.parametrize("preload", [True, False])
+@pytest.mark.parametrize("BN", [32, 64])
+@pytest.mark.parametrize("step", ["inner", "diagonal", "tail"])
+def test_dkdv_step_on_the_host(on_host, preload, BN, step):
+    """Sᵀ and dPᵀ in wgmma's accumulator layout (one warpgroup's 64 keys x ``BN`` queries)
+    become Pᵀ and dSᵀ as the rule says: per query column its lse and delta (strided lse, a
+    row that sees no key has lse -inf), the causal mask on a diagonal step, P = 0 past Nq."""
+    rng = np.random.default_rng(BN)
+    scale = 0.125
+    k0 = 64  # the warpgroup's keys k0 .. k0 + 63
+    m = {"inner": 192, "diagonal": 64, "tail": 224}[step]  # the step's first query
+    Nq = 256 if step != "tail" else 224 + BN // 2
+    causal_offset = 0
+    s = rng.standard_normal((64, BN)).astype(np.float32) * 4  # keys x queries
+    dp = rng.standard_normal((64, BN)).astype(np.float32)
+    lse = (rng.standard_normal(Nq + BN) * 2 + 3).astype(np.float32)
+    lse[m + 5] = -np.inf  # a row that sees no key
+    delta = rng.standard_normal(Nq + BN).astype(np.float32)
+    lsn, lbase, dbase = 3, 7, 11  # lse strided, both offset
+    lse_buf = np.full(lbase + lsn * (Nq + BN), np.nan, np.float32)
+    lse_buf[lbase::lsn][:Nq + BN] = lse
+    delta_buf = np.full(dbase + Nq + BN, np.nan, np.float32)
+    delta_buf[dbase:] = delta
+    sl2 = np.float32(scale * math.log2(math.e))
+    mask = step == "diagonal"
+    out_p = np.full((64, BN), np.nan)
+    out_ds = np.full((64, BN), np.nan)
+    NT = BN // 8
+    for t in range(128):
+        coords = w.acc_coords(t, BN)
+        sv = np.array([s[r, c] for r, c in coords], np.float32)
+        dv = np.array([dp[r, c] for r, c in coords], np.float32)
+        warp, g, tq = t // 32, (t % 32) // 4, t % 4
+        j0 = k0 + 16 * warp + g
+        ls = np.zeros(BN // 4, np.float32)
+        dl = np.zeros(BN // 4, np.float32)
+        if preload:
+            hb.column_stats.py_func(ls, dl, lse_buf, delta_buf, lbase, lsn, dbase, m, Nq, NT, tq)
+        hb.probs_t.py_func(sv, ls, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, j0,
+                           causal_offset, sl2, mask, True, preload, NT, tq)
+        hb.grads_t.py_func(sv, dv, dl, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, preload,
+                           NT, tq)
+        for x, (r, c) in enumerate(coords):
+            out_p[r, c], out_ds[r, c] = sv[x], dv[x]
+    qi = m + np.arange(BN)
+    kj = k0 + np.arange(64)
+    seen = (qi[:, None] < Nq) & (kj[None, :] <= qi[:, None] + causal_offset)
+    if not mask:  # (inner and tail steps lie wholly below the diagonal)
+        assert seen[qi < Nq].all()
+    lq = np.where(qi < Nq, lse[qi], np.inf)
+    p, ds = _reference(s.T.astype(np.float64), lq, dp.T.astype(np.float64),
+                       np.where(qi < Nq, delta[qi], 0.0), scale, seen)
+    np.testing.assert_allclose(out_p, p.T, rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(out_ds, ds.T, rtol=1e-5, atol=1e-6)
+    assert (out_p[:, 5] == 0).all()  # the row that sees no key
+    if step == "tail":
+        assert (out_p[:, Nq - m:] == 0).all()
+
+
+@pytest.mark.parametrize("BN", [64, 128])
+@pytest.mark.parametrize("mask", [False, True])
+def test_dq_step_on_the_host(on_host, BN, mask):
+    """S and dP in wgmma's accumulator layout (64 query rows x ``BN`` keys) become P and dS:
+    per row its lse and delta; with the mask (a diagonal or tail tile, bottom-right causal
+    with Nq != Nk) keys past Nk or after the diagonal get P = 0."""
+    rng = np.random.default_rng(BN + mask)
+    scale = 0.09
+    n0, q0 = 128, 64
+    Nk = n0 + BN - 7 if mask else 1024
+    causal_offset = 70 if mask else 4096  # (unmasked: every key of the tile is seen)
+    s = rng.standard_normal((64, BN)).astype(np.float32) * 4  # queries x keys
+    dp = rng.standard_normal((64, BN)).astype(np.float32)
+    lse = (rng.standard_normal(64) * 2 + 3).astype(np.float32)
+    delta = rng.standard_normal(64).astype(np.float32)
+    sl2 = np.float32(scale * math.log2(math.e))
+    out_p = np.full((64, BN), np.nan)
+    out_ds = np.full((64, BN), np.nan)
+    for t in range(128):
+        coords = w.acc_coords(t, BN)
+        sv = np.array([s[r, c] for r, c in coords], np.float32)
+        dv = np.array([dp[r, c] for r, c in coords], np.float32)
+        warp, g, tq = t // 32, (t % 32) // 4, t % 4
+        r0 = 16 * warp + g
+        for base, r in ((0, r0), (2, r0 + 8)):
+            ls, dl = prologue.query_stats.py_func(lse, delta, r, r, True)
+            hb.probs_row.py_func(sv, base, ls, n0, q0 + r, Nk, causal_offset, sl2, mask,
+                                 True, BN // 8, tq)
+            hb.grads_row.py_func(sv, dv, base, dl, BN // 8)
+        for x, (r, c) in enumerate(coords):
+            out_p[r, c], out_ds[r, c] = sv[x], dv[x]
+    qi = q0 + np.arange(64)
+    kj = n0 + np.arange(BN)
+    seen = (kj[None, :] < Nk) & (kj[None, :] <= qi[:, None] + causal_offset)
+    if mask:
+        assert not seen.all() and seen.any()
+    p, ds = _reference(s.astype(np.float64), lse.astype(np.float64), dp.astype(np.float64),
+                       delta.astype(np.float64), scale, seen)
+    np.testing.assert_allclose(out_p, p, rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(out_ds, ds, rtol=1e-5, atol=1e-6)
+
+
+def test_tilings_and_variants():
+    for n, d, t, c in ALL:
+        v = _variant(n, d, t, c)
+        assert v.threads == 128 * v.tiles.warpgroups and v.block_m == 64 * v.tiles.warpgroups
+        assert v.smem_words * 4 == tilings.HOPPER_ALIGN + (2 * v.block_m
+                                                           + 4 * v.tiles.block_n) * d * 2
+        assert v.smem_words * 4 <= tilings.SMEM_LIMIT[(9, 0)]
+        assert v.tag.startswith(f"attn_backward_{n}_wgmma_d{d}_")
+        assert launch.hopper_variant(d, t, c, n) == v
+    for n, t, d in _candidates():
+        assert _variant(n, d, "bfloat16", False, t).smem_words * 4 <= tilings.SMEM_LIMIT[(9, 0)]
+    with pytest.raises(ValueError):
+        Variant("preprocess", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 64))
+    with pytest.raises(ValueError):  # no overlapped schedule in the backward
+        launch.build(_variant("dq", 64, "bfloat16", False, tilings.HopperTiles(2, 64, True)))
+    with pytest.raises(ValueError):
+        launch.build(Variant("dkdv", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 64),
+                             window=(8, 0)))
+
+
+def _case(dtype="float16", D=64, **options):
+    from flashcore._checks import make_case
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 40, D)).astype(dtype) for _ in range(3))
+    full = {"window": None, "softcap": None, "alibi_slopes": None, "score_mod": None,
+            "mask_mod": None, "mod_args": (), "block_mask": None}
+    return make_case(q, k, v, causal=True, scale=None, layout="bhnd", explicit=True,
+                     options={**full, **options} if options else None)
+
+
+def test_the_launch_picks_it_only_where_it_should(monkeypatch):
+    monkeypatch.setattr(launch, "device_cc", lambda device: (9, 0))
+    case = _case()
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.hopper_bwd_serves(case, 0)  # by default
+    monkeypatch.setenv(launch.HOPPER_BWD_ENV, "0")
+    assert not launch.hopper_bwd_serves(case, 0)
+    assert launch.hopper_serves(case, 0)  # (the forward stays)
+    monkeypatch.setenv(launch.HOPPER_BWD_ENV, "1")
+    monkeypatch.setenv(launch.HOPPER_ENV, "0")  # turns both off
+    assert not launch.hopper_bwd_serves(case, 0)
+    monkeypatch.delenv(launch.HOPPER_ENV)
+    assert not launch.hopper_bwd_serves(_case(D=32), 0)
+    assert not launch.hopper_bwd_serves(_case(window=(8, 0)), 0)
+    assert not launch.hopper_bwd_serves(_case(softcap=20.0), 0)
+    for cc in ((8, 0), (9, 1), (10, 0)):
+        monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)
+        assert not launch.hopper_bwd_serves(case, 0), cc
+
+
+# --- PTX for sm_90a, without a GPU --------------------------------------------------------
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Device helpers are typed against the current GPU's compute capability; without one,
+    answer 9.0 (the kernels are compiled for cc=(9, 0, "a"))."""
+    import numba.cuda.dispatcher as nd
+
+    monkeypatch.setattr(nd, "get_current_device",
+                        lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+
+
+def _ptx_cases():
+    out = [pytest.param(n, None, d, t, c, id=f"{n}-D{d}-{t}-{'causal' if c else 'full'}",
+                        marks=() if (n, d, t, c) in CI else pytest.mark.slow)
+           for n, d, t, c in ALL]
+    out += [pytest.param(n, tt, d, "bfloat16", True, id=f"{n}-{tt.tag}-D{d}-bfloat16-causal",
+                         marks=pytest.mark.slow) for n, tt, d in _candidates()]
+    return out
+
+
+@pytest.mark.parametrize("kernel,tiles,head_dim,dtype,causal", _ptx_cases())
+def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal):
+    from flashcore.backends.numba_cuda import driver
+    from numba import cuda
+    from ptx_addresses import narrowed_addresses
+    from test_numba_cuda_wgmma import _ptxas
+
+    v = _variant(kernel, head_dim, dtype, causal, tiles)
+    sig = launch.signature(v.entry, dtype)
+    try:
+        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
+                                  fastmath=driver.FASTMATH,
+                                  **driver.jit_options(v.launch_bounds))
+    except Exception as e:
+        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
+            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
+        raise
+    assert ".target sm_90a" in ptx
+    bn = v.tiles.block_n
+    # two score products (SS, N = block_n, k over D) and one (dQ) or two (dV, dK) RS
+    # products (N = D, k over block_n), loops written out
+    n_ss, n_rs = 2 * head_dim // 16, (2 if kernel == "dkdv" else 1) * bn // 16
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert len(mma) == n_ss + n_rs, f"{len(mma)} wgmma (loops left rolled?)"
+    kind = "bf16" if dtype == "bfloat16" else "f16"
+    ss = [ln for ln in mma if ln.count("{") == 2]  # (RS: one brace more, A's registers)
+    rs = [ln for ln in mma if ln.count("{") == 3]
+    assert len(ss) == n_ss and len(rs) == n_rs
+    assert all(f"m64n{bn}k16.f32.{kind}.{kind}" in ln for ln in ss)
+    assert all(f"m64n{head_dim}k16.f32.{kind}.{kind}" in ln for ln in rs)
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx  # P computed while dP runs
+    assert "fence.proxy.async.shared::cta;" in ptx
+    assert ".local" not in ptx, "register tiles went to local memory"
+    assert narrowed_addresses(ptx) == []  # 64-bit addresses: tensors past 2^31 elements
+    entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
+    assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
+    res = _ptxas(ptx, "sm_90a")
+    if res is None:
+        return
+    rc, report = res
+    assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
+
+
+# --- on an H100/H200 ----------------------------------------------------------------------
+
+def _gpu():
+    """torch, where a cc 9.0 GPU and the backend are there (else the test is skipped)."""
+    from flashcore.backends import numba_cuda
+
+    reason = numba_cuda.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wgmma backward needs compute capability 9.0 (H100/H200)")
+    return torch
+
+
+#: (B, Hq, Hkv, Nq, Nk, layout): the forward's gpu test's shapes (test_numba_cuda_hopper):
+#: tails, GQA 4:2, Nq != Nk both ways (Nq > Nk causal: rows that see no key), several
+#: tiles, both layouts.
+SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
+          (1, 2, 2, 333, 200, "bhnd"), (1, 2, 1, 1024, 1024, "bnhd"), (1, 1, 1, 1, 77, "bhnd")]
+#: (D, dtype, causal) of the table's tilings
+TABLE = [(d, t, c) for d in (64, 128) for t in ("bfloat16", "float16") for c in (False, True)]
+#: (dK/dV tiles, dQ tiles, shape, D, dtype, causal): the table's pair on every shape, dtype,
+#: head dim and causal mode; the other candidate pairs in bf16 on the first three shapes.
+GPU_CASES = [(pair[0], pair[1], shape, d, t, c) for d in (64, 128)
+             for i, pair in enumerate(tilings.HOPPER_BWD_CANDIDATES[d])
+             for shape in SHAPES for t in ("bfloat16", "float16") for c in (False, True)
+             if (pair == (tilings.choose_hopper(d, c, "dkdv"), tilings.choose_hopper(d, c, "dq"))
+                 or (i > 0 and t == "bfloat16" and shape in SHAPES[:3]))] if HAVE else []
+
+
+@pytest.fixture(scope="module")
+def hopper_bwd_gpu():
+    """torch, once the variants the tests run are compiled in parallel processes (numba's
+    disk cache): the wgmma dK/dV and dQ kernels, the mma.sync ones they are compared with,
+    the forwards that make o and lse and the preprocess. Under pytest-xdist one worker
+    compiles (a file lock), the others then load from the disk cache."""
+    torch = _gpu()
+    import fcntl
+    import tempfile
+
+    from flashcore._warmup import compile_variants
+
+    todo = set()
+    for kt, qt, _, d, t, c in GPU_CASES:
+        todo |= {_variant("dkdv", d, t, c, kt), _variant("dq", d, t, c, qt)}
+    for d, t, c in TABLE:
+        tc = launch.tc_variants(d, t, c, (9, 0), gpu=launch._gpu(0)[1])
+        todo |= {x for x in tc if x.kernel in KERNELS}
+        todo.add(launch.hopper_variant(d, t, c))
+        kt = tilings.choose_simt(d, t, c, (9, 0))
+        todo.add(launch.simt_variants(d, t, c, kt)[1])  # (the preprocess)
+    todo = sorted(todo, key=lambda v: v.tag)
+    path = os.path.join(tempfile.gettempdir(), "flashcore-hopper-bwd-test")
+    done = "\n".join(v.tag for v in todo)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path + ".done") as f:
+                skip = f.read() == done
+        except OSError:
+            skip = False
+        if not skip:
+            compile_variants(todo, 0)
+            with open(path + ".done", "w") as f:
+                f.write(done)
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dkdv_tiles,dq_tiles,shape,head_dim,dtype,causal", [
+    pytest.param(*x, id=f"{x[0].tag}-{x[1].tag}-{'x'.join(map(str, x[2]))}-D{x[3]}-{x[4]}-"
+                        f"{'causal' if x[5] else 'full'}") for x in GPU_CASES])
+def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tiles, shape,
+                                head_dim, dtype, causal):
+    torch = hopper_bwd_gpu
+    from helpers import TOL_BWD, grad_floor, oracle_backward, rel_err
+
+    import flashcore
+
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(tilings.HOPPER_DKDV, (head_dim, causal), dkdv_tiles)
+    monkeypatch.setitem(tilings.HOPPER_DQ, (head_dim, causal), dq_tiles)
+    monkeypatch.setattr(launch, "_PLANS", {})  # (plans do not key on the wgmma tilings)
+    ran = []
+    for fn in ("launch_dkdv", "launch_dq"):
+        real = getattr(launch, fn)
+
+        def spy(kern, *a, real=real, **kw):
+            ran.append(kern.name)
+            return real(kern, *a, **kw)
+
+        monkeypatch.setattr(launch, fn, spy)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(Nq * 7 + Nk + head_dim + 1)
+
+    def t(h, n):
+        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
+        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
+
+    q, k, v, do = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)
+    o, lse = flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
+                                         backend="numba_cuda")
+    grads = flashcore.attention_backward(do, q, k, v, o, lse, causal=causal, layout=layout,
+                                         backend="numba_cuda")
+    assert ran == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"], ran
+    torch.cuda.synchronize()
+    host = [x.float().cpu().numpy() for x in (do, q, k, v)]
+    refs = oracle_backward(*host, causal=causal, layout=layout)
+    floors = grad_floor(*host, causal=causal, layout=layout)
+    for name, g, r, fl, x in zip(("dq", "dk", "dv"), grads, refs, floors, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        e = rel_err(g.float().cpu().numpy(), r, fl)
+        assert e < TOL_BWD[dtype], f"{name}: {e}"
+    # bitwise deterministic: a second call gives the same bits
+    again = flashcore.attention_backward(do, q, k, v, o, lse, causal=causal, layout=layout,
+                                         backend="numba_cuda")
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+    # and with the switch off, the mma.sync kernels (plans keyed by it, chosen per call)
+    monkeypatch.setenv(launch.HOPPER_BWD_ENV, "0")
+    grads2 = flashcore.attention_backward(do, q, k, v, o, lse, causal=causal, layout=layout,
+                                          backend="numba_cuda")
+    assert ran[-2:] == ["attn_backward_dkdv_tc", "attn_backward_dq_tc"], ran
+    for name, g, r, fl in zip(("dq", "dk", "dv"), grads2, refs, floors):
+        assert rel_err(g.float().cpu().numpy(), r, fl) < TOL_BWD[dtype], name

@@ -1,0 +1,146 @@
+"""The Hopper (wgmma) kernels end to end in the CUDA simulator, their wgmmas emulated
+(tests/wgmma_emulator.py: operands read from the block's shared memory through the
+descriptors and the PTX ISA's canonical layouts, register A fragments gathered from the
+warpgroup), through the front end, against the float64 oracle.
+
+What this checks that the per-piece tests cannot: how a kernel composes the pieces (which
+tile and buffer each product reads at each step, the k-steps, the head loop of GQA, the
+lse and delta rows, the stores, tails and masks). The forward, which passed on an H100,
+checks the emulation itself. Not checked here: the hardware's asynchrony (fences, waits,
+the proxies), which only a GPU shows.
+
+A plain ``pytest`` run has one test that runs this file again in a subprocess with
+``NUMBA_ENABLE_CUDASIM=1``; run the cases directly with
+``NUMBA_ENABLE_CUDASIM=1 pytest tests/test_numba_cuda_hopper_emulated.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+pytestmark = [
+    pytest.mark.cudasim,
+    pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
+                       reason="numba-cuda is not installed"),
+]
+
+#: (B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout): GQA, tails, Nq < Nk and Nq > Nk causal
+#: (rows that see no key), both layouts, both dtypes, both head dims; small, as the
+#: simulator runs every thread in Python (a block is 256 of them).
+CASES = [
+    (1, 2, 1, 70, 150, 64, "bfloat16", True, "bhnd"),
+    (1, 2, 2, 150, 77, 64, "float16", True, "bnhd"),
+    (1, 1, 1, 130, 100, 128, "float16", False, "bnhd"),
+    (1, 2, 1, 40, 140, 128, "bfloat16", True, "bhnd"),
+]
+
+
+def _id(c):
+    return "x".join(map(str, c[:6])) + f"-{c[6]}-{'causal' if c[7] else 'full'}-{c[8]}"
+
+
+if not SIM:
+
+    @pytest.mark.parametrize("only", [
+        pytest.param(_id(CASES[0]), id="ci"),  # (about 45 s: GQA, causal Nq < Nk, bf16)
+        pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 3 min)
+    def test_hopper_kernels_under_simulator(only):
+        """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
+        here = Path(__file__).resolve()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)]
+            + (["-k", f"forward_and_backward and {only}"] if only else []),
+            cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=3000,
+            check=False,
+        )
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
+        assert " passed" in proc.stdout, tail
+        print(proc.stdout.strip().splitlines()[-1])
+
+else:
+    from flashcore.backends.numba_cuda import launch, tilings
+    from helpers import (
+        TOL_BWD,
+        TOL_FWD,
+        grad_floor,
+        oracle_backward,
+        oracle_forward,
+        rand,
+        rel_err,
+    )
+
+    import flashcore
+
+    @pytest.fixture
+    def emulated(monkeypatch):
+        """The wgmma emulation in place, the Hopper kernels chosen (the launch declines them
+        under the simulator), and the kernels that ran, by name."""
+        import wgmma_emulator
+
+        wgmma_emulator.install(monkeypatch)
+        monkeypatch.setattr(launch, "hopper_serves", lambda case, device: True)
+        monkeypatch.setattr(launch, "_PLANS", {})
+        ran = []
+        for fn in ("launch_forward", "launch_dkdv", "launch_dq"):
+            real = getattr(launch, fn)
+
+            def spy(kern, *a, real=real, **kw):
+                ran.append(kern.name)
+                return real(kern, *a, **kw)
+
+            monkeypatch.setattr(launch, fn, spy)
+        return ran
+
+    def _inputs(c):
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        rng = np.random.default_rng(Nq + Nk + D)
+        return (rand(rng, (B, Hq, Nq, D), dtype, layout), rand(rng, (B, Hkv, Nk, D), dtype, layout),
+                rand(rng, (B, Hkv, Nk, D), dtype, layout), rand(rng, (B, Hq, Nq, D), dtype, layout))
+
+    @pytest.mark.parametrize("c", CASES, ids=_id)
+    def test_forward_and_backward(emulated, c):
+        q, k, v, do = _inputs(c)
+        dtype, causal, layout = c[6], c[7], c[8]
+        opts = dict(causal=causal, layout=layout)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+        assert emulated == ["attn_forward_wgmma"]
+        ro, rl = oracle_forward(q, k, v, **opts)
+        assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
+        assert rel_err(lse, rl) < 1e-5
+        grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
+        assert emulated[1:] == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"]
+        refs = oracle_backward(do, q, k, v, **opts)
+        floors = grad_floor(do, q, k, v, **opts)
+        for name, g, r, x, f in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), floors):
+            assert g.dtype == x.dtype and g.shape == x.shape
+            e = rel_err(g, r, f)
+            assert e < TOL_BWD[dtype], f"{name}: {e}"
+
+    @pytest.mark.parametrize("pair", [(tilings.HopperTiles(1, 64), tilings.HopperTiles(1, 64)),
+                                      (tilings.HopperTiles(2, 32), tilings.HopperTiles(2, 128))],
+                             ids=lambda p: f"{p[0].tag}-{p[1].tag}")
+    def test_backward_candidates(emulated, monkeypatch, pair):
+        c = (1, 2, 1, 100, 90, 64, "bfloat16", True, "bhnd")
+        monkeypatch.setitem(tilings.HOPPER_DKDV, (64, True), pair[0])
+        monkeypatch.setitem(tilings.HOPPER_DQ, (64, True), pair[1])
+        q, k, v, do = _inputs(c)
+        opts = dict(causal=True, layout="bhnd")
+        o, lse = oracle_forward(q, k, v, **opts)
+        o = o.astype(q.dtype)
+        lse = lse.astype(np.float32)
+        grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
+        assert emulated == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"]
+        refs = oracle_backward(do, q, k, v, **opts)
+        floors = grad_floor(do, q, k, v, **opts)
+        for name, g, r, f in zip(("dq", "dk", "dv"), grads, refs, floors):
+            e = rel_err(g, r, f)
+            assert e < TOL_BWD["bfloat16"], f"{name}: {e}"
