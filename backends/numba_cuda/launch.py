@@ -23,6 +23,7 @@ from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
 from .hopper import forward as _hop_fwd
+from .hopper import pingpong as _hop_pp
 from .simt import backward as _simt_bwd
 from .simt import cache as _simt_cache
 from .simt import forward as _simt_fwd
@@ -54,7 +55,9 @@ FACTORIES = {
     ("tensor_core", "forward"): _tc_fwd.make_attn_forward_tc,
     ("tensor_core", "dkdv"): _tc_bwd.make_attn_backward_dkdv_tc,
     ("tensor_core", "dq"): _tc_bwd.make_attn_backward_dq_tc,
-    ("hopper", "forward"): _hop_fwd.make_attn_forward_wgmma,
+    ("hopper", "forward"): lambda var: (_hop_pp.make_attn_forward_wgmma_pingpong
+                                        if var.tiles.pingpong
+                                        else _hop_fwd.make_attn_forward_wgmma)(var),
     ("simt", "merge"): _simt_cache.make_attn_merge_splits,
     ("simt", "append"): _simt_cache.make_cache_append,
 }

@@ -459,24 +459,35 @@ class HopperTiles:
     P V wgmmas of the one before it do; one barrier per tile instead of two).
     ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
     65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
-    block's softmax can run under another's wgmmas."""
+    block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap):
+    FlashAttention 3's inter-warpgroup schedule (``hopper/pingpong.py``): the warpgroups
+    take turns issuing their wgmmas (named barriers), so one's softmax runs under the
+    other's; K and V stream through rings of ``stages`` stages guarded by mbarriers (the
+    first warpgroup copies K, the second V), with no block-wide barrier per key tile."""
 
     warpgroups: int
     block_n: int
     overlap: bool = False
     min_blocks: int = 1
+    pingpong: bool = False
+    stages: int = 2
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (64, 128, 192, 256)
                 or self.min_blocks not in (1, 2, 3)):
             raise ValueError(f"warpgroups must be 1 or 2, block_n 64, 128, 192 or 256, "
                              f"min_blocks 1, 2 or 3: {self}")
+        if self.stages not in ((2, 3, 4) if self.pingpong else (2,)):
+            raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2: {self}")
+        if self.pingpong and (self.warpgroups != 2 or not self.overlap):
+            raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
 
     @property
     def tag(self) -> str:
-        """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM): names the
-        tiling in kernel names and timings."""
+        """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
+        (ping-pong, 3 stages): names the tiling in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
+                + (f"p{self.stages}" if self.pingpong else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
@@ -508,16 +519,21 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
-#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers).
+#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
+#: ping-pong ones (``p3``: 3-stage rings) not yet run on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
-                     HopperTiles(1, 64, True, 2))
+                     HopperTiles(1, 64, True, 2),
+                     HopperTiles(2, 128, True, pingpong=True, stages=3),
+                     HopperTiles(2, 64, True, pingpong=True, stages=3))
 
 
 def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:
-    """Shared memory of the wgmma forward: Q (``block_m`` rows), K and V double-buffered
-    (``block_n`` rows each), 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to align the
-    dynamic shared memory's start at run time."""
-    return HOPPER_ALIGN + (t.block_m + 4 * t.block_n) * head_dim * 2
+    """Shared memory of the wgmma forward: Q (``block_m`` rows), K and V in ``stages``
+    buffers each (``block_n`` rows), 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
+    align the dynamic shared memory's start at run time; the ping-pong schedule adds its
+    rings' mbarriers (full and empty, K and V: 4 per stage, 8 bytes each)."""
+    return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
+            + (4 * t.stages * 8 if t.pingpong else 0))
 
 
 def choose_hopper(head_dim: int, causal: bool) -> HopperTiles | None:
