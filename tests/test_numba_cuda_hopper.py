@@ -45,7 +45,8 @@ CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
 #: case CI compiles.
 TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
 CI_OVERLAP = {"g2n128o": (128, "bfloat16", False), "g2n64o": (64, "float16", True),
-              "g1n64ob2": (128, "float16", True)}
+              "g1n64ob2": (128, "float16", True), "g2n128op3": (128, "bfloat16", True),
+              "g2n64op3": (64, "float16", False)}
 
 
 def _in_ci(t, case):
@@ -140,6 +141,33 @@ def test_tilings_and_variants():
         Variant("preprocess", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 128))
 
 
+def test_pingpong_tilings_and_rings():
+    """The ping-pong option's checks, tags and shared memory (its rings and 4 mbarriers a
+    stage); the ring's stage and phase parities over several laps."""
+    from flashcore.backends.numba_cuda.device import pipeline as pl
+
+    t = tilings.HopperTiles(2, 128, True, pingpong=True, stages=3)
+    assert t.tag == "g2n128op3" and tilings.HopperTiles(2, 128, True).stages == 2
+    assert tilings.hopper_smem_bytes(t, 128) == 1024 + (128 + 6 * 128) * 256 + 96
+    assert tilings.hopper_smem_bytes(t, 128) <= tilings.SMEM_LIMIT[(9, 0)]
+    for bad in ({"warpgroups": 1}, {"overlap": False}):
+        with pytest.raises(ValueError):
+            tilings.HopperTiles(**{"warpgroups": 2, "block_n": 64, "overlap": True,
+                                   "pingpong": True, "stages": 3, **bad})
+    with pytest.raises(ValueError):
+        tilings.HopperTiles(2, 64, True, stages=3)  # (only the ping-pong has rings)
+    S = 3
+    for tt in range(12):
+        assert pl.stage_of.py_func(tt, S) == tt % S
+        # tile tt is the (tt // S)-th use of its stage: phases 0, 1, 0, ... of "full"
+        assert pl.full_parity.py_func(tt, S) == (tt // S) % 2
+        if tt >= S:  # the stage's previous tile released it in the phase before
+            assert pl.empty_parity.py_func(tt, S) == pl.full_parity.py_func(tt - S, S)
+    for t in tilings.HOPPER_CANDIDATES:
+        for d in tilings.HOPPER_HEAD_DIMS:
+            assert tilings.hopper_smem_bytes(t, d) <= tilings.SMEM_LIMIT[(9, 0)], t
+
+
 def _case(dtype="float16", D=64, **options):
     from flashcore._checks import make_case
 
@@ -225,6 +253,13 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     assert all(f"m64n{v.tiles.block_n}k16.f32.{kind}.{kind}" in ln for ln in ss)
     assert all(f"m64n{head_dim}k16.f32.{kind}.{kind}" in ln for ln in rs)
     assert "fence.proxy.async.shared::cta;" in ptx
+    if tiles.pingpong:  # turns on named barriers 1 and 2, rings on mbarriers
+        for op in ("bar.sync 1, 256;", "bar.sync 2, 256;", "bar.arrive 1, 256;",
+                   "bar.arrive 2, 256;", "mbarrier.try_wait.parity.shared::cta.b64",
+                   "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
+                   "mbarrier.arrive.shared::cta.b64"):
+            assert op in ptx, op
+        assert len(re.findall(r"mbarrier\.init", ptx)) == 4 * tiles.stages
     assert ".local" not in ptx, "register tiles went to local memory"
     from ptx_addresses import narrowed_addresses
 
@@ -355,9 +390,12 @@ def hopper_gpu():
 
 
 #: The table's tiling on every shape, dtype, head dim and causal mode; the other candidates
-#: in bf16 on the first three shapes.
+#: in bf16 on the first three shapes (the ping-pong ones on the fourth too: 1024 keys go
+#: round their rings more than once).
 GPU_CASES = [(tt, shape, d, t, c) for tt in TILINGS for shape in SHAPES for d, t, c in ALL
-             if tt == tilings.choose_hopper(d, c) or (t == "bfloat16" and shape in SHAPES[:3])]
+             if tt == tilings.choose_hopper(d, c)
+             or (t == "bfloat16" and (shape in SHAPES[:3]
+                                      or (tt.pingpong and shape == SHAPES[3])))]
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
 from .hopper import backward as _hop_bwd
 from .hopper import forward as _hop_fwd
+from .hopper import pingpong as _hop_pp
 from .simt import backward as _simt_bwd
 from .simt import cache as _simt_cache
 from .simt import forward as _simt_fwd
@@ -59,7 +60,9 @@ FACTORIES = {
     ("tensor_core", "forward"): _tc_fwd.make_attn_forward_tc,
     ("tensor_core", "dkdv"): _tc_bwd.make_attn_backward_dkdv_tc,
     ("tensor_core", "dq"): _tc_bwd.make_attn_backward_dq_tc,
-    ("hopper", "forward"): _hop_fwd.make_attn_forward_wgmma,
+    ("hopper", "forward"): lambda var: (_hop_pp.make_attn_forward_wgmma_pingpong
+                                        if var.tiles.pingpong
+                                        else _hop_fwd.make_attn_forward_wgmma)(var),
     ("hopper", "dkdv"): _hop_bwd.make_attn_backward_dkdv_wgmma,
     ("hopper", "dq"): _hop_bwd.make_attn_backward_dq_wgmma,
     ("simt", "merge"): _simt_cache.make_attn_merge_splits,
@@ -198,6 +201,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                               user is not None and user.mask_mod is not None)
     if t is None:
         return None
+    if masked:  # (the ping-pong schedule has no mask steps)
+        t = tilings.unmasked_only(t)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user)
 

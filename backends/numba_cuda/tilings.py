@@ -460,24 +460,35 @@ class HopperTiles:
     P V wgmmas of the one before it do; one barrier per tile instead of two).
     ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
     65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
-    block's softmax can run under another's wgmmas."""
+    block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap):
+    FlashAttention 3's inter-warpgroup schedule (``hopper/pingpong.py``): the warpgroups
+    take turns issuing their wgmmas (named barriers), so one's softmax runs under the
+    other's; K and V stream through rings of ``stages`` stages guarded by mbarriers (the
+    first warpgroup copies K, the second V), with no block-wide barrier per key tile."""
 
     warpgroups: int
     block_n: int
     overlap: bool = False
     min_blocks: int = 1
+    pingpong: bool = False
+    stages: int = 2
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
                 or self.min_blocks not in (1, 2, 3)):
             raise ValueError(f"warpgroups must be 1 or 2, block_n 32, 64, 128, 192 or 256, "
                              f"min_blocks 1, 2 or 3: {self}")
+        if self.stages not in ((2, 3, 4) if self.pingpong else (2,)):
+            raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2: {self}")
+        if self.pingpong and (self.warpgroups != 2 or not self.overlap):
+            raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
 
     @property
     def tag(self) -> str:
-        """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM): names the
-        tiling in kernel names and timings."""
+        """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
+        (ping-pong, 3 stages): names the tiling in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
+                + (f"p{self.stages}" if self.pingpong else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
@@ -509,9 +520,12 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
-#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers).
+#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
+#: ping-pong ones (``p3``: 3-stage rings) not yet run on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
-                     HopperTiles(1, 64, True, 2))
+                     HopperTiles(1, 64, True, 2),
+                     HopperTiles(2, 128, True, pingpong=True, stages=3),
+                     HopperTiles(2, 64, True, pingpong=True, stages=3))
 
 
 #: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): dK/dV
@@ -537,10 +551,13 @@ _HOPPER_TABLES = {"forward": HOPPER_FORWARD, "dkdv": HOPPER_DKDV, "dq": HOPPER_D
 def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") -> int:
     """Shared memory of a wgmma kernel, 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
     align the dynamic shared memory's start at run time: the forward, Q (``block_m`` rows)
-    and K and V double-buffered (``block_n`` rows each); dK/dV, K and V (``block_m``) and
-    Q and dO double-buffered; dQ, Q and dO and K and V double-buffered."""
-    rows = t.block_m + 4 * t.block_n if kernel == "forward" else 2 * t.block_m + 4 * t.block_n
-    return HOPPER_ALIGN + rows * head_dim * 2
+    and K and V in ``stages`` buffers each (``block_n`` rows; the ping-pong schedule adds
+    its rings' mbarriers: full and empty, K and V, 4 per stage, 8 bytes each); dK/dV, K and
+    V (``block_m``) and Q and dO double-buffered; dQ, Q and dO and K and V double-buffered."""
+    if kernel == "forward":
+        return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
+                + (4 * t.stages * 8 if t.pingpong else 0))
+    return HOPPER_ALIGN + (2 * t.block_m + 4 * t.block_n) * head_dim * 2
 
 
 #: The wgmma forward's tiling for variants with a mask_mod: a schedule without the overlap
@@ -554,6 +571,12 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
     (``mask_mod``: of a forward with one), or None where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
     return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
+
+
+def unmasked_only(t: HopperTiles) -> HopperTiles:
+    """The tiling a forward with masks or score modifiers takes instead of ``t``: the
+    ping-pong schedule has no mask steps, the overlapped one of the same block shape has."""
+    return replace(t, pingpong=False, stages=2) if t.pingpong else t
 
 
 # --- the autotuner's cache: its candidates and its choices per GPU ------------------------

@@ -1,0 +1,196 @@
+"""Hopper pipelines from Numba: mbarriers, named barriers and register reallocation (inline
+PTX), and the ring of shared-memory stages they guard, as plain index arithmetic.
+
+- ``mbarrier_init(smem, idx, count)``: ``mbarrier.init.shared::cta.b64`` of the 8-byte
+  barrier at element ``idx`` of the shared pointer ``smem`` (``convert.smem_pointer``),
+  expecting ``count`` arrivals per phase. One thread initializes; a ``syncthreads``
+  publishes it before anyone arrives or waits.
+- ``mbarrier_arrive(smem, idx)``: one arrival (release semantics, CTA scope).
+- ``cp_async_arrive(smem, idx)``: ``cp.async.mbarrier.arrive.noinc``: one arrival, made by
+  the hardware once every ``cp.async`` this thread issued before it has landed (``noinc``:
+  the arrival is one of the ``count`` expected, as a plain arrive). The copies need no
+  commit group and no wait in the copying thread.
+- ``mbarrier_wait(smem, idx, parity)``: spin on ``mbarrier.try_wait.parity`` until the
+  phase of parity ``parity`` (0 or 1, the phase's number mod 2) has completed (acquire
+  semantics, CTA scope).
+- ``named_sync(id, count)`` / ``named_arrive(id, count)``: ``bar.sync`` / ``bar.arrive`` on
+  hardware barrier ``id`` (a literal, 1..15; ``syncthreads`` is 0) with ``count`` threads
+  (a literal multiple of 32) taking part: ``bar.arrive`` counts without waiting, so two
+  warpgroups can take turns (one waits on its barrier, the other arrives on it).
+- ``setmaxnreg_inc(n)`` / ``setmaxnreg_dec(n)``: ``setmaxnreg.{inc,dec}.sync.aligned.u32``
+  (sm_90a; ``n`` a literal multiple of 8 in 24..256), the warpgroup's registers per thread
+  raised or lowered; ptxas honours it only in kernels compiled with a register cap
+  (launch bounds with min blocks) where each warpgroup's role is one branch (else warning
+  C7508).
+
+The ring: tile ``t`` of a ``STAGES``-deep ring sits in stage ``t % STAGES``
+(:func:`stage_of`); the barriers of that stage complete once per use, so the consumer of
+tile ``t`` waits for parity ``(t // STAGES) & 1`` of its "full" barrier and the producer of
+tile ``t >= STAGES`` for parity ``(t // STAGES - 1) & 1`` of its "empty" barrier (the
+release of tile ``t - STAGES``): :func:`full_parity`, :func:`empty_parity`.
+
+A cp.async copy writes through the generic proxy; a wgmma reads through the async proxy: the
+consumer runs ``wgmma.fence_proxy_async`` after its wait and before its wgmmas (the copying
+threads cannot: they do not wait for their copies).
+
+The CUDA simulator has none of these (its threads are not warps): the device names raise
+NotImplementedError there; the ring arithmetic works everywhere.
+"""
+from __future__ import annotations
+
+from .convert import SIMULATOR, device_function
+
+__all__ = [
+    "MBARRIER_BYTES",
+    "cp_async_arrive",
+    "empty_parity",
+    "full_parity",
+    "mbarrier_arrive",
+    "mbarrier_init",
+    "mbarrier_wait",
+    "named_arrive",
+    "named_sync",
+    "setmaxnreg_dec",
+    "setmaxnreg_inc",
+    "stage_of",
+]
+
+#: Bytes of one mbarrier (8-byte aligned).
+MBARRIER_BYTES = 8
+
+
+@device_function
+def stage_of(t, STAGES):
+    """The stage that holds tile ``t`` of a ``STAGES``-deep ring."""
+    return t % STAGES
+
+
+@device_function
+def full_parity(t, STAGES):
+    """The parity of the "full" phase that says tile ``t`` has landed."""
+    return (t // STAGES) & 1
+
+
+@device_function
+def empty_parity(t, STAGES):
+    """The parity of the "empty" phase that frees tile ``t``'s stage for it (``t >=
+    STAGES``: the release of tile ``t - STAGES``)."""
+    return (t // STAGES - 1) & 1
+
+
+if SIMULATOR:
+
+    def _unavailable(name):
+        def stub(*args, **kwargs):
+            raise NotImplementedError(
+                f"{name}: mbarriers, named barriers and setmaxnreg are Hopper instructions "
+                "that the CUDA simulator cannot run")
+        stub.__name__ = name
+        return stub
+
+    for _name in __all__:
+        if _name not in ("MBARRIER_BYTES", "stage_of", "full_parity", "empty_parity"):
+            globals()[_name] = _unavailable(_name)
+    del _name
+
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+
+    def _asm(builder, args, text, constraints):
+        fty = ir.FunctionType(ir.VoidType(), [a.type for a in args])
+        builder.call(ir.InlineAsm(fty, text, constraints, side_effect=True), args)
+
+    def _shared_u32(builder, ptr, idx):
+        p = builder.bitcast(builder.gep(ptr, [idx]), ir.IntType(8).as_pointer())
+        s = builder.addrspacecast(p, ir.PointerType(ir.IntType(8), 3))
+        return builder.ptrtoint(s, _I32)
+
+    def _literal(x):
+        if isinstance(x, (types.IntegerLiteral, types.BooleanLiteral)):
+            return int(x.literal_value)
+        return None
+
+    def _barrier_op(text, nargs, doc):
+        """An intrinsic ``fn(smem, idx[, value])``: ``text`` with ``$0`` the barrier's
+        32-bit shared address and ``$1`` the value (an int32)."""
+        if nargs == 2:
+            @intrinsic
+            def fn(typingctx, smem, idx):
+                if not isinstance(smem, types.CPointer) or not isinstance(idx, types.Integer):
+                    return None
+
+                def codegen(context, builder, sig, args):
+                    _asm(builder, [_shared_u32(builder, args[0], args[1])], text,
+                         "r,~{memory}")
+                    return context.get_dummy_value()
+
+                return types.void(smem, idx), codegen
+        else:
+            @intrinsic
+            def fn(typingctx, smem, idx, value):
+                if (not isinstance(smem, types.CPointer) or not isinstance(idx, types.Integer)
+                        or not isinstance(value, types.Integer)):
+                    return None
+
+                def codegen(context, builder, sig, args):
+                    v = context.cast(builder, args[2], sig.args[2], types.int32)
+                    _asm(builder, [_shared_u32(builder, args[0], args[1]), v], text,
+                         "r,r,~{memory}")
+                    return context.get_dummy_value()
+
+                return types.void(smem, idx, value), codegen
+
+        fn.__doc__ = doc
+        return fn
+
+    mbarrier_init = _barrier_op("mbarrier.init.shared::cta.b64 [$0], $1;", 3,
+                                "Initialize the mbarrier for ``value`` arrivals a phase.")
+    mbarrier_arrive = _barrier_op("mbarrier.arrive.shared::cta.b64 _, [$0];", 2,
+                                  "One arrival on the mbarrier.")
+    cp_async_arrive = _barrier_op("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 2,
+                                  "One arrival once this thread's cp.async copies landed.")
+    # (the labels are local to the braces: every inlined copy has its own)
+    mbarrier_wait = _barrier_op(
+        "{ .reg .pred P1; LAB_WAIT: "
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [$0], $1; "
+        "@P1 bra DONE; bra LAB_WAIT; DONE: }", 3,
+        "Wait until the phase of parity ``value`` has completed.")
+
+    def _literal_op(make, doc):
+        """An intrinsic of one or two literal ints: the void asm ``make(*values)``."""
+        def typer(*lits):
+            vals = [_literal(x) for x in lits]
+            if any(v is None for v in vals):
+                return None
+            text = make(*vals)
+
+            def codegen(context, builder, sig, args):
+                _asm(builder, [], text, "~{memory}")
+                return context.get_dummy_value()
+
+            return types.void(*lits), codegen
+
+        if make.__code__.co_argcount == 1:
+            @intrinsic
+            def fn(typingctx, a):
+                return typer(a)
+        else:
+            @intrinsic
+            def fn(typingctx, a, b):
+                return typer(a, b)
+
+        fn.__doc__ = doc
+        return fn
+
+    named_sync = _literal_op(lambda i, n: f"bar.sync {i}, {n};",
+                             "``bar.sync id, count``: wait on named barrier ``id``.")
+    named_arrive = _literal_op(lambda i, n: f"bar.arrive {i}, {n};",
+                               "``bar.arrive id, count``: count on ``id`` without waiting.")
+    setmaxnreg_inc = _literal_op(lambda n: f"setmaxnreg.inc.sync.aligned.u32 {n};",
+                                 "Raise this warpgroup's registers per thread to ``n``.")
+    setmaxnreg_dec = _literal_op(lambda n: f"setmaxnreg.dec.sync.aligned.u32 {n};",
+                                 "Lower this warpgroup's registers per thread to ``n``.")

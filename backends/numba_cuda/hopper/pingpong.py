@@ -1,0 +1,278 @@
+"""The wgmma forward's ping-pong schedule (``HopperTiles.pingpong``): FlashAttention 3's two
+consumer warpgroups taking turns on the tensor cores, on top of the overlapped schedule of
+``forward.py`` (whose steps it calls: ``issue_qk``, ``issue_pv``, ``softmax_tile``,
+``pack_p``, ``rescale``).
+
+Turns. Each warpgroup issues the wgmmas of a step (``S_j = Q K_jᵀ`` and ``O += P_{j-1}
+V_{j-1}``) only in its turn: it waits on its named barrier (``bar.sync 1 + wg, 256``) and,
+once they are issued, hands the turn over (``bar.arrive`` on the other's). The tensor cores
+run each warpgroup's products in turn, so one's softmax runs under the other's products
+instead of both softmaxes leaving the tensor cores idle together. The second warpgroup
+arrives once before its first step (the first goes first) and not after its last (every
+arrival is matched by a wait).
+
+Rings. A block-wide barrier per key tile would undo the turns (the warpgroup ahead would
+wait for the other's softmax), so K and V stream through rings of ``STAGES`` shared-memory
+stages guarded by mbarriers (``device/pipeline.py``): the first warpgroup copies every K
+tile, the second every V tile (128 threads a tile, ``cp.async`` into the swizzled layout as
+``forward.load_tile``), each thread then arrives on the stage's "full" barrier through
+``cp.async.mbarrier.arrive.noinc`` (count 128: it completes when every copy has landed).
+Consumers wait on "full" (then ``fence.proxy.async``: the copies are generic-proxy writes,
+the wgmmas read through the async proxy) and release a stage on its "empty" barrier (lane 0
+of each warp after the wgmma wait that read it: count 8) when the tile's products are done.
+At the end of its step ``j`` a warpgroup copies tile ``j + STAGES - 1`` into the stage of
+tile ``j - 1``: for K, freed by both warpgroups' step ``j - 1`` (the second warpgroup is
+half a step behind the first); for V, by their step ``j`` (the copier of V is the one
+behind). A copier waits on "empty" only for what the other has not released yet.
+
+Q is copied by every thread and published by the one block-wide barrier of the prologue.
+"""
+from __future__ import annotations
+
+from numba import cuda, float32, int64, uint16, uint32
+
+from ..device.constants import DENSE, FLT_MIN, LOG2E, NEG_INF, SMEM_ALIGN
+from ..device.convert import device_function, smem_pointer
+from ..device.intrinsics import cp_async_commit, cp_async_wait
+from ..device.pipeline import (
+    cp_async_arrive,
+    empty_parity,
+    full_parity,
+    mbarrier_arrive,
+    mbarrier_init,
+    mbarrier_wait,
+    named_arrive,
+    named_sync,
+    stage_of,
+)
+from ..device.prologue import block_tile, split_heads
+from ..device.seams import key_range, stat_rows
+from ..device.wgmma import (
+    acc_from_local,
+    acc_to_local,
+    fence_proxy_async,
+    smem_address,
+    wgmma_fence_acc,
+    wgmma_wait_group_acc,
+    zero_accumulators,
+)
+from ..tensor_core.forward import finish_row
+from ..tensor_core.fragments import store_frags
+from ..tilings import HOPPER_ALIGN
+from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, rescale, softmax_tile
+
+#: Elements (16-bit) of one mbarrier in the shared array.
+BAR = 4
+#: Threads of one warpgroup; arrivals on a "full" barrier (every copier) and on an "empty"
+#: one (lane 0 of every warp of both warpgroups).
+WG_THREADS = 128
+FULL_COUNT, EMPTY_COUNT = WG_THREADS, 8
+
+
+@device_function
+def take_turn(wg):
+    """Wait for this warpgroup's turn to issue wgmmas (its named barrier: 1 or 2)."""
+    if wg == 0:
+        named_sync(1, 256)
+    else:
+        named_sync(2, 256)
+
+
+@device_function
+def pass_turn(wg):
+    """Hand the turn to the other warpgroup (an arrival on its named barrier)."""
+    if wg == 0:
+        named_arrive(2, 256)
+    else:
+        named_arrive(1, 256)
+
+
+@device_function
+def wait_full(smem, full, t, STAGES):
+    """Wait until tile ``t`` of the ring whose "full" barriers start at element ``full``
+    has landed."""
+    mbarrier_wait(smem, full + BAR * stage_of(t, STAGES), full_parity(t, STAGES))
+
+
+@device_function
+def release(smem, empty, t, STAGES, lane):
+    """This warp is done with tile ``t``'s stage (after the wgmma wait that read it)."""
+    if lane == 0:
+        mbarrier_arrive(smem, empty + BAR * stage_of(t, STAGES))
+
+
+@device_function
+def produce(smem, el, off, src, base, t, n_tiles, nvalid, sn, full, empty, STAGES, STAGE,
+            BN, CH, wtid):
+    """Copy tile ``t`` (rows ``t BN ..``) of ``src`` into its stage of the ring at byte
+    ``off`` (stages ``STAGE`` bytes apart) by this warpgroup's 128 threads, once the stage
+    is free, and arrive on its "full" barrier when the copies land (nothing past the last
+    tile)."""
+    if t < n_tiles:
+        s = stage_of(t, STAGES)
+        if t >= STAGES:
+            mbarrier_wait(smem, empty + BAR * s, empty_parity(t, STAGES))
+        load_tile(smem, el + (off + s * STAGE) // 2, src, base, t * BN, nvalid, sn, BN, CH,
+                  wtid, WG_THREADS)
+        cp_async_arrive(smem, full + BAR * s)
+
+
+def make_attn_forward_wgmma_pingpong(var):
+    """The forward kernel of variant ``var`` (family "hopper", ``var.tiles.pingpong``):
+    head dim 64 or 128, causal or not, fp16 or bf16; the same launch arguments and results
+    as ``forward.make_attn_forward_wgmma``."""
+    D, t = var.head_dim, var.tiles
+    if D % 64:
+        raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
+    if var.window or var.softcap or var.alibi or var.user is not None or var.packed \
+            or var.split:
+        raise ValueError(f"the wgmma forward takes no masks beyond causal, no packed rows "
+                         f"and no split-KV: {var.tag}")
+    if not t.pingpong or t.warpgroups != 2:
+        raise ValueError(f"not a ping-pong tiling: {t}")
+    BN, BM, NT, STAGES = t.block_n, t.block_m, t.threads, t.stages
+    CH = D // 8
+    KSTEPS, PSTEPS = D // 16, BN // 16
+    NTILES, DTILES = BN // 8, D // 8
+    NS, NO, NP = BN // 2, D // 2, BN // 4
+    # shared memory, in bytes from the aligned start: Q, K[STAGES], V[STAGES], then the
+    # mbarriers: full K, full V, empty K, empty V (STAGES each)
+    STAGE = BN * D * 2
+    Q_OFF = 0
+    K_OFF = BM * D * 2
+    V_OFF = K_OFF + STAGES * STAGE
+    BAR_OFF = V_OFF + STAGES * STAGE
+    V_LBO = BN * LINE
+    CAUSAL = bool(var.causal)
+    BF16 = var.dtype == "bfloat16"
+    AHEAD = STAGES - 1  # tiles each ring runs ahead of the step that copies
+
+    def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
+                           qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
+                           vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
+                           m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                           e12, e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table,
+                           tsb, page, psp, TQ, chunk, oss, lss):
+        smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
+        tid = cuda.threadIdx.x
+        wg = tid >> 7
+        wtid = tid & 127
+        warp = (tid >> 5) & 3
+        lane = tid & 31
+        g = lane >> 2
+        tq = lane & 3
+        qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, True)
+        b, h, hk = split_heads(bh, Hq, group)
+        q0 = qt * BM
+        qbase = b * qsb + h * qsh
+        sl2 = float32(max(scale * LOG2E, FLT_MIN))
+
+        raw = int64(smem_address(smem, 0))
+        pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
+        at = raw + pad
+        el = pad >> 1
+        full_k = el + BAR_OFF // 2
+        full_v = full_k + BAR * STAGES
+        empty_k = full_v + BAR * STAGES
+        empty_v = empty_k + BAR * STAGES
+        # this warpgroup's ring: the first copies K, the second V
+        if wg == 0:
+            src, base, sn = k, b * ksb + hk * ksh, ksn
+            off, full, empty = K_OFF, full_k, empty_k
+        else:
+            src, base, sn = v, b * vsb + hk * vsh, vsn
+            off, full, empty = V_OFF, full_v, empty_v
+
+        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
+        n_tiles = (n_end + BN - 1) // BN
+
+        if tid == 0:
+            for st in range(STAGES):
+                mbarrier_init(smem, full_k + BAR * st, FULL_COUNT)
+                mbarrier_init(smem, full_v + BAR * st, FULL_COUNT)
+                mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
+                mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
+        load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
+        cp_async_commit()
+        cuda.syncthreads()  # the barriers initialized before any arrival
+        for tt in range(AHEAD):
+            produce(smem, el, off, src, base, tt, n_tiles, Nk, sn, full, empty, STAGES,
+                    STAGE, BN, CH, wtid)
+        cp_async_commit()
+        cp_async_wait(1)  # Q (the rings' copies may still be in flight)
+        fence_proxy_async()
+        cuda.syncthreads()
+
+        qa = at + Q_OFF + 64 * wg * LINE
+        s = cuda.local.array(NS, float32)
+        oa = cuda.local.array(NO, float32)
+        pf = cuda.local.array(NP, uint32)
+        acc = zero_accumulators(D)
+        ma = mb = NEG_INF
+        la = lb = float32(0.0)
+        i = q0 + 64 * wg + 16 * warp + g
+
+        if n_tiles > 0:
+            if wg == 1:
+                named_arrive(1, 256)  # the first warpgroup takes the first turn
+            wait_full(smem, full_k, 0, STAGES)
+            fence_proxy_async()
+            take_turn(wg)
+            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa, at + K_OFF,
+                            KSTEPS, BM, BN)
+            pass_turn(wg)
+            sacc = wgmma_wait_group_acc(0, sacc)
+            release(smem, empty_k, 0, STAGES, lane)
+            acc_to_local(sacc, s)
+            ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk, causal_offset,
+                                                    CAUSAL, NTILES, tq, ma, mb, la, lb, sl2)
+            pack_p(BF16, pf, s, NP)
+            produce(smem, el, off, src, base, AHEAD, n_tiles, Nk, sn, full, empty, STAGES,
+                    STAGE, BN, CH, wtid)
+        for it in range(1, n_tiles):
+            n0 = it * BN
+            wait_full(smem, full_k, it, STAGES)
+            wait_full(smem, full_v, it - 1, STAGES)
+            fence_proxy_async()
+            take_turn(wg)
+            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                            at + K_OFF + stage_of(it, STAGES) * STAGE, KSTEPS, BM, BN)
+            acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                           at + V_OFF + stage_of(it - 1, STAGES) * STAGE, PSTEPS, V_LBO)
+            pass_turn(wg)
+            sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
+            release(smem, empty_k, it, STAGES, lane)
+            acc_to_local(sacc, s)
+            ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset,
+                                                    CAUSAL, NTILES, tq, ma, mb, la, lb, sl2)
+            acc = wgmma_wait_group_acc(0, acc)
+            release(smem, empty_v, it - 1, STAGES, lane)
+            acc_to_local(acc, oa)
+            rescale(oa, al0, al1, DTILES)
+            acc = acc_from_local(oa, D)
+            pack_p(BF16, pf, s, NP)
+            produce(smem, el, off, src, base, it + AHEAD, n_tiles, Nk, sn, full, empty,
+                    STAGES, STAGE, BN, CH, wtid)
+        if n_tiles > 0:
+            last = n_tiles - 1
+            wait_full(smem, full_v, last, STAGES)
+            fence_proxy_async()
+            take_turn(wg)
+            acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                           at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
+            if wg == 0:
+                pass_turn(wg)  # (the second's last pass would have no wait to match)
+            acc = wgmma_wait_group_acc(0, acc)
+        cp_async_commit()
+        cp_async_wait(0)
+
+        acc_to_local(acc, oa)
+        obase = b * osb + h * osh
+        lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, DENSE)
+        inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
+        inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
+        store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
+
+    attn_forward_wgmma.__qualname__ = var.tag
+    return attn_forward_wgmma
