@@ -46,7 +46,8 @@ CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
 TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
 CI_OVERLAP = {"g2n128o": (128, "bfloat16", False), "g2n64o": (64, "float16", True),
               "g1n64ob2": (128, "float16", True), "g2n128op3": (128, "bfloat16", True),
-              "g2n64op3": (64, "float16", False)}
+              "g2n64op3": (64, "float16", False), "g2n128op3w": (128, "float16", False),
+              "g2n64op3w": (64, "bfloat16", True)}
 
 
 def _in_ci(t, case):
@@ -156,6 +157,12 @@ def test_pingpong_tilings_and_rings():
                                    "pingpong": True, "stages": 3, **bad})
     with pytest.raises(ValueError):
         tilings.HopperTiles(2, 64, True, stages=3)  # (only the ping-pong has rings)
+    with pytest.raises(ValueError):
+        tilings.HopperTiles(2, 64, True, producer=True)  # (a producer serves the ping-pong)
+    w = tilings.HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True)
+    assert (w.tag, w.threads, w.block_m, w.launch_bounds) == ("g2n128op3w", 384, 128, (384, 1))
+    # the registers setmaxnreg hands over fit what the block holds at entry (168 x 384)
+    assert 128 * 24 + 256 * 240 <= 384 * (65536 // 384 // 8 * 8)
     S = 3
     for tt in range(12):
         assert pl.stage_of.py_func(tt, S) == tt % S
@@ -252,7 +259,11 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
                    "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
                    "mbarrier.arrive.shared::cta.b64"):
             assert op in ptx, op
-        assert len(re.findall(r"mbarrier\.init", ptx)) == 4 * tiles.stages
+        assert len(re.findall(r"mbarrier\.init", ptx)) == 4 * tiles.stages + tiles.producer
+    if tiles.producer:  # registers handed over, under the cap setmaxnreg needs at entry
+        assert "setmaxnreg.dec.sync.aligned.u32 24;" in ptx
+        assert "setmaxnreg.inc.sync.aligned.u32 240;" in ptx
+        assert re.search(r"\.maxntid\s+384\b", ptx) and re.search(r"\.minnctapersm\s+1\b", ptx)
     assert ".local" not in ptx, "register tiles went to local memory"
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
     assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
@@ -263,6 +274,8 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
+    assert "C7512" not in report, "ptxas serialized wgmmas (too few registers)"
+    assert "C7508" not in report, "ptxas ignored setmaxnreg"
 
 
 # --- on an H100/H200 ----------------------------------------------------------------------

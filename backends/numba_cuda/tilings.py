@@ -463,7 +463,11 @@ class HopperTiles:
     FlashAttention 3's inter-warpgroup schedule (``hopper/pingpong.py``): the warpgroups
     take turns issuing their wgmmas (named barriers), so one's softmax runs under the
     other's; K and V stream through rings of ``stages`` stages guarded by mbarriers (the
-    first warpgroup copies K, the second V), with no block-wide barrier per key tile."""
+    first warpgroup copies K, the second V), with no block-wide barrier per key tile.
+    ``producer`` (ping-pong only): warp specialization: a third warpgroup (the first of the
+    block) issues every copy and the consumers none; ``setmaxnreg`` moves registers from it
+    (24 a thread) to the consumers (240), the block compiled for 384 threads and 1 block
+    per SM (168 registers at entry)."""
 
     warpgroups: int
     block_n: int
@@ -471,6 +475,7 @@ class HopperTiles:
     min_blocks: int = 1
     pingpong: bool = False
     stages: int = 2
+    producer: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (64, 128, 192, 256)
@@ -481,19 +486,28 @@ class HopperTiles:
             raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2: {self}")
         if self.pingpong and (self.warpgroups != 2 or not self.overlap):
             raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
+        if self.producer and (not self.pingpong or self.min_blocks != 1):
+            raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
+                             f"per SM: {self}")
 
     @property
     def tag(self) -> str:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
-        (ping-pong, 3 stages): names the tiling in kernel names and timings."""
+        (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup): names the tiling
+        in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
+                + ("w" if self.producer else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
     def launch_bounds(self):
-        """numba's ``launch_bounds`` where several blocks must fit an SM, else None."""
-        return (self.threads, self.min_blocks) if self.min_blocks > 1 else None
+        """numba's ``launch_bounds`` where several blocks must fit an SM or a producer
+        warpgroup hands its registers over (``setmaxnreg`` needs a cap at entry), else
+        None."""
+        if self.min_blocks > 1 or self.producer:
+            return (self.threads, self.min_blocks)
+        return None
 
     @property
     def block_m(self) -> int:
@@ -501,11 +515,11 @@ class HopperTiles:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.producer)
 
     @property
     def warps(self) -> int:
-        return 4 * self.warpgroups
+        return self.threads // 32
 
 
 #: Per (head dim, causal): two warpgroups (128 query rows) and FlashAttention 3's
@@ -520,20 +534,24 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
-#: ping-pong ones (``p3``: 3-stage rings) not yet run on a GPU.
+#: ping-pong ones (``p3``: 3-stage rings; ``w``: with a producer warpgroup) not yet run on a
+#: GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
                      HopperTiles(1, 64, True, 2),
                      HopperTiles(2, 128, True, pingpong=True, stages=3),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3))
+                     HopperTiles(2, 64, True, pingpong=True, stages=3),
+                     HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True),
+                     HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True))
 
 
 def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:
     """Shared memory of the wgmma forward: Q (``block_m`` rows), K and V in ``stages``
     buffers each (``block_n`` rows), 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
     align the dynamic shared memory's start at run time; the ping-pong schedule adds its
-    rings' mbarriers (full and empty, K and V: 4 per stage, 8 bytes each)."""
+    rings' mbarriers (full and empty, K and V: 4 per stage, 8 bytes each; with a producer
+    warpgroup one more for Q)."""
     return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
-            + (4 * t.stages * 8 if t.pingpong else 0))
+            + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
 
 
 def choose_hopper(head_dim: int, causal: bool) -> HopperTiles | None:
