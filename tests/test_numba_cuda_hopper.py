@@ -47,7 +47,8 @@ TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
 CI_OVERLAP = {"g2n128o": (128, "bfloat16", False), "g2n64o": (64, "float16", True),
               "g1n64ob2": (128, "float16", True), "g2n128op3": (128, "bfloat16", True),
               "g2n64op3": (64, "float16", False), "g2n128op3w": (128, "float16", False),
-              "g2n64op3w": (64, "bfloat16", True)}
+              "g2n64op3w": (64, "bfloat16", True), "g2n192op3": (64, "bfloat16", True),
+              "g2n192op3w": (64, "float16", False)}
 
 
 def _in_ci(t, case):
@@ -170,9 +171,11 @@ def test_pingpong_tilings_and_rings():
         assert pl.full_parity.py_func(tt, S) == (tt // S) % 2
         if tt >= S:  # the stage's previous tile released it in the phase before
             assert pl.empty_parity.py_func(tt, S) == pl.full_parity.py_func(tt - S, S)
-    for t in tilings.HOPPER_CANDIDATES:
-        for d in tilings.HOPPER_HEAD_DIMS:
+    for d in tilings.HOPPER_HEAD_DIMS:
+        for t in tilings.hopper_candidates(d):
             assert tilings.hopper_smem_bytes(t, d) <= tilings.SMEM_LIMIT[(9, 0)], t
+    assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
+            tilings.hopper_candidates(128)] == ["g2n192op3", "g2n192op3w"]
 
 
 def _case(dtype="float16", D=64, **options):
@@ -218,7 +221,7 @@ def sm90(monkeypatch):
 @pytest.mark.parametrize("tiles,head_dim,dtype,causal", [
     pytest.param(tt, d, t, c, id=f"{tt.tag}-D{d}-{t}-{'causal' if c else 'full'}",
                  marks=() if _in_ci(tt, (d, t, c)) else pytest.mark.slow)
-    for tt in TILINGS for d, t, c in ALL])
+    for tt in TILINGS for d, t, c in ALL if tt in tilings.hopper_candidates(d)])
 def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     from flashcore.backends.numba_cuda import driver
     from numba import cuda
@@ -339,8 +342,8 @@ def hopper_gpu():
 #: round their rings more than once).
 GPU_CASES = [(tt, shape, d, t, c) for tt in TILINGS for shape in SHAPES for d, t, c in ALL
              if tt == tilings.choose_hopper(d, c)
-             or (t == "bfloat16" and (shape in SHAPES[:3]
-                                      or (tt.pingpong and shape == SHAPES[3])))]
+             or (t == "bfloat16" and tt in tilings.hopper_candidates(d)
+                 and (shape in SHAPES[:3] or (tt.pingpong and shape == SHAPES[3])))]
 
 
 @pytest.mark.gpu

@@ -459,15 +459,10 @@ class HopperTiles:
     P V wgmmas of the one before it do; one barrier per tile instead of two).
     ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
     65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
-    block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap):
-    FlashAttention 3's inter-warpgroup schedule (``hopper/pingpong.py``): the warpgroups
-    take turns issuing their wgmmas (named barriers), so one's softmax runs under the
-    other's; K and V stream through rings of ``stages`` stages guarded by mbarriers (the
-    first warpgroup copies K, the second V), with no block-wide barrier per key tile.
-    ``producer`` (ping-pong only): warp specialization: a third warpgroup (the first of the
-    block) issues every copy and the consumers none; ``setmaxnreg`` moves registers from it
-    (24 a thread) to the consumers (240), the block compiled for 384 threads and 1 block
-    per SM (168 registers at entry)."""
+    block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap;
+    ``hopper/pingpong.py``): the warpgroups take turns issuing their wgmmas, K and V in
+    mbarrier rings of ``stages`` stages; ``producer``: and a producer warpgroup copying
+    them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers)."""
 
     warpgroups: int
     block_n: int
@@ -534,22 +529,29 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
-#: ping-pong ones (``p3``: 3-stage rings; ``w``: with a producer warpgroup) not yet run on a
-#: GPU.
+#: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
                      HopperTiles(1, 64, True, 2),
                      HopperTiles(2, 128, True, pingpong=True, stages=3),
                      HopperTiles(2, 64, True, pingpong=True, stages=3),
                      HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True))
+                     HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
+                     HopperTiles(2, 192, True, pingpong=True, stages=3),
+                     HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True))
+#: Head dims of a candidate where not all of them (192 keys at D=128: ptxas spills).
+HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.block_n == 192}
+
+
+def hopper_candidates(head_dim: int) -> tuple:
+    """The candidates built (timed, tested) at ``head_dim``."""
+    return tuple(t for t in HOPPER_CANDIDATES
+                 if head_dim in HOPPER_CANDIDATE_DIMS.get(t, HOPPER_HEAD_DIMS))
 
 
 def hopper_smem_bytes(t: HopperTiles, head_dim: int) -> int:
     """Shared memory of the wgmma forward: Q (``block_m`` rows), K and V in ``stages``
-    buffers each (``block_n`` rows), 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
-    align the dynamic shared memory's start at run time; the ping-pong schedule adds its
-    rings' mbarriers (full and empty, K and V: 4 per stage, 8 bytes each; with a producer
-    warpgroup one more for Q)."""
+    buffers each (``block_n`` rows), 16-bit elements, :data:`HOPPER_ALIGN` bytes to align
+    the start at run time, and the ping-pong's 8-byte mbarriers (4 a stage, 1 for Q)."""
     return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
             + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
 
