@@ -125,7 +125,9 @@ def copy_rows(smem, so, src, g0, row0, r, nvalid, sn, passes, RS):
     in few registers): ``passes`` 16-byte copies of rows ``row0 + p RS`` to shared element
     ``so + 64 p RS`` (``RS`` a multiple of 8: the swizzle of a thread's chunk is the same
     in every pass); ``g0`` is the source element of the thread's chunk in row ``r`` (tile
-    0). Rows at or past ``nvalid`` are zero-filled (from ``g0``'s row). ``passes`` is a
+    0). Rows at or past ``nvalid`` are zero-filled (source size 0: nothing is read, as
+    CUTLASS's zero-fill copies; any other address costs registers, and at the producer's
+    24 ptxas spills). ``passes`` is a
     run-time value, so that the loop stays rolled (unrolled, ptxas computes every pass's
     addresses ahead and spills at the producer's 24 registers)."""
     for p in range(passes):
