@@ -178,6 +178,135 @@ def test_pingpong_tilings_and_rings():
             tilings.hopper_candidates(128)] == ["g2n192op3", "g2n192op3w"]
 
 
+class _MBarrier:
+    """An mbarrier as the model of :func:`test_pingpong_protocol` sees it: ``count``
+    arrivals complete a phase; a parity wait passes once the phase of that parity has
+    completed (so a waiter two phases behind would wait forever: a hang, as on the GPU)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phases = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+    def passes(self, parity):
+        return (self.phases & 1) != parity
+
+
+def _pingpong_run(n, producer, rnd, S=3):
+    """One random interleaving of the ping-pong schedule's barrier protocol over ``n`` key
+    tiles, step by step as ``hopper/pingpong.py`` (warpgroup units: a "full" barrier
+    completes on one copier's landing, an "empty" one on both consumers' releases, a named
+    barrier on one sync and one arrive). Fails on a hang, on a tile read before it landed,
+    on a stage refilled while a consumer still needs its tile, on an unmatched arrival."""
+    from flashcore.backends.numba_cuda.device import pipeline as pl
+
+    stage, fpar, epar = (f.py_func for f in (pl.stage_of, pl.full_parity, pl.empty_parity))
+    full = {r: [_MBarrier(1) for _ in range(S)] for r in "KV"}
+    empty = {r: [_MBarrier(2) for _ in range(S)] for r in "KV"}
+    q_full = _MBarrier(1)
+    named, ready = {1: [], 2: []}, {1: 0, 2: 0}
+    held = {r: [None] * S for r in "KV"}
+    landing = []
+    unread = {(r, t): {0, 1} for r in "KV" for t in range(n)}
+
+    def produce(ring, t):
+        if t < n:
+            if t >= S:
+                yield ("wait", empty[ring][stage(t, S)], epar(t, S))
+            assert not unread.get((ring, t - S)), f"{ring}{t - S} overwritten"
+            held[ring][stage(t, S)] = None
+            landing.append((ring, t))
+
+    def use(wg, ring, t):
+        yield ("wait", full[ring][stage(t, S)], fpar(t, S))
+        assert held[ring][stage(t, S)] == t, (ring, t)
+
+    def consumer(wg):
+        ring = "KV"[wg]
+        if producer:
+            yield ("wait", q_full, 0)
+        else:
+            for t in range(S - 1):
+                yield from produce(ring, t)
+        if n == 0:
+            return
+        if wg == 1:
+            yield ("arrive", 1, wg)
+        for it in range(n + 1):
+            if it < n:
+                yield from use(wg, "K", it)
+            if it > 0:
+                yield from use(wg, "V", it - 1)
+            yield ("sync", 1 + wg)
+            if it < n:
+                unread["K", it].discard(wg)
+            if it > 0:
+                unread["V", it - 1].discard(wg)
+            if it < n or wg == 0:
+                yield ("arrive", 2 - wg, wg)
+            if it < n:
+                empty["K"][stage(it, S)].arrive()
+            if 0 < it < n:
+                empty["V"][stage(it - 1, S)].arrive()
+            if it < n and not producer:
+                yield from produce(ring, it + S - 1)
+
+    def copier():
+        q_full.arrive()
+        for t in range(n):
+            yield from produce("K", t)
+            yield from produce("V", t)
+
+    actors = {0: consumer(0), 1: consumer(1)}
+    if producer:
+        actors["p"] = copier()
+    waiting = dict.fromkeys(actors)
+    while actors:
+        if landing and rnd.random() < 0.3:
+            ring, t = landing.pop(rnd.randrange(len(landing)))
+            held[ring][stage(t, S)] = t
+            full[ring][stage(t, S)].arrive()
+        able = [a for a, w in waiting.items() if w is None
+                or (w[0] == "wait" and w[1].passes(w[2])) or (w[0] == "sync" and ready[w[1]])]
+        if not able:
+            assert landing, f"hang: {n=} {producer=} {waiting}"
+            continue
+        a = rnd.choice(able)
+        if waiting[a] is not None and waiting[a][0] == "sync":
+            ready[waiting[a][1]] -= 1
+        waiting[a] = None
+        op = next(actors[a], None)
+        if op is None:
+            del actors[a], waiting[a]
+        elif op[0] in ("arrive", "sync"):
+            who = op[2] if op[0] == "arrive" else "sync"
+            assert who not in named[op[1]], f"two arrivals of {who} on barrier {op[1]}"
+            named[op[1]].append(who)
+            if len(named[op[1]]) == 2:
+                named[op[1]], ready[op[1]] = [], ready[op[1]] + 1
+            waiting[a] = op if op[0] == "sync" else None
+        else:
+            waiting[a] = op
+    assert not any(unread.values()), "a tile never read"
+    assert not any(named.values()), f"unmatched named-barrier arrivals: {named}"
+
+
+@pytest.mark.parametrize("producer", [False, True])
+def test_pingpong_protocol(producer):
+    """The ping-pong schedule's turns and rings, as a model run in many random orders: no
+    hang, every tile read after it landed and before its stage is refilled, every named
+    barrier arrival matched (0 to 11 key tiles, 3 stages)."""
+    import random
+
+    rnd = random.Random(17)
+    for n in range(12):
+        for _ in range(100):
+            _pingpong_run(n, producer, rnd)
+
+
 def _case(dtype="float16", D=64, **options):
     from flashcore._checks import make_case
 
