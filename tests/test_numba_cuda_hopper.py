@@ -175,7 +175,8 @@ def test_pingpong_tilings_and_rings():
         for t in tilings.hopper_candidates(d):
             assert tilings.hopper_smem_bytes(t, d) <= tilings.SMEM_LIMIT[(9, 0)], t
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
-            tilings.hopper_candidates(128)] == ["g2n192op3", "g2n192op3w"]
+            tilings.hopper_candidates(128)] == ["g2n64op3", "g2n64op3w", "g2n192op3",
+                                                "g2n192op3w"]
 
 
 class _MBarrier:

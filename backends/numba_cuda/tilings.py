@@ -538,8 +538,9 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True))
-#: Head dims of a candidate where not all of them (192 keys at D=128: ptxas spills).
-HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.block_n == 192}
+#: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
+#: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
+HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
 
 
 def hopper_candidates(head_dim: int) -> tuple:
