@@ -460,11 +460,10 @@ class HopperTiles:
     P V wgmmas of the one before it do; one barrier per tile instead of two).
     ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
     65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
-    block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap):
-    FlashAttention 3's inter-warpgroup schedule (``hopper/pingpong.py``): the warpgroups
-    take turns issuing their wgmmas (named barriers), so one's softmax runs under the
-    other's; K and V stream through rings of ``stages`` stages guarded by mbarriers (the
-    first warpgroup copies K, the second V), with no block-wide barrier per key tile."""
+    block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap;
+    ``hopper/pingpong.py``): the warpgroups take turns issuing their wgmmas, K and V in
+    mbarrier rings of ``stages`` stages; ``producer``: and a producer warpgroup copying
+    them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers)."""
 
     warpgroups: int
     block_n: int
@@ -472,6 +471,7 @@ class HopperTiles:
     min_blocks: int = 1
     pingpong: bool = False
     stages: int = 2
+    producer: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -482,19 +482,28 @@ class HopperTiles:
             raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2: {self}")
         if self.pingpong and (self.warpgroups != 2 or not self.overlap):
             raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
+        if self.producer and (not self.pingpong or self.min_blocks != 1):
+            raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
+                             f"per SM: {self}")
 
     @property
     def tag(self) -> str:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
-        (ping-pong, 3 stages): names the tiling in kernel names and timings."""
+        (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup): names the tiling
+        in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
+                + ("w" if self.producer else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
     def launch_bounds(self):
-        """numba's ``launch_bounds`` where several blocks must fit an SM, else None."""
-        return (self.threads, self.min_blocks) if self.min_blocks > 1 else None
+        """numba's ``launch_bounds`` where several blocks must fit an SM or a producer
+        warpgroup hands its registers over (``setmaxnreg`` needs a cap at entry), else
+        None."""
+        if self.min_blocks > 1 or self.producer:
+            return (self.threads, self.min_blocks)
+        return None
 
     @property
     def block_m(self) -> int:
@@ -502,11 +511,11 @@ class HopperTiles:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.producer)
 
     @property
     def warps(self) -> int:
-        return 4 * self.warpgroups
+        return self.threads // 32
 
 
 #: Per (head dim, causal): two warpgroups (128 query rows) and FlashAttention 3's
@@ -521,11 +530,24 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
-#: ping-pong ones (``p3``: 3-stage rings) not yet run on a GPU.
+#: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
                      HopperTiles(1, 64, True, 2),
                      HopperTiles(2, 128, True, pingpong=True, stages=3),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3))
+                     HopperTiles(2, 64, True, pingpong=True, stages=3),
+                     HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True),
+                     HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
+                     HopperTiles(2, 192, True, pingpong=True, stages=3),
+                     HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True))
+#: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
+#: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
+HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
+
+
+def hopper_candidates(head_dim: int) -> tuple:
+    """The candidates built (timed, tested) at ``head_dim``."""
+    return tuple(t for t in HOPPER_CANDIDATES
+                 if head_dim in HOPPER_CANDIDATE_DIMS.get(t, HOPPER_HEAD_DIMS))
 
 
 #: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): dK/dV
@@ -552,11 +574,11 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     """Shared memory of a wgmma kernel, 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
     align the dynamic shared memory's start at run time: the forward, Q (``block_m`` rows)
     and K and V in ``stages`` buffers each (``block_n`` rows; the ping-pong schedule adds
-    its rings' mbarriers: full and empty, K and V, 4 per stage, 8 bytes each); dK/dV, K and
-    V (``block_m``) and Q and dO double-buffered; dQ, Q and dO and K and V double-buffered."""
+    its rings' 8-byte mbarriers: 4 a stage, 1 for Q with a producer); dK/dV, K and V
+    (``block_m``) and Q and dO double-buffered; dQ, Q and dO and K and V double-buffered."""
     if kernel == "forward":
         return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
-                + (4 * t.stages * 8 if t.pingpong else 0))
+                + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
     return HOPPER_ALIGN + (2 * t.block_m + 4 * t.block_n) * head_dim * 2
 
 
@@ -576,7 +598,7 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
 def unmasked_only(t: HopperTiles) -> HopperTiles:
     """The tiling a forward with masks or score modifiers takes instead of ``t``: the
     ping-pong schedule has no mask steps, the overlapped one of the same block shape has."""
-    return replace(t, pingpong=False, stages=2) if t.pingpong else t
+    return replace(t, pingpong=False, stages=2, producer=False) if t.pingpong else t
 
 
 # --- the autotuner's cache: its candidates and its choices per GPU ------------------------

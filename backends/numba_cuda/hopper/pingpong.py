@@ -33,7 +33,7 @@ from numba import cuda, float32, int64, uint16, uint32
 
 from ..device.constants import DENSE, FLT_MIN, LOG2E, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import cp_async_commit, cp_async_wait
+from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
 from ..device.pipeline import (
     cp_async_arrive,
     empty_parity,
@@ -43,6 +43,8 @@ from ..device.pipeline import (
     mbarrier_wait,
     named_arrive,
     named_sync,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
     stage_of,
 )
 from ..device.prologue import block_tile, split_heads
@@ -117,10 +119,62 @@ def produce(smem, el, off, src, base, t, n_tiles, nvalid, sn, full, empty, STAGE
         cp_async_arrive(smem, full + BAR * s)
 
 
+@device_function
+def copy_rows(smem, so, src, g0, row0, r, nvalid, sn, passes, RS):
+    """One thread's share of a tile copy in the producer (``forward.load_tile``'s copies,
+    in few registers): ``passes`` 16-byte copies of rows ``row0 + p RS`` to shared element
+    ``so + 64 p RS`` (``RS`` a multiple of 8: the swizzle of a thread's chunk is the same
+    in every pass); ``g0`` is the source element of the thread's chunk in row ``r`` (tile
+    0). Rows at or past ``nvalid`` are zero-filled (source size 0: nothing is read, as
+    CUTLASS's zero-fill copies; any other address costs registers, and at the producer's
+    24 ptxas spills). ``passes`` is a
+    run-time value, so that the loop stays rolled (unrolled, ptxas computes every pass's
+    addresses ahead and spills at the producer's 24 registers)."""
+    for p in range(passes):
+        row = row0 + p * RS
+        if row < nvalid:
+            cp_async16(smem, so + 64 * p * RS, src, g0 + (row - r) * sn, 16)
+        else:
+            cp_async16(smem, so + 64 * p * RS, src, g0, 0)
+
+
+@device_function
+def produce_all(smem, el, q, qbase, q0, Nq, qsn, k, kbase, ksn, v, vbase, vsn, Nk, n_tiles,
+                full_k, full_v, empty_k, empty_v, q_full, STAGES, STAGE, K_OFF, V_OFF, BM,
+                BN, CH, wtid):
+    """The producer warpgroup's whole job: Q (arriving on ``q_full``), then K and V tile by
+    tile, each into its stage once the stage is free, arriving on its "full" barrier when
+    the copies land. Thread ``wtid`` copies chunk ``c`` of rows ``r + p RS`` as
+    ``forward.load_tile``, its shared offset in a tile computed once."""
+    load_tile(smem, el, q, qbase, q0, Nq, qsn, BM, CH, wtid, WG_THREADS)
+    cp_async_arrive(smem, q_full)
+    RS = WG_THREADS // CH
+    c = wtid % CH
+    r = wtid // CH
+    so = el + (c >> 3) * (BN * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3)
+    kg = kbase + r * ksn + 8 * c
+    vg = vbase + r * vsn + 8 * c
+    passes = BN // RS + (n_tiles >> 30)  # (BN // RS, unknown to the compiler)
+    for t in range(n_tiles):
+        st = stage_of(t, STAGES)
+        n0 = t * BN
+        if t >= STAGES:
+            mbarrier_wait(smem, empty_k + BAR * st, empty_parity(t, STAGES))
+        copy_rows(smem, so + (K_OFF + st * STAGE) // 2, k, kg, n0 + r, r, Nk, ksn, passes,
+                  RS)
+        cp_async_arrive(smem, full_k + BAR * st)
+        if t >= STAGES:
+            mbarrier_wait(smem, empty_v + BAR * st, empty_parity(t, STAGES))
+        copy_rows(smem, so + (V_OFF + st * STAGE) // 2, v, vg, n0 + r, r, Nk, vsn, passes,
+                  RS)
+        cp_async_arrive(smem, full_v + BAR * st)
+
+
 def make_attn_forward_wgmma_pingpong(var):
     """The forward kernel of variant ``var`` (family "hopper", ``var.tiles.pingpong``):
     head dim 64 or 128, causal or not, fp16 or bf16; the same launch arguments and results
-    as ``forward.make_attn_forward_wgmma``."""
+    as ``forward.make_attn_forward_wgmma``. With ``var.tiles.producer`` the block's first
+    warpgroup copies everything (:func:`produce_all`) and the consumers none."""
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
@@ -131,12 +185,13 @@ def make_attn_forward_wgmma_pingpong(var):
     if not t.pingpong or t.warpgroups != 2:
         raise ValueError(f"not a ping-pong tiling: {t}")
     BN, BM, NT, STAGES = t.block_n, t.block_m, t.threads, t.stages
+    PRODUCER = t.producer  # (compile-time: a producer warpgroup, 0, before the consumers)
     CH = D // 8
     KSTEPS, PSTEPS = D // 16, BN // 16
     NTILES, DTILES = BN // 8, D // 8
     NS, NO, NP = BN // 2, D // 2, BN // 4
     # shared memory, in bytes from the aligned start: Q, K[STAGES], V[STAGES], then the
-    # mbarriers: full K, full V, empty K, empty V (STAGES each)
+    # mbarriers: full K, full V, empty K, empty V (STAGES each), Q's (producer only)
     STAGE = BN * D * 2
     Q_OFF = 0
     K_OFF = BM * D * 2
@@ -145,7 +200,8 @@ def make_attn_forward_wgmma_pingpong(var):
     V_LBO = BN * LINE
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
-    AHEAD = STAGES - 1  # tiles each ring runs ahead of the step that copies
+    AHEAD = STAGES - 1  # tiles each ring runs ahead of the step that copies (no producer)
+    PRODUCER_REGS, CONSUMER_REGS = 24, 240
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -155,8 +211,8 @@ def make_attn_forward_wgmma_pingpong(var):
                            tsb, page, psp, TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
-        wg = tid >> 7
         wtid = tid & 127
+        wg = (tid >> 7) - 1 if PRODUCER else tid >> 7  # consumer warpgroup (-1: producer)
         warp = (tid >> 5) & 3
         lane = tid & 31
         g = lane >> 2
@@ -166,7 +222,8 @@ def make_attn_forward_wgmma_pingpong(var):
         b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
         qbase = b * qsb + h * qsh
-        sl2 = float32(max(scale * LOG2E, FLT_MIN))
+        kbase = b * ksb + hk * ksh
+        vbase = b * vsb + hk * vsh
 
         raw = int64(smem_address(smem, 0))
         pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
@@ -176,13 +233,7 @@ def make_attn_forward_wgmma_pingpong(var):
         full_v = full_k + BAR * STAGES
         empty_k = full_v + BAR * STAGES
         empty_v = empty_k + BAR * STAGES
-        # this warpgroup's ring: the first copies K, the second V
-        if wg == 0:
-            src, base, sn = k, b * ksb + hk * ksh, ksn
-            off, full, empty = K_OFF, full_k, empty_k
-        else:
-            src, base, sn = v, b * vsb + hk * vsh, vsn
-            off, full, empty = V_OFF, full_v, empty_v
+        q_full = empty_v + BAR * STAGES
 
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_tiles = (n_end + BN - 1) // BN
@@ -193,86 +244,113 @@ def make_attn_forward_wgmma_pingpong(var):
                 mbarrier_init(smem, full_v + BAR * st, FULL_COUNT)
                 mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
                 mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
-        load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
-        cp_async_commit()
-        cuda.syncthreads()  # the barriers initialized before any arrival
-        for tt in range(AHEAD):
-            produce(smem, el, off, src, base, tt, n_tiles, Nk, sn, full, empty, STAGES,
-                    STAGE, BN, CH, wtid)
-        cp_async_commit()
-        cp_async_wait(1)  # Q (the rings' copies may still be in flight)
-        fence_proxy_async()
-        cuda.syncthreads()
-
-        qa = at + Q_OFF + 64 * wg * LINE
-        s = cuda.local.array(NS, float32)
-        oa = cuda.local.array(NO, float32)
-        pf = cuda.local.array(NP, uint32)
-        acc = zero_accumulators(D)
-        ma = mb = NEG_INF
-        la = lb = float32(0.0)
-        i = q0 + 64 * wg + 16 * warp + g
-
-        if n_tiles > 0:
-            if wg == 1:
-                named_arrive(1, 256)  # the first warpgroup takes the first turn
-            wait_full(smem, full_k, 0, STAGES)
-            fence_proxy_async()
-            take_turn(wg)
-            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa, at + K_OFF,
-                            KSTEPS, BM, BN)
-            pass_turn(wg)
-            sacc = wgmma_wait_group_acc(0, sacc)
-            release(smem, empty_k, 0, STAGES, lane)
-            acc_to_local(sacc, s)
-            ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk, causal_offset,
-                                                    CAUSAL, NTILES, tq, ma, mb, la, lb, sl2)
-            pack_p(BF16, pf, s, NP)
-            produce(smem, el, off, src, base, AHEAD, n_tiles, Nk, sn, full, empty, STAGES,
-                    STAGE, BN, CH, wtid)
-        for it in range(1, n_tiles):
-            n0 = it * BN
-            wait_full(smem, full_k, it, STAGES)
-            wait_full(smem, full_v, it - 1, STAGES)
-            fence_proxy_async()
-            take_turn(wg)
-            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
-                            at + K_OFF + stage_of(it, STAGES) * STAGE, KSTEPS, BM, BN)
-            acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
-                           at + V_OFF + stage_of(it - 1, STAGES) * STAGE, PSTEPS, V_LBO)
-            pass_turn(wg)
-            sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
-            release(smem, empty_k, it, STAGES, lane)
-            acc_to_local(sacc, s)
-            ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset,
-                                                    CAUSAL, NTILES, tq, ma, mb, la, lb, sl2)
-            acc = wgmma_wait_group_acc(0, acc)
-            release(smem, empty_v, it - 1, STAGES, lane)
-            acc_to_local(acc, oa)
-            rescale(oa, al0, al1, DTILES)
-            acc = acc_from_local(oa, D)
-            pack_p(BF16, pf, s, NP)
-            produce(smem, el, off, src, base, it + AHEAD, n_tiles, Nk, sn, full, empty,
-                    STAGES, STAGE, BN, CH, wtid)
-        if n_tiles > 0:
-            last = n_tiles - 1
-            wait_full(smem, full_v, last, STAGES)
-            fence_proxy_async()
-            take_turn(wg)
-            acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
-                           at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
+            if PRODUCER:
+                mbarrier_init(smem, q_full, FULL_COUNT)
+        if PRODUCER:
+            cuda.syncthreads()  # the barriers initialized before any arrival
+        else:
+            # this warpgroup's ring: the first copies K, the second V
             if wg == 0:
-                pass_turn(wg)  # (the second's last pass would have no wait to match)
-            acc = wgmma_wait_group_acc(0, acc)
-        cp_async_commit()
-        cp_async_wait(0)
+                src, base, sn, off, full, empty = k, kbase, ksn, K_OFF, full_k, empty_k
+            else:
+                src, base, sn, off, full, empty = v, vbase, vsn, V_OFF, full_v, empty_v
+            load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
+            cp_async_commit()
+            cuda.syncthreads()  # the barriers initialized before any arrival
+            for tt in range(AHEAD):
+                produce(smem, el, off, src, base, tt, n_tiles, Nk, sn, full, empty, STAGES,
+                        STAGE, BN, CH, wtid)
+            cp_async_commit()
+            cp_async_wait(1)  # Q (the rings' copies may still be in flight)
+            fence_proxy_async()
+            cuda.syncthreads()
 
-        acc_to_local(acc, oa)
-        obase = b * osb + h * osh
-        lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, DENSE)
-        inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
-        inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
-        store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
+        if PRODUCER and wg < 0:
+            setmaxnreg_dec(PRODUCER_REGS)
+            produce_all(smem, el, q, qbase, q0, Nq, qsn, k, kbase, ksn, v, vbase, vsn, Nk,
+                        n_tiles, full_k, full_v, empty_k, empty_v, q_full, STAGES, STAGE,
+                        K_OFF, V_OFF, BM, BN, CH, wtid)
+            cp_async_commit()
+            cp_async_wait(0)
+        else:
+            if PRODUCER:
+                setmaxnreg_inc(CONSUMER_REGS)
+                mbarrier_wait(smem, q_full, 0)
+            sl2 = float32(max(scale * LOG2E, FLT_MIN))
+            qa = at + Q_OFF + 64 * wg * LINE
+            s = cuda.local.array(NS, float32)
+            oa = cuda.local.array(NO, float32)
+            pf = cuda.local.array(NP, uint32)
+            acc = zero_accumulators(D)
+            ma = mb = NEG_INF
+            la = lb = float32(0.0)
+            i = q0 + 64 * wg + 16 * warp + g
+
+            if n_tiles > 0:
+                if wg == 1:
+                    named_arrive(1, 256)  # the first warpgroup takes the first turn
+                wait_full(smem, full_k, 0, STAGES)
+                fence_proxy_async()
+                take_turn(wg)
+                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                                at + K_OFF, KSTEPS, BM, BN)
+                pass_turn(wg)
+                sacc = wgmma_wait_group_acc(0, sacc)
+                release(smem, empty_k, 0, STAGES, lane)
+                acc_to_local(sacc, s)
+                ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
+                                                        causal_offset, CAUSAL, NTILES, tq,
+                                                        ma, mb, la, lb, sl2)
+                pack_p(BF16, pf, s, NP)
+                if not PRODUCER:
+                    produce(smem, el, off, src, base, AHEAD, n_tiles, Nk, sn, full, empty,
+                            STAGES, STAGE, BN, CH, wtid)
+            for it in range(1, n_tiles):
+                n0 = it * BN
+                wait_full(smem, full_k, it, STAGES)
+                wait_full(smem, full_v, it - 1, STAGES)
+                fence_proxy_async()
+                take_turn(wg)
+                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                                at + K_OFF + stage_of(it, STAGES) * STAGE, KSTEPS, BM, BN)
+                acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                               at + V_OFF + stage_of(it - 1, STAGES) * STAGE, PSTEPS, V_LBO)
+                pass_turn(wg)
+                sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
+                release(smem, empty_k, it, STAGES, lane)
+                acc_to_local(sacc, s)
+                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
+                                                        causal_offset, CAUSAL, NTILES, tq,
+                                                        ma, mb, la, lb, sl2)
+                acc = wgmma_wait_group_acc(0, acc)
+                release(smem, empty_v, it - 1, STAGES, lane)
+                acc_to_local(acc, oa)
+                rescale(oa, al0, al1, DTILES)
+                acc = acc_from_local(oa, D)
+                pack_p(BF16, pf, s, NP)
+                if not PRODUCER:
+                    produce(smem, el, off, src, base, it + AHEAD, n_tiles, Nk, sn, full,
+                            empty, STAGES, STAGE, BN, CH, wtid)
+            if n_tiles > 0:
+                last = n_tiles - 1
+                wait_full(smem, full_v, last, STAGES)
+                fence_proxy_async()
+                take_turn(wg)
+                acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                               at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
+                if wg == 0:
+                    pass_turn(wg)  # (the second's last pass would have no wait to match)
+                acc = wgmma_wait_group_acc(0, acc)
+            if not PRODUCER:
+                cp_async_commit()
+                cp_async_wait(0)
+
+            acc_to_local(acc, oa)
+            obase = b * osb + h * osh
+            lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, DENSE)
+            inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
+            inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
+            store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
 
     attn_forward_wgmma.__qualname__ = var.tag
     return attn_forward_wgmma
