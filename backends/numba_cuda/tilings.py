@@ -529,21 +529,29 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
 
 
 #: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): dK/dV
-#: blocks of 128 keys (two warpgroups) and query steps of 64 at D=64, 32 at D=128 (there dK
-#: and dV hold 128 accumulator registers per thread, and steps of 64 spill or make ptxas
-#: serialize wgmmas at 255 registers); dQ blocks of 128 queries and key steps of 128 at
-#: D=64, 64 at D=128. Not yet timed (:data:`HOPPER_BWD_CANDIDATES`).
-HOPPER_DKDV = {(64, False): HopperTiles(2, 64), (64, True): HopperTiles(2, 64),
-               (128, False): HopperTiles(2, 32), (128, True): HopperTiles(2, 32)}
-HOPPER_DQ = {(64, False): HopperTiles(2, 128), (64, True): HopperTiles(2, 128),
-             (128, False): HopperTiles(2, 64), (128, True): HopperTiles(2, 64)}
-#: Per head dim, (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against each other
-#: (the table's first).
+#: blocks of 128 keys (two warpgroups) and query steps of 64, dQ blocks of 128 queries and
+#: key steps of 128 at D=64, 64 at D=128. ``overlap``: the elementwise work of a step runs
+#: under its later wgmmas. At D=128 the dK/dV kernel's dK and dV hold 128 accumulator
+#: registers per thread: query steps of 64 fit (254 registers) only without the overlap and
+#: without the causal mask's code, so the causal one takes steps of 32 (with the overlap
+#: they spill 8 bytes, without it 52). Not yet timed (:data:`HOPPER_BWD_CANDIDATES`).
+HOPPER_DKDV = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles(2, 64, True),
+               (128, False): HopperTiles(2, 64), (128, True): HopperTiles(2, 32, True)}
+HOPPER_DQ = {(64, False): HopperTiles(2, 128, True), (64, True): HopperTiles(2, 128, True),
+             (128, False): HopperTiles(2, 64, True), (128, True): HopperTiles(2, 64, True)}
+#: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
+#: each other (the table's first); all compile without spills.
+_D64 = ((HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
+        (HopperTiles(2, 64), HopperTiles(2, 128)),
+        (HopperTiles(1, 64, True), HopperTiles(1, 128, True)))
 HOPPER_BWD_CANDIDATES = {
-    64: ((HopperTiles(2, 64), HopperTiles(2, 128)), (HopperTiles(2, 32), HopperTiles(2, 64)),
-         (HopperTiles(1, 64), HopperTiles(1, 128))),
-    128: ((HopperTiles(2, 32), HopperTiles(2, 64)), (HopperTiles(2, 32), HopperTiles(2, 128)),
-          (HopperTiles(1, 32), HopperTiles(1, 64))),
+    (64, False): _D64, (64, True): _D64,
+    (128, False): ((HopperTiles(2, 64), HopperTiles(2, 64, True)),
+                   (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
+                   (HopperTiles(2, 64), HopperTiles(2, 128, True))),
+    (128, True): ((HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
+                  (HopperTiles(2, 32, True), HopperTiles(2, 128, True)),
+                  (HopperTiles(1, 32, True), HopperTiles(1, 64, True))),
 }
 _HOPPER_TABLES = {"forward": HOPPER_FORWARD, "dkdv": HOPPER_DKDV, "dq": HOPPER_DQ}
 
