@@ -347,7 +347,8 @@ def hopper_bwd_gpu():
     """torch, once the variants the tests run are compiled in parallel processes (numba's
     disk cache): the wgmma dK/dV and dQ kernels, the mma.sync ones they are compared with,
     the forwards that make o and lse and the preprocess. Under pytest-xdist one worker
-    compiles (a file lock), the others then load from the disk cache."""
+    compiles (a file lock, the forward's test's: one pool at a time), the others then load
+    from the disk cache."""
     torch = _gpu()
     import fcntl
     import tempfile
@@ -366,7 +367,8 @@ def hopper_bwd_gpu():
     todo = sorted(todo, key=lambda v: v.tag)
     path = os.path.join(tempfile.gettempdir(), "flashcore-hopper-bwd-test")
     done = "\n".join(v.tag for v in todo)
-    with open(path + ".lock", "w") as lock:
+    # (the forward's test's lock: one pool of compiling processes at a time on the machine)
+    with open(os.path.join(tempfile.gettempdir(), "flashcore-hopper-test.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with open(path + ".done") as f:
