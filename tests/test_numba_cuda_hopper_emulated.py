@@ -127,7 +127,7 @@ else:
 
     @pytest.mark.parametrize("pair", [
         (tilings.HopperTiles(2, 64), tilings.HopperTiles(2, 128)),  # (no overlap)
-        (tilings.HopperTiles(1, 64, True), tilings.HopperTiles(1, 128, True))],
+        (tilings.HopperTiles(2, 64, True), tilings.HopperTiles(2, 128, True))],
                              ids=lambda p: f"{p[0].tag}-{p[1].tag}")
     def test_backward_candidates(emulated, monkeypatch, pair):
         c = (1, 2, 1, 100, 90, 64, "bfloat16", True, "bhnd")
