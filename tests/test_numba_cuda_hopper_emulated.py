@@ -125,8 +125,9 @@ else:
             e = rel_err(g, r, f)
             assert e < TOL_BWD[dtype], f"{name}: {e}"
 
-    @pytest.mark.parametrize("pair", [(tilings.HopperTiles(1, 64), tilings.HopperTiles(1, 64)),
-                                      (tilings.HopperTiles(2, 32), tilings.HopperTiles(2, 128))],
+    @pytest.mark.parametrize("pair", [
+        (tilings.HopperTiles(2, 64), tilings.HopperTiles(2, 128)),  # (no overlap)
+        (tilings.HopperTiles(2, 64, True), tilings.HopperTiles(2, 128, True))],
                              ids=lambda p: f"{p[0].tag}-{p[1].tag}")
     def test_backward_candidates(emulated, monkeypatch, pair):
         c = (1, 2, 1, 100, 90, 64, "bfloat16", True, "bhnd")

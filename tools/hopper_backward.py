@@ -47,7 +47,7 @@ def variants(launch, tilings):
     for d in HEAD_DIMS:
         for c in (False, True):
             out.add(launch.hopper_variant(d, "bfloat16", c))
-            for kt, qt in tilings.HOPPER_BWD_CANDIDATES[d]:
+            for kt, qt in tilings.HOPPER_BWD_CANDIDATES[d, c]:
                 out.add(replace(launch.hopper_variant(d, "bfloat16", c, "dkdv"), tiles=kt))
                 out.add(replace(launch.hopper_variant(d, "bfloat16", c, "dq"), tiles=qt))
             out |= {v for v in launch.tc_variants(d, "bfloat16", c, device_cc(0),
@@ -58,10 +58,10 @@ def variants(launch, tilings):
     return sorted(out, key=lambda v: v.tag)
 
 
-def use_pair(launch, tilings, d, pair):
-    """Make the plans pick the (dK/dV, dQ) tilings ``pair`` at head dim ``d``."""
-    for c in (False, True):
-        tilings.HOPPER_DKDV[d, c], tilings.HOPPER_DQ[d, c] = pair
+def use_pair(launch, tilings, d, c, pair):
+    """Make the plans pick the (dK/dV, dQ) tilings ``pair`` at head dim ``d``, causal
+    ``c``."""
+    tilings.HOPPER_DKDV[d, c], tilings.HOPPER_DQ[d, c] = pair
     launch._PLANS.clear()
 
 
@@ -149,8 +149,8 @@ def run(argv=None) -> int:
     cases = CASES[:1] if args.quick else CASES
     for B, H, N in cases:
         for D in HEAD_DIMS:
-            pairs = tilings.HOPPER_BWD_CANDIDATES[D]
             for causal in (False, True):
+                pairs = tilings.HOPPER_BWD_CANDIDATES[D, causal]
                 name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
                 g = torch.Generator(device="cuda").manual_seed(N + D + causal)
                 q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g,
@@ -162,7 +162,7 @@ def run(argv=None) -> int:
                     ran.clear()
                     ref = backward(do, q, k, v, o, lse, causal, False)
                     for pair in pairs:
-                        use_pair(launch, tilings, D, pair)
+                        use_pair(launch, tilings, D, causal, pair)
                         got = backward(do, q, k, v, o, lse, causal, True)
                         again = backward(do, q, k, v, o, lse, causal, True)
                         torch.cuda.synchronize()
@@ -191,7 +191,7 @@ def run(argv=None) -> int:
                                   for lb, g_, e_, s_ in checks) + ")", flush=True)
                 for pair, (lb, good, _, _) in zip(pairs, checks):
                     if good:
-                        use_pair(launch, tilings, D, pair)
+                        use_pair(launch, tilings, D, causal, pair)
                         ms[lb] = timer(torch, lambda: both(q, k, v, do, causal, True),
                                        args.repeat)
                         bwd_ms[lb] = timer(

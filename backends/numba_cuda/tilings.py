@@ -550,22 +550,33 @@ def hopper_candidates(head_dim: int) -> tuple:
                  if head_dim in HOPPER_CANDIDATE_DIMS.get(t, HOPPER_HEAD_DIMS))
 
 
-#: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): dK/dV
-#: blocks of 128 keys (two warpgroups) and query steps of 64 at D=64, 32 at D=128 (there dK
-#: and dV hold 128 accumulator registers per thread, and steps of 64 spill or make ptxas
-#: serialize wgmmas at 255 registers); dQ blocks of 128 queries and key steps of 128 at
-#: D=64, 64 at D=128. Not yet timed (:data:`HOPPER_BWD_CANDIDATES`).
-HOPPER_DKDV = {(64, False): HopperTiles(2, 64), (64, True): HopperTiles(2, 64),
-               (128, False): HopperTiles(2, 32), (128, True): HopperTiles(2, 32)}
-HOPPER_DQ = {(64, False): HopperTiles(2, 128), (64, True): HopperTiles(2, 128),
-             (128, False): HopperTiles(2, 64), (128, True): HopperTiles(2, 64)}
-#: Per head dim, (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against each other
-#: (the table's first).
+#: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): one
+#: warpgroup per block (64 keys in dK/dV, 64 queries in dQ; at about 200-230 registers two
+#: such blocks share an SM and interleave) with query steps of 64 (D=64) or 32 (D=128) and
+#: key steps of 128 (D=64) or 64 (D=128), and the overlap (the elementwise work of a step
+#: under its later wgmmas): the fastest pairs on an H100 at 535f43e (bf16, B=4 H=16
+#: N=4096, forward+backward 183-257 TFLOP/s, 2-7% ahead of the two-warpgroup pairs;
+#: notes/hopper_2026-11-25.md). At D=128 dK and dV hold 128 accumulator registers per
+#: thread: query steps of 64 fit only without the overlap and without the causal mask's
+#: code (g1n64, g2n64: 254-255 registers; causal, they spill).
+HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True),
+               (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
+HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
+             (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True)}
+#: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
+#: each other (the table's first); all compile without spills. Not yet timed: the pairs
+#: without the overlap and those with query steps of 64 at D=128.
+_D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
+        (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
+        (HopperTiles(1, 64), HopperTiles(1, 128)))
 HOPPER_BWD_CANDIDATES = {
-    64: ((HopperTiles(2, 64), HopperTiles(2, 128)), (HopperTiles(2, 32), HopperTiles(2, 64)),
-         (HopperTiles(1, 64), HopperTiles(1, 128))),
-    128: ((HopperTiles(2, 32), HopperTiles(2, 64)), (HopperTiles(2, 32), HopperTiles(2, 128)),
-          (HopperTiles(1, 32), HopperTiles(1, 64))),
+    (64, False): _D64, (64, True): _D64,
+    (128, False): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
+                   (HopperTiles(1, 64), HopperTiles(1, 64, True)),
+                   (HopperTiles(2, 64), HopperTiles(2, 64, True))),
+    (128, True): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
+                  (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
+                  (HopperTiles(2, 32, True), HopperTiles(2, 128, True))),
 }
 _HOPPER_TABLES = {"forward": HOPPER_FORWARD, "dkdv": HOPPER_DKDV, "dq": HOPPER_DQ}
 

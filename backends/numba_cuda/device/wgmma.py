@@ -35,6 +35,10 @@ The instructions (PTX ISA 8.0+, "Asynchronous Warpgroup Level Matrix Multiply-Ac
   matrix descriptor (uint64 arithmetic; :func:`descriptor_value` is the same code on the
   host).
 - ``zero_accumulators(n)``: a tuple of ``n // 2`` float32 zeros (``n`` a literal).
+- ``opaque(x)``: the int64 ``x`` through an inline asm that LLVM cannot see through or move:
+  what a loop computes from it stays in the loop. Descriptors of a resident tile are loop
+  invariant; hoisted out of the loop, each holds two registers for the whole loop (the
+  wgmma dK/dV kernel's 16 at D=128 made it spill).
 - ``acc_to_local(acc, arr)`` / ``acc_from_local(arr, n)``: the tuple stored into a float32
   local array (register ``i`` at ``arr[i]``) and ``n // 2`` values of one read back as a
   tuple (``n`` a literal): element-wise work (a softmax, a rescale, the stores) is then
@@ -95,6 +99,7 @@ __all__ = [
     "descriptor_value",
     "fence_proxy_async",
     "layout_strides",
+    "opaque",
     "smem_address",
     "smem_descriptor",
     "swizzle",
@@ -214,6 +219,10 @@ if SIMULATOR:
         return stub
 
     smem_descriptor = _descriptor
+
+    def opaque(x):
+        return x
+
     for _name in __all__:
         if _name.startswith(("wgmma_", "fence_", "zero_", "smem_address", "acc_to_local",
                              "acc_from_local")):
@@ -281,6 +290,18 @@ else:
         st = _asm(builder, ir.LiteralStructType([_F32] * m), vals + list(extra), text, cons)
         return context.make_tuple(builder, rt, [builder.extract_value(st, i)
                                                 for i in range(m)])
+
+    @intrinsic
+    def opaque(typingctx, x):
+        """``x`` (an int64), unchanged, through an inline asm with side effects."""
+        if not isinstance(x, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = _as(context, builder, args[0], sig.args[0], types.int64)
+            return _asm(builder, _I64, [v], "mov.b64 $0, $1;", "=l,l")
+
+        return types.int64(x), codegen
 
     @intrinsic
     def zero_accumulators(typingctx, n):

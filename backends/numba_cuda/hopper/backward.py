@@ -24,9 +24,12 @@ transposed quantities (keys as rows):
   step of ``block_n`` keys (K and V double-buffered): ``S = Q Kᵀ``, ``dP = dO Vᵀ`` (SS),
   ``dS = P ∘ (dP − delta)``, ``dQ += dS K`` (RS, K MN-major), scaled when stored.
 
-Inside a step the wgmmas overlap the elementwise work: both score products are issued at
-once, P is computed (and the dK/dV kernel's ``dV += Pᵀ dO`` issued) while ``dPᵀ`` still
-runs; every group is waited for before the step ends (the next step's copies overwrite the
+Both score products of a step are issued at once. With the tiling's ``overlap`` the
+elementwise work starts under the wgmmas still running: P is computed while ``dP`` (``dPᵀ``)
+runs, and the dK/dV kernel issues ``dV += Pᵀ dO`` before it computes ``dSᵀ``; without it,
+both products are waited for, P and dS computed and packed, and the two RS products issued
+together (fewer registers held: at D=128 the dK/dV kernel's query steps of 64 fit only so).
+Every group is waited for before the step ends (the next step's copies overwrite the
 buffers it read). The causal mask applies through the seams (``hides``, ``visible``) on
 steps that cross the diagonal only; keys past Nk are masked in the dQ kernel (in the dK/dV
 kernel they only reach rows of dK and dV that are never stored). Serves what the wgmma
@@ -45,12 +48,13 @@ from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import hides, key_range, query_range, stat_rows, visible
 from ..device.wgmma import (
     acc_to_local,
+    opaque,
     smem_address,
     wgmma_fence_acc,
     wgmma_wait_group_acc,
     zero_accumulators,
 )
-from ..tensor_core.fragments import store_frags
+from ..tensor_core.fragments import pack, store_frags
 from ..tilings import HOPPER_ALIGN
 from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, publish
 
@@ -109,6 +113,35 @@ def grads_t(s, dp, dl, lse, delta, lbase, lsn, dbase, Nq, m, PRELOAD, NTILES, tq
 
 
 @device_function
+def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, Nq, m, j0,
+                  causal_offset, sl2, MASK, CAUSAL, PRELOAD, NTILES, tq):
+    """:func:`probs_t` and :func:`grads_t` in one pass, each k-step's Pᵀ and dSᵀ packed
+    (``pf``, ``dsf``: the A fragments, as :func:`..forward.pack_p`) as soon as they are
+    done, so that the fp32 tiles die early (the schedule without overlap)."""
+    for kk in range(NTILES // 2):
+        for jn in range(2 * kk, 2 * kk + 2):
+            for e in range(2):
+                i = m + 8 * jn + 2 * tq + e
+                if PRELOAD:
+                    li = ls[2 * jn + e]
+                    di = dl[2 * jn + e]
+                else:
+                    li, di = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
+                for r in range(2):
+                    x = 4 * jn + 2 * r + e
+                    p = math.exp2(s[x] * sl2 - li)
+                    if MASK:
+                        if hides(i, j0 + 8 * r, causal_offset, CAUSAL, -1, -1):
+                            p = float32(0.0)
+                    s[x] = p
+                    dp[x] = p * (dp[x] - di)
+        for r in range(4):
+            x = 8 * kk + 2 * r
+            pf[4 * kk + r] = pack(BF16, s[x], s[x + 1])
+            dsf[4 * kk + r] = pack(BF16, dp[x], dp[x + 1])
+
+
+@device_function
 def probs_row(s, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, NTILES, tq):
     """One of this thread's rows (``s[base + 4 jn + e]``, key ``n0 + 8 jn + 2 tq + e``;
     ``base`` 0 for row ``i``, 2 for row ``i + 8``) of ``S`` becomes ``P``; with ``MASK`` (a
@@ -142,15 +175,13 @@ def _sizes(var, kernel):
             or var.split:
         raise ValueError(f"the wgmma backward takes no masks beyond causal and no packed "
                          f"rows: {var.tag}")
-    if t.overlap:
-        raise ValueError(f"the wgmma backward has no overlapped schedule: {t}")
     CH = D // 8  # 16-byte chunks per row
     if t.block_n % (t.threads // CH) or t.block_m % (t.threads // CH):
         raise ValueError(f"{kernel}: tiles of {t.block_m} and {t.block_n} rows must be "
                          f"whole passes of the copies ({t.threads // CH} rows): {t}")
     return (D, t.block_m, t.block_n, t.threads, CH, D // 16, t.block_n // 16,
             t.block_n // 8, D // 8, t.block_n // 4, bool(var.causal),
-            var.dtype == "bfloat16")
+            var.dtype == "bfloat16", t.overlap)
 
 
 def make_attn_backward_dkdv_wgmma(var):
@@ -160,7 +191,8 @@ def make_attn_backward_dkdv_wgmma(var):
     # (head dim, keys per block, queries per step, threads, 16-byte chunks per row,
     # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles, output n-tiles,
     # packed registers of Pᵀ)
-    D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16 = _sizes(var, "dkdv")
+    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16,
+     OVERLAP) = _sizes(var, "dkdv")
     # shared memory, in bytes from the aligned start: K, V (resident), Q[2], dO[2]
     TILE = BN * D * 2
     K_OFF = 0
@@ -250,29 +282,49 @@ def make_attn_backward_dkdv_wgmma(var):
             qb = at + Q_OFF + buf
             gb = at + DO_OFF + buf
 
-            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), ka, qb, KSTEPS,
-                            BM, BN)
-            pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), va, gb, KSTEPS,
-                            BM, BN)
+            # (K's and V's descriptors made here, not hoisted out of the loop: opaque)
+            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(ka), qb,
+                            KSTEPS, BM, BN)
+            pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(va), gb,
+                            KSTEPS, BM, BN)
             lbase = b * lsb + h * lsh
             dbase = sb0 + h * sstep
             if PRELOAD:  # (compile-time) read while the wgmmas run
                 column_stats(ls, dl, lse, delta, lbase, lsn, dbase, mq, Nq, NTILES, tq)
-            sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
-            acc_to_local(sacc, s)
-            if CAUSAL and mq < m_full:  # a step across the diagonal
-                probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset, sl2,
-                        True, CAUSAL, PRELOAD, NTILES, tq)
-            else:
-                probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset, sl2,
-                        False, CAUSAL, PRELOAD, NTILES, tq)
-            pack_p(BF16, pf, s, NP)
-            dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
-            pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)
-            acc_to_local(pacc, dp)
-            grads_t(s, dp, dl, lse, delta, lbase, lsn, dbase, Nq, mq, PRELOAD, NTILES, tq)
-            pack_p(BF16, dsf, dp, NP)
-            dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
+            mask = CAUSAL and mq < m_full  # a step across the diagonal
+            if OVERLAP:
+                sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
+                acc_to_local(sacc, s)
+                if mask:
+                    probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset,
+                            sl2, True, CAUSAL, PRELOAD, NTILES, tq)
+                else:
+                    probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset,
+                            sl2, False, CAUSAL, PRELOAD, NTILES, tq)
+                pack_p(BF16, pf, s, NP)
+                # dV's wgmmas run while dSᵀ is computed
+                dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
+                pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)
+                acc_to_local(pacc, dp)
+                grads_t(s, dp, dl, lse, delta, lbase, lsn, dbase, Nq, mq, PRELOAD, NTILES,
+                        tq)
+                pack_p(BF16, dsf, dp, NP)
+                dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
+            else:  # (fewer registers held: the fp32 tiles die as they are packed)
+                sacc = wgmma_wait_group_acc(0, sacc)  # Sᵀ and dPᵀ
+                pacc = wgmma_wait_group_acc(0, pacc)
+                acc_to_local(sacc, s)
+                acc_to_local(pacc, dp)
+                if mask:
+                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
+                                  Nq, mq, j0, causal_offset, sl2, True, CAUSAL, PRELOAD,
+                                  NTILES, tq)
+                else:
+                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
+                                  Nq, mq, j0, causal_offset, sl2, False, CAUSAL, PRELOAD,
+                                  NTILES, tq)
+                dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
+                dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
             dka = wgmma_wait_group_acc(0, dka)
             dva = wgmma_wait_group_acc(0, dva)
         cp_async_wait(0)
@@ -293,7 +345,8 @@ def make_attn_backward_dkdv_wgmma(var):
 def make_attn_backward_dq_wgmma(var):
     """dQ of variant ``var`` (family "hopper", kernel "dq"): a query tile of
     ``64 * warpgroups`` rows per block, key steps of ``block_n``."""
-    D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16 = _sizes(var, "dq")
+    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16,
+     OVERLAP) = _sizes(var, "dq")
     # shared memory, in bytes from the aligned start: Q, dO (resident), K[2], V[2]
     TILE = BN * D * 2
     Q_OFF = 0
@@ -369,11 +422,15 @@ def make_attn_backward_dq_wgmma(var):
             cp_async_commit()
             kb = at + K_OFF + buf
 
-            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa, kb, KSTEPS, BM,
-                            BN)
-            pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), ga,
+            # (Q's and dO's descriptors made here, not hoisted out of the loop: opaque)
+            sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(qa), kb,
+                            KSTEPS, BM, BN)
+            pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(ga),
                             at + V_OFF + buf, KSTEPS, BM, BN)
-            sacc = wgmma_wait_group_acc(1, sacc)  # S (dP may still run)
+            if OVERLAP:
+                sacc = wgmma_wait_group_acc(1, sacc)  # S (dP may still run)
+            else:
+                sacc = wgmma_wait_group_acc(0, sacc)  # S and dP
             acc_to_local(sacc, s)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             if n0 + BN > n_full:  # a diagonal or tail tile
