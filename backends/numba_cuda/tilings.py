@@ -444,173 +444,24 @@ def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
     return rows * (head_dim + PAD)
 
 
-# --- Hopper (wgmma) tilings ---------------------------------------------------------------
+# --- Hopper (wgmma) tilings: hopper/tilings.py, re-exported ---------------------------
 
-#: Head dims the wgmma forward (``hopper/forward.py``) is built for.
-HOPPER_HEAD_DIMS = (64, 128)
-
-
-@dataclass(frozen=True)
-class HopperTiles:
-    """A wgmma kernel's tiling: ``warpgroups`` consumer warpgroups of 128 threads own 64
-    rows each (``block_m = 64 * warpgroups``: query rows in the forward and dQ kernels,
-    keys in the dK/dV kernel); the other side streams through in tiles of ``block_n``
-    (one m64nNk16 per k-step of S = Q Kᵀ, or of Sᵀ = K Qᵀ, N = ``block_n``). ``overlap``:
-    FlashAttention 3's intra-warpgroup schedule (the softmax of one key tile runs while the
-    P V wgmmas of the one before it do; one barrier per tile instead of two).
-    ``min_blocks``: blocks per multiprocessor it is compiled for (registers capped at
-    65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
-    block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap;
-    ``hopper/pingpong.py``): the warpgroups take turns issuing their wgmmas, K and V in
-    mbarrier rings of ``stages`` stages; ``producer``: and a producer warpgroup copying
-    them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers)."""
-
-    warpgroups: int
-    block_n: int
-    overlap: bool = False
-    min_blocks: int = 1
-    pingpong: bool = False
-    stages: int = 2
-    producer: bool = False
-
-    def __post_init__(self):
-        if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
-                or self.min_blocks not in (1, 2, 3)):
-            raise ValueError(f"warpgroups must be 1 or 2, block_n 32, 64, 128, 192 or 256, "
-                             f"min_blocks 1, 2 or 3: {self}")
-        if self.stages not in ((2, 3, 4) if self.pingpong else (2,)):
-            raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2: {self}")
-        if self.pingpong and (self.warpgroups != 2 or not self.overlap):
-            raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
-        if self.producer and (not self.pingpong or self.min_blocks != 1):
-            raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
-                             f"per SM: {self}")
-
-    @property
-    def tag(self) -> str:
-        """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
-        (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup): names the tiling
-        in kernel names and timings."""
-        return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
-                + (f"p{self.stages}" if self.pingpong else "")
-                + ("w" if self.producer else "")
-                + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
-
-    @property
-    def launch_bounds(self):
-        """numba's ``launch_bounds`` where several blocks must fit an SM or a producer
-        warpgroup hands its registers over (``setmaxnreg`` needs a cap at entry), else
-        None."""
-        if self.min_blocks > 1 or self.producer:
-            return (self.threads, self.min_blocks)
-        return None
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.warpgroups
-
-    @property
-    def threads(self) -> int:
-        return 128 * (self.warpgroups + self.producer)
-
-    @property
-    def warps(self) -> int:
-        return self.threads // 32
-
-
-#: Per (head dim, causal): two warpgroups (128 query rows) and FlashAttention 3's
-#: intra-warpgroup overlap, with 64-key tiles at head dim 64 and 128-key tiles at 128: the
-#: fastest of :data:`HOPPER_CANDIDATES` on an H100 (bf16, B=4 H=16 N=4096 and B=1 H=16
-#: N=16384, 2026-11-25): D=64 g2n64o 333-393 TFLOP/s (g2n128 262-317, g1n64ob2 311-341);
-#: D=128 g2n128o 330-429 (g2n128 338-421, g2n64o 317-388).
-HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles(2, 64, True),
-                  (128, False): HopperTiles(2, 128, True),
-                  (128, True): HopperTiles(2, 128, True)}
-#: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
-#: descriptor's base offset stays 0 only for tiles that start on it.
-HOPPER_ALIGN = 1024
-#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
-#: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
-HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
-                     HopperTiles(1, 64, True, 2),
-                     HopperTiles(2, 128, True, pingpong=True, stages=3),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3),
-                     HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
-                     HopperTiles(2, 192, True, pingpong=True, stages=3),
-                     HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True))
-#: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
-#: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
-HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
-
-
-def hopper_candidates(head_dim: int) -> tuple:
-    """The candidates built (timed, tested) at ``head_dim``."""
-    return tuple(t for t in HOPPER_CANDIDATES
-                 if head_dim in HOPPER_CANDIDATE_DIMS.get(t, HOPPER_HEAD_DIMS))
-
-
-#: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): one
-#: warpgroup per block (64 keys in dK/dV, 64 queries in dQ; at about 200-230 registers two
-#: such blocks share an SM and interleave) with query steps of 64 (D=64) or 32 (D=128) and
-#: key steps of 128 (D=64) or 64 (D=128), and the overlap (the elementwise work of a step
-#: under its later wgmmas): the fastest pairs on an H100 at 535f43e (bf16, B=4 H=16
-#: N=4096, forward+backward 183-257 TFLOP/s, 2-7% ahead of the two-warpgroup pairs;
-#: notes/hopper_2026-11-25.md). At D=128 dK and dV hold 128 accumulator registers per
-#: thread: query steps of 64 fit only without the overlap and without the causal mask's
-#: code (g1n64, g2n64: 254-255 registers; causal, they spill).
-HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True),
-               (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
-HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
-             (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True)}
-#: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
-#: each other (the table's first); all compile without spills. Not yet timed: the pairs
-#: without the overlap and those with query steps of 64 at D=128.
-_D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
-        (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
-        (HopperTiles(1, 64), HopperTiles(1, 128)))
-HOPPER_BWD_CANDIDATES = {
-    (64, False): _D64, (64, True): _D64,
-    (128, False): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
-                   (HopperTiles(1, 64), HopperTiles(1, 64, True)),
-                   (HopperTiles(2, 64), HopperTiles(2, 64, True))),
-    (128, True): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
-                  (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
-                  (HopperTiles(2, 32, True), HopperTiles(2, 128, True))),
-}
-_HOPPER_TABLES = {"forward": HOPPER_FORWARD, "dkdv": HOPPER_DKDV, "dq": HOPPER_DQ}
-
-
-def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") -> int:
-    """Shared memory of a wgmma kernel, 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
-    align the dynamic shared memory's start at run time: the forward, Q (``block_m`` rows)
-    and K and V in ``stages`` buffers each (``block_n`` rows; the ping-pong schedule adds
-    its rings' 8-byte mbarriers: 4 a stage, 1 for Q with a producer); dK/dV, K and V
-    (``block_m``) and Q and dO double-buffered; dQ, Q and dO and K and V double-buffered."""
-    if kernel == "forward":
-        return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
-                + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
-    return HOPPER_ALIGN + (2 * t.block_m + 4 * t.block_n) * head_dim * 2
-
-
-#: The wgmma forward's tiling for variants with a mask_mod: a schedule without the overlap
-#: (an empty tile is skipped between its copies and the next tile's).
-HOPPER_MASK_MOD = HopperTiles(2, 64)
-
-
-def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
-                  mask_mod: bool = False) -> HopperTiles | None:
-    """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
-    (``mask_mod``: of a forward with one), or None where it has none."""
-    t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
-    return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
-
-
-def unmasked_only(t: HopperTiles) -> HopperTiles:
-    """The tiling a forward with masks or score modifiers takes instead of ``t``: the
-    ping-pong schedule has no mask steps, the overlapped one of the same block shape has."""
-    return replace(t, pingpong=False, stages=2, producer=False) if t.pingpong else t
-
+from .hopper.tilings import (  # noqa: E402, F401
+    HOPPER_ALIGN,
+    HOPPER_BWD_CANDIDATES,
+    HOPPER_CANDIDATE_DIMS,
+    HOPPER_CANDIDATES,
+    HOPPER_DKDV,
+    HOPPER_DQ,
+    HOPPER_FORWARD,
+    HOPPER_HEAD_DIMS,
+    HOPPER_MASK_MOD,
+    HopperTiles,
+    choose_hopper,
+    hopper_candidates,
+    hopper_smem_bytes,
+    unmasked_only,
+)
 
 # --- the autotuner's cache: its candidates and its choices per GPU ------------------------
 
