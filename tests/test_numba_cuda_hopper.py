@@ -48,7 +48,7 @@ CI_OVERLAP = {"g2n128o": (128, "bfloat16", False), "g2n64o": (64, "float16", Tru
               "g1n64ob2": (128, "float16", True), "g2n128op3": (128, "bfloat16", True),
               "g2n64op3": (64, "float16", False), "g2n128op3w": (128, "float16", False),
               "g2n64op3w": (64, "bfloat16", True), "g2n192op3": (64, "bfloat16", True),
-              "g2n192op3w": (64, "float16", False)}
+              "g2n192op3w": (64, "float16", False), "g2n128op3x2": (128, "bfloat16", False)}
 
 
 def _in_ci(t, case):
@@ -133,6 +133,29 @@ def test_p_registers_are_the_a_fragments():
                 assert (hi[0], hi[1] - 16 * kk) == frag[2 * r + 1]
 
 
+def test_exp2_on_the_fma_pipe():
+    """``exp2_fma`` (every ``poly``-th n-tile's exponentials, off the MUFU unit), as the
+    host model computes it operation by operation in float32: within 3e-7 of 2^x from
+    2^-126 up (``ex2.approx.f32``'s class), exactly 0 below it and at -inf (masked scores,
+    rows that see no key), NaN kept; the PTX carries the model's constants."""
+    from flashcore.backends.numba_cuda.device import intrinsics as intr
+
+    x = np.concatenate([np.linspace(-126, 1, 400_001, dtype=np.float32),
+                        np.float32([0.5, -0.5, -0.25, 0.0, -1e-30])])
+    got = intr.exp2_fma_model(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    assert np.max(np.abs(got / want - 1)) < 3e-7
+    assert np.all(intr.exp2_fma_model(np.float32([-126.01, -200, -np.inf])) == 0)
+    assert np.isnan(intr.exp2_fma_model(np.float32([np.nan]))).all()
+    hexes = {intr._f32_hex(c) for c in (*intr.EXP2_POLY, intr.EXP2_FLOOR, intr.ROUND_MAGIC)}
+    assert all(h in intr._EXP2_PTX for h in hexes)
+    assert intr._EXP2_PTX.count("fma.rn.f32") == len(intr.EXP2_POLY) - 1
+    with pytest.raises(ValueError):
+        tilings.HopperTiles(2, 128, True, poly=1)
+    cap = launch.hopper_variant(128, "bfloat16", False, softcap=30.0)
+    assert cap.tiles.poly == tilings.SOFTCAP_POLY and cap.tiles.pingpong
+
+
 def test_tilings_and_variants():
     for d, t, c in ALL:
         v = _variant(d, t, c)
@@ -176,7 +199,9 @@ def test_pingpong_tilings_and_rings():
             assert tilings.hopper_smem_bytes(t, d) <= tilings.SMEM_LIMIT[(9, 0)], t
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
             tilings.hopper_candidates(128)] == ["g2n64op3", "g2n64op3w", "g2n192op3",
-                                                "g2n192op3w"]
+                                                "g2n192op3w", "g2n64ox2"]
+    assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
+            tilings.hopper_candidates(64)] == ["g2n128op3x2", "g2n128op3x4"]
 
 
 class _MBarrier:
@@ -422,16 +447,21 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
 
 
 def _mod_variants():
-    """Variants with masks and score modifiers (the table's tiling; a mask_mod's: one
-    without the overlap), one per kind, each on another head dim, dtype and causal mode."""
+    """Variants with masks and score modifiers (the table's tiling: ping-pong at D=128 with
+    the built-in ones; a score_mod's the overlapped schedule, a mask_mod's one without the
+    overlap), one per kind, each on another head dim, dtype and causal mode; the first three
+    (in CI) all ping-pong."""
     from flashcore.backends.numba_cuda.variant import UserMods
     from test_numba_cuda_mods import _takes_all, prefix_lm, rel_bias
 
     user = UserMods(_takes_all(rel_bias, 0, 2), _takes_all(prefix_lm, 1, 2),
                     (("float32", 2), ("int64", 1)))
+    smod = UserMods(_takes_all(rel_bias, 0, 2), None, (("float32", 2), ("int64", 1)))
     return [("window", dict(window=(200, 100)), 128, "bfloat16", True),
-            ("softcap", dict(softcap=20.0), 64, "float16", False),
+            ("softcap", dict(softcap=30.0), 128, "bfloat16", False),
             ("alibi", dict(alibi=True), 128, "bfloat16", False),
+            ("softcap64", dict(softcap=20.0), 64, "float16", False),
+            ("score_mod", dict(user=smod), 128, "float16", True),
             ("alibi+cap", dict(alibi=True, softcap=30.0), 64, "bfloat16", True),
             ("user", dict(user=user), 64, "bfloat16", False),
             ("user+window", dict(user=user, window=(64, 0)), 128, "float16", True)]
@@ -439,8 +469,8 @@ def _mod_variants():
 
 @pytest.mark.parametrize("which", [
     pytest.param(i, id=name, marks=() if i < 3 else pytest.mark.slow)
-    for i, name in enumerate(["window", "softcap", "alibi", "alibi+cap", "user",
-                              "user+window"])])
+    for i, name in enumerate(["window", "softcap", "alibi", "softcap64", "score_mod",
+                              "alibi+cap", "user", "user+window"])])
 def test_ptx_sm90a_with_mods(sm90, which):
     """The wgmma forward with masks and score modifiers compiles for sm_90a with the
     launch's parameters, no local memory and (ptxas) no spills nor serialized wgmmas; a
@@ -452,7 +482,9 @@ def test_ptx_sm90a_with_mods(sm90, which):
     name, opts, d, dtype, causal = _mod_variants()[which]
     v = launch.hopper_variant(d, dtype, causal, **opts)
     user = opts.get("user")
-    assert not (user is not None and v.tiles.overlap), v.tag
+    mm = user is not None and user.mask_mod is not None
+    assert not (mm and v.tiles.overlap), v.tag
+    assert v.tiles.pingpong == (d == 128 and user is None), v.tag
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())
     try:
         ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
@@ -474,8 +506,9 @@ def test_ptx_sm90a_with_mods(sm90, which):
     spilled = sum(map(int, re.findall(r"(\d+) bytes spill stores", report)))
     # Two user mods reading two arrays, a window and head dim 128 (255 registers): a few
     # registers go to the stack (64 bytes at ptxas 13.0; the mma.sync forward of the same
-    # variant spills 948 bytes); every other variant none.
-    assert spilled <= (64 if name == "user+window" else 0), (v.tag, report)
+    # variant spills 948 bytes); the relative-bias score_mod alone at head dim 128, in the
+    # overlapped schedule, 304 (in ping-pong 392); every other variant none.
+    assert spilled <= {"user+window": 64, "score_mod": 304}.get(name, 0), (v.tag, report)
     assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
 
 
@@ -596,7 +629,8 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
 #: Masks and score modifiers on the wgmma forward (test_numba_cuda_mods' case format): the
 #: window, the softcap, ALiBi (alone and with the softcap), two user mods reading two arrays
 #: (with a window too), and a document mask_mod whose empty tiles are skipped, with and
-#: without a BlockMask.
+#: without a BlockMask; at D=128 without a mask_mod, the ping-pong schedule (the softcap
+#: and a score_mod alone there too).
 MOD_CASES = [
     dict(B=2, Hq=4, Hkv=2, Nq=600, Nk=600, D=128, dtype="bfloat16", causal=True,
          layout="bnhd", mods="", window=(200, 100)),
@@ -614,6 +648,10 @@ MOD_CASES = [
          layout="bhnd", mods="doc"),
     dict(B=2, Hq=4, Hkv=4, Nq=900, Nk=900, D=64, dtype="float16", causal=True,
          layout="bnhd", mods="doc", block_mask=True),
+    dict(B=1, Hq=4, Hkv=2, Nq=700, Nk=650, D=128, dtype="bfloat16", causal=True,
+         layout="bhnd", mods="", softcap=30.0),
+    dict(B=1, Hq=2, Hkv=1, Nq=450, Nk=700, D=128, dtype="float16", causal=False,
+         layout="bnhd", mods="rel"),
 ]
 
 

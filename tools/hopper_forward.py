@@ -16,8 +16,16 @@ the median of
 ratios to cuDNN's time. The table comes last; exit status 1 when a check fails, 2 when it
 cannot run.
 
+With ``--masks`` (e.g. ``none,window:1024,softcap:30,alibi``) every case runs under each
+mask (``window:W``: W keys a query, ``window=(W // 2, W - W // 2 - 1)`` as the bench's;
+``softcap:C``;
+``alibi``: slopes 2^(-8 (h+1) / H)); the masked rows are checked against the mma.sync
+forward with the same mask, timed without the SDPA peers, and the table adds each one's
+time over its tiling's time without a mask (``--masks`` should then start with ``none``).
+
 Usage: python tools/hopper_forward.py [--quick] [--repeat 20] [--tilings g2n128,...]
-                                      [--json FILE]
+                                      [--cases 4x16x8192,...] [--head-dims 128]
+                                      [--masks none,window:1024,...] [--json FILE]
 """
 from __future__ import annotations
 
@@ -63,22 +71,43 @@ def environment():
     return torch, flashcore, launch
 
 
-def variants(launch, tilings, candidates):
+def mask_of(spec, causal, heads, torch):
+    """``(label, kernel options, call options)`` of a ``--masks`` entry."""
+    name, _, arg = spec.partition(":")
+    if name == "none":
+        return "none", {}, {}
+    if name == "window":
+        w = (int(arg) // 2, int(arg) - int(arg) // 2 - 1)  # (W keys a query, as the bench)
+        return f"window {arg}", {"window": w}, {"window": w}
+    if name == "softcap":
+        return f"softcap {arg}", {"softcap": float(arg)}, {"softcap": float(arg)}
+    if name == "alibi":
+        slopes = None if torch is None else torch.tensor(
+            [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32,
+            device="cuda")
+        return "alibi", {"alibi": True}, {"alibi_slopes": slopes}
+    fail(f"unknown mask {spec!r} (none, window:W, softcap:C, alibi)")
+
+
+def variants(launch, tilings, candidates, head_dims, masks):
     """The kernels the run needs: the wgmma forward per candidate tiling and the mma.sync
-    forward, per (D, causal)."""
+    forward, per (D, causal, mask)."""
     from dataclasses import replace
 
     from flashcore.backends.numba_cuda.driver import device_cc
 
     out = []
-    for d in HEAD_DIMS:
+    for d in head_dims:
         for c in (False, True):
-            base = launch.hopper_variant(d, "bfloat16", c)
-            out += [replace(base, tiles=t) for t in candidates
-                    if t in tilings.hopper_candidates(d)]
-            out.append(launch.tc_variants(d, "bfloat16", c, device_cc(0),
-                                          gpu=launch._gpu(0)[1])[0])
-    return out
+            for m in masks:
+                opts = mask_of(m, c, 1, None)[1]
+                base = launch.hopper_variant(d, "bfloat16", c, **opts)
+                out += [replace(base, tiles=tilings.masked_tiles(t, False, 'softcap' in opts)
+                                if opts else t)
+                        for t in candidates if t in tilings.hopper_candidates(d)]
+                out.append(launch.tc_variants(d, "bfloat16", c, device_cc(0),
+                                              gpu=launch._gpu(0)[1], **opts)[0])
+    return list(dict.fromkeys(out))
 
 
 def use_tiling(launch, tilings, t):
@@ -104,8 +133,9 @@ def timer(torch, fn, repeat):
 
 
 def table(rows) -> str:
-    """The results as a table: TFLOP/s per contender, then time ratios to cuDNN of the
-    fastest wgmma tiling and of the mma.sync forward."""
+    """The results as a table: TFLOP/s per contender (of the whole N² D work, masks or
+    not), then time ratios to cuDNN of the fastest wgmma tiling and of the mma.sync forward
+    (masked rows: to the same tiling's time without the mask, as ``tiling/none``)."""
     labels = []
     for r in rows:
         labels += [x for x in r["ms"] if x not in labels]
@@ -118,6 +148,10 @@ def table(rows) -> str:
         ours = [t for x, t in ms.items() if x.startswith("wgmma")]
         best = f"{min(ours) / ref:.2f}" if ref and ours else "-"
         mma = f"{ms['mma.sync'] / ref:.2f}" if ref and "mma.sync" in ms else "-"
+        plain = r.get("plain")
+        if plain:  # a masked row: each time over its own time without the mask
+            best = " ".join(f"{x.split()[-1]}/none {t / plain[x]:.3f}"
+                            for x, t in ms.items() if x in plain)
         lines.append(f"{r['case']:<26}"
                      + "".join(f"{tf[x]:>{w[x]}.0f}" if x in tf else f"{'-':>{w[x]}}"
                                for x in labels)
@@ -132,8 +166,16 @@ def run(argv=None) -> int:
     ap.add_argument("--tilings", default=None,
                     help="wgmma tilings by tag, e.g. g2n128,g2n128o (default: "
                          "tilings.HOPPER_CANDIDATES)")
+    ap.add_argument("--cases", default=None, help="BxHxN,... (default 4x16x4096,1x16x16384)")
+    ap.add_argument("--head-dims", default=None, help="e.g. 128 (default 64,128)")
+    ap.add_argument("--masks", default="none", help="none,window:W,softcap:C,alibi")
     ap.add_argument("--json", default=os.environ.get("HOPPER_JSON"))
     args = ap.parse_args(argv)
+    cases = ([tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+             if args.cases else CASES[:1] if args.quick else CASES)
+    head_dims = (tuple(int(x) for x in args.head_dims.split(","))
+                 if args.head_dims else HEAD_DIMS)
+    masks = args.masks.split(",")
     torch, flashcore, launch = environment()
     from flashcore.backends.numba_cuda import tilings
 
@@ -150,7 +192,7 @@ def run(argv=None) -> int:
     from flashcore._warmup import compile_variants
 
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
-    todo = variants(launch, tilings, candidates)
+    todo = variants(launch, tilings, candidates, head_dims, masks)
     for tag, s in compile_variants(todo, 0):
         print(f"compiled {tag}: {s:.1f} s", flush=True)
 
@@ -163,73 +205,86 @@ def run(argv=None) -> int:
 
     launch.launch_forward = spy
 
-    def ours(q, k, v, causal, hopper):
+    def ours(q, k, v, causal, hopper, opts=None):
         if hopper:
             os.environ[HOPPER_ENV] = "1"
         else:
             os.environ[HOPPER_ENV] = "0"
-        return flashcore.attention_forward(q, k, v, causal=causal, backend="numba_cuda")
+        return flashcore.attention_forward(q, k, v, causal=causal, backend="numba_cuda",
+                                           **(opts or {}))
 
     def sdpa(backend, q, k, v, causal):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+    def case_row(name, q, k, v, causal, opts, built, peers):
+        """One case: the check of every tiling against the mma.sync forward, then the
+        times (None after a fault, which ends the CUDA context)."""
+        ms, checks, ok = {}, [], True
+        try:
+            ran.clear()
+            om, lm = ours(q, k, v, causal, False, opts)
+            for t in built:
+                use_tiling(launch, tilings, t)
+                oh, lh = ours(q, k, v, causal, True, opts)
+                torch.cuda.synchronize()
+                err = float(torch.linalg.vector_norm((oh.float() - om.float()).ravel())
+                            / torch.linalg.vector_norm(om.float().ravel()))
+                fin = torch.isfinite(lm)
+                dl = float((lh[fin] - lm[fin]).abs().max()) if fin.any() else 0.0
+                good = err < TOL and dl < 1e-3 and bool((torch.isfinite(lh) == fin).all())
+                checks.append((t.tag, good, err, dl))
+                ok &= good
+            kinds = tuple(ran)
+            ok &= kinds == ("attn_forward_tc",) + ("attn_forward_wgmma",) * len(built)
+        except Exception as e:  # noqa: BLE001  (a fault ends the CUDA context)
+            print(f"check {name}: ERROR {type(e).__name__}: {e}", flush=True)
+            return None
+        print(f"check {name}: {'pass' if ok else 'FAIL'} (kernels {kinds}; "
+              + "; ".join(f"{tag} {'ok' if g_ else 'WRONG'}: o rel {e_:.1e}, lse "
+                          f"max diff {d_:.1e}" for tag, g_, e_, d_ in checks)
+              + ")", flush=True)
+        for t, (_, good, _, _) in zip(built, checks):
+            if good:
+                use_tiling(launch, tilings, t)
+                ms[f"wgmma {t.tag}"] = timer(
+                    torch, lambda: ours(q, k, v, causal, True, opts), args.repeat)
+        ms["mma.sync"] = timer(torch, lambda: ours(q, k, v, causal, False, opts),
+                               args.repeat)
+        for label, be in ((("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                           ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)) if peers else ()):
+            try:
+                ms[label] = timer(torch, lambda be=be: sdpa(be, q, k, v, causal),
+                                  args.repeat)
+            except RuntimeError as e:  # (a backend that declines the case)
+                print(f"  {label}: {str(e).splitlines()[0][:100]}")
+        return {"case": name, "check": ok, "checks": checks, "ms": ms}
+
     rows, failed = [], False
-    cases = CASES[:1] if args.quick else CASES
     for B, H, N in cases:
-        for D in HEAD_DIMS:
+        for D in head_dims:
             built = [t for t in candidates if t in tilings.hopper_candidates(D)]
             for causal in (False, True):
-                name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
                 g = torch.Generator(device="cuda").manual_seed(N + D + causal)
                 q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g,
                                        dtype=torch.bfloat16) for _ in range(3))
-                ms, checks, ok = {}, [], True
-                try:
-                    ran.clear()
-                    om, lm = ours(q, k, v, causal, False)
-                    for t in built:
-                        use_tiling(launch, tilings, t)
-                        oh, lh = ours(q, k, v, causal, True)
-                        torch.cuda.synchronize()
-                        err = float(torch.linalg.vector_norm((oh.float() - om.float()).ravel())
-                                    / torch.linalg.vector_norm(om.float().ravel()))
-                        fin = torch.isfinite(lm)
-                        dl = float((lh[fin] - lm[fin]).abs().max()) if fin.any() else 0.0
-                        good = (err < TOL and dl < 1e-3
-                                and bool((torch.isfinite(lh) == fin).all()))
-                        checks.append((t.tag, good, err, dl))
-                        ok &= good
-                    kinds = tuple(ran)
-                    ok &= kinds == ("attn_forward_tc",) + ("attn_forward_wgmma",) * len(
-                        built)
-                except Exception as e:  # noqa: BLE001  (a fault ends the CUDA context)
-                    print(f"check {name}: ERROR {type(e).__name__}: {e}", flush=True)
-                    rows.append({"case": name, "check": False, "ms": {}, "tflops": {}})
-                    print(table(rows))
-                    return 1
-                failed |= not ok
-                print(f"check {name}: {'pass' if ok else 'FAIL'} (kernels {kinds}; "
-                      + "; ".join(f"{tag} {'ok' if g_ else 'WRONG'}: o rel {e_:.1e}, lse "
-                                  f"max diff {d_:.1e}" for tag, g_, e_, d_ in checks)
-                      + ")", flush=True)
-                for t, (_, good, _, _) in zip(built, checks):
-                    if good:
-                        use_tiling(launch, tilings, t)
-                        ms[f"wgmma {t.tag}"] = timer(
-                            torch, lambda: ours(q, k, v, causal, True), args.repeat)
-                ms["mma.sync"] = timer(torch, lambda: ours(q, k, v, causal, False),
-                                       args.repeat)
-                for label, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-                                  ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    try:
-                        ms[label] = timer(torch, lambda be=be: sdpa(be, q, k, v, causal),
-                                          args.repeat)
-                    except RuntimeError as e:  # (a backend that declines the case)
-                        print(f"  {label}: {str(e).splitlines()[0][:100]}")
-                flops = 4 * B * H * N * N * D / (2 if causal else 1)
-                rows.append({"case": name, "check": ok, "checks": checks, "ms": ms,
-                             "tflops": {k_: flops / t / 1e9 for k_, t in ms.items()}})
+                plain = None
+                for spec in masks:
+                    label, _, opts = mask_of(spec, causal, H, torch)
+                    name = (f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
+                            + ("" if label == "none" else f" {label}"))
+                    row = case_row(name, q, k, v, causal, opts, built, label == "none")
+                    if row is None:
+                        print(table(rows))
+                        return 1
+                    failed |= not row["check"]
+                    flops = 4 * B * H * N * N * D / (2 if causal else 1)
+                    row["tflops"] = {k_: flops / t_ / 1e9 for k_, t_ in row["ms"].items()}
+                    if label == "none":
+                        plain = row["ms"]
+                    elif plain:
+                        row["plain"] = plain
+                    rows.append(row)
     os.environ.pop(HOPPER_ENV, None)
     launch.launch_forward = real
 

@@ -201,8 +201,9 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                               user is not None and user.mask_mod is not None)
     if t is None:
         return None
-    if masked:  # (the ping-pong schedule has no mask steps)
-        t = tilings.unmasked_only(t)
+    if masked:  # (a producer warpgroup's schedule has no mask steps)
+        t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
+                                 bool(softcap))
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user)
 

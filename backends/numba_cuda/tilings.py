@@ -456,11 +456,12 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_FORWARD,
     HOPPER_HEAD_DIMS,
     HOPPER_MASK_MOD,
+    SOFTCAP_POLY,
     HopperTiles,
     choose_hopper,
     hopper_candidates,
     hopper_smem_bytes,
-    unmasked_only,
+    masked_tiles,
 )
 
 # --- the autotuner's cache: its candidates and its choices per GPU ------------------------

@@ -107,6 +107,35 @@ def float_to_bits(x, kind):
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
 
 
+#: ``exp2_fma``'s polynomial: 2^f on [-1/2, 1/2], degree 5 (Chebyshev interpolation
+#: rounded to float32; relative error 2.4e-7 in float32 Horner, about ``ex2.approx``'s),
+#: lowest power first; and the bound below which it returns 0 (2^-126, fp32's smallest
+#: normal: below it the exponent arithmetic would wrap).
+EXP2_POLY = (1.0000001, 0.6931472, 0.24022107, 0.05550357, 0.00967603, 0.00133909)
+EXP2_FLOOR = -126.0
+#: 1.5 * 2^23: adding it rounds an fp32 of magnitude < 2^22 to an integer, which its low
+#: mantissa bits then hold.
+ROUND_MAGIC = 12582912.0
+
+
+def exp2_fma_model(x):
+    """``exp2_fma`` on the host, operation by operation in float32 (NumPy; any shape): x
+    rounded to j, 2^(x - j) by the polynomial, j added to its exponent bits; 0 below
+    :data:`EXP2_FLOOR` (and for -inf); NaN stays NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    xc = np.fmax(x, np.float32(EXP2_FLOOR)).astype(np.float32)  # (NaN: the floor, as PTX)
+    t = (xc + np.float32(ROUND_MAGIC)).astype(np.float32)
+    j = (t - np.float32(ROUND_MAGIC)).astype(np.float32)
+    f = (xc - j).astype(np.float32)
+    p = np.full_like(f, np.float32(EXP2_POLY[-1]))
+    for c in EXP2_POLY[-2::-1]:
+        p = (p * f + np.float32(c)).astype(np.float32)  # (an fma rounds once: close enough)
+    bits = p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))
+    out = bits.astype(np.uint32).view(np.float32)
+    out = np.where(x < np.float32(EXP2_FLOOR), np.float32(0.0), out)
+    return np.where(np.isnan(x), x, out).astype(np.float32)
+
+
 if SIMULATOR:
     from numba.cuda.simulator.kernel import BlockThread
 
@@ -226,6 +255,10 @@ if SIMULATOR:
     def tanh_approx(x):
         """tanh of an fp32 (``tanh.approx.f32`` on the GPU: max relative error ~2^-11)."""
         return np.float32(np.tanh(np.float32(x)))
+
+    def exp2_fma(x):
+        """2^x by fp32 arithmetic instead of the MUFU unit (``exp2_fma_model``)."""
+        return np.float32(exp2_fma_model(np.float32(x))[()])
 
     def cp_async16(smem, sidx, src, gidx, nbytes):
         """16 bytes (8 b16 or 4 fp32 elements, by ``smem``'s dtype) from ``src[gidx:]`` to
@@ -348,6 +381,35 @@ else:
         def codegen(context, builder, sig, args):
             return _asm(builder, _F32, [args[0]], "tanh.approx.f32 $0, $1;", "=f,f",
                         side_effect=False)
+
+        return sig, codegen
+
+    def _f32_hex(x):
+        return "0f" + np.array(x, dtype=np.float32).view(np.uint32).tobytes()[::-1].hex()
+
+    _EXP2_PTX = (
+        "{ .reg .f32 xc, t, j, f, p; .reg .b32 ti, pi; .reg .pred lo, nan; "
+        f"max.f32 xc, $1, {_f32_hex(EXP2_FLOOR)}; "
+        f"add.rn.f32 t, xc, {_f32_hex(ROUND_MAGIC)}; "
+        f"sub.rn.f32 j, t, {_f32_hex(ROUND_MAGIC)}; "
+        "sub.rn.f32 f, xc, j; "
+        f"fma.rn.f32 p, f, {_f32_hex(EXP2_POLY[5])}, {_f32_hex(EXP2_POLY[4])}; "
+        + "".join(f"fma.rn.f32 p, p, f, {_f32_hex(c)}; " for c in EXP2_POLY[3::-1])
+        + "mov.b32 ti, t; shl.b32 ti, ti, 23; mov.b32 pi, p; add.s32 pi, pi, ti; "
+        f"setp.lt.f32 lo, $1, {_f32_hex(EXP2_FLOOR)}; setp.nan.f32 nan, $1, $1; "
+        "mov.b32 $0, pi; @lo mov.f32 $0, 0f00000000; @nan mov.f32 $0, $1; }")
+
+    @intrinsic
+    def exp2_fma(typingctx, x):
+        """2^x in fp32 arithmetic, without the MUFU unit (``ex2.approx`` there): x rounded
+        to an integer j by the 1.5 * 2^23 trick, 2^(x - j) by a degree-5 polynomial (5
+        FMAs), j added to its exponent bits; 0 below 2^-126 (-inf too). A kernel whose
+        MUFU unit is the bottleneck (the softcap's tanh beside the softmax's exp2) takes
+        some of its exponentials here, on the FMA pipe (FlashAttention 4's trick)."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _F32, [args[0]], _EXP2_PTX, "=f,f", side_effect=False)
 
         return sig, codegen
 

@@ -300,6 +300,27 @@ def class_key_range(cls, base, csq, q0, rows, Nq, Nk, step, n_begin, n_end):
 
 
 @device_function
+def visited_keys(q0, rows, step, Nq, Nk, causal_offset, CAUSAL, LEFT, RIGHT, WINDOW, MMOD, cls,
+                 base, csq):
+    """The first seam for a block of query rows ``q0 .. q0 + rows - 1`` streaming key tiles
+    of ``step``: ``(n_begin, n_end, n_lo, n_full)``, the keys ``[n_begin, n_end)`` it visits
+    (``n_begin`` a multiple of ``step``) and the tiles inside ``[n_lo, n_full)`` that every
+    row sees whole. :func:`key_range` for plain variants (``n_begin = n_lo = 0``), with the
+    window's range (``WINDOW``, compile-time) and cut to the span a mask_mod's classes at
+    ``base`` leave (``MMOD``, compile-time: :func:`class_key_range`)."""
+    n_end, n_full = key_range(q0, rows, Nk, causal_offset, CAUSAL)
+    n_begin = 0
+    n_lo = 0
+    if WINDOW:  # (compile-time) the window's first tile and left edge too
+        n_begin, n_end, n_lo, n_full = window_key_range(q0, rows, step, Nk, causal_offset,
+                                                        CAUSAL, LEFT, RIGHT)
+    if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
+        n_begin, n_end = class_key_range(cls, base, csq, q0, rows, Nq, Nk, step, n_begin,
+                                         n_end)
+    return n_begin, n_end, n_lo, n_full
+
+
+@device_function
 def class_query_range(cls, base, csh, heads, csq, k0, cols, Nq, Nk, step, m_begin, m_end):
     """:func:`query_range` narrowed by a mask_mod's tile classes, the transpose of
     :func:`class_key_range` for the dK/dV pass: keys ``k0 .. k0 + cols - 1`` are seen by

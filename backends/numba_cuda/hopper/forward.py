@@ -47,15 +47,13 @@ from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
-    class_key_range,
     distance,
-    key_range,
     score,
     slope_of,
     softcap,
     stat_rows,
     tile_class,
-    window_key_range,
+    visited_keys,
 )
 from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
@@ -188,9 +186,9 @@ def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma
     if n0 + BN > n_full:
         mask_scores(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
         mask_scores(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
-    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False, 0)
     la = la * al0 + ps
-    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False)
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False, 0)
     lb = lb * al1 + ps
     return ma, mb, la, lb, al0, al1
 
@@ -198,12 +196,14 @@ def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma
 @device_function
 def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h,
                       tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
-                      LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES):
+                      LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES,
+                      POLY):
     """:func:`softmax_tile` with the masks and score modifiers, in the mma.sync forward's
     order: the softcap, ALiBi (warp ``w0``'s 16 rows for its linear form), the user's
     score_mod, then the masks (causal, the window, the user's mask_mod where ``partial``)
     on tiles that need them; each compile-time flag off leaves that step out, so a plain
-    variant compiles to :func:`softmax_tile`'s code."""
+    variant compiles to :func:`softmax_tile`'s code. ``POLY``: the tiling's share of
+    exponentials on the FMA pipe (``HopperTiles.poly``, ``softmax_row``)."""
     if CAP:  # (compile-time) raw scores s -> (c / scale) tanh(s scale / c)
         for e in range(4 * NTILES):
             s[e], _ = softcap(s[e], capr, rcapr, True)
@@ -222,11 +222,39 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
                  KEEPS, margs, b, h, Nq)
         mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
                  partial, KEEPS, margs, b, h, Nq)
-    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI, POLY)
     la = la * al0 + ps
-    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI)
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI, POLY)
     lb = lb * al1 + ps
     return ma, mb, la, lb, al0, al1
+
+
+def mask_flags(var, SMOD):
+    """The compile-time mask options of a wgmma forward variant: ``(LEFT, RIGHT, WINDOW,
+    CAP, CAP_C, ALIBI, LINEAR)``, the window's bounds (-1: unbounded side) and whether it
+    has one, the softcap and its cap, ALiBi (slopes in raw-score units here: slope / scale)
+    and whether its per-row part leaves the scores for the softmax (``alibi_row``), as it
+    does unless a score_mod (``SMOD``) must see the biased score."""
+    LEFT, RIGHT = var.bounds
+    CAP = bool(var.softcap)
+    CAP_C = float32(var.softcap) if CAP else float32(1.0)
+    ALIBI = var.alibi
+    return LEFT, RIGHT, bool(var.window), CAP, CAP_C, ALIBI, ALIBI and not SMOD
+
+
+@device_function
+def score_constants(scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI):
+    """Per block, what the second seam needs for head ``(b, h)``: ``(sl2, capr, rcapr,
+    slope, unit, sc)``, the factor to the log2 domain (kept a normal fp32 number: -inf *
+    sl2 stays -inf), the cap in raw-score units and its inverse (used where CAP), ALiBi's
+    slope in raw-score units, the factor from natural scores to raw ones and the scale (a
+    score_mod's)."""
+    sl2 = float32(max(scale * LOG2E, FLT_MIN))
+    capr = CAP_C / float32(scale)
+    rcapr = float32(scale) / CAP_C
+    unit = float32(1.0) / float32(scale)
+    slope = slope_of(slopes, b, h, ssb, ssh, unit, ALIBI)
+    return sl2, capr, rcapr, slope, unit, float32(scale)
 
 
 @device_function
@@ -284,14 +312,8 @@ def make_attn_forward_wgmma(var):
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
     OVERLAP = t.overlap  # the softmax of tile j under the P V wgmmas of tile j - 1
-    LEFT, RIGHT = var.bounds  # the window (-1: unbounded side)
-    WINDOW = bool(var.window)
-    CAP = bool(var.softcap)
-    CAP_C = float32(var.softcap) if CAP else float32(1.0)
-    ALIBI = var.alibi  # slopes in raw-score units here: slope / scale
-    # ALiBi's per-row part leaves the scores for the softmax (alibi_row) unless a score_mod
-    # must see the biased score
-    LINEAR = ALIBI and not SMOD
+    POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
+    LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR = mask_flags(var, SMOD)
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -314,15 +336,10 @@ def make_attn_forward_wgmma(var):
         qbase = b * qsb + h * qsh
         kbase = b * ksb + hk * ksh
         vbase = b * vsb + hk * vsh
-        # scores to the log2 domain; kept a normal fp32 number (-inf * sl2 stays -inf)
-        sl2 = float32(max(scale * LOG2E, FLT_MIN))
-        capr = CAP_C / float32(scale)  # (used where CAP) the cap in raw-score units
-        rcapr = float32(scale) / CAP_C
-        slope = slope_of(slopes, b, h, ssb, ssh, float32(1.0) / float32(scale), ALIBI)
+        sl2, capr, rcapr, slope, unit, sc = score_constants(scale, slopes, b, h, ssb, ssh,
+                                                            CAP_C, ALIBI)
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
-        unit = float32(1.0) / float32(scale)  # (SMOD) natural scores to raw ones
-        sc = float32(scale)
         cbase = b * csb + h * csh  # (MMOD) this head's tile classes
 
         # the tiles start on a 1024-byte boundary of the shared state space
@@ -331,15 +348,8 @@ def make_attn_forward_wgmma(var):
         at = raw + pad  # shared address of the aligned start (descriptors)
         el = pad >> 1  # its element index (copies)
 
-        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_begin = 0
-        n_lo = 0
-        if WINDOW:  # (compile-time) the window's first tile and left edge too
-            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
-                                                            CAUSAL, LEFT, RIGHT)
-        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
-            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
-                                             n_end)
+        n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                    LEFT, RIGHT, WINDOW, MMOD, cls, cbase, csq)
         n_tiles = (n_end + BN - 1) // BN  # (n_begin is 0 here: plain variants keep this)
         if WINDOW or MMOD:  # (compile-time)
             n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
@@ -399,7 +409,7 @@ def make_attn_forward_wgmma(var):
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h, tq,
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
-                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES)
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 acc_to_local(acc, oa)
                 rescale(oa, al0, al1, DTILES)
                 acc = acc_from_local(oa, D)
@@ -440,7 +450,7 @@ def make_attn_forward_wgmma(var):
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n_begin, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h,
                     tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
-                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES)
+                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 pack_p(BF16, pf, s, NP)  # (O is still zero: nothing to rescale)
             for it in range(1, n_tiles):
                 n0 = n_begin + it * BN
@@ -462,7 +472,7 @@ def make_attn_forward_wgmma(var):
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h, tq,
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
-                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES)
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)
                 acc_to_local(acc, oa)
                 rescale(oa, al0, al1, DTILES)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, FLT_MIN, LOG2E, NEG_INF, SMEM_ALIGN
+from ..device.constants import DENSE, NEG_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
 from ..device.pipeline import (
@@ -48,7 +48,8 @@ from ..device.pipeline import (
     stage_of,
 )
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import key_range, stat_rows
+from ..device.seams import stat_rows, visited_keys
+from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_from_local,
     acc_to_local,
@@ -61,7 +62,18 @@ from ..device.wgmma import (
 from ..tensor_core.forward import finish_row
 from ..tensor_core.fragments import store_frags
 from ..tilings import HOPPER_ALIGN
-from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, rescale, softmax_tile
+from .forward import (
+    LINE,
+    issue_pv,
+    issue_qk,
+    load_tile,
+    mask_flags,
+    pack_p,
+    rescale,
+    score_constants,
+    softmax_tile,
+    softmax_tile_mods,
+)
 
 #: Elements (16-bit) of one mbarrier in the shared array.
 BAR = 4
@@ -104,18 +116,18 @@ def release(smem, empty, t, STAGES, lane):
 
 
 @device_function
-def produce(smem, el, off, src, base, t, n_tiles, nvalid, sn, full, empty, STAGES, STAGE,
-            BN, CH, wtid):
-    """Copy tile ``t`` (rows ``t BN ..``) of ``src`` into its stage of the ring at byte
-    ``off`` (stages ``STAGE`` bytes apart) by this warpgroup's 128 threads, once the stage
-    is free, and arrive on its "full" barrier when the copies land (nothing past the last
-    tile)."""
+def produce(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full, empty, STAGES,
+            STAGE, BN, CH, wtid):
+    """Copy tile ``t`` (rows ``n_begin + t BN ..``) of ``src`` into its stage of the ring at
+    byte ``off`` (stages ``STAGE`` bytes apart) by this warpgroup's 128 threads, once the
+    stage is free, and arrive on its "full" barrier when the copies land (nothing past the
+    last tile)."""
     if t < n_tiles:
         s = stage_of(t, STAGES)
         if t >= STAGES:
             mbarrier_wait(smem, empty + BAR * s, empty_parity(t, STAGES))
-        load_tile(smem, el + (off + s * STAGE) // 2, src, base, t * BN, nvalid, sn, BN, CH,
-                  wtid, WG_THREADS)
+        load_tile(smem, el + (off + s * STAGE) // 2, src, base, n_begin + t * BN, nvalid, sn,
+                  BN, CH, wtid, WG_THREADS)
         cp_async_arrive(smem, full + BAR * s)
 
 
@@ -173,19 +185,27 @@ def produce_all(smem, el, q, qbase, q0, Nq, qsn, k, kbase, ksn, v, vbase, vsn, N
 def make_attn_forward_wgmma_pingpong(var):
     """The forward kernel of variant ``var`` (family "hopper", ``var.tiles.pingpong``):
     head dim 64 or 128, causal or not, fp16 or bf16; the same launch arguments and results
-    as ``forward.make_attn_forward_wgmma``. With ``var.tiles.producer`` the block's first
-    warpgroup copies everything (:func:`produce_all`) and the consumers none."""
+    as ``forward.make_attn_forward_wgmma``, with the masks and score modifiers but a
+    mask_mod (the window's range and edge tiles, the softcap, ALiBi, a score_mod:
+    ``forward.softmax_tile_mods``). With ``var.tiles.producer`` the block's first warpgroup
+    copies everything (:func:`produce_all`) and the consumers none (no masks there)."""
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
-    if var.window or var.softcap or var.alibi or var.user is not None or var.packed \
-            or var.split:
-        raise ValueError(f"the wgmma forward takes no masks beyond causal, no packed rows "
-                         f"and no split-KV: {var.tag}")
+    if var.packed or var.split:
+        raise ValueError(f"the wgmma forward takes no packed rows and no split-KV: {var.tag}")
     if not t.pingpong or t.warpgroups != 2:
         raise ValueError(f"not a ping-pong tiling: {t}")
+    SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
+    LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR = mask_flags(var, SMOD)
+    MODS = WINDOW or CAP or ALIBI or SMOD  # (else: forward.softmax_tile, the plain steps)
+    if MMOD or (MODS and t.producer):
+        raise ValueError(f"the ping-pong schedule takes no mask_mod (its empty tiles are "
+                         f"skipped in the schedule without the overlap), and with a "
+                         f"producer warpgroup no masks: {var.tag}")
     BN, BM, NT, STAGES = t.block_n, t.block_m, t.threads, t.stages
     PRODUCER = t.producer  # (compile-time: a producer warpgroup, 0, before the consumers)
+    POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
     CH = D // 8
     KSTEPS, PSTEPS = D // 16, BN // 16
     NTILES, DTILES = BN // 8, D // 8
@@ -235,8 +255,11 @@ def make_attn_forward_wgmma_pingpong(var):
         empty_v = empty_k + BAR * STAGES
         q_full = empty_v + BAR * STAGES
 
-        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_tiles = (n_end + BN - 1) // BN
+        n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                    LEFT, RIGHT, WINDOW, False, cls, 0, csq)
+        n_tiles = (n_end + BN - 1) // BN  # (n_begin is 0 here: plain variants keep this)
+        if WINDOW:  # (compile-time)
+            n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         if tid == 0:
             for st in range(STAGES):
@@ -258,8 +281,8 @@ def make_attn_forward_wgmma_pingpong(var):
             cp_async_commit()
             cuda.syncthreads()  # the barriers initialized before any arrival
             for tt in range(AHEAD):
-                produce(smem, el, off, src, base, tt, n_tiles, Nk, sn, full, empty, STAGES,
-                        STAGE, BN, CH, wtid)
+                produce(smem, el, off, src, base, tt, n_tiles, n_begin, Nk, sn, full, empty,
+                        STAGES, STAGE, BN, CH, wtid)
             cp_async_commit()
             cp_async_wait(1)  # Q (the rings' copies may still be in flight)
             fence_proxy_async()
@@ -276,7 +299,10 @@ def make_attn_forward_wgmma_pingpong(var):
             if PRODUCER:
                 setmaxnreg_inc(CONSUMER_REGS)
                 mbarrier_wait(smem, q_full, 0)
-            sl2 = float32(max(scale * LOG2E, FLT_MIN))
+            sl2, capr, rcapr, slope, unit, sc = score_constants(scale, slopes, b, h, ssb,
+                                                                ssh, CAP_C, ALIBI)
+            margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                           e12, e13, e14, e15))
             qa = at + Q_OFF + 64 * wg * LINE
             s = cuda.local.array(NS, float32)
             oa = cuda.local.array(NO, float32)
@@ -284,7 +310,8 @@ def make_attn_forward_wgmma_pingpong(var):
             acc = zero_accumulators(D)
             ma = mb = NEG_INF
             la = lb = float32(0.0)
-            i = q0 + 64 * wg + 16 * warp + g
+            w0 = q0 + 64 * wg + 16 * warp  # this warp's 16 rows
+            i = w0 + g
 
             if n_tiles > 0:
                 if wg == 1:
@@ -298,15 +325,22 @@ def make_attn_forward_wgmma_pingpong(var):
                 sacc = wgmma_wait_group_acc(0, sacc)
                 release(smem, empty_k, 0, STAGES, lane)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
-                                                        causal_offset, CAUSAL, NTILES, tq,
-                                                        ma, mb, la, lb, sl2)
+                if MODS:  # (compile-time)
+                    ma, mb, la, lb, al0, al1 = softmax_tile_mods(
+                        s, n_begin, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b,
+                        h, tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs,
+                        CAUSAL, LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE,
+                        NTILES, POLY)
+                else:
+                    ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
+                                                            causal_offset, CAUSAL, NTILES, tq,
+                                                            ma, mb, la, lb, sl2)
                 pack_p(BF16, pf, s, NP)
                 if not PRODUCER:
-                    produce(smem, el, off, src, base, AHEAD, n_tiles, Nk, sn, full, empty,
-                            STAGES, STAGE, BN, CH, wtid)
+                    produce(smem, el, off, src, base, AHEAD, n_tiles, n_begin, Nk, sn, full,
+                            empty, STAGES, STAGE, BN, CH, wtid)
             for it in range(1, n_tiles):
-                n0 = it * BN
+                n0 = n_begin + it * BN
                 wait_full(smem, full_k, it, STAGES)
                 wait_full(smem, full_v, it - 1, STAGES)
                 fence_proxy_async()
@@ -319,9 +353,16 @@ def make_attn_forward_wgmma_pingpong(var):
                 sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
                 release(smem, empty_k, it, STAGES, lane)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
-                                                        causal_offset, CAUSAL, NTILES, tq,
-                                                        ma, mb, la, lb, sl2)
+                if MODS:  # (compile-time)
+                    ma, mb, la, lb, al0, al1 = softmax_tile_mods(
+                        s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h,
+                        tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
+                        LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES,
+                        POLY)
+                else:
+                    ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
+                                                            causal_offset, CAUSAL, NTILES, tq,
+                                                            ma, mb, la, lb, sl2)
                 acc = wgmma_wait_group_acc(0, acc)
                 release(smem, empty_v, it - 1, STAGES, lane)
                 acc_to_local(acc, oa)
@@ -329,8 +370,8 @@ def make_attn_forward_wgmma_pingpong(var):
                 acc = acc_from_local(oa, D)
                 pack_p(BF16, pf, s, NP)
                 if not PRODUCER:
-                    produce(smem, el, off, src, base, it + AHEAD, n_tiles, Nk, sn, full,
-                            empty, STAGES, STAGE, BN, CH, wtid)
+                    produce(smem, el, off, src, base, it + AHEAD, n_tiles, n_begin, Nk, sn,
+                            full, empty, STAGES, STAGE, BN, CH, wtid)
             if n_tiles > 0:
                 last = n_tiles - 1
                 wait_full(smem, full_v, last, STAGES)

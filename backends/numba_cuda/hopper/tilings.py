@@ -22,7 +22,10 @@ class HopperTiles:
     block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap;
     ``hopper/pingpong.py``): the warpgroups take turns issuing their wgmmas, K and V in
     mbarrier rings of ``stages`` stages; ``producer``: and a producer warpgroup copying
-    them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers)."""
+    them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers).
+    ``poly``: every ``poly``-th 8-key n-tile of the softmax takes its exp2 from the FMA
+    pipe (``intrinsics.exp2_fma``) instead of the MUFU unit (0: none), for a softcap, whose
+    tanh is a second MUFU operation per score."""
 
     warpgroups: int
     block_n: int
@@ -31,6 +34,7 @@ class HopperTiles:
     pingpong: bool = False
     stages: int = 2
     producer: bool = False
+    poly: int = 0
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -41,6 +45,8 @@ class HopperTiles:
             raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2: {self}")
         if self.pingpong and (self.warpgroups != 2 or not self.overlap):
             raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
+        if self.poly not in (0, 2, 3, 4):
+            raise ValueError(f"poly must be 0, 2, 3 or 4: {self}")
         if self.producer and (not self.pingpong or self.min_blocks != 1):
             raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
                              f"per SM: {self}")
@@ -48,11 +54,13 @@ class HopperTiles:
     @property
     def tag(self) -> str:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
-        (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup): names the tiling
-        in kernel names and timings."""
+        (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
+        (every second n-tile's exp2 on the FMA pipe): names the tiling in kernel names and
+        timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
                 + ("w" if self.producer else "")
+                + (f"x{self.poly}" if self.poly else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
@@ -98,10 +106,16 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
-                     HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True))
+                     HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
+                     HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2),
+                     HopperTiles(2, 128, True, pingpong=True, stages=3, poly=4),
+                     HopperTiles(2, 64, True, poly=2))
 #: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
-HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
+HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES
+                         if (t.pingpong and t.block_n != 128) or t.tag == "g2n64ox2"}
+HOPPER_CANDIDATE_DIMS.update({t: (128,) for t in HOPPER_CANDIDATES
+                              if t.pingpong and t.block_n == 128 and t.poly})
 
 
 def hopper_candidates(head_dim: int) -> tuple:
@@ -166,7 +180,19 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
     return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
 
 
-def unmasked_only(t: HopperTiles) -> HopperTiles:
-    """The tiling a forward with masks or score modifiers takes instead of ``t``: the
-    ping-pong schedule has no mask steps, the overlapped one of the same block shape has."""
-    return replace(t, pingpong=False, stages=2, producer=False) if t.pingpong else t
+#: ``HopperTiles.poly`` of a forward with a softcap (0: every exp2 on the MUFU unit).
+SOFTCAP_POLY = 0
+
+
+def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False
+                 ) -> HopperTiles:
+    """The tiling a forward with masks or score modifiers (but a mask_mod: :func:`choose_hopper`)
+    takes instead of ``t``: the same without a producer warpgroup (whose consumers have no
+    mask steps; the ping-pong schedule without it has them), and with a ``score_mod`` the
+    overlapped schedule of the same block shape instead of ping-pong (a user function's
+    registers on top of ping-pong's: the relative-bias score_mod spilled 392 bytes at D=128,
+    ptxas 13.0); with a ``softcap``, :data:`SOFTCAP_POLY`."""
+    t = replace(t, producer=False, poly=t.poly or (SOFTCAP_POLY if softcap else 0))
+    if score_mod and t.pingpong:
+        return replace(t, pingpong=False, stages=2)
+    return t

@@ -30,11 +30,9 @@ from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
     alibi,
-    class_key_range,
     class_query_range,
     distance,
     hides,
-    key_range,
     query_range,
     sequence,
     slope_of,
@@ -44,7 +42,7 @@ from ..device.seams import (
     user_keeps,
     user_score_slope,
     visible,
-    window_key_range,
+    visited_keys,
     window_query_range,
 )
 from ..device.user_mods import kernel_mods
@@ -386,15 +384,8 @@ def make_attn_backward_dq(v):
             for dd in range(RD):
                 dq_acc[a, dd] = float32(0.0)
 
-        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_begin = 0
-        n_lo = 0
-        if WINDOW:  # (compile-time) the window's first tile and left edge too
-            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
-                                                            CAUSAL, LEFT, RIGHT)
-        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
-            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
-                                             n_end)
+        n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                    LEFT, RIGHT, WINDOW, MMOD, cls, cbase, csq)
 
         if ASYNC:
             copy_rows(smem, K_OFF, KJ, k, kbase, n_begin, Nk, ksn, BN, D, DP, tid, NT)

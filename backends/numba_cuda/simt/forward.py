@@ -32,9 +32,7 @@ from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, shfl
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     alibi,
-    class_key_range,
     distance,
-    key_range,
     key_row,
     score,
     sequence,
@@ -45,7 +43,7 @@ from ..device.seams import (
     tile_class,
     user_keeps,
     user_score,
-    window_key_range,
+    visited_keys,
 )
 from ..device.user_mods import kernel_mods
 from .tile_product import column, tile_product
@@ -263,15 +261,8 @@ def make_attn_forward(v):
                 acc[a, dd] = float32(0.0)
 
         # Keys this tile visits, and those every row sees (tiles there need no mask).
-        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_begin = 0
-        n_lo = 0
-        if WINDOW:  # (compile-time) the window's first tile and left edge too
-            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
-                                                            CAUSAL, LEFT, RIGHT)
-        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
-            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
-                                             n_end)
+        n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                    LEFT, RIGHT, WINDOW, MMOD, cls, cbase, csq)
         n_begin, n_end = split_range(n_begin, n_end, split, chunk, SPLIT)
 
         if ASYNC:

@@ -46,11 +46,9 @@ from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
     alibi,
-    class_key_range,
     class_query_range,
     distance,
     hides,
-    key_range,
     query_range,
     sequence,
     slope_of,
@@ -60,7 +58,7 @@ from ..device.seams import (
     user_keeps,
     user_score_slope,
     visible,
-    window_key_range,
+    visited_keys,
     window_query_range,
 )
 from ..device.user_mods import kernel_mods
@@ -468,15 +466,8 @@ def make_attn_backward_dq_tc(v):
                                        e12, e13, e14, e15))
         cbase = b * csb + h * csh  # (MMOD) this head's tile classes
 
-        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_begin = 0
-        n_lo = 0
-        if WINDOW:  # (compile-time) the window's first tile and left edge too
-            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
-                                                            CAUSAL, LEFT, RIGHT)
-        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
-            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
-                                             n_end)
+        n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                    LEFT, RIGHT, WINDOW, MMOD, cls, cbase, csq)
         n_tiles = (n_end + BN - 1) // BN  # (n_begin is 0 here: plain variants keep this)
         if WINDOW or MMOD:  # (compile-time)
             n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0

@@ -45,13 +45,17 @@ from ..device.constants import (
     SMEM_ALIGN,
 )
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import cp_async_commit, cp_async_wait, ldmatrix_x4, shfl_xor_f32
+from ..device.intrinsics import (
+    cp_async_commit,
+    cp_async_wait,
+    exp2_fma,
+    ldmatrix_x4,
+    shfl_xor_f32,
+)
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     alibi,
-    class_key_range,
     distance,
-    key_range,
     score,
     sequence,
     slope_of,
@@ -61,7 +65,7 @@ from ..device.seams import (
     tile_class,
     user_keeps,
     user_score,
-    window_key_range,
+    visited_keys,
 )
 from ..device.user_mods import kernel_mods
 from ..tilings import PAD
@@ -143,11 +147,14 @@ def alibi_row(s, base, d0, slope, side, linear, NTILES):
 
 
 @device_function
-def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI):
+def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI, POLY):
     """One of this lane's rows of a score tile (``s[base + 4 jn + e]``, masked already):
     new running max (of the scores) over the 4 lanes sharing the row, then
     ``P = exp2(S * sl2 - max * sl2)`` in place, one FFMA and one ex2 per score. Returns
     ``(new max, rescale factor of the old accumulators, this lane's sum of P)``.
+    ``POLY`` (compile-time; 0: none): every ``POLY``-th n-tile takes its exp2 from the FMA
+    pipe (``intrinsics.exp2_fma``) instead of the MUFU unit, for kernels whose MUFU is busy
+    with a softcap's tanh too.
     ``ALIBI`` (compile-time): the row's scores are the stored ones less this lane's ``r``
     (:func:`alibi_row`); the lane's max is taken on the stored ones and moved by ``r``
     before the shuffles, and P's FFMA subtracts ``(max + r) sl2``."""
@@ -171,7 +178,10 @@ def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI):
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            pv = math.exp2(s[x] * sl2 - mus)
+            if POLY and jn % POLY == POLY - 1:
+                pv = exp2_fma(s[x] * sl2 - mus)
+            else:
+                pv = math.exp2(s[x] * sl2 - mus)
             s[x] = pv
             ps += pv
     return mx, alpha, ps
@@ -292,15 +302,8 @@ def make_attn_forward_tc(v):
         unit = float32(1.0) / float32(scale)  # (SMOD) natural scores to raw ones
         cbase = b * csb + h * csh  # (MMOD) this head's tile classes
 
-        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_begin = 0
-        n_lo = 0
-        if WINDOW:  # (compile-time) the window's first tile and left edge too
-            n_begin, n_end, n_lo, n_full = window_key_range(q0, BM, BN, Nk, causal_offset,
-                                                            CAUSAL, LEFT, RIGHT)
-        if MMOD:  # (compile-time) only the key tiles the mask_mod's classes leave
-            n_begin, n_end = class_key_range(cls, cbase, csq, q0, BM, Nq, Nk, BN, n_begin,
-                                             n_end)
+        n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                    LEFT, RIGHT, WINDOW, MMOD, cls, cbase, csq)
         n_begin, n_end = split_range(n_begin, n_end, split, chunk, SPLIT)
         n_tiles = (n_end + BN - 1) // BN  # (n_begin is 0 here: plain variants keep this)
         if WINDOW or MMOD or SPLIT:  # (compile-time)
@@ -425,17 +428,17 @@ def make_attn_forward_tc(v):
                              NTILES, tq, partial, KEEPS, margs, b, h, Nq)
                     mask_row(s, NS + 2, n0, i + 24, Nk, causal_offset, CAUSAL, LEFT, RIGHT,
                              NTILES, tq, partial, KEEPS, margs, b, h, Nq)
-            ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI)
+            ma, al, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI, 0)
             la = la * al + ps
             rescale_row(acc, 0, al, DTILES)
-            mb, al, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI)
+            mb, al, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI, 0)
             lb = lb * al + ps
             rescale_row(acc, 2, al, DTILES)
             if MT > 1:
-                mc, al, ps = softmax_row(s, NS, mc, sl2, NTILES, rc, ALIBI)
+                mc, al, ps = softmax_row(s, NS, mc, sl2, NTILES, rc, ALIBI, 0)
                 lc = lc * al + ps
                 rescale_row(acc, NACC, al, DTILES)
-                md, al, ps = softmax_row(s, NS + 2, md, sl2, NTILES, rd, ALIBI)
+                md, al, ps = softmax_row(s, NS + 2, md, sl2, NTILES, rd, ALIBI, 0)
                 ld = ld * al + ps
                 rescale_row(acc, NACC + 2, al, DTILES)
 
