@@ -107,15 +107,11 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2),
-                     HopperTiles(2, 128, True, pingpong=True, stages=3, poly=4),
-                     HopperTiles(2, 64, True, poly=2))
+                     HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2))
 #: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
-HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES
-                         if (t.pingpong and t.block_n != 128) or t.tag == "g2n64ox2"}
-HOPPER_CANDIDATE_DIMS.update({t: (128,) for t in HOPPER_CANDIDATES
-                              if t.pingpong and t.block_n == 128 and t.poly})
+HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
+HOPPER_CANDIDATE_DIMS[HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)] = (128,)
 
 
 def hopper_candidates(head_dim: int) -> tuple:
@@ -180,19 +176,27 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
     return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
 
 
-#: ``HopperTiles.poly`` of a forward with a softcap (0: every exp2 on the MUFU unit).
+#: ``HopperTiles.poly`` of a forward with a softcap (0: every exp2 on the MUFU unit). On an
+#: H100 (B=4 H=16 N=8192 D=128 bf16, 4234736) every other n-tile's exp2 on the FMA pipe
+#: made the softcap slower (1.27-1.29x its time without a mask, against 1.11-1.16x), and
+#: ALiBi 1.22-1.29x (against 1.01): the FP32 pipe, not the MUFU unit, is what the softmax
+#: fills there.
 SOFTCAP_POLY = 0
 
 
 def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False
                  ) -> HopperTiles:
     """The tiling a forward with masks or score modifiers (but a mask_mod: :func:`choose_hopper`)
-    takes instead of ``t``: the same without a producer warpgroup (whose consumers have no
-    mask steps; the ping-pong schedule without it has them), and with a ``score_mod`` the
-    overlapped schedule of the same block shape instead of ping-pong (a user function's
-    registers on top of ping-pong's: the relative-bias score_mod spilled 392 bytes at D=128,
-    ptxas 13.0); with a ``softcap``, :data:`SOFTCAP_POLY`."""
+    takes instead of ``t``, without a producer warpgroup (whose consumers have no mask
+    steps). Ping-pong serves a ``softcap`` (its tanh, a second MUFU operation per score,
+    runs under the other warpgroup's products), unless a ``score_mod`` comes with it; the
+    other masks take the overlapped schedule of the same block shape. On an H100 (B=4 H=16
+    N=8192 D=128 bf16, time over the same tiling's without a mask, non-causal / causal):
+    softcap 1.16 / 1.11 in ping-pong, 1.22 / 1.21 overlapped; ALiBi 1.10 / 1.01 in
+    ping-pong, 1.01 / 1.00 overlapped; a window of 1024 0.197 / 0.264 in ping-pong, 0.189 /
+    0.256 overlapped; and a score_mod spills in ping-pong (the relative-bias one 392 bytes at
+    D=128, ptxas 13.0; 304 overlapped)."""
     t = replace(t, producer=False, poly=t.poly or (SOFTCAP_POLY if softcap else 0))
-    if score_mod and t.pingpong:
+    if t.pingpong and (score_mod or not softcap):
         return replace(t, pingpong=False, stages=2)
     return t
