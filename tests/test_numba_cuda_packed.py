@@ -396,3 +396,34 @@ def test_decode_steps_with_host_lengths_do_not_synchronize(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(kc, k0) and torch.equal(vc, v0)
     assert torch.equal(o, want)
+
+
+@pytest.mark.gpu
+def test_decode_step_with_device_lengths_captures_in_a_cuda_graph():
+    """A decode step whose device lengths and block table were read before (and not
+    written since) does nothing that synchronizes, so torch can capture it in a CUDA graph
+    (capture fails on any synchronization or read-back); a replay gives what the eager
+    call gave. (The graph keeps the split plan of the lengths it was captured with: a
+    replay is right for lengths up to those, which is all this checks.)"""
+    torch = _cuda_torch()
+    kc, vc, table, lengths, (B, Hq, Hkv, D) = _paged_decode_inputs(torch, seed=1)
+    lens = torch.from_numpy(lengths).cuda()
+    q = torch.randn(B, 1, Hq, D, device="cuda").to(torch.bfloat16)
+
+    def step():
+        return flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                block_table=table, backend="numba_cuda")
+
+    want = step()  # compiles; reads the lengths and the table once
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, want)
+    q.copy_(torch.randn_like(q))  # new queries, the same lengths
+    graph.replay()
+    want = step()
+    torch.cuda.synchronize()
+    assert torch.equal(o, want)
