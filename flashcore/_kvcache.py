@@ -25,8 +25,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
     k_cache, v_cache : arrays
         Contiguous: ``(B, capacity, Hkv, D)``. Paged (with ``block_table``):
         ``(num_pages, page_size, Hkv, D)``, a pool of pages shared by every sequence.
-    cache_seqlens : int32 array ``(B,)``
-        How many keys each sequence has cached (before the append).
+    cache_seqlens : int32 (or int64) array ``(B,)``
+        How many keys each sequence has cached (before the append). On the caches' device,
+        or **on the host**: a NumPy array (beside any library's arrays) or a CPU torch
+        tensor (beside torch GPU tensors). Host lengths are read where they are and copied
+        to the GPU on the call's stream (torch: through pinned memory, ``non_blocking``),
+        so a decode loop that keeps them on the host never waits for the GPU; lengths on
+        the GPU are read back for the checks (a synchronization whenever the tensor was
+        written since the last call). Python lists are not taken (pass ``np.asarray``).
     k, v : arrays ``(B, Nnew, Hkv, D)``, optional (both or neither)
         New keys and values, written **in place** into the caches at positions
         ``cache_seqlens[b] ... cache_seqlens[b] + Nnew - 1`` (through the block table when
@@ -36,7 +42,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
     block_table : int32 array ``(B, max_pages_per_seq)``, optional
         Key position ``p`` of sequence ``b`` lives in slot ``p % page_size`` of page
         ``block_table[b, p // page_size]``. Only the pages a sequence uses are read (and
-        checked to lie inside the pool).
+        checked to lie inside the pool). On the caches' device; a torch GPU table is read
+        back once and remembered until it is written (so an unchanged table costs no
+        synchronization).
     causal : bool
         The query rows are the last ``Nq`` positions of each sequence (bottom-right): query
         ``i`` sees key ``j`` iff ``j <= i + cache_seqlens[b] + Nnew - Nq``.
@@ -50,7 +58,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
         How many key ranges each (sequence, head) is split into and computed in parallel,
         merged by their lse. 0 (default) lets the backend choose (numba_cpu: enough to give
         every thread about 4 jobs, with at least 512 keys per split, at most 64; numba_cuda:
-        enough blocks to fill every multiprocessor twice, at least 4 key tiles per split,
+        enough splits for 8 warps per multiprocessor, at least 4 key tiles per split,
         at most 64); 1 turns split-KV off. The result does not depend on it beyond
         rounding.
     backend : {"auto", "numba_cuda", "numba_cpu", "reference"}

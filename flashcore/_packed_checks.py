@@ -54,6 +54,8 @@ def host_ints(x, library) -> np.ndarray:
     counter, which every in-place write bumps) gives the values read then, without a
     copy and the synchronization it costs: the backward of a varlen call, or a decode
     loop's block table, reads them once."""
+    if isinstance(x, np.ndarray):  # (host lengths of a call on a GPU: see _host_lengths)
+        return np.asarray(x, dtype=np.int64)
     if library == "torch" and getattr(x, "is_cuda", False):
         key = (id(x), x.data_ptr(), x._version, tuple(x.shape), str(x.dtype))
         hit = _READ.get(key)
@@ -181,9 +183,12 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if k is not None:
         named.update(k=k, v=v)
-    everything = {**named, "cache_seqlens": cache_seqlens}
+    everything = dict(named)
     if block_table is not None:
         everything["block_table"] = block_table
+    host = _host_lengths(cache_seqlens, everything)
+    if host is None:
+        everything["cache_seqlens"] = cache_seqlens
     library, device = _arrays(everything)
     dtype = _dtype(named)
     qs = _shape("q", q, 4, "(B, Nq, Hq, D)")
@@ -225,9 +230,12 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
         paged, page_size, num_pages, pages_per_seq = True, cs[1], cs[0], bs[1]
     capacity = page_size * pages_per_seq
     max_k = 0
+    if host is not None:
+        cache_seqlens = host
     if values:
-        max_k = _check_cache_values(host_ints(cache_seqlens, library), n_new, capacity, paged,
-                                    page_size, num_pages, block_table, library)
+        lengths = host if host is not None else host_ints(cache_seqlens, library)
+        max_k = _check_cache_values(lengths, n_new, capacity, paged, page_size, num_pages,
+                                    block_table, library)
     scale = check_options(causal=causal, scale=scale, layout="bnhd", head_dim=D)
     num_splits = check_num_splits(num_splits)
     mods, arrays = _mods_of(options, library, device, B, Hq, Nq, capacity)
@@ -239,6 +247,26 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
                 heads_kv=Hkv, seqlen_q=Nq, seqlen_k=capacity, head_dim=D, causal=bool(causal),
                 scale=scale, layout="bnhd", need_lse=need_lse, explicit=explicit, mods=mods,
                 **arrays, kvcache=kv)
+
+
+def _host_lengths(x, named):
+    """``cache_seqlens`` given on the host for arrays elsewhere (a NumPy array beside any
+    library's arrays, or a CPU torch tensor beside torch GPU tensors): a read-only int64
+    NumPy copy of its values, read with no synchronization (a GPU backend uploads them on
+    the call's stream); None where it is checked like the other arrays (same library and
+    device)."""
+    lib = _interop.library_of(x)
+    library = _interop.library_of(named["q"])
+    if lib == "numpy":
+        if library in ("numpy", None):
+            return None
+    elif lib != "torch" or library != "torch" or x.device.type != "cpu" or \
+            named["q"].device.type == "cpu":
+        return None
+    _index_array("cache_seqlens", x, 1, "(B,)")
+    vals = np.array(x if lib == "numpy" else x.detach().numpy(), dtype=np.int64)
+    vals.flags.writeable = False
+    return vals
 
 
 def _what(x):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from . import _dispatch
@@ -168,5 +169,7 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
     """The KV-cache op (under torch.compile): ``(o, lse)``."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name (str); got {backend=}")
+    if isinstance(cache_seqlens, np.ndarray):  # host lengths reach the op as a CPU tensor
+        cache_seqlens = torch.from_numpy(cache_seqlens)
     return kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
                       _scale(q, causal, scale), num_splits, backend, *op_mods(options))

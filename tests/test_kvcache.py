@@ -209,12 +209,115 @@ def test_torch_writes_the_cache_in_place():
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("given", ["numpy", "cpu_tensor"])
+def test_torch_host_lengths_match_tensor_lengths(given):
+    """cache_seqlens as a NumPy array beside torch tensors (or a CPU tensor: on a GPU
+    both are "host lengths", read with no synchronization) gives what a tensor of the
+    caches' device gives."""
+    torch = pytest.importorskip("torch")
+    kc, vc, table, q, k, v, want_k, want_v = inputs(6, True)
+    outs = []
+    host = SEQLENS.astype(np.int64) if given == "numpy" else torch.tensor(SEQLENS)
+    for lengths in (torch.tensor(SEQLENS), host):
+        tkc, tvc = torch.tensor(kc), torch.tensor(vc)
+        o, lse = flashcore.attention_with_kvcache(
+            torch.tensor(q), tkc, tvc, cache_seqlens=lengths, k=torch.tensor(k),
+            v=torch.tensor(v), block_table=torch.tensor(table), causal=True, return_lse=True)
+        assert np.array_equal(tkc.numpy(), want_k) and np.array_equal(tvc.numpy(), want_v)
+        outs.append((o, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("lengths, error, match", [
+    (np.array([0, 5, 95], np.int32), ValueError, r"cache_seqlens\[2\] \+ Nnew = 95 \+ 2"),
+    (np.array([0, -1, 3], np.int64), ValueError, r"cache_seqlens\[1\]=-1"),
+    (np.array([0, 5, 3], np.float32), TypeError, "cache_seqlens must be an integer"),
+    (np.array([0, 5], np.int32), ValueError, r"cache_seqlens must have shape"),
+    ([0, 5, 3], TypeError, "cache_seqlens must be an array"),
+], ids=["over_capacity", "negative", "float", "short", "list"])
+def test_bad_host_lengths_leave_the_torch_cache_untouched(lengths, error, match):
+    torch = pytest.importorskip("torch")
+    kc, vc, table, q, k, v, _, _ = inputs(4, True)
+    tkc, tvc = torch.tensor(kc), torch.tensor(vc)
+    with pytest.raises(error, match=match):
+        flashcore.attention_with_kvcache(torch.tensor(q), tkc, tvc, cache_seqlens=lengths,
+                                         k=torch.tensor(k), v=torch.tensor(v),
+                                         block_table=torch.tensor(table))
+    assert np.array_equal(tkc.numpy(), kc) and np.array_equal(tvc.numpy(), vc)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("given", ["numpy", "cpu_tensor"])
+def test_host_lengths_beside_device_tensors_are_checked_on_the_host(given):
+    """Beside tensors on another device (meta here; a GPU in use) host lengths are read
+    where they are: the case keeps a read-only int64 copy (what a GPU backend uploads),
+    the longest key range comes from it, and a bad value is refused."""
+    torch = pytest.importorskip("torch")
+    from flashcore._packed_checks import make_kvcache_case
+
+    meta = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
+    q, kn = meta(B, 1, HQ, D), meta(B, 2, HKV, D)
+    kc, vc = meta(B, 96, HKV, D), meta(B, 96, HKV, D)
+    wrap = (lambda x: x) if given == "numpy" else torch.from_numpy
+    lengths = SEQLENS.copy()
+    case = make_kvcache_case(q, kc, vc, wrap(lengths), kn, kn, causal=False, scale=None,
+                             num_splits=0)
+    host = case.kvcache.cache_seqlens
+    assert isinstance(host, np.ndarray) and host.dtype == np.int64
+    assert list(host) == list(SEQLENS) and not host.flags.writeable
+    lengths[0] = 50  # the caller's array is not the case's
+    assert host[0] == 0 and case.kvcache.max_seqlen_k == 83 + 2
+    assert case.device == "meta:0"
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] \+ Nnew = 95 \+ 2"):
+        make_kvcache_case(q, kc, vc, wrap(np.array([0, 5, 95], np.int32)), kn, kn,
+                          causal=False, scale=None, num_splits=0)
+    with pytest.raises(TypeError, match="one library"):  # a CPU tensor beside NumPy arrays
+        make_kvcache_case(*(np.zeros(x.shape) for x in (q, kc, vc)), torch.tensor(SEQLENS),
+                          causal=False, scale=None, num_splits=0)
+
+
+@pytest.mark.torch
+def test_torch_op_fake_takes_host_lengths_beside_gpu_tensors():
+    """The custom op's fake (what torch.compile traces) takes a CPU lengths tensor beside
+    CUDA tensors and gives outputs on q's device (no GPU needed: fake tensors)."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashcore import _torch_varlen
+
+    with FakeTensorMode():
+        q = torch.empty(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        kc = torch.empty(B, 96, HKV, D, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.empty(B, dtype=torch.int32)
+        o, lse = _torch_varlen.kvcache_op(q, kc, torch.empty_like(kc), lengths, None, None,
+                                          None, False, 0.25, 0, "auto", 0, [])
+    assert o.device == q.device and o.shape == q.shape
+    assert lse.device == q.device and tuple(lse.shape) == (B, HQ, 1)
+
+
+def test_readme_decode_loop():
+    """The README's decode loop (lengths kept on the host, as a NumPy array) runs."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Packed sequences (varlen) and KV-cache decoding"):]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+    loop = next(b for b in blocks if "attention_with_kvcache" in b)
+    ns = {"np": np, "flashcore": flashcore, "rng": np.random.default_rng(0)}
+    exec(loop.replace("range(100)", "range(3)"), ns)
+    assert list(ns["lengths"]) == [3] * 4 and np.isfinite(ns["o"]).all()
+
+
+@pytest.mark.torch
 @pytest.mark.slow
-def test_torch_compile_sees_the_mutation():
+@pytest.mark.parametrize("given", ["tensor", "numpy"])
+def test_torch_compile_sees_the_mutation(given):
     torch = pytest.importorskip("torch")
     kc, vc, table, q, k, v, want_k, want_v = inputs(7, False, nq=1, n_new=1)
     tkc, tvc = torch.tensor(kc), torch.tensor(vc)
-    lengths = torch.tensor(SEQLENS)
+    lengths = torch.tensor(SEQLENS) if given == "tensor" else SEQLENS.copy()
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def step(q, k, v):

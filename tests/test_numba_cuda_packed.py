@@ -127,6 +127,43 @@ def _run_cache(c, monkeypatch, family):
     assert served and all(served) == (family == "tensor_core")
 
 
+def _run_cache_lengths_paths():
+    """The lengths given on the host (the front end's NumPy copy, uploaded by the adapter's
+    ``host_lengths``) and as a device array (read through ``int32``; a list stands for one
+    under the simulator) give the same appends and results, bit for bit."""
+    from dataclasses import replace
+
+    import test_kvcache as T
+    from flashcore.backends import numba_cuda
+    from flashcore.backends.numba_cuda import adapters
+
+    from flashcore._packed_checks import make_kvcache_case
+
+    kc, vc, table, q, k, v, want_k, want_v = T.inputs(3, True, nq=1, n_new=1,
+                                                      dtype="float32")
+    case = make_kvcache_case(q, kc, vc, T.SEQLENS, k, v, table, causal=True, scale=None,
+                             num_splits=2, need_lse=True, explicit=True)
+    assert isinstance(case.kvcache.cache_seqlens, np.ndarray)
+    ad = adapters.ADAPTERS["numpy"]
+    called = []
+    runs = []
+    for lengths in (case.kvcache.cache_seqlens, [int(n) for n in T.SEQLENS]):
+        kc2, vc2 = kc.copy(), vc.copy()
+        c = replace(case, kvcache=replace(case.kvcache, cache_seqlens=lengths))
+        real = ad.host_lengths
+        ad.host_lengths = lambda *a: called.append(len(runs)) or real(*a)
+        try:
+            o, lse = numba_cuda.forward(q, kc2, vc2, c)
+        finally:
+            del ad.host_lengths
+        assert np.array_equal(kc2, want_k) and np.array_equal(vc2, want_v)
+        runs.append((o, lse))
+    assert called == [0]  # the host path uploads; the device path does not
+    assert np.array_equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
+    ro, rl = oracle_kvcache(q, want_k, want_v, T.SEQLENS + 1, table, T.PAGE, causal=True)
+    _check("float32", runs[0][0], runs[0][1], ro, rl)
+
+
 if not SIM:
 
     @pytest.mark.cudasim
@@ -160,6 +197,10 @@ else:
     @pytest.mark.parametrize("c", CACHE_SIMT, ids=lambda c: f"paged{c['paged']}-nq{c['nq']}")
     def test_sim_simt_cache(c, monkeypatch):
         _run_cache(c, monkeypatch, "simt")
+
+    @pytest.mark.cudasim
+    def test_sim_simt_cache_lengths_on_host_or_device():
+        _run_cache_lengths_paths()
 
     @pytest.mark.cudasim
     @pytest.mark.parametrize("c", CACHE_TC, ids=lambda c: f"paged{c['paged']}-nq{c['nq']}")
@@ -263,3 +304,126 @@ def test_packed_host_reads_remembered_until_written():
     assert b is not a and list(b) == [1, 4, 8]
     y = x.clone()  # another tensor with the same values: read on its own
     assert host_ints(y, "torch") is not b
+
+
+def _paged_decode_inputs(torch, B=3, page=16, cap=1024, Hq=8, Hkv=2, D=128, seed=0):
+    """A shuffled page pool on the GPU (bf16), its block table (device) and host lengths."""
+    rng = np.random.default_rng(seed)
+    n_pages = B * cap // page + 5
+    table = rng.permutation(n_pages)[:B * cap // page].reshape(B, -1).astype(np.int32)
+    kc, vc = (torch.randn(n_pages, page, Hkv, D, device="cuda").to(torch.bfloat16)
+              for _ in range(2))
+    lengths = np.array([0, 300, cap - 40], np.int32)
+    return kc, vc, torch.from_numpy(table).cuda(), lengths, (B, Hq, Hkv, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["numpy", "cpu_tensor"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_packed_kvcache_host_lengths_on_gpu(where, paged):
+    """cache_seqlens given on the host (a NumPy array or a CPU tensor) beside torch CUDA
+    caches: the same appends and results, bit for bit, as the same lengths on the GPU."""
+    torch = _cuda_torch()
+    kc, vc, table, lengths, (B, Hq, Hkv, D) = _paged_decode_inputs(torch)
+    if not paged:
+        kc, vc = (torch.randn(B, 1024, Hkv, D, device="cuda").to(torch.bfloat16)
+                  for _ in range(2))
+        table = None
+    q = torch.randn(B, 1, Hq, D, device="cuda").to(torch.bfloat16)
+    kn, vn = (torch.randn(B, 2, Hkv, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    host = lengths if where == "numpy" else torch.from_numpy(lengths)
+    runs = []
+    for given in (torch.from_numpy(lengths).cuda(), host):
+        k2, v2 = kc.clone(), vc.clone()
+        o, lse = flashcore.attention_with_kvcache(
+            q, k2, v2, cache_seqlens=given, k=kn, v=vn, block_table=table, causal=True,
+            return_lse=True, backend="numba_cuda")
+        runs.append((o, lse, k2, v2))
+    torch.cuda.synchronize()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    f = lambda x: x.float().cpu().numpy()  # noqa: E731
+    ro, rl = oracle_kvcache(f(q), f(runs[0][2]), f(runs[0][3]), lengths + 2,
+                            None if table is None else table.cpu().numpy(),
+                            16 if paged else 1, causal=True)
+    _check("bfloat16", f(runs[0][0]), f(runs[0][1]), ro, rl)
+
+
+@pytest.mark.gpu
+def test_decode_steps_with_host_lengths_do_not_synchronize(monkeypatch):
+    """A decode loop with host lengths (changed every step) and an unchanged device block
+    table: after a first step (compiles, reads the table once), no step synchronizes:
+    torch's sync debug mode raises on any synchronizing torch call (``.cpu()``,
+    ``.item()``, blocking copies, ``torch.cuda.synchronize``), and flashcore's own driver
+    waits are patched to raise. The last step's output equals a step given the same
+    lengths on the GPU."""
+    torch = _cuda_torch()
+    from flashcore.backends.numba_cuda import adapters, driver
+    from flashcore.backends.numba_cuda import packed as cuda_packed
+
+    kc, vc, table, lengths, (B, Hq, Hkv, D) = _paged_decode_inputs(torch)
+    new = lambda *s: torch.randn(*s, device="cuda").to(torch.bfloat16)  # noqa: E731
+    steps = [(new(B, 1, Hq, D), new(B, 1, Hkv, D), new(B, 1, Hkv, D)) for _ in range(6)]
+
+    def step(i, lens, k_cache, v_cache):
+        q, k, v = steps[i]
+        return flashcore.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k=k,
+                                                v=v, block_table=table)
+
+    k0, v0 = kc.clone(), vc.clone()
+    step(0, lengths.copy(), kc, vc)
+    torch.cuda.synchronize()
+    lens = lengths + 1
+
+    def no_wait(*a, **kw):
+        raise AssertionError("a decode step waited for the GPU")
+
+    for mod in (driver, cuda_packed, adapters):
+        for name in ("synchronize", "copy_to_host"):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, no_wait)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(1, len(steps)):
+            o = step(i, lens, kc, vc)
+            lens += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.undo()
+    # the same steps again with the lengths on the GPU (each read back: synchronizes)
+    for i in range(len(steps)):
+        want = step(i, torch.from_numpy(lengths + i).cuda(), k0, v0)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, k0) and torch.equal(vc, v0)
+    assert torch.equal(o, want)
+
+
+@pytest.mark.gpu
+def test_decode_step_with_device_lengths_captures_in_a_cuda_graph():
+    """A decode step whose device lengths and block table were read before (and not
+    written since) does nothing that synchronizes, so torch can capture it in a CUDA graph
+    (capture fails on any synchronization or read-back); a replay gives what the eager
+    call gave. (The graph keeps the split plan of the lengths it was captured with: a
+    replay is right for lengths up to those, which is all this checks.)"""
+    torch = _cuda_torch()
+    kc, vc, table, lengths, (B, Hq, Hkv, D) = _paged_decode_inputs(torch, seed=1)
+    lens = torch.from_numpy(lengths).cuda()
+    q = torch.randn(B, 1, Hq, D, device="cuda").to(torch.bfloat16)
+
+    def step():
+        return flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                block_table=table, backend="numba_cuda")
+
+    want = step()  # compiles; reads the lengths and the table once
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, want)
+    q.copy_(torch.randn_like(q))  # new queries, the same lengths
+    graph.replay()
+    want = step()
+    torch.cuda.synchronize()
+    assert torch.equal(o, want)

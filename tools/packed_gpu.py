@@ -2,7 +2,10 @@
 
 1. decode: B=8, Hq=32, Hkv=8, D=128, bf16, one query row, caches of 4k, 32k and 128k keys,
    contiguous and paged (256-key pages, shuffled through the pool): flashcore with split-KV
-   (the heuristic) and without (num_splits=1), and SDPA with Nq=1 on a contiguous
+   (the heuristic) and without (num_splits=1), with ``cache_seqlens`` on the GPU and on the
+   host (NumPy), one call at a time and in a decode loop of 32 steps appending a key each
+   (lengths changed every step: on the GPU each step's checks read them back, on the host
+   nothing waits for the GPU), and SDPA with Nq=1 on a contiguous
    ``(B, Hkv, L, D)`` cache (its own best layout; ``enable_gqa``). Reported: time and
    achieved bandwidth = bytes of K and V read / time, next to the device's copy bandwidth
    (a device-to-device copy of 2 GiB: bytes read + written / time).
@@ -20,6 +23,7 @@ import json
 import os
 import statistics
 
+import numpy as np
 import torch
 from flashcore.backends import numba_cuda
 
@@ -50,6 +54,29 @@ def copy_bandwidth():
     return 2 * x.numel() * 2 / t
 
 
+#: Steps of the decode loops: each appends one key per sequence and attends.
+LOOP_STEPS = 32
+
+
+def decode_loop(q, kc, vc, L, on_host):
+    """Seconds per step of a decode loop of LOOP_STEPS steps timed as a whole (no wait
+    between steps): each appends one key per sequence and attends, the lengths going
+    L - LOOP_STEPS .. L - 1. ``on_host``: the lengths are a NumPy array (``+= 1``), else a
+    CUDA tensor changed in place on the GPU (``+= 1``), which the checks read back each
+    step (a synchronization), as a loop written for FlashAttention 2 does."""
+    B, Hkv, D = q.shape[0], kc.shape[2], q.shape[3]
+    kn, vn = (torch.randn(B, 1, Hkv, D, device="cuda", dtype=q.dtype) for _ in range(2))
+
+    def run():
+        lens = (np.full(B, L - LOOP_STEPS, np.int32) if on_host else
+                torch.full((B,), L - LOOP_STEPS, dtype=torch.int32, device="cuda"))
+        for _ in range(LOOP_STEPS):
+            flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=kn, v=vn)
+            lens += 1
+
+    return timed(run, reps=5, warm=1) / LOOP_STEPS
+
+
 def decode(rows):
     B, Hq, Hkv, D, page = 8, 32, 8, 128, 256
     dt = torch.bfloat16
@@ -69,6 +96,11 @@ def decode(rows):
         case = make_kvcache_case(q, kc, vc, seqlens, causal=False, scale=None, num_splits=0,
                                  options=_options(None, None, None, None, None, (), None))
         res["backend_only"] = timed(lambda: numba_cuda.forward(q, kc, vc, case))
+        host = seqlens.cpu().numpy()  # the same lengths given on the host: no read-back
+        res["contig_host"] = timed(lambda: flashcore.attention_with_kvcache(
+            q, kc, vc, cache_seqlens=host))
+        res["loop_device"], res["loop_host"] = (decode_loop(q, kc, vc, L, on_host)
+                                                for on_host in (False, True))
         os.environ["FLASHCORE_DECODE_TILES"] = "0"  # the forward table's 128-row tiling
         res["table_tiles"] = timed(lambda: flashcore.attention_with_kvcache(
             q, kc, vc, cache_seqlens=seqlens))
@@ -183,6 +215,16 @@ def main():
               + f"  (paged == contiguous: max diff {r['paged_equal']:.1e})")
         print(f"        contiguous, split, the backend alone (no host checks): "
               f"{r['backend_only'] * 1e3:.3f}ms {gb(r['backend_only']):.0f}")
+        per_copy = lambda t: gb(t) * 1e9 / bw  # noqa: E731
+        print("        contiguous, split, cache_seqlens on the host: "
+              f"{r['contig_host'] * 1e3:.3f}ms {gb(r['contig_host']):.0f} "
+              f"({per_copy(r['contig_host']):.2f} of copy; lengths on the GPU "
+              f"{per_copy(r['contig_s0']):.2f})")
+        print(f"        decode loop, {LOOP_STEPS} steps appending a key, per step: lengths on "
+              f"the GPU {r['loop_device'] * 1e3:.3f}ms {gb(r['loop_device']):.0f} "
+              f"({per_copy(r['loop_device']):.2f}); on the host "
+              f"{r['loop_host'] * 1e3:.3f}ms {gb(r['loop_host']):.0f} "
+              f"({per_copy(r['loop_host']):.2f})")
         print(f"        contiguous, the 128-row tiling: {r['table_tiles'] * 1e3:.3f}ms "
               f"{gb(r['table_tiles']):.0f}")
         print("        contiguous, num_splits: " + "  ".join(

@@ -105,6 +105,16 @@ class _Adapter:
         is 0), kept alive in ``keep``."""
         raise NotImplementedError
 
+    def host_lengths(self, lengths, n_new, like, keep):
+        """Handles of int32 copies on ``like``'s device of the host array ``lengths`` and of
+        ``lengths + n_new`` (a KV-cache call's lengths given on the host), kept alive in
+        ``keep``; in stream order before the kernels that read them."""
+        a = self.upload(np.ascontiguousarray(lengths, dtype=np.int32), like)
+        b = a if not n_new else self.upload(
+            np.ascontiguousarray(lengths + n_new, dtype=np.int32), like)
+        keep.extend((a, b))
+        return self.address(a, keep), self.address(b, keep)
+
     def view(self, x, layout, keep):
         """(handle, strides in elements, (B, H, N, D) order for 4-d arrays)."""
         handle, strides = self.raw(x, keep)
@@ -325,6 +335,22 @@ class _Torch(_Adapter):
 
     def upload(self, host, like):
         return _torch().from_numpy(host).to(like.device)
+
+    def host_lengths(self, lengths, n_new, like, keep):
+        """Both arrays in one pinned staging tensor from torch's caching host allocator,
+        copied with ``non_blocking=True`` on the current stream: the host does not wait,
+        and torch records an event for the copy, so the allocator hands that pinned block
+        out again only once the copy has read it (no later call overwrites it early)."""
+        torch = _torch()
+        B = lengths.shape[0]
+        stage = torch.empty(2 * B, dtype=torch.int32, pin_memory=True)
+        host = stage.numpy()
+        host[:B] = lengths
+        host[B:] = lengths + n_new
+        dev = stage.to(like.device, non_blocking=True)
+        keep.append(dev)
+        at = dev.data_ptr()
+        return at, at + 4 * B
 
     def scratch(self, like, n, dev):
         if n > SCRATCH_WORDS:

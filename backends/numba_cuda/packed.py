@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from . import launch
 from .driver import sm_count, synchronize
 
@@ -109,6 +111,17 @@ def packs_heads(case) -> bool:
     return case.seqlen_q == 1 and case.group > 1 and plain
 
 
+def _lengths(ad, kc, like, keep):
+    """Handles of int32 device arrays of ``cache_seqlens`` (where the append writes) and of
+    ``cache_seqlens + n_new`` (the keys attended). Lengths given on the host (a NumPy array:
+    the front end's copy) are uploaded on the call's stream (:meth:`host_lengths`), so
+    nothing waits for the GPU; lengths on the device are used there."""
+    if isinstance(kc.cache_seqlens, np.ndarray):
+        return ad.host_lengths(kc.cache_seqlens, kc.n_new, like, keep)
+    seqlens = ad.int32(kc.cache_seqlens, keep)
+    return seqlens, ad.int32(kc.cache_seqlens, keep, plus=kc.n_new) if kc.n_new else seqlens
+
+
 def _kvcache_forward(ad, q, k_cache, v_cache, case):
     dev = ad.device_index(case)
     kc = case.kvcache
@@ -117,7 +130,7 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
     stream = ad.stream(q, dev)
     o = ad.empty(q, None, None, dev)
     lse = ad.empty(q, (B, Hq, Nq), "float32", dev)
-    seqlens = ad.int32(kc.cache_seqlens, keep) if B else None
+    seqlens, seqk = _lengths(ad, kc, q, keep) if B else (None, None)
     table, tsb = 0, 0
     if kc.paged and B:
         table, tsb = ad.int32(kc.block_table, keep), kc.pages_per_seq
@@ -149,7 +162,6 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
         qv = (qh, (qsb, g * qsh, qsh, qsd))
         ov = (oh, (osb, g * osh, osh, osd))
         lcase = replace(case, heads_q=Hkv, seqlen_q=g, causal=False)
-    seqk = ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
     base = {"seqk": seqk, "table": table if kc.paged else None, "tsb": tsb, "page": page, "psp": psp,
             "buffer": at}
     shape = launch.forward_shape(lcase, dev, qv, kv, vv, tc_ok)
