@@ -42,13 +42,12 @@ ALL = [(d, t, c) for d in tilings.HOPPER_HEAD_DIMS for t in ("bfloat16", "float1
 CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
       (128, "bfloat16", True)}
 #: The tilings the tool times (v1's schedule first, the table's), and per overlapped one the
-#: case CI compiles.
+#: case CI compiles: those the launch picks (the table's, and the overlapped one masks take
+#: at D=128) and the producer warpgroup's (setmaxnreg); the other candidates, which lost on
+#: the H100, are left to ``nox -s tests-cuda-compile`` (slow).
 TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
 CI_OVERLAP = {"g2n128o": (128, "bfloat16", False), "g2n64o": (64, "float16", True),
-              "g1n64ob2": (128, "float16", True), "g2n128op3": (128, "bfloat16", True),
-              "g2n64op3": (64, "float16", False), "g2n128op3w": (128, "float16", False),
-              "g2n64op3w": (64, "bfloat16", True), "g2n192op3": (64, "bfloat16", True),
-              "g2n192op3w": (64, "float16", False), "g2n128op3x2": (128, "bfloat16", False)}
+              "g2n128op3": (128, "bfloat16", True), "g2n128op3w": (128, "float16", False)}
 
 
 def _in_ci(t, case):
