@@ -21,6 +21,7 @@ import types as pytypes
 
 import numpy as np
 import pytest
+from hopper_helpers import SHAPES, compile_once, hopper_gpu_or_skip
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 pytestmark = [
@@ -516,24 +517,7 @@ def test_ptx_sm90a_with_mods(sm90, which):
 # --- on an H100/H200 ----------------------------------------------------------------------
 
 def _gpu():
-    """torch, where a cc 9.0 GPU and the backend are there (else the test is skipped)."""
-    from flashcore.backends import numba_cuda
-
-    reason = numba_cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA GPU")
-    if torch.cuda.get_device_capability(0) != (9, 0):
-        pytest.skip("the wgmma forward needs compute capability 9.0 (H100/H200)")
-    return torch
-
-
-#: (B, Hq, Hkv, Nq, Nk, layout): tails (N not a multiple of 128), GQA 4:2, Nq != Nk both
-#: ways (Nq > Nk causal: rows that see no key), several tiles, both layouts.
-SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
-          (1, 2, 2, 333, 200, "bhnd"), (1, 2, 1, 1024, 1024, "bnhd"), (1, 1, 1, 1, 77, "bhnd")]
+    return hopper_gpu_or_skip("the wgmma forward")
 
 
 @pytest.fixture(scope="module")
@@ -542,30 +526,9 @@ def hopper_gpu():
     are compiled in parallel processes (numba's disk cache): one at a time here they would
     take 15-20 s each."""
     torch = _gpu()
-    import fcntl
-    import tempfile
-
-    from flashcore._warmup import compile_variants
-
     ours = {_variant(d, t, c, tt) for tt, _, d, t, c in GPU_CASES}
     mma = {launch.tc_variants(d, t, c, (9, 0), gpu=launch._gpu(0)[1])[0] for d, t, c in ALL}
-    todo = sorted(ours | mma, key=lambda v: v.tag)
-    # Under pytest-xdist every worker runs this fixture: one compiles (a process per CPU,
-    # each with a CUDA context), the others wait for it and then load from the disk cache
-    # (a pool per worker at once ran the GPU out of memory for contexts)
-    path = os.path.join(tempfile.gettempdir(), "flashcore-hopper-test")
-    done = "\n".join(v.tag for v in todo)
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            with open(path + ".done") as f:
-                skip = f.read() == done
-        except OSError:
-            skip = False
-        if not skip:
-            compile_variants(todo, 0)
-            with open(path + ".done", "w") as f:
-                f.write(done)
+    compile_once(ours | mma, "flashcore-hopper-test")
     return torch
 
 

@@ -25,6 +25,7 @@ import types as pytypes
 
 import numpy as np
 import pytest
+from hopper_helpers import SHAPES, compile_once, hopper_gpu_or_skip
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 HAVE = not SIM and importlib.util.find_spec("numba_cuda") is not None
@@ -311,25 +312,9 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal):
 # --- on an H100/H200 ----------------------------------------------------------------------
 
 def _gpu():
-    """torch, where a cc 9.0 GPU and the backend are there (else the test is skipped)."""
-    from flashcore.backends import numba_cuda
-
-    reason = numba_cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA GPU")
-    if torch.cuda.get_device_capability(0) != (9, 0):
-        pytest.skip("the wgmma backward needs compute capability 9.0 (H100/H200)")
-    return torch
+    return hopper_gpu_or_skip("the wgmma backward")
 
 
-#: (B, Hq, Hkv, Nq, Nk, layout): the forward's gpu test's shapes (test_numba_cuda_hopper):
-#: tails, GQA 4:2, Nq != Nk both ways (Nq > Nk causal: rows that see no key), several
-#: tiles, both layouts.
-SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
-          (1, 2, 2, 333, 200, "bhnd"), (1, 2, 1, 1024, 1024, "bnhd"), (1, 1, 1, 1, 77, "bhnd")]
 #: (D, dtype, causal) of the table's tilings
 TABLE = [(d, t, c) for d in (64, 128) for t in ("bfloat16", "float16") for c in (False, True)]
 #: (dK/dV tiles, dQ tiles, shape, D, dtype, causal): the table's pair (the first candidate)
@@ -350,11 +335,6 @@ def hopper_bwd_gpu():
     compiles (a file lock, the forward's test's: one pool at a time), the others then load
     from the disk cache."""
     torch = _gpu()
-    import fcntl
-    import tempfile
-
-    from flashcore._warmup import compile_variants
-
     todo = set()
     for kt, qt, _, d, t, c in GPU_CASES:
         todo |= {_variant("dkdv", d, t, c, kt), _variant("dq", d, t, c, qt)}
@@ -364,21 +344,7 @@ def hopper_bwd_gpu():
         todo.add(launch.hopper_variant(d, t, c))
         kt = tilings.choose_simt(d, t, c, (9, 0))
         todo.add(launch.simt_variants(d, t, c, kt)[1])  # (the preprocess)
-    todo = sorted(todo, key=lambda v: v.tag)
-    path = os.path.join(tempfile.gettempdir(), "flashcore-hopper-bwd-test")
-    done = "\n".join(v.tag for v in todo)
-    # (the forward's test's lock: one pool of compiling processes at a time on the machine)
-    with open(os.path.join(tempfile.gettempdir(), "flashcore-hopper-test.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            with open(path + ".done") as f:
-                skip = f.read() == done
-        except OSError:
-            skip = False
-        if not skip:
-            compile_variants(todo, 0)
-            with open(path + ".done", "w") as f:
-                f.write(done)
+    compile_once(todo, "flashcore-hopper-bwd-test")
     return torch
 
 

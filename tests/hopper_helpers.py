@@ -1,0 +1,59 @@
+"""What the wgmma kernels' GPU tests share (test_numba_cuda_hopper for the forward,
+test_numba_cuda_hopper_bwd for the backward): the skip where there is no cc 9.0 GPU, the
+shapes, and compiling the variants a module runs once per machine under pytest-xdist."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+#: (B, Hq, Hkv, Nq, Nk, layout): tails (N not a multiple of 128), GQA 4:2, Nq != Nk both
+#: ways (Nq > Nk causal: rows that see no key), several tiles, both layouts.
+SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
+          (1, 2, 2, 333, 200, "bhnd"), (1, 2, 1, 1024, 1024, "bnhd"), (1, 1, 1, 1, 77, "bhnd")]
+
+#: One lock for every module's compiles: one pool of compiling processes (each with a CUDA
+#: context) on the machine at a time; a pool per xdist worker at once ran the GPU out of
+#: memory for contexts.
+LOCK = os.path.join(tempfile.gettempdir(), "flashcore-hopper-test.lock")
+
+
+def hopper_gpu_or_skip(what):
+    """torch, where a cc 9.0 GPU and the backend are there (else the test is skipped,
+    saying that ``what`` needs one)."""
+    from flashcore.backends import numba_cuda
+
+    reason = numba_cuda.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip(f"{what} needs compute capability 9.0 (H100/H200)")
+    return torch
+
+
+def compile_once(todo, name):
+    """Compile the variants ``todo`` in parallel processes (numba's disk cache) unless this
+    machine already did for ``name``: under pytest-xdist every worker asks, one compiles
+    while the others wait on :data:`LOCK`, then they load from the disk cache."""
+    import fcntl
+
+    from flashcore._warmup import compile_variants
+
+    todo = sorted(todo, key=lambda v: v.tag)
+    path = os.path.join(tempfile.gettempdir(), name)
+    done = "\n".join(v.tag for v in todo)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path + ".done") as f:
+                skip = f.read() == done
+        except OSError:
+            skip = False
+        if not skip:
+            compile_variants(todo, 0)
+            with open(path + ".done", "w") as f:
+                f.write(done)
