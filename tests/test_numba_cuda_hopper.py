@@ -365,7 +365,10 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     mm = launch.hopper_variant(64, "float16", True, user=pytypes.SimpleNamespace(
         score_mod=None, mask_mod=lambda b, h, i, j: True))
     assert not mm.tiles.overlap and mm.tiles.block_n == plain.tiles.block_n
-    assert launch.hopper_variant(64, "float16", True, packed="varlen") is None
+    # varlen rows: the forward (the backward stays on mma.sync); a KV cache: neither
+    assert launch.hopper_variant(64, "float16", True, packed="varlen").packed == "varlen"
+    assert launch.hopper_variant(64, "float16", True, "dq", packed="varlen") is None
+    assert launch.hopper_variant(64, "float16", True, packed="paged") is None
     for cc in ((8, 0), (9, 1), (10, 0), (12, 0)):
         monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)
         assert not launch.hopper_serves(case, 0), cc
@@ -452,7 +455,8 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
 def _mod_variants():
     """Variants with masks and score modifiers (at D=128 the softcap's tiling is ping-pong,
     a score_mod's, the window's and ALiBi's the overlapped schedule, a mask_mod's one without
-    the overlap), one per kind, each on another head dim, dtype and causal mode."""
+    the overlap), one per kind, each on another head dim, dtype and causal mode; varlen rows
+    (packed sequences) too."""
     from flashcore.backends.numba_cuda.variant import UserMods
     from test_numba_cuda_mods import _takes_all, prefix_lm, rel_bias
 
@@ -462,6 +466,8 @@ def _mod_variants():
     return [("window", dict(window=(200, 100)), 128, "bfloat16", True),
             ("softcap", dict(softcap=30.0), 128, "bfloat16", False),
             ("alibi", dict(alibi=True), 128, "bfloat16", False),
+            ("varlen", dict(packed="varlen"), 128, "bfloat16", True),
+            ("varlen64+window", dict(packed="varlen", window=(100, 0)), 64, "float16", True),
             ("softcap64", dict(softcap=20.0), 64, "float16", False),
             ("score_mod", dict(user=smod), 128, "float16", True),
             ("alibi+cap", dict(alibi=True, softcap=30.0), 64, "bfloat16", True),
@@ -470,9 +476,9 @@ def _mod_variants():
 
 
 @pytest.mark.parametrize("which", [
-    pytest.param(i, id=name, marks=() if i < 3 else pytest.mark.slow)
-    for i, name in enumerate(["window", "softcap", "alibi", "softcap64", "score_mod",
-                              "alibi+cap", "user", "user+window"])])
+    pytest.param(i, id=name, marks=() if i < 4 else pytest.mark.slow)
+    for i, name in enumerate(["window", "softcap", "alibi", "varlen", "varlen64+window",
+                              "softcap64", "score_mod", "alibi+cap", "user", "user+window"])])
 def test_ptx_sm90a_with_mods(sm90, which):
     """The wgmma forward with masks and score modifiers compiles for sm_90a with the
     launch's parameters, no local memory and (ptxas) no spills nor serialized wgmmas; a
@@ -486,7 +492,9 @@ def test_ptx_sm90a_with_mods(sm90, which):
     user = opts.get("user")
     mm = user is not None and user.mask_mod is not None
     assert not (mm and v.tiles.overlap), v.tag
-    assert v.tiles.pingpong == (d == 128 and user is None and "softcap" in opts), v.tag
+    assert v.tiles.pingpong == (d == 128 and user is None and (
+        "softcap" in opts or not {"window", "alibi"} & set(opts))), v.tag
+    assert v.packed == opts.get("packed", "")
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())
     try:
         ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),

@@ -49,15 +49,18 @@ def _id(c):
 if not SIM:
 
     @pytest.mark.parametrize("only", [
-        pytest.param(_id(CASES[0]), id="ci"),  # (about 45 s: GQA, causal Nq < Nk, bf16)
-        pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 3 min)
+        # (about 45 s: GQA, causal Nq < Nk, bf16; and ~20 s: the D=64 varlen forward)
+        pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or varlen_forward[64",
+                     id="ci"),
+        pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 4 min)
     def test_hopper_kernels_under_simulator(only):
-        """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
+        """Runs the cases below in a subprocess with the simulator on (CI: the first case
+        and the first varlen forward)."""
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
         here = Path(__file__).resolve()
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)]
-            + (["-k", f"forward_and_backward and {only}"] if only else []),
+            + (["-k", only] if only else []),
             cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=3000,
             check=False,
         )
@@ -83,10 +86,17 @@ else:
     @pytest.fixture
     def emulated(monkeypatch):
         """The wgmma emulation in place, the Hopper kernels chosen (the launch declines them
-        under the simulator), and the kernels that ran, by name."""
+        under the simulator), and the kernels that ran, by name. The emulation has no
+        mbarriers or named barriers: forwards whose table tiling is ping-pong take the
+        overlapped schedule of the same block shape here (the ping-pong protocol has its
+        own model test in test_numba_cuda_hopper)."""
         import wgmma_emulator
 
         wgmma_emulator.install(monkeypatch)
+        for key, t in list(tilings.HOPPER_FORWARD.items()):
+            if t.pingpong:
+                monkeypatch.setitem(tilings.HOPPER_FORWARD, key,
+                                    tilings.HopperTiles(t.warpgroups, t.block_n, True))
         monkeypatch.setattr(launch, "hopper_serves", lambda case, device: True)
         monkeypatch.setattr(launch, "_PLANS", {})
         ran = []
@@ -124,6 +134,27 @@ else:
             assert g.dtype == x.dtype and g.shape == x.shape
             e = rel_err(g, r, f)
             assert e < TOL_BWD[dtype], f"{name}: {e}"
+
+    @pytest.mark.parametrize("D,dtype,causal", [(64, "bfloat16", True),
+                                                 (128, "float16", False)])
+    def test_varlen_forward(emulated, D, dtype, causal):
+        """Packed sequences on the wgmma forward (each block reads its sequence's offsets;
+        lse in FlashAttention 2's (Hq, total_q) rows): an empty sequence, one with more
+        queries than keys (rows that see no key, causal), GQA, against the per-sequence
+        float64 oracle."""
+        from packed_helpers import oracle_varlen, packed
+
+        rng = np.random.default_rng(D)
+        q, k, v, cq, ck = packed(rng, [0, 70, 21, 40], [9, 50, 21, 90], Hq=4, Hkv=2, D=D,
+                                 dtype=dtype)
+        o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=causal,
+                                                    backend="numba_cuda")
+        assert emulated == ["attn_forward_wgmma"]
+        ro, rl = oracle_varlen(q, k, v, cq, ck, causal=causal)
+        assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
+        fin = np.isfinite(rl)
+        assert np.array_equal(np.isfinite(lse), fin)
+        assert np.abs(lse[fin] - rl[fin]).max() < 1e-4
 
     @pytest.mark.parametrize("pair", [
         (tilings.HopperTiles(2, 64), tilings.HopperTiles(2, 128)),  # (no overlap)

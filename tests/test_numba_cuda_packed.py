@@ -219,11 +219,21 @@ def _cuda_torch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, D", [("bfloat16", 128), ("float16", 64), ("float32", 64)])
-def test_packed_varlen_on_gpu(dtype, D):
+@pytest.mark.parametrize("dtype, D, causal", [("bfloat16", 128, True), ("float16", 64, True),
+                                              ("float32", 64, True), ("bfloat16", 128, False),
+                                              ("float16", 64, False)])
+def test_packed_varlen_on_gpu(dtype, D, causal, monkeypatch):
     """Packed sequences of random lengths (one empty, one with more queries than keys),
-    GQA, causal: forward and backward on torch CUDA tensors against the oracle."""
+    GQA, causal or not: forward and backward on torch CUDA tensors against the oracle. On
+    cc 9.0 the fp16/bf16 forward is the wgmma one (checked)."""
     torch = _cuda_torch()
+    from flashcore.backends.numba_cuda import launch
+
+    ran = []
+    real = launch.launch_forward
+    monkeypatch.setattr(launch, "launch_forward",
+                        lambda kern, *a, **kw: ran.append(kern.name) or real(kern, *a, **kw))
+    monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
     rng = np.random.default_rng(D)
     lq = [0, 300, 129, 1000, 64]
     lk = [17, 200, 129, 1100, 70]
@@ -232,13 +242,15 @@ def test_packed_varlen_on_gpu(dtype, D):
     t = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to("cuda", getattr(torch, dtype))  # noqa: E731
     tq, tk, tv, tdo = (t(x) for x in (q, k, v, do))
     tcq, tck = (torch.from_numpy(x).cuda() for x in (cq, ck))
-    o, lse = flashcore.attention_varlen_forward(tq, tk, tv, tcq, tck, causal=True,
+    o, lse = flashcore.attention_varlen_forward(tq, tk, tv, tcq, tck, causal=causal,
                                                 backend="numba_cuda")
-    grads = flashcore.attention_varlen_backward(tdo, tq, tk, tv, o, lse, tcq, tck, causal=True,
-                                                backend="numba_cuda")
+    wgmma = torch.cuda.get_device_capability(0) == (9, 0) and dtype != "float32"
+    assert ran[:1] == (["attn_forward_wgmma"] if wgmma else ran[:1]), ran
+    grads = flashcore.attention_varlen_backward(tdo, tq, tk, tv, o, lse, tcq, tck,
+                                                causal=causal, backend="numba_cuda")
     host = lambda x: x.float().cpu().numpy()  # noqa: E731
     ro, rl, *rg = oracle_varlen(host(tq), host(tk), host(tv), cq, ck, do=host(tdo),
-                                causal=True)
+                                causal=causal)
     _check(dtype, host(o), host(lse), ro, rl)
     for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
         assert rel_err(host(g), r) < TOL_BWD[dtype], f"{name}: {rel_err(host(g), r)}"

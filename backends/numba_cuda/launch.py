@@ -171,11 +171,11 @@ def hopper_serves(case, device) -> bool:
     """Whether the wgmma forward (hopper/forward.py) takes a forward the tensor-core
     kernels take (:func:`tc_serves` first): unless ``FLASHCORE_HOPPER=0``, compute capability
     exactly 9.0 (wgmma is sm_90a only: numba-cuda builds a cc 9.x kernel for sm_9xa, and
-    Blackwell has no wgmma), a head dim it is built for, and a dense call (masks and score
-    modifiers included; varlen and KV-cache calls go to the mma.sync kernels)."""
+    Blackwell has no wgmma), a head dim it is built for, and a dense or varlen call (masks
+    and score modifiers included; KV-cache calls go to the mma.sync kernels)."""
     return not (SIMULATOR or os.environ.get(HOPPER_ENV, "1") == "0"
                 or case.head_dim not in tilings.HOPPER_HEAD_DIMS
-                or device_cc(device) != (9, 0) or case.packed or packing(case) != "")
+                or device_cc(device) != (9, 0) or packing(case) not in ("", "varlen"))
 
 
 def hopper_bwd_serves(case, device) -> bool:
@@ -183,7 +183,8 @@ def hopper_bwd_serves(case, device) -> bool:
     tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
     for calls with no mask beyond causal (masks and score modifiers: the mma.sync
     backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
-    if os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device):
+    if (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or packing(case) != ""
+            or not hopper_serves(case, device)):
         return False
     m = mask_options(case)
     return m["window"] == () and m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None
@@ -192,10 +193,10 @@ def hopper_bwd_serves(case, device) -> bool:
 def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
                    alibi=False, user=None, packed="", split=False):
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
-    options of :func:`mask_options`: the forward takes them all but packed rows and
-    split-KV, the backward none), or None where it has no tiling."""
+    options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
+    cache and split-KV; the backward none), or None where it has no tiling."""
     masked = bool(window) or bool(softcap) or alibi or user is not None
-    if packed or split or (kernel != "forward" and masked):
+    if packed not in ("", "varlen") or split or (kernel != "forward" and (masked or packed)):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None)
@@ -205,7 +206,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap))
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
-                   softcap=softcap, alibi=alibi, user=user)
+                   softcap=softcap, alibi=alibi, user=user, packed=packed)
 
 
 def rows_aligned(view, sizes, elems=4) -> bool:

@@ -42,13 +42,23 @@ from __future__ import annotations
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, EMPTY, FLT_MIN, LOG2E, NEG_INF, PARTIAL, SMEM_ALIGN
+from ..device.constants import (
+    DENSE,
+    EMPTY,
+    FLT_MIN,
+    LOG2E,
+    NEG_INF,
+    PACKING,
+    PARTIAL,
+    SMEM_ALIGN,
+)
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     distance,
     score,
+    sequence,
     slope_of,
     softcap,
     stat_rows,
@@ -229,6 +239,18 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
     return ma, mb, la, lb, al0, al1
 
 
+@device_function
+def sequence_bases(b, h, hk, Nq, Nk, causal_offset, cu_q, cu_k, seqk, qsb, qsh, qsn, ksb,
+                   ksh, ksn, vsb, vsh, vsn, PACKED):
+    """This block's rows, dense or one varlen sequence (``seams.sequence``; ``PACKED``
+    compile-time): ``(q_row0, Nq, Nk, causal_offset, qbase, kbase, vbase)``, the sequence's
+    first query row, its sizes and alignment, and the elements where its rows of Q (head
+    ``h``), K and V (head ``hk``) start."""
+    q_row0, k_row0, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q, cu_k, seqk, PACKED)
+    return (q_row0, nq, nk, co, b * qsb + h * qsh + q_row0 * qsn,
+            b * ksb + hk * ksh + k_row0 * ksn, b * vsb + hk * vsh + k_row0 * vsn)
+
+
 def mask_flags(var, SMOD):
     """The compile-time mask options of a wgmma forward variant: ``(LEFT, RIGHT, WINDOW,
     CAP, CAP_C, ALIBI, LINEAR)``, the window's bounds (-1: unbounded side) and whether it
@@ -288,8 +310,9 @@ def make_attn_forward_wgmma(var):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
-    if var.packed or var.split:
-        raise ValueError(f"the wgmma forward takes no packed rows and no split-KV: {var.tag}")
+    if var.packed not in ("", "varlen") or var.split:
+        raise ValueError(f"the wgmma forward takes dense or varlen rows, no KV cache and no "
+                         f"split-KV: {var.tag}")
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
     if MMOD and t.overlap:
         raise ValueError(f"a mask_mod's empty tiles are skipped in the schedule without the "
@@ -312,6 +335,7 @@ def make_attn_forward_wgmma(var):
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
     OVERLAP = t.overlap  # the softmax of tile j under the P V wgmmas of tile j - 1
+    PACKED = PACKING[var.packed]  # dense or varlen rows (device/seams.sequence)
     POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
     LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR = mask_flags(var, SMOD)
 
@@ -333,9 +357,11 @@ def make_attn_forward_wgmma(var):
                             CAUSAL, True)
         b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
-        qbase = b * qsb + h * qsh
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        q_row0, Nq, Nk, causal_offset, qbase, kbase, vbase = sequence_bases(
+            b, h, hk, Nq, Nk, causal_offset, cu_q, cu_k, seqk, qsb, qsh, qsn, ksb, ksh, ksn,
+            vsb, vsh, vsn, PACKED)
+        if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
+            return
         sl2, capr, rcapr, slope, unit, sc = score_constants(scale, slopes, b, h, ssb, ssh,
                                                             CAP_C, ALIBI)
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
@@ -487,8 +513,8 @@ def make_attn_forward_wgmma(var):
         cp_async_wait(0)
 
         acc_to_local(acc, oa)
-        obase = b * osb + h * osh
-        lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, DENSE)
+        obase = b * osb + h * osh + q_row0 * osn
+        lrow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
         inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
         inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
         store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)

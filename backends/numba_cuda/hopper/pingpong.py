@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, NEG_INF, SMEM_ALIGN
+from ..device.constants import DENSE, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
 from ..device.pipeline import (
@@ -71,6 +71,7 @@ from .forward import (
     pack_p,
     rescale,
     score_constants,
+    sequence_bases,
     softmax_tile,
     softmax_tile_mods,
 )
@@ -192,8 +193,9 @@ def make_attn_forward_wgmma_pingpong(var):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
-    if var.packed or var.split:
-        raise ValueError(f"the wgmma forward takes no packed rows and no split-KV: {var.tag}")
+    if var.packed not in ("", "varlen") or var.split:
+        raise ValueError(f"the wgmma forward takes dense or varlen rows, no KV cache and no "
+                         f"split-KV: {var.tag}")
     if not t.pingpong or t.warpgroups != 2:
         raise ValueError(f"not a ping-pong tiling: {t}")
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
@@ -206,6 +208,7 @@ def make_attn_forward_wgmma_pingpong(var):
     BN, BM, NT, STAGES = t.block_n, t.block_m, t.threads, t.stages
     PRODUCER = t.producer  # (compile-time: a producer warpgroup, 0, before the consumers)
     POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
+    PACKED = PACKING[var.packed]  # dense or varlen rows (device/seams.sequence)
     CH = D // 8
     KSTEPS, PSTEPS = D // 16, BN // 16
     NTILES, DTILES = BN // 8, D // 8
@@ -241,9 +244,11 @@ def make_attn_forward_wgmma_pingpong(var):
                             CAUSAL, True)
         b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
-        qbase = b * qsb + h * qsh
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        q_row0, Nq, Nk, causal_offset, qbase, kbase, vbase = sequence_bases(
+            b, h, hk, Nq, Nk, causal_offset, cu_q, cu_k, seqk, qsb, qsh, qsn, ksb, ksh, ksn,
+            vsb, vsh, vsn, PACKED)
+        if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
+            return
 
         raw = int64(smem_address(smem, 0))
         pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
@@ -387,8 +392,8 @@ def make_attn_forward_wgmma_pingpong(var):
                 cp_async_wait(0)
 
             acc_to_local(acc, oa)
-            obase = b * osb + h * osh
-            lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, DENSE)
+            obase = b * osb + h * osh + q_row0 * osn
+            lrow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
             inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
             inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
             store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
