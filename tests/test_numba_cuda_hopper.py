@@ -365,9 +365,9 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     mm = launch.hopper_variant(64, "float16", True, user=pytypes.SimpleNamespace(
         score_mod=None, mask_mod=lambda b, h, i, j: True))
     assert not mm.tiles.overlap and mm.tiles.block_n == plain.tiles.block_n
-    # varlen rows: the forward (the backward stays on mma.sync); a KV cache: neither
+    # varlen rows: the forward and the backward; a KV cache: neither
     assert launch.hopper_variant(64, "float16", True, packed="varlen").packed == "varlen"
-    assert launch.hopper_variant(64, "float16", True, "dq", packed="varlen") is None
+    assert launch.hopper_variant(64, "float16", True, "dq", packed="varlen").packed == "varlen"
     assert launch.hopper_variant(64, "float16", True, packed="paged") is None
     for cc in ((8, 0), (9, 1), (10, 0), (12, 0)):
         monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)

@@ -254,23 +254,34 @@ def sm90(monkeypatch):
 
 
 def _ptx_cases():
-    out = [pytest.param(n, None, d, t, c, id=f"{n}-D{d}-{t}-{'causal' if c else 'full'}",
+    out = [pytest.param(n, None, d, t, c, "", id=f"{n}-D{d}-{t}-{'causal' if c else 'full'}",
                         marks=() if (n, d, t, c) in CI else pytest.mark.slow)
            for n, d, t, c in ALL]
-    out += [pytest.param(n, tt, d, "bfloat16", c,
+    out += [pytest.param(n, tt, d, "bfloat16", c, "",
                          id=f"{n}-{tt.tag}-D{d}-bfloat16-{'causal' if c else 'full'}",
                          marks=pytest.mark.slow) for n, tt, d, c in _candidates()]
+    # varlen rows (each block's sequence from the offsets) at head dim 128, where the
+    # registers are tightest: in CI; at 64, slow
+    out += [pytest.param(n, None, d, t, c, "varlen",
+                         id=f"{n}-D{d}-{t}-{'causal' if c else 'full'}-varlen",
+                         marks=() if d == 128 else pytest.mark.slow)
+            for n, d, t, c in (("dkdv", 128, "bfloat16", True), ("dq", 128, "float16", False),
+                               ("dkdv", 64, "float16", False), ("dq", 64, "bfloat16", True))]
     return out
 
 
-@pytest.mark.parametrize("kernel,tiles,head_dim,dtype,causal", _ptx_cases())
-def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal):
+@pytest.mark.parametrize("kernel,tiles,head_dim,dtype,causal,packed", _ptx_cases())
+def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     from flashcore.backends.numba_cuda import driver
     from numba import cuda
     from ptx_addresses import narrowed_addresses
     from test_numba_cuda_wgmma import _ptxas
 
     v = _variant(kernel, head_dim, dtype, causal, tiles)
+    if packed:
+        from dataclasses import replace
+
+        v = replace(v, packed=packed)
     sig = launch.signature(v.entry, dtype)
     try:
         ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),

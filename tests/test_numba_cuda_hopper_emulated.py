@@ -49,13 +49,13 @@ def _id(c):
 if not SIM:
 
     @pytest.mark.parametrize("only", [
-        # (about 45 s: GQA, causal Nq < Nk, bf16; and ~20 s: the D=64 varlen forward)
-        pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or varlen_forward[64",
+        # (about 45 s: GQA, causal Nq < Nk, bf16; and ~40 s: the D=64 varlen case)
+        pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or varlen_forward_and_backward[64",
                      id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 4 min)
     def test_hopper_kernels_under_simulator(only):
         """Runs the cases below in a subprocess with the simulator on (CI: the first case
-        and the first varlen forward)."""
+        and the first varlen one)."""
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
         here = Path(__file__).resolve()
         proc = subprocess.run(
@@ -137,24 +137,30 @@ else:
 
     @pytest.mark.parametrize("D,dtype,causal", [(64, "bfloat16", True),
                                                  (128, "float16", False)])
-    def test_varlen_forward(emulated, D, dtype, causal):
-        """Packed sequences on the wgmma forward (each block reads its sequence's offsets;
-        lse in FlashAttention 2's (Hq, total_q) rows): an empty sequence, one with more
-        queries than keys (rows that see no key, causal), GQA, against the per-sequence
-        float64 oracle."""
+    def test_varlen_forward_and_backward(emulated, D, dtype, causal):
+        """Packed sequences on the wgmma kernels (each block reads its sequence's offsets;
+        lse and delta in FlashAttention 2's (Hq, total_q) rows): an empty sequence, one
+        with more queries than keys (rows that see no key, causal), GQA, against the
+        per-sequence float64 oracle, forward and backward."""
         from packed_helpers import oracle_varlen, packed
 
         rng = np.random.default_rng(D)
         q, k, v, cq, ck = packed(rng, [0, 70, 21, 40], [9, 50, 21, 90], Hq=4, Hkv=2, D=D,
                                  dtype=dtype)
+        do = rand(rng, q.shape, dtype, "bhnd")
         o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=causal,
                                                     backend="numba_cuda")
         assert emulated == ["attn_forward_wgmma"]
-        ro, rl = oracle_varlen(q, k, v, cq, ck, causal=causal)
+        ro, rl, *rg = oracle_varlen(q, k, v, cq, ck, do=do, causal=causal)
         assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
         fin = np.isfinite(rl)
         assert np.array_equal(np.isfinite(lse), fin)
         assert np.abs(lse[fin] - rl[fin]).max() < 1e-4
+        grads = flashcore.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, causal=causal,
+                                                    backend="numba_cuda")
+        assert emulated[1:] == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"]
+        for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+            assert rel_err(g, r) < TOL_BWD[dtype], f"{name}: {rel_err(g, r)}"
 
     @pytest.mark.parametrize("pair", [
         (tilings.HopperTiles(2, 64), tilings.HopperTiles(2, 128)),  # (no overlap)

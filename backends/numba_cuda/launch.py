@@ -183,7 +183,7 @@ def hopper_bwd_serves(case, device) -> bool:
     tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
     for calls with no mask beyond causal (masks and score modifiers: the mma.sync
     backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
-    if (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or packing(case) != ""
+    if (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or packing(case) not in ("", "varlen")
             or not hopper_serves(case, device)):
         return False
     m = mask_options(case)
@@ -194,9 +194,10 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                    alibi=False, user=None, packed="", split=False):
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
-    cache and split-KV; the backward none), or None where it has no tiling."""
+    cache and split-KV; the backward varlen rows and no mask), or None where it has no
+    tiling."""
     masked = bool(window) or bool(softcap) or alibi or user is not None
-    if packed not in ("", "varlen") or split or (kernel != "forward" and (masked or packed)):
+    if packed not in ("", "varlen") or split or (kernel != "forward" and masked):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None)
@@ -300,7 +301,8 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
             fam = [simt[0], simt[2], simt[3]]
         if hopper:
             fam = ([hopper_variant(d, dt, c, **mask)] if direction == "forward" else
-                   [hopper_variant(d, dt, c, "dkdv"), hopper_variant(d, dt, c, "dq")])
+                   [hopper_variant(d, dt, c, k_, packed=mask["packed"])
+                    for k_ in ("dkdv", "dq")])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
     return plan

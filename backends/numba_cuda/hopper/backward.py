@@ -41,11 +41,11 @@ import math
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, LOG2E, SMEM_ALIGN
+from ..device.constants import DENSE, LOG2E, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
-from ..device.seams import hides, key_range, query_range, stat_rows, visible
+from ..device.seams import hides, key_range, query_range, sequence, stat_rows, visible
 from ..device.wgmma import (
     acc_to_local,
     opaque,
@@ -167,21 +167,22 @@ def grads_row(s, dp, base, dl, NTILES):
 
 
 def _sizes(var, kernel):
-    """The compile-time constants both kernels share; checks the variant."""
+    """The compile-time constants both kernels share (the last: dense or varlen rows,
+    ``device/seams.sequence``); checks the variant."""
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma backward")
-    if var.window or var.softcap or var.alibi or var.user is not None or var.packed \
-            or var.split:
-        raise ValueError(f"the wgmma backward takes no masks beyond causal and no packed "
-                         f"rows: {var.tag}")
+    if var.window or var.softcap or var.alibi or var.user is not None \
+            or var.packed not in ("", "varlen") or var.split:
+        raise ValueError(f"the wgmma backward takes no masks beyond causal and dense or "
+                         f"varlen rows: {var.tag}")
     CH = D // 8  # 16-byte chunks per row
     if t.block_n % (t.threads // CH) or t.block_m % (t.threads // CH):
         raise ValueError(f"{kernel}: tiles of {t.block_m} and {t.block_n} rows must be "
                          f"whole passes of the copies ({t.threads // CH} rows): {t}")
     return (D, t.block_m, t.block_n, t.threads, CH, D // 16, t.block_n // 16,
             t.block_n // 8, D // 8, t.block_n // 4, bool(var.causal),
-            var.dtype == "bfloat16", t.overlap)
+            var.dtype == "bfloat16", t.overlap, PACKING[var.packed])
 
 
 def make_attn_backward_dkdv_wgmma(var):
@@ -191,8 +192,8 @@ def make_attn_backward_dkdv_wgmma(var):
     # (head dim, keys per block, queries per step, threads, 16-byte chunks per row,
     # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles, output n-tiles,
     # packed registers of Pᵀ)
-    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16,
-     OVERLAP) = _sizes(var, "dkdv")
+    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
+     PACKED) = _sizes(var, "dkdv")
     # shared memory, in bytes from the aligned start: K, V (resident), Q[2], dO[2]
     TILE = BN * D * 2
     K_OFF = 0
@@ -225,7 +226,17 @@ def make_attn_backward_dkdv_wgmma(var):
                             CAUSAL, False)
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
-        sb0, sstep = stat_rows(b, 0, Hq, Nq, 0, TQ, DENSE)
+        # this batch entry's rows (varlen: its sequence's)
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        sb0, sstep = stat_rows(b, 0, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and k0 >= Nk:  # (compile-time test first) past the sequence
+            return
+        qb0 = b * qsb + q_row0 * qsn
+        gb0 = b * gsb + q_row0 * gsn
+        lb0 = b * lsb + q_row0 * lsn
         sl2 = float32(scale * LOG2E)
 
         raw = int64(smem_address(smem, 0))
@@ -238,13 +249,15 @@ def make_attn_backward_dkdv_wgmma(var):
         per_head = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
         n_steps = group * per_head
 
-        load_tile(smem, el + K_OFF // 2, k, b * ksb + hk * ksh, k0, Nk, ksn, BM, CH, tid, NT)
-        load_tile(smem, el + V_OFF // 2, v, b * vsb + hk * vsh, k0, Nk, vsn, BM, CH, tid, NT)
+        load_tile(smem, el + K_OFF // 2, k, b * ksb + hk * ksh + k_row0 * ksn, k0, Nk, ksn, BM,
+                  CH, tid, NT)
+        load_tile(smem, el + V_OFF // 2, v, b * vsb + hk * vsh + k_row0 * vsn, k0, Nk, vsn, BM,
+                  CH, tid, NT)
         if n_steps > 0:
             h = hk * group
-            load_tile(smem, el + Q_OFF // 2, q, b * qsb + h * qsh, m_begin, Nq, qsn, BN, CH,
-                      tid, NT)
-            load_tile(smem, el + DO_OFF // 2, do, b * gsb + h * gsh, m_begin, Nq, gsn, BN, CH,
+            load_tile(smem, el + Q_OFF // 2, q, qb0 + h * qsh, m_begin, Nq, qsn, BN, CH, tid,
+                      NT)
+            load_tile(smem, el + DO_OFF // 2, do, gb0 + h * gsh, m_begin, Nq, gsn, BN, CH,
                       tid, NT)
         cp_async_commit()
 
@@ -274,10 +287,10 @@ def make_attn_backward_dkdv_wgmma(var):
                 mn = m_begin + (it + 1 - gn * per_head) * BN
                 hn = hk * group + gn
                 nb = (TILE - buf) // 2
-                load_tile(smem, el + Q_OFF // 2 + nb, q, b * qsb + hn * qsh, mn, Nq, qsn, BN,
+                load_tile(smem, el + Q_OFF // 2 + nb, q, qb0 + hn * qsh, mn, Nq, qsn, BN, CH,
+                          tid, NT)
+                load_tile(smem, el + DO_OFF // 2 + nb, do, gb0 + hn * gsh, mn, Nq, gsn, BN,
                           CH, tid, NT)
-                load_tile(smem, el + DO_OFF // 2 + nb, do, b * gsb + hn * gsh, mn, Nq, gsn,
-                          BN, CH, tid, NT)
             cp_async_commit()
             qb = at + Q_OFF + buf
             gb = at + DO_OFF + buf
@@ -287,7 +300,7 @@ def make_attn_backward_dkdv_wgmma(var):
                             KSTEPS, BM, BN)
             pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(va), gb,
                             KSTEPS, BM, BN)
-            lbase = b * lsb + h * lsh
+            lbase = lb0 + h * lsh
             dbase = sb0 + h * sstep
             if PRELOAD:  # (compile-time) read while the wgmmas run
                 column_stats(ls, dl, lse, delta, lbase, lsn, dbase, mq, Nq, NTILES, tq)
@@ -333,10 +346,11 @@ def make_attn_backward_dkdv_wgmma(var):
         sc = float32(scale)
         one = float32(1.0)
         acc_to_local(dka, out)
-        store_frags(dk, b * dksb + hk * dksh, j0, Nk, dksn, dksd, out, 0, sc, sc, DTILES, tq)
+        store_frags(dk, b * dksb + hk * dksh + k_row0 * dksn, j0, Nk, dksn, dksd, out, 0, sc,
+                    sc, DTILES, tq)
         acc_to_local(dva, out)
-        store_frags(dv, b * dvsb + hk * dvsh, j0, Nk, dvsn, dvsd, out, 0, one, one, DTILES,
-                    tq)
+        store_frags(dv, b * dvsb + hk * dvsh + k_row0 * dvsn, j0, Nk, dvsn, dvsd, out, 0, one,
+                    one, DTILES, tq)
 
     attn_backward_dkdv_wgmma.__qualname__ = var.tag
     return attn_backward_dkdv_wgmma
@@ -345,8 +359,8 @@ def make_attn_backward_dkdv_wgmma(var):
 def make_attn_backward_dq_wgmma(var):
     """dQ of variant ``var`` (family "hopper", kernel "dq"): a query tile of
     ``64 * warpgroups`` rows per block, key steps of ``block_n``."""
-    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16,
-     OVERLAP) = _sizes(var, "dq")
+    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
+     PACKED) = _sizes(var, "dq")
     # shared memory, in bytes from the aligned start: Q, dO (resident), K[2], V[2]
     TILE = BN * D * 2
     Q_OFF = 0
@@ -375,10 +389,17 @@ def make_attn_backward_dq_wgmma(var):
                             CAUSAL, True)
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
-        srow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, DENSE)
+        # this batch entry's rows (varlen: its sequence's)
+        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                             cu_k, seqk, PACKED)
+        srow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
+        Nq = Nq_b
+        Nk = Nk_b
+        if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
+            return
         sl2 = float32(scale * LOG2E)
-        kbase = b * ksb + hk * ksh
-        vbase = b * vsb + hk * vsh
+        kbase = b * ksb + hk * ksh + k_row0 * ksn
+        vbase = b * vsb + hk * vsh + k_row0 * vsn
 
         raw = int64(smem_address(smem, 0))
         pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
@@ -388,9 +409,10 @@ def make_attn_backward_dq_wgmma(var):
         n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
         n_tiles = (n_end + BN - 1) // BN
 
-        load_tile(smem, el + Q_OFF // 2, q, b * qsb + h * qsh, q0, Nq, qsn, BM, CH, tid, NT)
-        load_tile(smem, el + DO_OFF // 2, do, b * gsb + h * gsh, q0, Nq, gsn, BM, CH, tid,
-                  NT)
+        load_tile(smem, el + Q_OFF // 2, q, b * qsb + h * qsh + q_row0 * qsn, q0, Nq, qsn, BM,
+                  CH, tid, NT)
+        load_tile(smem, el + DO_OFF // 2, do, b * gsb + h * gsh + q_row0 * gsn, q0, Nq, gsn,
+                  BM, CH, tid, NT)
         if n_tiles > 0:
             load_tile(smem, el + K_OFF // 2, k, kbase, 0, Nk, ksn, BN, CH, tid, NT)
             load_tile(smem, el + V_OFF // 2, v, vbase, 0, Nk, vsn, BN, CH, tid, NT)
@@ -400,7 +422,7 @@ def make_attn_backward_dq_wgmma(var):
         ga = at + DO_OFF + 64 * wg * LINE
         i0 = q0 + 64 * wg + 16 * warp + g  # this thread's rows: i0, i0 + 8
         i1 = i0 + 8
-        lbase = b * lsb + h * lsh
+        lbase = b * lsb + h * lsh + q_row0 * lsn
         ls0, dl0 = query_stats(lse, delta, lbase + i0 * lsn, srow + i0, i0 < Nq)
         ls1, dl1 = query_stats(lse, delta, lbase + i1 * lsn, srow + i1, i1 < Nq)
         s = cuda.local.array(NS, float32)
@@ -455,7 +477,8 @@ def make_attn_backward_dq_wgmma(var):
         out = cuda.local.array(NO, float32)
         acc_to_local(dqa, out)
         sc = float32(scale)
-        store_frags(dq, b * dqsb + h * dqsh, i0, Nq, dqsn, dqsd, out, 0, sc, sc, DTILES, tq)
+        store_frags(dq, b * dqsb + h * dqsh + q_row0 * dqsn, i0, Nq, dqsn, dqsd, out, 0, sc,
+                    sc, DTILES, tq)
 
     attn_backward_dq_wgmma.__qualname__ = var.tag
     return attn_backward_dq_wgmma
