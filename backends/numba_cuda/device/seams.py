@@ -80,6 +80,16 @@ def sequence(b, Nq, Nk, causal_offset, cu_q, cu_k, seqk, PACKED):
 
 
 @device_function
+def sequence_rows(b, h, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED):
+    """A block's rows of batch entry ``b``: :func:`sequence`'s ``(q_row0, k_row0, Nq, Nk,
+    causal_offset)`` followed by :func:`stat_rows`'s ``(first, per_head)`` for head ``h``
+    (``Nq`` the launch's, padded query length there)."""
+    q_row0, k_row0, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q, cu_k, seqk, PACKED)
+    first, step = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
+    return q_row0, k_row0, nq, nk, co, first, step
+
+
+@device_function
 def stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED):
     """``(first, per_head)``: the index in a float32 lse or delta buffer of query row 0 of
     batch entry ``b`` and head ``h`` (launch sizes: ``Nq`` the padded query length), and

@@ -45,7 +45,13 @@ from ..device.constants import DENSE, LOG2E, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait
 from ..device.prologue import block_tile, query_stats, split_heads
-from ..device.seams import hides, key_range, query_range, sequence, stat_rows, visible
+from ..device.seams import (
+    hides,
+    key_range,
+    query_range,
+    sequence_rows,
+    visible,
+)
 from ..device.wgmma import (
     acc_to_local,
     opaque,
@@ -227,11 +233,8 @@ def make_attn_backward_dkdv_wgmma(var):
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
         # this batch entry's rows (varlen: its sequence's)
-        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
-                                                             cu_k, seqk, PACKED)
-        sb0, sstep = stat_rows(b, 0, Hq, Nq, q_row0, TQ, PACKED)
-        Nq = Nq_b
-        Nk = Nk_b
+        q_row0, k_row0, Nq, Nk, causal_offset, sb0, sstep = sequence_rows(
+            b, 0, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
         if PACKED != DENSE and k0 >= Nk:  # (compile-time test first) past the sequence
             return
         qb0 = b * qsb + q_row0 * qsn
@@ -390,11 +393,8 @@ def make_attn_backward_dq_wgmma(var):
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
         # this batch entry's rows (varlen: its sequence's)
-        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
-                                                             cu_k, seqk, PACKED)
-        srow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
-        Nq = Nq_b
-        Nk = Nk_b
+        q_row0, k_row0, Nq, Nk, causal_offset, srow, _ = sequence_rows(
+            b, h, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
         if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
             return
         sl2 = float32(scale * LOG2E)

@@ -34,10 +34,9 @@ from ..device.seams import (
     distance,
     hides,
     query_range,
-    sequence,
+    sequence_rows,
     slope_of,
     softcap,
-    stat_rows,
     tile_class,
     user_keeps,
     user_score_slope,
@@ -123,11 +122,8 @@ def make_attn_backward_dkdv(v):
         k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
         # this batch entry's rows (varlen: its sequence's) and where they start
-        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
-                                                             cu_k, seqk, PACKED)
-        sb0, sstep = stat_rows(b, 0, Hq, Nq, q_row0, TQ, PACKED)
-        Nq = Nq_b
-        Nk = Nk_b
+        q_row0, k_row0, Nq, Nk, causal_offset, sb0, sstep = sequence_rows(
+            b, 0, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
         if PACKED != DENSE and k0 >= Nk:  # (compile-time test first) past the sequence
             return
         qb0 = b * qsb + q_row0 * qsn
@@ -343,11 +339,8 @@ def make_attn_backward_dq(v):
         q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
         # this batch entry's rows (varlen: its sequence's) and where they start
-        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
-                                                             cu_k, seqk, PACKED)
-        srow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
-        Nq = Nq_b
-        Nk = Nk_b
+        q_row0, k_row0, Nq, Nk, causal_offset, srow, _ = sequence_rows(
+            b, h, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
         if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
             return
         qb0 = b * qsb + q_row0 * qsn

@@ -35,11 +35,10 @@ from ..device.seams import (
     distance,
     key_row,
     score,
-    sequence,
+    sequence_rows,
     slope_of,
     softcap,
     split_range,
-    stat_rows,
     tile_class,
     user_keeps,
     user_score,
@@ -226,11 +225,8 @@ def make_attn_forward(v):
         b, h, hk = split_heads(bh, Hq, group)
         q0 = qt * BM
         # this batch entry's rows (packed: its sequence's; a cache: its key count)
-        q_row0, k_row0, Nq_b, Nk_b, causal_offset = sequence(b, Nq, Nk, causal_offset, cu_q,
-                                                             cu_k, seqk, PACKED)
-        lrow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
-        Nq = Nq_b
-        Nk = Nk_b
+        q_row0, k_row0, Nq, Nk, causal_offset, lrow, _ = sequence_rows(
+            b, h, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
         if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
             return
         split = cuda.blockIdx.z  # (SPLIT) this block's key range
