@@ -8,7 +8,7 @@ from flashcore.backends.numba_cpu.products import (
     product,
     product_into,
 )
-from flashcore.backends.numba_cpu.softmax import online_softmax, probabilities
+from flashcore.backends.numba_cpu.softmax import online_softmax_t, probabilities
 from flashcore.backends.numba_cpu.tiles import product_tiles
 from numba import njit
 
@@ -83,15 +83,18 @@ def test_vector_exp2_is_float32_accurate_and_keeps_nan():
 
 
 @njit
-def _softmax_steps(s, n_rows, n_cols, m_i, l_i, acc, s2, lse2):
-    online_softmax(s, n_rows, n_cols, m_i, l_i, acc, 0)
+def _softmax_steps(st, n_keys, m_i, l_i, acc, alpha, s2, n_rows, n_cols, lse2):
+    online_softmax_t(st, n_keys, m_i, l_i, acc, 0, alpha)
     probabilities(s2, n_rows, n_cols, lse2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_softmax_steps_zero_the_tails_and_keep_nan_rows(dtype):
+    """The forward's online softmax on transposed scores (a column per query row) and the
+    backward's probabilities (a row per query row)."""
     rng = np.random.default_rng(1)
-    rows, cols = 8, product_tiles(64, dtype).block_k
+    tiles = product_tiles(64, dtype)
+    rows, cols = tiles.block_q, tiles.block_k
     s = rng.standard_normal((rows, cols)).astype(dtype)
     s[1, 3] = np.nan
     s[2, :] = -np.inf  # a row that sees nothing yet
@@ -99,15 +102,27 @@ def test_softmax_steps_zero_the_tails_and_keep_nan_rows(dtype):
     x = s.astype(np.float64)
     m_i = np.full(rows, -np.inf, dtype)
     l_i = np.zeros(rows, dtype)
-    acc = np.ones((rows, 8), dtype)
+    acc = np.ones((rows, tiles.d_pad), dtype)
+    alpha = np.empty(rows, dtype)
     lse2 = np.full(rows, 3.0, dtype)
     n_cols = cols - 5
-    _softmax_steps(s, rows - 1, n_cols, m_i, l_i, acc, s2, lse2)
-    ok = [0, 3, 4, 5, 6]
+    st = s.T.copy()
+    _softmax_steps(st, n_cols, m_i, l_i, acc, alpha, s2, rows - 1, n_cols, lse2)
+    ok = [0] + list(range(3, rows))
     want = np.exp2(x[ok, :n_cols] - x[ok, :n_cols].max(axis=1, keepdims=True))
-    assert np.allclose(s[ok, :n_cols], want, rtol=1e-6)
+    assert np.allclose(st[:n_cols, ok].T, want, rtol=1e-6)
     assert np.allclose(l_i[ok], want.sum(axis=1), rtol=1e-6)
-    assert np.allclose(s2[ok, :n_cols], np.exp2(x[ok, :n_cols] - 3.0), rtol=1e-6)
-    assert np.all(s[:, n_cols:] == 0) and np.all(s2[:, n_cols:] == 0)
-    assert np.isnan(l_i[1]) and np.all(s[2] == 0) and m_i[2] == -np.inf
+    ok2 = ok[:-1]  # probabilities: rows before n_rows
+    assert np.allclose(s2[ok2, :n_cols], np.exp2(x[ok2, :n_cols] - 3.0), rtol=1e-6)
+    assert np.all(st[n_cols:] == 0) and np.all(s2[:, n_cols:] == 0)
+    assert np.isnan(l_i[1]) and np.all(st[:, 2] == 0) and l_i[2] == 0
+    assert np.all(acc == 0)  # first tile: every factor exp2(-inf - m) = 0
     assert np.all(s2[rows - 1] == 0)  # rows past n_rows
+    # a second key tile whose scores are 1 higher: factor 1/2, sums 1/2 + 1 of the old
+    l_old = l_i.astype(np.float64)
+    acc[:] = 1.0
+    st = (s + 1).T.copy()
+    _softmax_steps(st, n_cols, m_i, l_i, acc, alpha, s2, rows - 1, n_cols, lse2)
+    assert np.allclose(st[:n_cols, ok].T, want, rtol=1e-6)
+    assert np.allclose(l_i[ok], 1.5 * l_old[ok], rtol=1e-6)
+    assert np.allclose(acc[ok], 0.5, rtol=1e-6) and np.isnan(l_i[1]) and l_i[2] == 0

@@ -12,8 +12,8 @@ from numba import njit, prange
 
 from .products import product, product_into
 from .scalar import LOG2E, load, store
-from .seams import key_end, mask_scores, needs_mask, visits
-from .softmax import FASTMATH, online_softmax, online_softmax_tile  # noqa: F401 (masked_kernels)
+from .seams import key_end, mask_scores_t, needs_mask, visits
+from .softmax import FASTMATH, online_softmax_t, online_softmax_tile  # noqa: F401 (masked_kernels)
 
 
 @njit
@@ -71,13 +71,17 @@ def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_j
     int16/uint16 bits (see scalar.py).
 
     A job owns ``q_tiles_per_job`` query tiles of one (batch, head): each key/value tile it
-    loads (and transposes) once serves all of them. A head's jobs run in zigzag order
-    (row chunks 0, n-1, 1, n-2, ...): prange hands each thread a contiguous run of jobs,
-    and under a causal mask a chunk's work grows with its rows, so in sequence order the
-    threads holding a head's last chunks took 1.5x the average (a 16-core host: causal
-    1.34x slower than non-causal per FLOP at N=16384). Tiles are ``d_pad`` wide (D rounded up
-    to the products' vector block, zero-padded); both products (products.py) run on whole
-    tiles, with the key tile's tail columns zero.
+    loads once serves all of them. A head's jobs run in zigzag order (row chunks 0, n-1, 1,
+    n-2, ...): prange hands each thread a contiguous run of jobs, and under a causal mask a
+    chunk's work grows with its rows, so in sequence order the threads holding a head's
+    last chunks took 1.5x the average (a 16-core host: causal 1.34x slower than non-causal
+    per FLOP at N=16384). Tiles are ``d_pad`` wide (D rounded up to the products' vector
+    block, zero-padded); both products (products.py) run on whole tiles.
+
+    Scores are computed transposed, S^T = K @ Q^T (keys down, queries across): the job's
+    query tiles are transposed once, key tiles are used as stored, and the online softmax
+    runs down the columns, a vector of query rows at a time (softmax.online_softmax_t);
+    P @ V reads P through S^T's strides.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -94,29 +98,33 @@ def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_j
         c = job % n_jobs
         row0 = (c // 2 if c % 2 == 0 else n_jobs - 1 - c // 2) * rows_per_job
         rows = min(rows_per_job, Nq - row0)
-        qt = np.empty((rows_per_job, d_pad), work_dtype)
-        kt_t = np.empty((d_pad, block_k), work_dtype)
+        qt_t = np.empty((q_tiles_per_job, d_pad, block_q), work_dtype)
+        kt = np.empty((block_k, d_pad), work_dtype)
         vt = np.empty((block_k, d_pad), work_dtype)
-        s = np.empty((block_q, block_k), work_dtype)
+        st = np.empty((block_k, block_q), work_dtype)
+        alpha = np.empty(block_q, work_dtype)
         acc = np.zeros((rows_per_job, d_pad), work_dtype)
         m_i = np.full(rows_per_job, -np.inf, work_dtype)
         l_i = np.zeros(rows_per_job, work_dtype)
-        load_padded(q, b, h, row0, rows, qt, q_mult)
+        for t0 in range(0, rows, block_q):
+            load_padded_t(q, b, h, row0 + t0, min(block_q, rows - t0), qt_t[t0 // block_q],
+                          q_mult)
         k_end = key_end(row0, rows, Nk, offset, causal)
         for j0 in range(0, k_end, block_k):
             nk = min(block_k, k_end - j0)
-            load_padded_t(k, b, hk, j0, nk, kt_t, one)
+            load_padded(k, b, hk, j0, nk, kt, one)
             load_padded(v, b, hk, j0, nk, vt, one)
             for t0 in range(0, rows, block_q):
                 i0 = row0 + t0
                 nq = min(block_q, rows - t0)
                 if not visits(i0, nq, j0, offset, causal):
                     continue
-                product(qt, t0 * d_pad, d_pad, 1, kt_t, s, block_q, block_k, d_pad, False)
+                product(kt, 0, d_pad, 1, qt_t[t0 // block_q], st, block_k, block_q, d_pad,
+                        False)
                 if needs_mask(i0, j0, nk, offset, causal):
-                    mask_scores(s, nq, nk, i0, j0, offset)
-                online_softmax(s, nq, nk, m_i, l_i, acc, t0)
-                product_into(s, 0, block_k, 1, vt, acc, t0, block_q, d_pad, block_k)
+                    mask_scores_t(st, nk, nq, i0, j0, offset)
+                online_softmax_t(st, nk, m_i, l_i, acc, t0, alpha)
+                product_into(st, 0, 1, block_q, vt, acc, t0, block_q, d_pad, block_k)
         for r in range(rows):
             empty = l_i[r] == 0.0
             inv = 0.0 if empty else 1.0 / l_i[r]

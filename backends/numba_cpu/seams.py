@@ -6,7 +6,8 @@
    tile sees any key of a key tile) and :func:`needs_mask` (whether it sees only part of
    it: only such tiles take the per-element mask).
 2. What a raw score becomes: :func:`mask_scores` sets the scores of hidden keys to -inf
-   (the scale is folded into Q when it is loaded).
+   (:func:`mask_scores_t` on the forward's transposed score tiles; the scale is folded
+   into Q when it is loaded).
 
 Masks and score modifiers extend these functions, not the kernels.
 """
@@ -53,6 +54,15 @@ def mask_scores(s, n_rows, n_cols, i0, j0, offset):
         first_hidden = i0 + r + offset + 1 - j0
         for c in range(max(first_hidden, 0), n_cols):
             s[r, c] = -np.inf
+
+
+@njit
+def mask_scores_t(st, n_keys, n_rows, i0, j0, offset):
+    """:func:`mask_scores` on transposed scores (``st[c, r]``: key ``j0 + c``, query
+    ``i0 + r``): key ``j0 + c`` is hidden from the rows before ``j0 + c - offset - i0``."""
+    for c in range(n_keys):
+        for r in range(min(max(j0 + c - offset - i0, 0), n_rows)):
+            st[c, r] = -np.inf
 
 
 # --- the general form: causal, a window and a block mask's tile classes --------------------

@@ -9,8 +9,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .scalar import exp2, exp2_f32
-from .simd import hmax, hsum, splat, vadd, vexp2, vload, vmax, vmul, vstore, vsub, vzero, width_of
+from .scalar import exp2
+from .simd import splat, vadd, vexp2, vload, vmax, vmul, vstore, vsub, vzero, width_of
 
 FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # no 'nnan'/'ninf': -inf marks masked scores
 
@@ -86,66 +86,84 @@ def zero_tail(x, n_rows, n_cols):
 
 
 
-def online_softmax(s, n_rows, n_cols, m_i, l_i, acc, row0):
-    """Scores ``s`` (log2 units) -> probabilities against the running row max ``m_i[row0:]``;
-    updates the row sums ``l_i`` and rescales the output rows ``acc[row0:]``."""
+def online_softmax_t(st, n_keys, m_i, l_i, acc, row0, alpha):
+    """The online softmax on transposed scores: ``st[c, r]`` (log2 units) is query
+    ``row0 + r``'s score of key ``c``. Turns ``st[:n_keys]`` into probabilities against the
+    running max ``m_i[row0:]``, updates the sums ``l_i[row0:]``, rescales the rows
+    ``acc[row0:]`` (``alpha`` gets the factors) and zeroes the rows from ``n_keys``.
+
+    Down the columns, the max, sum and rescale factor of ``w`` query rows are elementwise
+    vector operations (no horizontal reduction, no scalar exp2 per row). A column that has
+    seen only -inf keeps ``m_i`` at -inf-as-lowest (the lowest finite value, so that
+    exp2(-inf - m) is 0, not NaN) and ``l_i`` at 0; a NaN score makes its column's sum NaN.
+    """
     raise NotImplementedError
 
 
-@overload(online_softmax)
-def _online_softmax(s, n_rows, n_cols, m_i, l_i, acc, row0):
-    if s.dtype == types.float32:
-        return lambda s, n_rows, n_cols, m_i, l_i, acc, row0: online_softmax_vec(
-            s, n_rows, n_cols, m_i, l_i, acc, row0)
-    def scalar(s, n_rows, n_cols, m_i, l_i, acc, row0):
-        online_softmax_tile(s, n_rows, n_cols, m_i[row0:], l_i[row0:], acc[row0:])
-        s[:, n_cols:] = 0.0
-        s[n_rows:, :] = 0.0
-
-    return scalar
+@overload(online_softmax_t)
+def _online_softmax_t(st, n_keys, m_i, l_i, acc, row0, alpha):
+    if st.dtype == types.float32:
+        lowest = np.float32(np.finfo(np.float32).min)
+        return lambda st, n_keys, m_i, l_i, acc, row0, alpha: online_softmax_t_vec(
+            st, n_keys, m_i, l_i, acc, row0, alpha, lowest)
+    lowest = np.finfo(np.float64).min
+    return lambda st, n_keys, m_i, l_i, acc, row0, alpha: online_softmax_t_scalar(
+        st, n_keys, m_i, l_i, acc, row0, alpha, lowest)
 
 
 @njit
-def online_softmax_vec(s, n_rows, n_cols, m_i, l_i, acc, row0):
-    w = width_of(s)
-    ld = s.shape[1]
-    if n_cols < ld:
-        s[:, n_cols:] = -np.inf
-    for r in range(n_rows):
-        base = r * ld
-        mv = splat(m_i[row0 + r])
-        mv2 = mv
-        for c in range(0, ld, 2 * w):  # two chains: max and sum wait on one another less
-            mv = vmax(mv, vload(s, base + c))
-            mv2 = vmax(mv2, vload(s, base + c + w))
-        m_new = hmax(vmax(mv, mv2))
-        if m_new == -np.inf:
-            for c in range(n_cols):
-                if s[r, c] != -np.inf:  # only NaN scores: the row's result must be NaN
-                    m_new = s[r, c]
-        if m_new == -np.inf:  # nothing visible yet in this row
-            s[r, :] = 0.0
-            continue
-        mn = splat(m_new)
-        total = vzero(s)
-        total2 = total
-        for c in range(0, ld, 2 * w):
-            p = vexp2(vsub(vload(s, base + c), mn))
-            vstore(s, base + c, p)
+def online_softmax_t_vec(st, n_keys, m_i, l_i, acc, row0, alpha, lowest):
+    w = width_of(st)
+    ld = st.shape[1]
+    for g in range(0, ld, w):
+        m_old = vload(m_i, row0 + g)
+        m = vmax(splat(lowest), m_old)
+        for c in range(n_keys):
+            m = vmax(m, vload(st, c * ld + g))
+        total = vzero(st)
+        for c in range(n_keys):
+            p = vexp2(vsub(vload(st, c * ld + g), m))
+            vstore(st, c * ld + g, p)
             total = vadd(total, p)
-            p2 = vexp2(vsub(vload(s, base + c + w), mn))
-            vstore(s, base + c + w, p2)
-            total2 = vadd(total2, p2)
+        a = vexp2(vsub(m_old, m))
+        vstore(alpha, g, a)
+        vstore(l_i, row0 + g, vadd(vmul(vload(l_i, row0 + g), a), total))
+        vstore(m_i, row0 + g, m)
+    st[n_keys:, :] = 0.0
+    rescale_rows(acc, row0, alpha)
+
+
+@njit(fastmath=FASTMATH)
+def online_softmax_t_scalar(st, n_keys, m_i, l_i, acc, row0, alpha, lowest):
+    """online_softmax_t with scalar float64-accurate exp2 (one column at a time)."""
+    for r in range(st.shape[1]):
         m_old = m_i[row0 + r]
-        alpha = exp2_f32(m_old - m_new)
-        l_i[row0 + r] = l_i[row0 + r] * alpha + hsum(vadd(total, total2))
-        m_i[row0 + r] = m_new
-        if alpha != 1.0:
-            av = splat(alpha)
-            a0 = (row0 + r) * acc.shape[1]
-            for c in range(0, acc.shape[1], w):
-                vstore(acc, a0 + c, vmul(vload(acc, a0 + c), av))
-    s[n_rows:, :] = 0.0  # rows past the last query: no stale scores reach the product
+        m = m_old if m_old > lowest else lowest
+        for c in range(n_keys):
+            x = st[c, r]
+            m = x if x > m else m
+        total = m - m
+        for c in range(n_keys):
+            p = exp2(st[c, r] - m)
+            st[c, r] = p
+            total += p
+        alpha[r] = exp2(m_old - m)
+        l_i[row0 + r] = l_i[row0 + r] * alpha[r] + total
+        m_i[row0 + r] = m
+    st[n_keys:, :] = 0.0
+    rescale_rows(acc, row0, alpha)
+
+
+@njit
+def rescale_rows(acc, row0, alpha):
+    """acc[row0 + r] *= alpha[r] where alpha[r] != 1 (after the first key tiles, rarely)."""
+    w = width_of(acc)
+    for r in range(alpha.shape[0]):
+        if alpha[r] != 1.0:
+            a = splat(alpha[r])
+            base = (row0 + r) * acc.shape[1]
+            for d in range(0, acc.shape[1], w):
+                vstore(acc, base + d, vmul(vload(acc, base + d), a))
 
 
 def probabilities(s, n_rows, n_cols, lse2):

@@ -119,7 +119,8 @@ def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
 class ProductTiles:
     """Tiles of the dense kernels, whose products are written in SIMD registers
     (products.py) instead of BLAS calls: rows a multiple of products.ROWS, key tiles and
-    the padded head dim ``d_pad`` multiples of the products' column block (two vectors)."""
+    the padded head dim ``d_pad`` multiples of the products' column block (two vectors);
+    the forward's query tiles too, since its score tiles are transposed (queries across)."""
 
     block_q: int
     block_k: int
@@ -139,4 +140,4 @@ def product_tiles(head_dim: int, dtype: str) -> ProductTiles:
     col_block = 2 * lanes(_WORK_ITEMSIZE[dtype])
     d_pad = -(-max(head_dim, 1) // col_block) * col_block
     block_k = max(64, col_block)
-    return ProductTiles(32, block_k, 64, block_k, d_pad)
+    return ProductTiles(max(32, col_block), block_k, 64, block_k, d_pad)
