@@ -27,3 +27,11 @@ def pytest_runtest_logreport(report):
         sys.stderr.write(f"\n==== FAILED {report.nodeid} ({report.when})\n")
         sys.stderr.write(str(report.longrepr)[-6000:] + "\n")
         sys.stderr.flush()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The CUDA-simulator tests first (marked ``cudasim``: each a subprocess or a long
+    simulation, up to ~7 minutes on a 2-core host): under pytest-xdist they then start on
+    every worker at once, and the short tests fill in around them, instead of one of them
+    starting last and running alone (CI's wall time was that tail)."""
+    items.sort(key=lambda item: item.get_closest_marker("cudasim") is None)
