@@ -175,7 +175,7 @@ def hopper_serves(case, device) -> bool:
     and score modifiers included; KV-cache calls go to the mma.sync kernels)."""
     return not (SIMULATOR or os.environ.get(HOPPER_ENV, "1") == "0"
                 or case.head_dim not in tilings.HOPPER_HEAD_DIMS
-                or device_cc(device) != (9, 0) or packing(case) not in ("", "varlen"))
+                or device_cc(device) != (9, 0) or packing(case) not in tilings.HOPPER_ROWS)
 
 
 def hopper_bwd_serves(case, device) -> bool:
@@ -183,8 +183,7 @@ def hopper_bwd_serves(case, device) -> bool:
     tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
     for calls with no mask beyond causal (masks and score modifiers: the mma.sync
     backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
-    if (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or packing(case) not in ("", "varlen")
-            or not hopper_serves(case, device)):
+    if os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device):
         return False
     m = mask_options(case)
     return m["window"] == () and m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None
@@ -197,7 +196,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     cache and split-KV; the backward varlen rows and no mask), or None where it has no
     tiling."""
     masked = bool(window) or bool(softcap) or alibi or user is not None
-    if packed not in ("", "varlen") or split or (kernel != "forward" and masked):
+    if packed not in tilings.HOPPER_ROWS or split or (kernel != "forward" and masked):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None)

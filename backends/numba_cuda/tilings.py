@@ -456,6 +456,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_FORWARD,
     HOPPER_HEAD_DIMS,
     HOPPER_MASK_MOD,
+    HOPPER_ROWS,
     SOFTCAP_POLY,
     HopperTiles,
     choose_hopper,

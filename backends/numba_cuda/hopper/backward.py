@@ -61,7 +61,7 @@ from ..device.wgmma import (
     zero_accumulators,
 )
 from ..tensor_core.fragments import pack, store_frags
-from ..tilings import HOPPER_ALIGN
+from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
 from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, publish
 
 
@@ -179,7 +179,7 @@ def _sizes(var, kernel):
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma backward")
     if var.window or var.softcap or var.alibi or var.user is not None \
-            or var.packed not in ("", "varlen") or var.split:
+            or var.packed not in HOPPER_ROWS or var.split:
         raise ValueError(f"the wgmma backward takes no masks beyond causal and dense or "
                          f"varlen rows: {var.tag}")
     CH = D // 8  # 16-byte chunks per row

@@ -92,7 +92,7 @@ from ..tensor_core.forward import (
     user_row,
 )
 from ..tensor_core.fragments import pack, store_frags
-from ..tilings import HOPPER_ALIGN
+from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
 
 #: Bytes of one swizzled line (64 elements of 16 bits) and of the 8-line pattern (a
 #: K-major descriptor's SBO, an MN-major one's "next 8 k").
@@ -310,7 +310,7 @@ def make_attn_forward_wgmma(var):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
-    if var.packed not in ("", "varlen") or var.split:
+    if var.packed not in HOPPER_ROWS or var.split:
         raise ValueError(f"the wgmma forward takes dense or varlen rows, no KV cache and no "
                          f"split-KV: {var.tag}")
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod

@@ -61,7 +61,7 @@ from ..device.wgmma import (
 )
 from ..tensor_core.forward import finish_row
 from ..tensor_core.fragments import store_frags
-from ..tilings import HOPPER_ALIGN
+from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
 from .forward import (
     LINE,
     issue_pv,
@@ -193,7 +193,7 @@ def make_attn_forward_wgmma_pingpong(var):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
-    if var.packed not in ("", "varlen") or var.split:
+    if var.packed not in HOPPER_ROWS or var.split:
         raise ValueError(f"the wgmma forward takes dense or varlen rows, no KV cache and no "
                          f"split-KV: {var.tag}")
     if not t.pingpong or t.warpgroups != 2:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, replace
 
 #: Head dims the wgmma forward (``hopper/forward.py``) is built for.
 HOPPER_HEAD_DIMS = (64, 128)
+#: Row layouts (``Variant.packed``) the wgmma kernels take: a dense batch and varlen
+#: sequences (a KV cache and split-KV stay on mma.sync).
+HOPPER_ROWS = ("", "varlen")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
+#: Ping-pong with every other n-tile's exp2 on the FMA pipe (slower on the H100: kept for
+#: the tool, at D=128).
+_POLY2 = HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
 #: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
@@ -107,11 +113,11 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2))
+                     _POLY2)
 #: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
 HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
-HOPPER_CANDIDATE_DIMS[HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)] = (128,)
+HOPPER_CANDIDATE_DIMS[_POLY2] = (128,)
 
 
 def hopper_candidates(head_dim: int) -> tuple:
