@@ -13,7 +13,9 @@
 #           $FLASHCORE_CACHE_DIR for the stages after it ("tune tests bench")
 #   sweep   tools/simt_sweep.py: SIMT tilings checked and timed ($SWEEP_DIMS, $SWEEP_ARGS)
 #   host    tools/host_breakdown.py: host time of a tiny call, step by step
-#   ncu     Nsight Compute on the SIMT kernels ($KERNELS, $NCU_D, $NCU_CAUSAL=1), per
+#   ncu     Nsight Compute on the kernels ($KERNELS: regexes, $NCU_D, $NCU_CAUSAL=1,
+#           $NCU_DTYPE: float32 the SIMT kernels, bfloat16 the tensor-core ones, $NCU_PEER:
+#           cudnn or flash to run SDPA's kernels too, e.g. KERNELS="wgmma cudnn"), per
 #           kernel the stall samples per loop (tools/ncu_regions.py) and the key metrics;
 #           needs a kind where ncu reads the counters (nvidia-h100-x1, not nvidia-h200)
 #   sass    tools/sass.py --all: registers, spills, instruction counts per kernel
@@ -172,21 +174,26 @@ stage_host() {
 
 stage_ncu() {
   local ncu d=${NCU_D:-128} causal=${NCU_CAUSAL:+causal} rep kern
+  local args="$d ${causal:-full} ${NCU_DTYPE:-float32} ${NCU_PEER:-}"
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
-  python3 tools/ncu_simt.py "$d" $causal >/dev/null 2>&1  # compile outside the profiler
+  python3 tools/ncu_attention.py $args >/dev/null 2>&1  # compile outside the profiler
   for kern in ${KERNELS:-attn_forward}; do
-    rep=$WORK/ncu_${kern}_d$d
+    rep=$WORK/ncu_${kern//[^A-Za-z0-9_]/_}_d$d
     timeout "${NCU_TIMEOUT:-300}" "$ncu" --clock-control none --set full --import-source no \
         -k "regex:$kern" --launch-skip 2 --launch-count 1 -f -o "$rep" \
-        python3 tools/ncu_simt.py "$d" $causal > "$rep.log" 2>&1 || { tail -5 "$rep.log"; return 1; }
-    "$ncu" --import "$rep.ncu-rep" --page details > "$FILES/${kern}_d$d.details.txt" 2>&1
+        python3 tools/ncu_attention.py $args > "$rep.log" 2>&1 || { tail -5 "$rep.log"; return 1; }
+    local base=${rep##*/}
+    "$ncu" --import "$rep.ncu-rep" --page details > "$FILES/$base.details.txt" 2>&1
     "$ncu" --import "$rep.ncu-rep" --page source --csv --print-source sass \
-        > "$FILES/${kern}_d$d.sass.csv" 2>&1
-    echo "== $kern D=$d $causal"
-    python3 tools/ncu_regions.py "$FILES/${kern}_d$d.sass.csv" 2>&1 | head -6
-    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Shared Memory Configuration Size|Block Limit" \
-        "$FILES/${kern}_d$d.details.txt" | head -14
+        > "$FILES/$base.sass.csv" 2>&1
+    "$ncu" --import "$rep.ncu-rep" --page raw > "$FILES/$base.raw.txt" 2>&1
+    echo "== $kern D=$d $causal ${NCU_DTYPE:-float32}"
+    python3 tools/ncu_regions.py "$FILES/$base.sass.csv" 2>&1 | head -6
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Shared Memory Configuration Size|Block Limit|SM Busy|Compute \(SM\) Throughput|DRAM Throughput" \
+        "$FILES/$base.details.txt" | head -16
+    grep -E "pipe_(tensor|fma|alu|fp16|xu)[a-z_]*cycles_active.avg.pct_of_peak_sustained_active|pipe_(tensor|fma|alu|xu)[a-z_]*.avg.pct_of_peak_sustained_active" \
+        "$FILES/$base.raw.txt" | head -12
   done
 }
 

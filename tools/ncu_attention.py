@@ -1,0 +1,40 @@
+"""Target for Nsight Compute: flashcore's CUDA kernels (forward, dK/dV, dQ) on B=4, H=16,
+N=4096, each launched a few times after a warm-up, and optionally a peer's (torch SDPA's
+cuDNN or flash backend) beside them. Run under ncu by the ``ncu`` stage of
+tools/gpu_session.sh, which profiles the third launch of each kernel named in $KERNELS.
+
+float32 runs the SIMT kernels; bfloat16 and float16 the tensor-core ones (on an H100 the
+wgmma kernels, named ``attn_forward_wgmma``, ``attn_backward_dkdv_wgmma``, ...).
+
+Usage: python tools/ncu_attention.py [head_dim] [causal|full] [dtype] [peer: cudnn|flash]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import flashcore
+
+D = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+CAUSAL = len(sys.argv) > 2 and sys.argv[2] == "causal"
+DTYPE = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
+PEER = sys.argv[4] if len(sys.argv) > 4 else ""
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v, do = (torch.randn(4, 16, 4096, D, device="cuda", generator=g, dtype=DTYPE)
+               for _ in range(4))
+for _ in range(3):
+    o, lse = flashcore.attention_forward(q, k, v, causal=CAUSAL, backend="numba_cuda")
+    flashcore.attention_backward(do, q, k, v, o, lse, causal=CAUSAL, backend="numba_cuda")
+if PEER:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[PEER]
+    qp, kp, vp = (x.detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(kind):
+        for _ in range(3):
+            out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp,
+                                                                   is_causal=CAUSAL)
+            out.backward(do)
+torch.cuda.synchronize()
+print("done", D, CAUSAL, DTYPE, PEER)
