@@ -61,22 +61,25 @@ def _variant(d, dtype, causal, t=None):
 
 # --- host side ----------------------------------------------------------------------------
 
-def _tile_image(monkeypatch, rows, D, nvalid, nt, e0):
-    """Run ``load_tile`` on the host for every thread of a block of ``nt``: returns the
-    elements it places, ``{smem element index: (row, column)}``, and the zero-filled ones."""
+def _tile_image(monkeypatch, rows, D, nvalid, nt, e0, n0=0):
+    """Run ``load_tile`` on the host for every thread of a block of ``nt`` (rows ``n0 ..``
+    of a source whose rows below ``nvalid`` exist): returns the elements it places,
+    ``{smem element index: (tile row, column)}``, and the zero-filled ones."""
     placed, zeros = {}, set()
 
     def fake_copy(smem, so, src, gidx, nbytes):
         for x in range(8):
             assert so + x not in placed and so + x not in zeros, "two copies to one place"
             if nbytes == 16:
-                placed[so + x] = divmod(gidx + x, 1000)  # (source rows 1000 elements apart)
+                row, col = divmod(gidx + x, 1000)  # (source rows 1000 elements apart)
+                assert row < nvalid, f"row {row} read, only {nvalid} exist"
+                placed[so + x] = (row - n0, col)
             else:
                 zeros.add(so + x)
 
     monkeypatch.setattr(hf, "cp_async16", fake_copy)
     for tid in range(nt):
-        hf.load_tile.py_func(None, e0, None, 0, 0, nvalid, 1000, rows, D // 8, tid, nt)
+        hf.load_tile.py_func(None, e0, None, 0, n0, nvalid, 1000, rows, D // 8, tid, nt)
     return placed, zeros
 
 
@@ -86,15 +89,22 @@ def _canonical():
     return canonical
 
 
-@pytest.mark.parametrize("rows,D,nvalid", [(128, 64, 128), (128, 128, 77), (64, 128, 64)])
+@pytest.mark.parametrize("rows,D,nvalid,n0,nt", [
+    (128, 64, 128, 0, 256), (128, 128, 77, 0, 256), (64, 128, 64, 0, 256),
+    # one warpgroup's copies (8 rows a pass at D=128: the shared spot's constant-step path;
+    # 4 at D=256: the general one), tiles further down, whole or cut by the end
+    (128, 128, 128, 0, 128), (128, 128, 300, 256, 128), (64, 64, 1000, 320, 128),
+    (64, 64, 333, 320, 128), (64, 256, 50, 0, 128), (128, 256, 1000, 128, 128)])
 @pytest.mark.parametrize("pad", [0, 48])  # where the dynamic shared memory starts
-def test_tiles_read_back_through_the_descriptors(monkeypatch, rows, D, nvalid, pad):
+def test_tiles_read_back_through_the_descriptors(monkeypatch, rows, D, nvalid, n0, nt, pad):
     """The copies place a ``rows x D`` tile as ``wgmma.tile_offset`` says (rows past
-    ``nvalid`` zero), from the aligned start whatever the array's own start; the kernel's
-    K-major descriptors (Q, K) and MN-major ones (V) read its k-steps back right."""
+    ``nvalid`` zero, and not read), from the aligned start whatever the array's own start;
+    the kernel's K-major descriptors (Q, K) and MN-major ones (V) read its k-steps back
+    right."""
     canonical = _canonical()
     e0 = pad // 2 + 512  # the tile: 1024 bytes into the aligned region
-    placed, zeros = _tile_image(monkeypatch, rows, D, nvalid, 256, e0)
+    placed, zeros = _tile_image(monkeypatch, rows, D, nvalid, nt, e0, n0)
+    nvalid -= n0  # rows of the tile that exist
     assert len(placed) + len(zeros) == rows * D
     at = {rc: 2 * (i - pad // 2) for i, rc in placed.items()}  # bytes from the aligned start
     for r in range(rows):

@@ -17,7 +17,7 @@ inputs requiring grad. TFLOP/s count 4 B H N² D for the forward and 2.5 times t
 backward, halved for causal. The table comes last; exit status 1 when a check fails, 2 when
 it cannot run.
 
-Usage: python tools/hopper_backward.py [--quick] [--repeat 20] [--json FILE]
+Usage: python tools/hopper_backward.py [--quick] [--table-only] [--repeat 20] [--json FILE]
 """
 from __future__ import annotations
 
@@ -36,9 +36,10 @@ HEAD_DIMS = (64, 128)
 TOL = 2e-2
 
 
-def variants(launch, tilings):
+def variants(launch, tilings, pairs=None):
     """The kernels the run needs, per (D, causal): the wgmma forward, the wgmma dK/dV and dQ
-    of every candidate pair, the mma.sync dK/dV and dQ, and the preprocess."""
+    of every candidate pair (the first ``pairs`` only, if given), the mma.sync dK/dV and
+    dQ, and the preprocess."""
     from dataclasses import replace
 
     from flashcore.backends.numba_cuda.driver import device_cc
@@ -47,7 +48,7 @@ def variants(launch, tilings):
     for d in HEAD_DIMS:
         for c in (False, True):
             out.add(launch.hopper_variant(d, "bfloat16", c))
-            for kt, qt in tilings.HOPPER_BWD_CANDIDATES[d, c]:
+            for kt, qt in tilings.HOPPER_BWD_CANDIDATES[d, c][:pairs]:
                 out.add(replace(launch.hopper_variant(d, "bfloat16", c, "dkdv"), tiles=kt))
                 out.add(replace(launch.hopper_variant(d, "bfloat16", c, "dq"), tiles=qt))
             out |= {v for v in launch.tc_variants(d, "bfloat16", c, device_cc(0),
@@ -99,6 +100,8 @@ def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N=4096 only")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--table-only", action="store_true",
+                    help="the table's pair only, not every candidate pair")
     ap.add_argument("--json", default=os.environ.get("HOPPER_BWD_JSON"))
     args = ap.parse_args(argv)
     torch, flashcore, launch = environment()
@@ -109,7 +112,7 @@ def run(argv=None) -> int:
     from flashcore._warmup import compile_variants
 
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
-    for tag, s in compile_variants(variants(launch, tilings), 0):
+    for tag, s in compile_variants(variants(launch, tilings, 1 if args.table_only else None), 0):
         print(f"compiled {tag}: {s:.1f} s", flush=True)
     saved = (dict(tilings.HOPPER_DKDV), dict(tilings.HOPPER_DQ))
 
@@ -150,7 +153,7 @@ def run(argv=None) -> int:
     for B, H, N in cases:
         for D in HEAD_DIMS:
             for causal in (False, True):
-                pairs = tilings.HOPPER_BWD_CANDIDATES[D, causal]
+                pairs = tilings.HOPPER_BWD_CANDIDATES[D, causal][:1 if args.table_only else None]
                 name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
                 g = torch.Generator(device="cuda").manual_seed(N + D + causal)
                 q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g,

@@ -108,21 +108,42 @@ def load_tile(smem, e0, src, base, n0, nvalid, sn, ROWS, CH, tid, NT):
     bytes each, 16-byte chunk ``c`` of line ``r`` at chunk ``c ^ (r % 8)``), by 16-byte
     ``cp.async`` copies; rows at or past ``nvalid`` are zero-filled. Thread ``tid`` copies
     chunk ``tid % CH`` of every ``NT // CH``-th row (consecutive threads read consecutive
-    16 bytes of a row; the 8 chunks of a line land on distinct banks)."""
+    16 bytes of a row; the 8 chunks of a line land on distinct banks).
+
+    The copies are most of a kernel's integer instructions, so each costs as few as it
+    can: one 64-bit row address per tile, advanced by a pass's stride; where a pass moves
+    a multiple of 8 lines (the swizzle's period) its shared spot is the first pass's plus
+    a constant; a tile whose rows all exist takes no bounds checks (ncu on an H100: these
+    copies were ~16 integer instructions each, 55% of the ping-pong forward's).
+    """
     RS = NT // CH  # rows per pass
     c = tid % CH
     r = tid // CH
     col = (c >> 3) * (ROWS * 64) + (c & 7) * 8  # element offset of the chunk's unswizzled spot
-    for p in range(ROWS // RS):
-        rr = r + p * RS
+    g = base + (n0 + r) * sn + 8 * c  # this thread's first row, then a pass further each time
+    step = RS * sn
+    if RS % 8 == 0:
         # the swizzle on the tile's own offset (chunk bits ^= line bits), then the tile's
-        # start (1024-byte aligned in the shared state space, not in this array's indices)
-        so = e0 + ((col + rr * 64) ^ ((rr & 7) << 3))
-        row = n0 + rr
-        if row < nvalid:
-            cp_async16(smem, so, src, base + row * sn + 8 * c, 16)
+        # start (1024-byte aligned in the shared state space, not in this array's indices);
+        # a pass adds RS lines to the offset and leaves the chunk bits alone
+        so = e0 + ((col ^ ((r & 7) << 3)) + r * 64)
+        if n0 + ROWS <= nvalid:
+            for p in range(ROWS // RS):
+                cp_async16(smem, so + p * (RS * 64), src, g, 16)
+                g += step
         else:
-            cp_async16(smem, so, src, base, 0)
+            left = nvalid - n0 - r  # this thread's rows p * RS below it exist
+            for p in range(ROWS // RS):
+                ok = p * RS < left
+                cp_async16(smem, so + p * (RS * 64), src, g if ok else base, 16 if ok else 0)
+                g += step
+    else:
+        for p in range(ROWS // RS):
+            rr = r + p * RS
+            so = e0 + ((col + rr * 64) ^ ((rr & 7) << 3))
+            ok = n0 + rr < nvalid
+            cp_async16(smem, so, src, g if ok else base, 16 if ok else 0)
+            g += step
 
 
 @device_function
