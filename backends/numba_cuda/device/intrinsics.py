@@ -58,6 +58,7 @@ __all__ = [
     "pack_bf16x2",
     "pack_f16x2",
     "shfl_xor_f32",
+    "warp_uniform",
     "tanh_approx",
 ]
 
@@ -251,6 +252,10 @@ if SIMULATOR:
         """``v`` of lane ``lane ^ mask`` (all 32 lanes take part)."""
         lane, vals = _warp_exchange(np.float32(v))
         return vals[lane ^ int(mask)]
+
+    def warp_uniform(x):
+        """``x``, the same in every lane of the warp (the GPU's version only tells ptxas)."""
+        return x
 
     def tanh_approx(x):
         """tanh of an fp32 (``tanh.approx.f32`` on the GPU: max relative error ~2^-11)."""
@@ -467,3 +472,11 @@ else:
     def shfl_xor_f32(v, mask):
         """``v`` of lane ``lane ^ mask`` (all 32 lanes take part)."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, v, mask)
+
+    @cuda.jit(device=True, forceinline=True)
+    def warp_uniform(x):
+        """``x`` (an int32 the same in every lane of the warp, e.g. a warpgroup index), as
+        lane 0's through a shuffle, so that ptxas knows it is uniform and keeps what derives
+        from it (wgmma descriptors) in uniform registers, without an R2UR move per use (all
+        32 lanes take part; CUTLASS broadcasts its warpgroup index the same way)."""
+        return cuda.shfl_sync(0xFFFFFFFF, x, 0)

@@ -38,6 +38,8 @@ NotImplementedError there; the ring arithmetic works everywhere.
 """
 from __future__ import annotations
 
+from numba import int32, uint32
+
 from .convert import SIMULATOR, device_function
 
 __all__ = [
@@ -61,21 +63,23 @@ MBARRIER_BYTES = 8
 
 @device_function
 def stage_of(t, STAGES):
-    """The stage that holds tile ``t`` of a ``STAGES``-deep ring."""
-    return t % STAGES
+    """The stage that holds tile ``t`` of a ``STAGES``-deep ring. (Tile counts fit 32 bits:
+    unsigned 32-bit division by the constant is a multiply-high; the 64-bit signed one
+    that ``t``'s own type would take cost ~20 instructions, several times a tile.)"""
+    return int32(uint32(t) % uint32(STAGES))
 
 
 @device_function
 def full_parity(t, STAGES):
     """The parity of the "full" phase that says tile ``t`` has landed."""
-    return (t // STAGES) & 1
+    return int32((uint32(t) // uint32(STAGES)) & uint32(1))
 
 
 @device_function
 def empty_parity(t, STAGES):
     """The parity of the "empty" phase that frees tile ``t``'s stage for it (``t >=
     STAGES``: the release of tile ``t - STAGES``)."""
-    return (t // STAGES - 1) & 1
+    return int32(((uint32(t) // uint32(STAGES)) + uint32(1)) & uint32(1))
 
 
 if SIMULATOR:

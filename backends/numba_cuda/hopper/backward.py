@@ -43,7 +43,7 @@ from numba import cuda, float32, int64, uint16, uint32
 
 from ..device.constants import DENSE, LOG2E, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import cp_async_commit, cp_async_wait
+from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
 from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
     hides,
@@ -222,7 +222,7 @@ def make_attn_backward_dkdv_wgmma(var):
                                  psp, TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
-        wg = tid >> 7
+        wg = warp_uniform(tid >> 7)  # (uniform to ptxas: so are the descriptors from it)
         warp = (tid >> 5) & 3  # within the warpgroup
         lane = tid & 31
         g = lane >> 2
@@ -382,7 +382,7 @@ def make_attn_backward_dq_wgmma(var):
                                oss, lss):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
-        wg = tid >> 7
+        wg = warp_uniform(tid >> 7)  # (uniform to ptxas: so are the descriptors from it)
         warp = (tid >> 5) & 3  # within the warpgroup
         lane = tid & 31
         g = lane >> 2

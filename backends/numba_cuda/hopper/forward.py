@@ -40,7 +40,7 @@ side is shared.
 """
 from __future__ import annotations
 
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int64, uint16, uint32, uint64
 
 from ..device.constants import (
     DENSE,
@@ -53,7 +53,7 @@ from ..device.constants import (
     SMEM_ALIGN,
 )
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
+from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp_uniform
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     distance,
@@ -187,9 +187,13 @@ def issue_qk(BF16, sacc, qa, kb, KSTEPS, BM, BN):
     """Issue ``S = Q Kᵀ`` (``KSTEPS`` wgmmas, K-major descriptors of Q's 64 rows at shared
     address ``qa`` in a ``BM``-line tile and of the key tile at ``kb``, ``BN`` lines) as one
     commit group; ``sacc`` (fenced zeros) is overwritten by k-step 0."""
+    da0 = smem_descriptor(qa, 16, PATTERN, SWIZZLE_128B)
+    db0 = smem_descriptor(kb, 16, PATTERN, SWIZZLE_128B)
     for kk in range(KSTEPS):
-        da = smem_descriptor(qa + k_start(kk, BM), 16, PATTERN, SWIZZLE_128B)
-        db = smem_descriptor(kb + k_start(kk, BN), 16, PATTERN, SWIZZLE_128B)
+        # a k-step's descriptor is the tile's plus its start (address field: bytes / 16;
+        # shared addresses stay below 256 KiB, so the 14-bit field never carries)
+        da = da0 + uint64(k_start(kk, BM) >> 4)
+        db = db0 + uint64(k_start(kk, BN) >> 4)
         sacc = qk_step(BF16, sacc, da, db, kk)
     wgmma_commit_group()
     return sacc
@@ -199,8 +203,9 @@ def issue_qk(BF16, sacc, qa, kb, KSTEPS, BM, BN):
 def issue_pv(BF16, acc, pf, vb, PSTEPS, V_LBO):
     """Issue ``O += P V`` (``PSTEPS`` wgmmas, P's A fragments ``pf[4 kk:4 kk + 4]``, V
     MN-major at shared address ``vb``) as one commit group."""
+    db0 = smem_descriptor(vb, V_LBO, PATTERN, SWIZZLE_128B)
     for kk in range(PSTEPS):
-        db = smem_descriptor(vb + 16 * kk * LINE, V_LBO, PATTERN, SWIZZLE_128B)
+        db = db0 + uint64(kk * LINE)  # (16 lines down: 16 * LINE bytes, / 16)
         acc = pv_step(BF16, acc, pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
                       db)
     wgmma_commit_group()
@@ -368,7 +373,7 @@ def make_attn_forward_wgmma(var):
                            tsb, page, psp, TQ, chunk, oss, lss):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
-        wg = tid >> 7
+        wg = warp_uniform(tid >> 7)  # (uniform to ptxas: so are the descriptors from it)
         warp = (tid >> 5) & 3  # within the warpgroup
         lane = tid & 31
         g = lane >> 2

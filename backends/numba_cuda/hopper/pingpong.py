@@ -33,7 +33,7 @@ from numba import cuda, float32, int64, uint16, uint32
 
 from ..device.constants import DENSE, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait
+from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp_uniform
 from ..device.pipeline import (
     cp_async_arrive,
     empty_parity,
@@ -235,7 +235,8 @@ def make_attn_forward_wgmma_pingpong(var):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         wtid = tid & 127
-        wg = (tid >> 7) - 1 if PRODUCER else tid >> 7  # consumer warpgroup (-1: producer)
+        # consumer warpgroup (-1: producer), uniform to ptxas (its Q descriptors then are)
+        wg = warp_uniform((tid >> 7) - 1 if PRODUCER else tid >> 7)
         warp = (tid >> 5) & 3
         lane = tid & 31
         g = lane >> 2
