@@ -80,7 +80,9 @@ from .measure import (
     host_peak_method,
     host_seconds_per_call,
     measure,
+    measure_interleaved,
     peak_extra_host_bytes,
+    time_one_run,
     time_runs,
 )
 from .naive import Naive, naive_backward, naive_forward
@@ -124,7 +126,7 @@ __all__ = [
     "format_host_overhead", "format_mask_ratios", "format_ratios", "format_tables", "get_contender", "gpu_library",
     "gpu_peak_extra_bytes", "has_module", "host_inputs", "host_peak_method",
     "host_seconds_per_call", "import_jax", "import_torch", "library_reason", "machine_info",
-    "measure", "measure_ceilings", "measure_host_overhead", "naive_backward", "naive_forward",
-    "parse_mask", "peak_extra_host_bytes", "plot", "run_sweep", "time_runs", "to_library", "validate_report",
+    "measure", "measure_ceilings", "measure_host_overhead", "measure_interleaved", "naive_backward", "naive_forward",
+    "parse_mask", "peak_extra_host_bytes", "plot", "run_sweep", "time_one_run", "time_runs", "to_library", "validate_report",
     "write_json",
 ]
