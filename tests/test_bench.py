@@ -252,6 +252,55 @@ def test_a_skipped_or_failing_contender_leaves_the_others_their_turns():
                                                      "B", "A", "fails", "B", "A"]
 
 
+def _fake_registry(monkeypatch, log):
+    """Two logged contenders, "fake_a" and "fake_b", known to the bench by name."""
+    from flashcore.bench import sweep
+
+    fakes = {n: _Logged(n, log) for n in ("fake_a", "fake_b")}
+    names = bench.contender_names() + list(fakes)
+    real = bench.get_contender
+    get = lambda name: fakes[name] if name in fakes else real(name)
+    monkeypatch.setattr(bench, "contender_names", lambda: names)
+    monkeypatch.setattr(bench, "get_contender", get)
+    monkeypatch.setattr(sweep, "get_contender", get)
+
+
+def test_sweep_interleaves_by_default_and_records_it(monkeypatch):
+    log = []
+    _fake_registry(monkeypatch, log)
+    opts = bench.SweepOptions(batch=1, heads=2, seqlens=(16,), head_dims=(8,), causal=(False,),
+                               directions=("fwd",), repeat=3, memory=False, ceilings=False,
+                               contenders=("fake_a", "fake_b"))
+    rep = bench.run_sweep(opts, progress=False)
+    bench.validate_report(rep)
+    assert rep["options"]["interleave"] is True
+    assert log == ["fake_a", "fake_b", "fake_a", "fake_b", "fake_b", "fake_a", "fake_a",
+                   "fake_b"]
+    assert all(len(r["times_s"]) == 3 for r in rep["results"])
+
+
+def test_bench_no_interleave_restores_back_to_back_runs(monkeypatch, tmp_path, capsys):
+    from flashcore import _cli
+
+    log = []
+    _fake_registry(monkeypatch, log)
+    args = ["bench", "--seqlens", "16", "--heads", "2", "--head-dims", "8", "--causal", "no",
+            "--directions", "fwd", "--repeat", "3", "--contenders", "fake_a,fake_b",
+            "--no-memory", "--no-ceilings", "--no-progress"]
+    assert _cli.main(args + ["--json", str(tmp_path / "turns.json")]) == 0
+    assert log == ["fake_a", "fake_b"] + ["fake_a", "fake_b", "fake_b", "fake_a"] * 1 + [
+        "fake_a", "fake_b"]
+    log.clear()
+    out = tmp_path / "back_to_back.json"
+    assert _cli.main(args + ["--no-interleave", "--json", str(out)]) == 0
+    assert log == ["fake_a"] * 4 + ["fake_b"] * 4  # warm-up and 3 timed runs, in a row
+    rep = json.loads(out.read_text())
+    bench.validate_report(rep)
+    assert rep["options"]["interleave"] is False
+    assert [len(r["times_s"]) for r in rep["results"]] == [3, 3]
+    assert "fake_a" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(bench.host_peak_method() == "none", reason="no way to read the RSS here")
 def test_peak_extra_host_memory_sees_allocations_outside_python():
     def touch():  # 64 MiB written, then freed before the function returns
