@@ -425,7 +425,12 @@ def _bench_parser():
     p.add_argument("--repeat", type=_positive_int, default=5, metavar="R",
                    help="timed runs per measurement, at most (5)")
     p.add_argument("--budget", type=_positive_float, default=2.0, metavar="SECONDS",
-                   help="stop repeating (after 3 runs) once the runs add up to this (2)")
+                   help="stop repeating (after 3 runs) once the runs add up to this; taking "
+                   "turns, once the slowest contender's do (2)")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="time each contender's runs back to back, one contender after the "
+                   "other (default: the contenders of a config take turns, run by run, so "
+                   "that a change in the host's load falls on all of them alike)")
     p.add_argument("--quick", action="store_true",
                    help="a small sweep for a smoke test: N=256,512, non-causal, 3 runs")
     p.add_argument("--side-by-side", action="store_true",
@@ -467,7 +472,8 @@ def run_bench(argv):
         batch=args.batch, heads=args.heads, seqlens=args.seqlens, head_dims=args.head_dims,
         dtypes=args.dtypes, causal={"no": (False,), "yes": (True,), "both": (False, True)}[
             args.causal or ("no" if args.masks != ("none",) else "both")], masks=args.masks, directions=args.directions, repeat=args.repeat,
-        budget_s=args.budget, memory=not args.no_memory, device=args.device,
+        budget_s=args.budget, interleave=not args.no_interleave, memory=not args.no_memory,
+        device=args.device,
         contenders=args.contenders, ceilings=not args.no_ceilings)
     ratio_to, host_overhead = args.ratio_to, args.host_overhead
     if args.side_by_side:

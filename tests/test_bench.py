@@ -172,6 +172,135 @@ def test_time_runs_respects_repeat_and_budget():
     assert len(bench.time_runs(slow, repeat=50, warmup=0, budget_s=0.01)) == 3
 
 
+def test_time_one_run_drops_the_outputs_and_waits_for_them():
+    synced = []
+    prep = bench.Prepared(lambda: "out", sync=synced.append)
+    assert bench.time_one_run(prep) >= 0 and synced == ["out"] and prep.outputs is None
+
+
+# --- contenders taking turns -------------------------------------------------------------
+
+
+class _Logged(bench.Contender):
+    """A contender whose every call appends its name to a shared log: ``decline`` fails the
+    first (untimed) call, ``fail_after`` fails every call after that many, ``sleep`` makes
+    each call take that long."""
+
+    def __init__(self, name, log, decline=False, fail_after=None, sleep=0.0):
+        self.name, self.log = name, log
+        self.decline, self.fail_after, self.sleep = decline, fail_after, sleep
+
+    def _prepare(self, config, direction, host):
+        calls = []
+
+        def call():
+            calls.append(1)
+            self.log.append(self.name)
+            if self.decline:
+                raise RuntimeError("declined: no kernel for this shape")
+            if self.fail_after is not None and len(calls) > self.fail_after:
+                raise MemoryError("out of memory")
+            if self.sleep:
+                __import__("time").sleep(self.sleep)
+            return np.zeros(4)
+        return bench.Prepared(call)
+
+
+def test_interleaved_contenders_take_turns_each_starting_a_round_in_turn():
+    log = []
+    a, b = _Logged("A", log), _Logged("B", log)
+    recs = bench.measure_interleaved([a, b], TINY, "fwd", repeat=4)
+    # one untimed warm-up each, 4 rounds (A B, B A, A B, B A), then one memory run each
+    assert log == list("AB" + "AB" "BA" "AB" "BA" + "AB")
+    assert [r["contender"] for r in recs] == ["A", "B"]
+    for r in recs:
+        assert r["error"] is None and r["skipped"] is None
+        assert len(r["times_s"]) == 4 and r["median_s"] > 0
+        assert r["host_peak_method"] is not None
+    log.clear()
+    three = [_Logged(n, log) for n in "ABC"]
+    bench.measure_interleaved(three, TINY, "fwdbwd", repeat=3, memory=False)
+    assert log == list("ABC" + "ABC" "BCA" "CAB")
+
+
+def test_interleaved_budget_stops_all_after_the_round_the_slowest_passes_it():
+    log = []
+    fast, slow = _Logged("fast", log), _Logged("slow", log, sleep=0.02)
+    recs = bench.measure_interleaved([fast, slow], TINY, "fwd", repeat=50, budget_s=0.01,
+                                     memory=False)
+    assert [len(r["times_s"]) for r in recs] == [3, 3]  # at least 3 rounds, then stop
+    recs = bench.measure_interleaved([fast, slow], TINY, "fwd", repeat=5, budget_s=100.0,
+                                     memory=False)
+    assert [len(r["times_s"]) for r in recs] == [5, 5]
+
+
+def test_a_skipped_or_failing_contender_leaves_the_others_their_turns():
+    log = []
+    cs = [_Logged("declines", log, decline=True), _Logged("A", log),
+          bench.JaxDpa("cudnn", "cpu"), _Logged("fails", log, fail_after=3), _Logged("B", log)]
+    recs = bench.measure_interleaved(cs, TINY, "fwd", repeat=4, memory=False)
+    declined, a, gpu_only, fails, b = recs
+    assert declined["skipped"] == "RuntimeError: declined: no kernel for this shape"
+    assert "GPU" in gpu_only["skipped"]
+    assert fails["error"] == "MemoryError: out of memory" and fails["median_s"] is None
+    assert fails["times_s"] == []
+    for r in (a, b):
+        assert r["error"] is None and len(r["times_s"]) == 4
+    # the warm-ups, then rounds starting with the 1st, 2nd, 3rd of those running: A fails B,
+    # fails B A, B A fails (its 4th call raises); the 4th round, of two, starts with the 2nd
+    assert log == ["declines", "A", "fails", "B"] + ["A", "fails", "B", "fails", "B", "A",
+                                                     "B", "A", "fails", "B", "A"]
+
+
+def _fake_registry(monkeypatch, log):
+    """Two logged contenders, "fake_a" and "fake_b", known to the bench by name."""
+    from flashcore.bench import sweep
+
+    fakes = {n: _Logged(n, log) for n in ("fake_a", "fake_b")}
+    names = bench.contender_names() + list(fakes)
+    real = bench.get_contender
+    get = lambda name: fakes[name] if name in fakes else real(name)
+    monkeypatch.setattr(bench, "contender_names", lambda: names)
+    monkeypatch.setattr(bench, "get_contender", get)
+    monkeypatch.setattr(sweep, "get_contender", get)
+
+
+def test_sweep_interleaves_by_default_and_records_it(monkeypatch):
+    log = []
+    _fake_registry(monkeypatch, log)
+    opts = bench.SweepOptions(batch=1, heads=2, seqlens=(16,), head_dims=(8,), causal=(False,),
+                               directions=("fwd",), repeat=3, memory=False, ceilings=False,
+                               contenders=("fake_a", "fake_b"))
+    rep = bench.run_sweep(opts, progress=False)
+    bench.validate_report(rep)
+    assert rep["options"]["interleave"] is True
+    assert log == ["fake_a", "fake_b", "fake_a", "fake_b", "fake_b", "fake_a", "fake_a",
+                   "fake_b"]
+    assert all(len(r["times_s"]) == 3 for r in rep["results"])
+
+
+def test_bench_no_interleave_restores_back_to_back_runs(monkeypatch, tmp_path, capsys):
+    from flashcore import _cli
+
+    log = []
+    _fake_registry(monkeypatch, log)
+    args = ["bench", "--seqlens", "16", "--heads", "2", "--head-dims", "8", "--causal", "no",
+            "--directions", "fwd", "--repeat", "3", "--contenders", "fake_a,fake_b",
+            "--no-memory", "--no-ceilings", "--no-progress"]
+    assert _cli.main(args + ["--json", str(tmp_path / "turns.json")]) == 0
+    assert log == ["fake_a", "fake_b"] + ["fake_a", "fake_b", "fake_b", "fake_a"] * 1 + [
+        "fake_a", "fake_b"]
+    log.clear()
+    out = tmp_path / "back_to_back.json"
+    assert _cli.main(args + ["--no-interleave", "--json", str(out)]) == 0
+    assert log == ["fake_a"] * 4 + ["fake_b"] * 4  # warm-up and 3 timed runs, in a row
+    rep = json.loads(out.read_text())
+    bench.validate_report(rep)
+    assert rep["options"]["interleave"] is False
+    assert [len(r["times_s"]) for r in rep["results"]] == [3, 3]
+    assert "fake_a" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(bench.host_peak_method() == "none", reason="no way to read the RSS here")
 def test_peak_extra_host_memory_sees_allocations_outside_python():
     def touch():  # 64 MiB written, then freed before the function returns

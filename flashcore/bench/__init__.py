@@ -38,7 +38,11 @@ Time
     Median of ``repeat`` runs after one warm-up run (which also compiles). CPU runs are timed
     with ``time.perf_counter``; CUDA runs of PyTorch-based contenders with CUDA events around
     the call followed by ``torch.cuda.synchronize()``; JAX runs with ``perf_counter`` around
-    the call and ``block_until_ready``.
+    the call and ``block_until_ready``. A sweep's contenders take their timed runs in turns
+    on each config and direction (A B, B A, A B, ...; ``measure_interleaved``), so that a
+    change in a shared host's load falls on all of them alike; ``--no-interleave`` times
+    each one's runs back to back. ``budget_s`` cuts the runs short (after at least 3) once
+    the slowest contender's add up to more.
 FLOPs
     The convention of the FlashAttention papers: forward ``4·B·H·Nq·Nk·D`` (two matmuls),
     backward 2.5× that (five matmuls), halved when causal; the same nominal count for every
@@ -80,7 +84,9 @@ from .measure import (
     host_peak_method,
     host_seconds_per_call,
     measure,
+    measure_interleaved,
     peak_extra_host_bytes,
+    time_one_run,
     time_runs,
 )
 from .naive import Naive, naive_backward, naive_forward
@@ -124,7 +130,7 @@ __all__ = [
     "format_host_overhead", "format_mask_ratios", "format_ratios", "format_tables", "get_contender", "gpu_library",
     "gpu_peak_extra_bytes", "has_module", "host_inputs", "host_peak_method",
     "host_seconds_per_call", "import_jax", "import_torch", "library_reason", "machine_info",
-    "measure", "measure_ceilings", "measure_host_overhead", "naive_backward", "naive_forward",
-    "parse_mask", "peak_extra_host_bytes", "plot", "run_sweep", "time_runs", "to_library", "validate_report",
+    "measure", "measure_ceilings", "measure_host_overhead", "measure_interleaved", "naive_backward", "naive_forward",
+    "parse_mask", "peak_extra_host_bytes", "plot", "run_sweep", "time_one_run", "time_runs", "to_library", "validate_report",
     "write_json",
 ]

@@ -41,32 +41,35 @@ class Prepared:
 # --- time --------------------------------------------------------------------------------
 
 
+def time_one_run(prep: Prepared) -> float:
+    """Seconds of one run of ``prep``, its outputs dropped before returning. On the CPU (and
+    for JAX) ``time.perf_counter`` around ``prep.run()``, which waits for the outputs; with
+    ``prep.timer == "cuda_event"`` CUDA events around ``prep.call()``, the device waited for
+    before the start and after the end."""
+    if prep.timer == "cuda_event":
+        torch = import_torch()
+        dev = torch.device(prep.device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(dev)
+        start.record()
+        prep.call()
+        end.record()
+        torch.cuda.synchronize(dev)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    prep.run()
+    return time.perf_counter() - t0
+
+
 def time_runs(prep: Prepared, repeat: int = 5, warmup: int = 1, budget_s: float | None = None):
     """Seconds of ``repeat`` runs after ``warmup`` untimed runs. With ``budget_s``, stop early
     (after at least 3 runs) once the timed runs add up to more than that."""
     for _ in range(warmup):
         prep.outputs = prep.run()
     times = []
-    if prep.timer == "cuda_event":
-        torch = import_torch()
-        dev = torch.device(prep.device)
-
-        def once():
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(dev)
-            start.record()
-            prep.call()
-            end.record()
-            torch.cuda.synchronize(dev)
-            return start.elapsed_time(end) / 1e3
-    else:
-        def once():
-            t0 = time.perf_counter()
-            prep.run()
-            return time.perf_counter() - t0
     while len(times) < repeat:
-        times.append(once())
+        times.append(time_one_run(prep))
         if budget_s is not None and len(times) >= 3 and sum(times) > budget_s:
             break
     return times
@@ -230,7 +233,9 @@ def gpu_peak_extra_bytes(prep: Prepared) -> int | None:
 def measure(contender, config: Config, direction: str, *, repeat: int = 5,
             warmup: int = 1, budget_s: float | None = None, memory: bool = True,
             seed: int = 0, check=None, host=None) -> dict:
-    """Time (and measure the memory of) one contender on one config and direction.
+    """Time (and measure the memory of) one contender on one config and direction: its
+    ``repeat`` timed runs back to back (see :func:`measure_interleaved` for several
+    contenders taking turns).
 
     ``contender`` is a :class:`flashcore.bench.contender.Contender`. ``check(outputs) ->
     dict``, if given, is called on the warm-up run's outputs and its answer stored under
@@ -238,6 +243,78 @@ def measure(contender, config: Config, direction: str, *, repeat: int = 5,
     comes back with ``"skipped"`` (the reason), one that fails with ``"error"`` (the
     exception's first line).
     """
+    rec = new_record(contender, config, direction)
+    prep = _ready(contender, rec, config, direction, warmup, seed, check, host)
+    if prep is None:
+        return rec
+    try:
+        times = time_runs(prep, repeat=repeat, warmup=0, budget_s=budget_s)
+        _finish(contender, rec, prep, times, memory)
+    except Exception as e:  # report, don't abort the sweep
+        rec["error"] = first_line(e)
+    finally:
+        del prep
+        gc.collect()
+    return rec
+
+
+def measure_interleaved(contenders, config: Config, direction: str, *, repeat: int = 5,
+                        warmup: int = 1, budget_s: float | None = None, memory: bool = True,
+                        seed: int = 0, check=None) -> list[dict]:
+    """Like :func:`measure` for each of ``contenders`` (one record each, in their order),
+    but with the timed runs taken in turns, so that a change in the machine's load while
+    they are measured falls on all of them alike.
+
+    Every contender is first made ready, each with its own inputs, and run ``warmup``
+    times untimed (the first run compiles). Then round ``i`` times one run of each
+    contender still running, starting with the ``i``-th (mod their number), so that none
+    always goes first: A B, B A, A B, ... until each has ``repeat`` runs or, with
+    ``budget_s``, after at least 3 rounds, the round in which the slowest contender's runs
+    add up to more than ``budget_s``. A contender that is skipped or fails is recorded so
+    and the others go on without it. The peak memory of a run is measured after the
+    rounds, one contender at a time, each contender's inputs released once it is done.
+    """
+    recs = [new_record(c, config, direction) for c in contenders]
+    live = []  # a _Turn for each contender still running
+    for c, rec in zip(contenders, recs):
+        prep = _ready(c, rec, config, direction, warmup, seed, check, None)
+        if prep is not None:
+            live.append(_Turn(c, rec, prep))
+    prep = None  # each prepared contender is held by its turn alone
+    rounds = 0
+    while live and rounds < repeat:
+        for turn in [live[(rounds + j) % len(live)] for j in range(len(live))]:
+            try:
+                turn.times.append(time_one_run(turn.prep))
+            except Exception as e:  # report, drop this one, the others go on
+                turn.rec["error"] = first_line(e)
+                live = [t for t in live if t is not turn]
+                turn.prep = None  # its inputs go
+                gc.collect()
+        rounds += 1
+        if (budget_s is not None and live and rounds >= 3
+                and max(sum(t.times) for t in live) > budget_s):
+            break
+    while live:
+        turn = live.pop(0)
+        try:
+            _finish(turn.contender, turn.rec, turn.prep, turn.times, memory)
+        except Exception as e:  # report, don't abort the sweep
+            turn.rec["error"] = first_line(e)
+        turn.prep = None
+        gc.collect()
+    return recs
+
+
+class _Turn:
+    """One contender taking its turns in :func:`measure_interleaved`."""
+
+    def __init__(self, contender, rec, prep):
+        self.contender, self.rec, self.prep, self.times = contender, rec, prep, []
+
+
+def new_record(contender, config: Config, direction: str) -> dict:
+    """A result record (schema ``flashcore-bench/1``) with nothing measured yet."""
     rec = {"contender": contender.name, "kind": contender.kind, "library": contender.library,
            "device": contender.device, "config": config.as_dict(), "direction": direction,
            "flops": config.flops(direction),
@@ -247,10 +324,17 @@ def measure(contender, config: Config, direction: str, *, repeat: int = 5,
            "peak_extra_gpu_bytes": None, "skipped": None, "error": None}
     if config.mask != "none":
         rec["mask_how"] = contender.mask_how(config)
+    return rec
+
+
+def _ready(contender, rec, config, direction, warmup, seed, check, host):
+    """``contender`` prepared and warmed up (``max(warmup, 1)`` untimed runs, the first of
+    which compiles; ``check`` on its outputs), or None with ``rec``'s ``"skipped"`` or
+    ``"error"`` set. The warm-up outputs are released before the timed runs."""
     why = contender.unavailable_reason(config)
     if why is not None:
         rec["skipped"] = why
-        return rec
+        return None
     prep = None
     try:
         prep = contender.prepare(config, direction, seed, host)
@@ -258,27 +342,34 @@ def measure(contender, config: Config, direction: str, *, repeat: int = 5,
             prep.outputs = prep.run()  # the first run compiles: not timed
         except Exception as e:  # the contender declined this config (e.g. no kernel for it)
             rec["skipped"] = first_line(e)
-            return rec
-        if check is not None:
-            rec["check"] = check(prep.outputs)
-        times = time_runs(prep, repeat=repeat, warmup=max(0, warmup - 1), budget_s=budget_s)
-        rec["times_s"] = times
-        med = statistics.median(times)
-        rec["median_s"] = med
-        rec["gflops_per_s"] = rec["flops"] / med / 1e9
-        if memory:
+        else:
+            if check is not None:
+                rec["check"] = check(prep.outputs)
+            for _ in range(warmup - 1):
+                prep.outputs = prep.run()
             prep.outputs = None
-            if contender.device == "cpu":
-                b, method = peak_extra_host_bytes(prep.run)
-                rec["peak_extra_host_bytes"], rec["host_peak_method"] = b, method
-            else:
-                rec["peak_extra_gpu_bytes"] = gpu_peak_extra_bytes(prep)
+            return prep
     except Exception as e:  # report, don't abort the sweep
         rec["error"] = first_line(e)
-    finally:
-        del prep
-        gc.collect()
-    return rec
+    prep = None
+    gc.collect()  # a contender that cannot run lets go of its inputs at once
+    return None
+
+
+def _finish(contender, rec, prep, times, memory):
+    """Store ``times`` and what follows from them in ``rec``; with ``memory``, measure the
+    peak extra memory of one more run of ``prep``."""
+    rec["times_s"] = times
+    med = statistics.median(times)
+    rec["median_s"] = med
+    rec["gflops_per_s"] = rec["flops"] / med / 1e9
+    if memory:
+        prep.outputs = None
+        if contender.device == "cpu":
+            b, method = peak_extra_host_bytes(prep.run)
+            rec["peak_extra_host_bytes"], rec["host_peak_method"] = b, method
+        else:
+            rec["peak_extra_gpu_bytes"] = gpu_peak_extra_bytes(prep)
 
 
 def first_line(e: BaseException) -> str:

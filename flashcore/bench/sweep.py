@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .config import DIRECTION_LABEL, DIRECTIONS, Config
 from .machine import machine_info, measure_ceilings
 from .masks import canonical
-from .measure import first_line, host_seconds_per_call, measure
+from .measure import first_line, host_seconds_per_call, measure, measure_interleaved
 from .registry import default_contenders, get_contender
 from .report import SCHEMA
 
@@ -42,8 +42,8 @@ class Progress:
             self.stream.write(f"[{self.done + 1}/{self.total} {elapsed:4.0f}s] {label}\n")
         self.stream.flush()
 
-    def advance(self):
-        self.done += 1
+    def advance(self, steps: int = 1):
+        self.done += steps
 
     def close(self):
         if self.enabled and self.tty:
@@ -66,6 +66,9 @@ class SweepOptions:
     directions: tuple = DIRECTIONS
     repeat: int = 5
     budget_s: float = 2.0
+    #: take the contenders' timed runs in turns, call by call (see measure_interleaved);
+    #: False: each contender's runs back to back, one contender after the other
+    interleave: bool = True
     memory: bool = True
     device: str = "auto"
     contenders: tuple | None = None  # names; None = default_contenders(device)
@@ -104,6 +107,10 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
               host_overhead: bool = False) -> dict:
     """Measure every chosen contender on every config and direction; return the JSON-able
     report (schema ``flashcore-bench/1``, see :func:`flashcore.bench.report.validate_report`).
+    With ``opts.interleave`` (the default) the contenders of one config and direction take
+    their timed runs in turns (:func:`flashcore.bench.measure.measure_interleaved`), so that
+    a burst of load on a shared host falls on all of them alike; without it each contender's
+    runs come back to back (:func:`flashcore.bench.measure.measure`).
     With ``host_overhead``, the report also holds ``"host_overhead"``: the records of
     :func:`measure_host_overhead` for every contender."""
     if opts.contenders:
@@ -111,9 +118,9 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
     else:
         chosen = default_contenders(opts.device, masked=opts.masked)
     configs = opts.configs()
-    steps = [(cfg, d, c) for cfg in configs for d in opts.directions for c in chosen]
+    steps = len(configs) * len(opts.directions) * len(chosen)
     extra_steps = (1 if opts.ceilings else 0) + (len(chosen) if host_overhead else 0)
-    bar = Progress(len(steps) + extra_steps, stream=stream, enabled=progress)
+    bar = Progress(steps + extra_steps, stream=stream, enabled=progress)
     results = []
     ceilings = None
     dev = "cpu" if all(c.device == "cpu" for c in chosen) else "cuda"
@@ -124,11 +131,22 @@ def run_sweep(opts: SweepOptions, progress: bool = True, stream=None,
         except Exception as e:  # a ceiling is a nicety; the sweep goes on without it
             ceilings = {"error": first_line(e)}
         bar.advance()
-    for cfg, direction, c in steps:
-        bar.step(f"{c.name} {DIRECTION_LABEL[direction]} {cfg.label()}")
-        results.append(measure(c, cfg, direction, repeat=opts.repeat, budget_s=opts.budget_s,
-                               memory=opts.memory, seed=opts.seed))
-        bar.advance()
+    for cfg in configs:
+        for direction in opts.directions:
+            if opts.interleave:
+                bar.step(f"{', '.join(c.name for c in chosen)} in turns, "
+                         f"{DIRECTION_LABEL[direction]} {cfg.label()}")
+                results += measure_interleaved(chosen, cfg, direction, repeat=opts.repeat,
+                                               budget_s=opts.budget_s, memory=opts.memory,
+                                               seed=opts.seed)
+                bar.advance(len(chosen))
+                continue
+            for c in chosen:
+                bar.step(f"{c.name} {DIRECTION_LABEL[direction]} {cfg.label()}")
+                results.append(measure(c, cfg, direction, repeat=opts.repeat,
+                                       budget_s=opts.budget_s, memory=opts.memory,
+                                       seed=opts.seed))
+                bar.advance()
     overhead = []
     if host_overhead:
         tiny = opts.host_overhead_config()
