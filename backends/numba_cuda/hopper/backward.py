@@ -208,9 +208,10 @@ def make_attn_backward_dkdv_wgmma(var):
     DO_OFF = Q_OFF + 2 * TILE
     B_LBO = BN * LINE  # MN-major Q, dO: the next 64 columns (a block of BN lines)
     NS, NO = BN // 2, D // 2  # accumulators per thread: Sᵀ (and dPᵀ), dK (and dV)
-    # lse and delta of a step's columns read while its score wgmmas run, where registers
-    # allow (dK and dV hold 2 NO of them: at D=128 these 32 more made ptxas spill)
-    PRELOAD = NO + NS <= 64
+    # lse and delta of a step's columns read a step ahead, into registers, where they fit
+    # (without it, within the step: fewer registers held). At D=128 dK and dV hold 128 of
+    # them: steps of 32 queries fit (223 registers), steps of 64 spill (124 bytes)
+    PRELOAD = NO + NS <= 80
 
     def attn_backward_dkdv_wgmma(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                                  causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -271,23 +272,31 @@ def make_attn_backward_dkdv_wgmma(var):
         dp = cuda.local.array(NS, float32)
         ls = cuda.local.array(NP, float32)
         dl = cuda.local.array(NP, float32)
+        lsa = cuda.local.array(NP, float32)  # (PRELOAD: the next step's, read ahead)
+        dla = cuda.local.array(NP, float32)
         pf = cuda.local.array(NP, uint32)  # Pᵀ, packed: 4 per k-step of dV += Pᵀ dO
         dsf = cuda.local.array(NP, uint32)  # dSᵀ, packed
         dka = zero_accumulators(D)
         dva = zero_accumulators(D)
 
+        # step it: query head hk * group + gi, rows mq.. (a head's steps, then the next
+        # head's); kept by counting, not by dividing it by per_head at run time
+        gi = 0
+        mq = m_begin
+        if PRELOAD and n_steps > 0:  # step 0's column statistics (later: a step ahead)
+            column_stats(lsa, dla, lse, delta, lb0 + hk * group * lsh, lsn,
+                         sb0 + hk * group * sstep, m_begin, Nq, NTILES, tq)
         for it in range(n_steps):
-            gi = it // per_head
-            mq = m_begin + (it - gi * per_head) * BN
             h = hk * group + gi
+            gn, mn = gi, mq + BN  # the next step's head and rows
+            if mn >= Nq:
+                gn, mn = gi + 1, m_begin
             buf = (it & 1) * TILE
             cp_async_wait(0)  # Q, dO of step it (K and V with the first)
             publish()
             # Every warpgroup has waited for its wgmmas of step it-1: its buffers take
             # step it+1.
             if it + 1 < n_steps:
-                gn = (it + 1) // per_head
-                mn = m_begin + (it + 1 - gn * per_head) * BN
                 hn = hk * group + gn
                 nb = (TILE - buf) // 2
                 load_tile(smem, el + Q_OFF // 2 + nb, q, qb0 + hn * qsh, mn, Nq, qsn, BN, CH,
@@ -305,8 +314,16 @@ def make_attn_backward_dkdv_wgmma(var):
                             KSTEPS, BM, BN)
             lbase = lb0 + h * lsh
             dbase = sb0 + h * sstep
-            if PRELOAD:  # (compile-time) read while the wgmmas run
-                column_stats(ls, dl, lse, delta, lbase, lsn, dbase, mq, Nq, NTILES, tq)
+            if PRELOAD:  # (compile-time) this step's statistics, read a step ago; the
+                # next step's read now, a whole step before they are used (at D=128 the
+                # reads within the step left 23% of the warps' samples on their latency)
+                for x in range(NP):
+                    ls[x] = lsa[x]
+                    dl[x] = dla[x]
+                if it + 1 < n_steps:
+                    hn = hk * group + gn
+                    column_stats(lsa, dla, lse, delta, lb0 + hn * lsh, lsn, sb0 + hn * sstep,
+                                 mn, Nq, NTILES, tq)
             mask = CAUSAL and mq < m_full  # a step across the diagonal
             if OVERLAP:
                 sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
@@ -343,6 +360,7 @@ def make_attn_backward_dkdv_wgmma(var):
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
             dka = wgmma_wait_group_acc(0, dka)
             dva = wgmma_wait_group_acc(0, dva)
+            gi, mq = gn, mn
         cp_async_wait(0)
 
         out = cuda.local.array(NO, float32)
