@@ -123,8 +123,10 @@ def test_dkdv_step_on_the_host(on_host, preload, BN, step):
         j0 = k0 + 16 * warp + g
         ls = np.zeros(BN // 4, np.float32)
         dl = np.zeros(BN // 4, np.float32)
-        if preload:
-            hb.column_stats.py_func(ls, dl, lse_buf, delta_buf, lbase, lsn, dbase, m, Nq, NT, tq)
+        if preload:  # (the kernel reads a step ahead, then converts)
+            la, da = np.empty_like(ls), np.empty_like(dl)
+            hb.column_reads.py_func(la, da, lse_buf, delta_buf, lbase, lsn, dbase, m, Nq, NT, tq)
+            hb.stats_of_reads.py_func(ls, dl, la, da, BN // 4)
         hb.probs_t.py_func(sv, ls, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, j0,
                            causal_offset, sl2, mask, True, preload, NT, tq)
         hb.grads_t.py_func(sv, dv, dl, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, preload,

@@ -41,7 +41,7 @@ import math
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, LOG2E, PACKING, SMEM_ALIGN
+from ..device.constants import DENSE, LOG2E, NEG_INF, PACKING, POS_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
 from ..device.prologue import block_tile, query_stats, split_heads
@@ -66,17 +66,32 @@ from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, publish
 
 
 @device_function
-def column_stats(ls, dl, lse, delta, lbase, lsn, dbase, m, Nq, NTILES, tq):
-    """lse (log2 domain) and delta of this thread's query columns of a step that starts at
-    query ``m``: ``ls[2 jn + e]``, ``dl[2 jn + e]`` for query ``m + 8 jn + 2 tq + e``
-    (lse at ``lbase + i * lsn``, delta at ``dbase + i``); queries past ``Nq`` read
-    ``(+inf, 0)`` (P = 0)."""
+def column_reads(la, da, lse, delta, lbase, lsn, dbase, m, Nq, NTILES, tq):
+    """The lse and delta of this thread's query columns of a step that starts at query
+    ``m``, as stored: ``la[2 jn + e]``, ``da[2 jn + e]`` for query ``m + 8 jn + 2 tq + e``
+    (lse at ``lbase + i * lsn``, delta at ``dbase + i``; past ``Nq``: -inf and 0). Read a
+    step ahead; :func:`stats_of_reads` converts them when the step comes (converting here
+    would wait for the reads at once)."""
     for jn in range(NTILES):
         for e in range(2):
             i = m + 8 * jn + 2 * tq + e
-            a, d = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
-            ls[2 * jn + e] = a
-            dl[2 * jn + e] = d
+            lv = NEG_INF
+            dv = float32(0.0)
+            if i < Nq:
+                lv = lse[lbase + i * lsn]
+                dv = delta[dbase + i]
+            la[2 * jn + e] = lv
+            da[2 * jn + e] = dv
+
+
+@device_function
+def stats_of_reads(ls, dl, la, da, NP):
+    """The step's column statistics from what :func:`column_reads` read: lse in the log2
+    domain, +inf where it is -inf (a row that sees no key, or one past the end: P = 0)."""
+    for x in range(NP):
+        lv = la[x]
+        ls[x] = POS_INF if lv == NEG_INF else lv * float32(LOG2E)
+        dl[x] = da[x]
 
 
 @device_function
@@ -85,7 +100,7 @@ def probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2,
     """``Sᵀ`` (``s``, wgmma's accumulator order: ``s[4 jn + 2 r + e]`` is key ``j0 + 8 r``,
     query ``m + 8 jn + 2 tq + e``) becomes ``Pᵀ``; with ``MASK`` (a step across the
     diagonal) keys the mask hides from a query get P = 0. The columns' lse come from ``ls``
-    (``PRELOAD``, :func:`column_stats`) or are read here (fewer registers held)."""
+    (``PRELOAD``, :func:`column_reads` a step ahead) or are read here (fewer registers held)."""
     for jn in range(NTILES):
         for e in range(2):
             i = m + 8 * jn + 2 * tq + e
@@ -284,7 +299,7 @@ def make_attn_backward_dkdv_wgmma(var):
         gi = 0
         mq = m_begin
         if PRELOAD and n_steps > 0:  # step 0's column statistics (later: a step ahead)
-            column_stats(lsa, dla, lse, delta, lb0 + hk * group * lsh, lsn,
+            column_reads(lsa, dla, lse, delta, lb0 + hk * group * lsh, lsn,
                          sb0 + hk * group * sstep, m_begin, Nq, NTILES, tq)
         for it in range(n_steps):
             h = hk * group + gi
@@ -317,12 +332,10 @@ def make_attn_backward_dkdv_wgmma(var):
             if PRELOAD:  # (compile-time) this step's statistics, read a step ago; the
                 # next step's read now, a whole step before they are used (at D=128 the
                 # reads within the step left 23% of the warps' samples on their latency)
-                for x in range(NP):
-                    ls[x] = lsa[x]
-                    dl[x] = dla[x]
+                stats_of_reads(ls, dl, lsa, dla, NP)
                 if it + 1 < n_steps:
                     hn = hk * group + gn
-                    column_stats(lsa, dla, lse, delta, lb0 + hn * lsh, lsn, sb0 + hn * sstep,
+                    column_reads(lsa, dla, lse, delta, lb0 + hn * lsh, lsn, sb0 + hn * sstep,
                                  mn, Nq, NTILES, tq)
             mask = CAUSAL and mq < m_full  # a step across the diagonal
             if OVERLAP:
