@@ -10,13 +10,8 @@ them in the kernels' modules:
   PTX ISA's canonical layouts (``test_numba_cuda_wgmma._canonical``: the reading an H100
   confirmed, tools/wgmma_ceiling.py --check), so a wrong start, stride, buffer or k-step in
   a kernel reads the wrong numbers here as it would there;
-- an RS wgmma gathers A from the registers of the warpgroup's 128 threads by
-  ``wgmma.a_coords``;
-- every wgmma is a barrier of the warpgroup (the ``.sync.aligned`` instruction): the product
-  is computed once, when the last of its 128 threads arrives, so no thread goes on (to
-  release the stage its operands came from, say) before the warpgroup's operands were read,
-  as on the GPU, where the simulator's threads of one warp would not keep in step; the
-  threads must agree on the descriptors;
+- an RS wgmma gathers A from the registers of the warpgroup's 128 threads (a barrier of the
+  warpgroup: the ``.sync.aligned`` instruction) by ``wgmma.a_coords``;
 - each thread gets back its own accumulators (``wgmma.acc_coords``), computed in float32
   from the 16-bit inputs. Fences, commits and waits are no-ops (the products complete at
   once, so an overlapped schedule is checked for its data flow, not for its races);
@@ -114,49 +109,32 @@ def _ss(kind):
         n = 2 * len(acc)
         if trans_a:
             raise AssertionError("the kernels keep A K-major")
-
-        def product(ops):
-            _uniform(ops, "wgmma (SS)")
-            a = _operand(me._wgmma_smem, "k", desc_a, 64, 16, kind)
-            return a @ _b_operand(me._wgmma_smem, desc_b, trans_b, n, kind)
-
-        full = _warpgroup_exchange(me, (int(desc_a), int(desc_b), bool(trans_b), n), product)
-        return _result(me, acc, full, scale_d)
+        a = _operand(me._wgmma_smem, "k", desc_a, 64, 16, kind)
+        if trans_b:
+            b = _operand(me._wgmma_smem, "mn", desc_b, 16, n, kind)
+        else:
+            b = _operand(me._wgmma_smem, "k", desc_b, n, 16, kind).T
+        return _result(me, acc, a @ b, scale_d)
 
     return wgmma_ss
 
 
-def _uniform(ops, what):
-    if any(o != ops[0] for o in ops):
-        raise AssertionError(f"{what}: the warpgroup's threads disagree on the operands")
-
-
-def _b_operand(smem, desc_b, trans_b, n, kind):
-    if trans_b:
-        return _operand(smem, "mn", desc_b, 16, n, kind)
-    return _operand(smem, "k", desc_b, n, 16, kind).T
-
-
-def _warpgroup_exchange(me, value, combine):
-    """Every thread of the calling warpgroup hands in ``value``; returns ``combine(the 128
-    values)``, computed once, when the last of them arrives (a ``.sync.aligned`` instruction:
-    the warpgroup executes it together, so its shared-memory operands are read before any of
-    its threads goes on, e.g. to release the stage they came from)."""
+def _warpgroup_exchange(me, value):
+    """Every thread of the calling warpgroup hands in ``value``; returns the 128 values."""
     seq = getattr(me, "_wgmma_seq", 0)
     me._wgmma_seq = seq + 1
     key = (id(me._manager), tuple(me.blockIdx), me.thread_id // 128, seq)
     with _cond:
-        slot = _slots.setdefault(key, [[None] * 128, 0, 0, None])
+        slot = _slots.setdefault(key, [[None] * 128, 0, 0])
         slot[0][me.thread_id % 128] = value
         slot[1] += 1
         if slot[1] == 128:
-            slot[3] = combine(slot[0])
             _cond.notify_all()
         while slot[1] < 128:
             _cond.wait(timeout=0.5)
             if me.abort:
                 raise RuntimeError("another simulated thread failed")
-        out = slot[3]
+        out = list(slot[0])
         slot[2] += 1
         if slot[2] == 128:
             del _slots[key]
@@ -167,19 +145,17 @@ def _rs(kind):
     def wgmma_rs(acc, a0, a1, a2, a3, desc_b, scale_d, trans_b):
         me = _me()
         n = 2 * len(acc)
-
-        def product(ops):
-            _uniform([o[1:] for o in ops], "wgmma (RS)")
-            regs = np.array([o[0] for o in ops], np.uint32)  # (128, 4)
-            halves = np.stack([regs & 0xFFFF, regs >> 16], axis=-1).reshape(128, 8)
-            rows, ks = _a_index()
-            a = np.zeros((64, 16), np.float32)
-            a[rows, ks] = _floats(halves, kind)
-            return a @ _b_operand(me._wgmma_smem, desc_b, trans_b, n, kind)
-
-        full = _warpgroup_exchange(
-            me, ((int(a0), int(a1), int(a2), int(a3)), int(desc_b), bool(trans_b), n), product)
-        return _result(me, acc, full, scale_d)
+        regs = np.array(_warpgroup_exchange(me, (int(a0), int(a1), int(a2), int(a3))),
+                        np.uint32)  # (128, 4)
+        halves = np.stack([regs & 0xFFFF, regs >> 16], axis=-1).reshape(128, 8)
+        rows, ks = _a_index()
+        a = np.zeros((64, 16), np.float32)
+        a[rows, ks] = _floats(halves, kind)
+        if trans_b:
+            b = _operand(me._wgmma_smem, "mn", desc_b, 16, n, kind)
+        else:
+            b = _operand(me._wgmma_smem, "k", desc_b, n, 16, kind).T
+        return _result(me, acc, a @ b, scale_d)
 
     return wgmma_rs
 
