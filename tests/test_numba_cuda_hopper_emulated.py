@@ -6,8 +6,12 @@ warpgroup), through the front end, against the float64 oracle.
 What this checks that the per-piece tests cannot: how a kernel composes the pieces (which
 tile and buffer each product reads at each step, the k-steps, the head loop of GQA, the
 lse and delta rows, the stores, tails and masks). The forward, which passed on an H100,
-checks the emulation itself. Not checked here: the hardware's asynchrony (fences, waits,
-the proxies), which only a GPU shows.
+checks the emulation itself. The ping-pong forward's mbarriers and named barriers are
+device/sim_pipeline.py's, with the hardware's phases and counts: a wrong parity, a release
+on the wrong stage or an arrival too few deadlocks, which fails there within seconds. Not
+checked here: the rest of the hardware's asynchrony (fences, waits, the proxies), which only
+a GPU shows; the emulated wgmmas read their operands when issued and are done at once, so a
+stage overwritten while a wgmma may still read it goes unseen.
 
 A plain ``pytest`` run has one test that runs this file again in a subprocess with
 ``NUMBA_ENABLE_CUDASIM=1``; run the cases directly with
@@ -15,6 +19,7 @@ A plain ``pytest`` run has one test that runs this file again in a subprocess wi
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -50,8 +55,11 @@ if not SIM:
 
     @pytest.mark.parametrize("only", [
         # (about 45 s: GQA, causal Nq < Nk, bf16; the varlen cases took 3 min more in CI,
-        # which the varlen GPU tests and PTX checks cover there)
-        pytest.param(f"forward_and_backward and {_id(CASES[0])}", id="ci"),
+        # which the varlen GPU tests and PTX checks cover there; and the ping-pong forward
+        # at D=64, about 10-40 s on a loaded 2-core host, and the barriers' own tests,
+        # about 5 s)
+        pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
+                     f"not slow) or barrier", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
@@ -82,28 +90,29 @@ else:
 
     import flashcore
 
+    class _Ran(list):
+        def __init__(self):
+            super().__init__()
+            self.tags = []
+
     @pytest.fixture
     def emulated(monkeypatch):
         """The wgmma emulation in place, the Hopper kernels chosen (the launch declines them
-        under the simulator), and the kernels that ran, by name. The emulation has no
-        mbarriers or named barriers: forwards whose table tiling is ping-pong take the
-        overlapped schedule of the same block shape here (the ping-pong protocol has its
-        own model test in test_numba_cuda_hopper)."""
+        under the simulator), and the kernels that ran, by name (their variants' tags in
+        ``.tags``). The ping-pong forward's mbarriers, named barriers and setmaxnreg are
+        device/sim_pipeline.py's."""
         import wgmma_emulator
 
         wgmma_emulator.install(monkeypatch)
-        for key, t in list(tilings.HOPPER_FORWARD.items()):
-            if t.pingpong:
-                monkeypatch.setitem(tilings.HOPPER_FORWARD, key,
-                                    tilings.HopperTiles(t.warpgroups, t.block_n, True))
         monkeypatch.setattr(launch, "hopper_serves", lambda case, device: True)
         monkeypatch.setattr(launch, "_PLANS", {})
-        ran = []
+        ran = _Ran()
         for fn in ("launch_forward", "launch_dkdv", "launch_dq"):
             real = getattr(launch, fn)
 
             def spy(kern, *a, real=real, **kw):
                 ran.append(kern.name)
+                ran.tags.append(kern._dispatcher.py_func.__qualname__)
                 return real(kern, *a, **kw)
 
             monkeypatch.setattr(launch, fn, spy)
@@ -181,3 +190,145 @@ else:
         for name, g, r, f in zip(("dq", "dk", "dv"), grads, refs, floors):
             e = rel_err(g, r, f)
             assert e < TOL_BWD["bfloat16"], f"{name}: {e}"
+
+    #: The table's ping-pong tiling (D=128: g2n128op3) and its producer-warpgroup form
+    #: (``True``), on cases (B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout) with more key
+    #: tiles than ring stages (the rings' phases flip); GQA and two blocks (the second on
+    #: the first's shared memory), key tails, Nq < Nk causal. CI's runs at D=64 (half the
+    #: simulated work of the table's D=128). The producer form can fail here for want of
+    #: the emulation, not of the kernel: each simulated thread reads an SS wgmma's operands
+    #: itself, and the simulator's threads of a warp do not keep in step, so lane 0 can
+    #: release a stage (after its wgmma wait) that other lanes of its warp have not read
+    #: yet, and the producer overwrites it (rel err 0.02-0.1, some rows of the second
+    #: warpgroup). Reading them once per warpgroup fixes that but made every emulated
+    #: kernel several times slower; hence xfail, not strict.
+    PINGPONG = tilings.HOPPER_FORWARD[(128, True)]
+    _PP_GQA = (1, 2, 1, 128, 520, 64, "bfloat16", True, "bhnd")
+    _PP_D128 = (1, 2, 1, 100, 400, 128, "bfloat16", True, "bnhd")
+    _PRODUCER = [pytest.mark.slow, pytest.mark.xfail(
+        reason="the emulation's lanes of a warp are not in step (see PP_RUNS)", strict=False)]
+    PP_RUNS = [(_PP_GQA, False),
+               pytest.param((1, 1, 1, 200, 400, 64, "float16", False, "bnhd"), False,
+                            marks=pytest.mark.slow),
+               pytest.param(_PP_D128, False, marks=pytest.mark.slow),
+               pytest.param(_PP_GQA, True, marks=_PRODUCER),
+               pytest.param(_PP_D128, True, marks=_PRODUCER)]
+
+    @pytest.mark.parametrize("c,producer", PP_RUNS, ids=lambda x: (
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) else "producer" if x else
+        "consumers"))
+    def test_pingpong_forward(emulated, monkeypatch, c, producer):
+        """The ping-pong schedule (device/sim_pipeline.py's barriers) against the oracle."""
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        t = dataclasses.replace(PINGPONG, producer=producer)
+        assert t.pingpong and t.stages < -(-Nk // t.block_n)
+        monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), t)
+        q, k, v, _ = _inputs(c)
+        opts = dict(causal=causal, layout=layout)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+        assert len(emulated.tags) == 1 and f"_d{D}_{t.tag}_" in emulated.tags[0], emulated.tags
+        ro, rl = oracle_forward(q, k, v, **opts)
+        assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
+        assert rel_err(lse, rl) < 1e-5
+
+    # --- device/sim_pipeline.py's barriers, on their own --------------------------------
+
+    import time
+
+    from flashcore.backends.numba_cuda.device import pipeline as pl
+    from numba import cuda, int32, uint16
+
+    @cuda.jit
+    def _phases(data, out):
+        """mbarrier (count 32) at element 0: threads 0..31 write, then arrive; all wait for
+        phase 0, 32..63 read; then the other way round for phase 1. Before any arrival,
+        parity 1 (the phase before the first) passes, which is why the writers of phase 0
+        wait for it too: during phase 0 a wait for parity 1 would pass at once."""
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            pl.mbarrier_init(smem, 0, 32)
+        cuda.syncthreads()
+        pl.mbarrier_wait(smem, 0, 1)
+        for ph in range(2):
+            writer = (tid < 32) == (ph == 0)
+            if writer:
+                time.sleep(0.02)  # (late: a wait that passed early would read zeros)
+                data[ph, tid % 32] = tid + 1
+                pl.mbarrier_arrive(smem, 0)
+            pl.mbarrier_wait(smem, 0, ph)
+            if not writer:
+                s = 0
+                for j in range(32):
+                    s += data[ph, j]
+                out[tid] = s
+
+    def test_mbarrier_phases_and_parity_waits():
+        data = np.zeros((2, 32), np.int32)
+        out = np.zeros(64, np.int32)
+        _phases[1, 64, 0, 16](data, out)
+        assert (out[32:] == sum(range(1, 33))).all(), out
+        assert (out[:32] == sum(range(33, 65))).all(), out
+
+    @cuda.jit
+    def _turns(data, out, ROUNDS):
+        """Two groups of 128 threads taking turns as the ping-pong's warpgroups: group 1
+        writes, then ``bar.arrive 1, 256``; group 0 ``bar.sync 1, 256``, reads, then
+        ``bar.arrive 2, 256``, on which group 1 syncs before its next round."""
+        tid = cuda.threadIdx.x
+        for r in range(ROUNDS):
+            if tid >= 128:
+                if r > 0:
+                    pl.named_sync(2, 256)
+                time.sleep(0.01)
+                data[r, tid - 128] = tid
+                pl.named_arrive(1, 256)
+            else:
+                pl.named_sync(1, 256)
+                s = 0
+                for j in range(128):
+                    s += data[r, j]
+                out[r, tid] = s
+                if r + 1 < ROUNDS:
+                    pl.named_arrive(2, 256)
+
+    def test_named_barriers_take_turns():
+        data = np.zeros((3, 128), np.int32)
+        out = np.zeros((3, 128), np.int32)
+        _turns[1, 256](data, out, 3)
+        assert (out == sum(range(128, 256))).all()
+
+    @cuda.jit
+    def _stuck(mode):
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            pl.mbarrier_init(smem, 0, 64)
+        cuda.syncthreads()
+        if mode == 0:  # 32 arrivals of the 64 a phase needs
+            if tid < 32:
+                pl.mbarrier_arrive(smem, 0)
+            else:
+                pl.mbarrier_wait(smem, 0, 0)
+        elif mode == 1:  # two phases complete: parity 0 now waits for phase 2
+            pl.mbarrier_arrive(smem, 0)
+            pl.mbarrier_arrive(smem, 0)
+            cuda.syncthreads()
+            pl.mbarrier_wait(smem, 0, 0)
+        elif mode == 2:  # 256 threads expected, 64 in the block
+            pl.named_sync(1, 256)
+        else:  # something writes over the barrier
+            if tid == 0:
+                smem[1] = int32(7)
+            cuda.syncthreads()
+            pl.mbarrier_arrive(smem, 0)
+
+    @pytest.mark.parametrize("mode,match", [(0, "deadlock.*parity 0 .*32 of 64 pending"),
+                                            (1, "deadlock.*phase 2"),
+                                            (2, "deadlock.*bar.sync 1, 256"),
+                                            (3, "overwritten")])
+    def test_barriers_fail_instead_of_hanging(mode, match):
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=match):
+            _stuck[1, 64, 0, 16](mode)
+        assert time.monotonic() - t0 < 30

@@ -27,6 +27,7 @@ import numpy as np
 
 #: (name, emulation) pairs are made by :func:`_emulations`; these modules get them
 MODULES = ("flashcore.backends.numba_cuda.hopper.forward",
+           "flashcore.backends.numba_cuda.hopper.pingpong",
            "flashcore.backends.numba_cuda.hopper.backward")
 
 _cond = threading.Condition()

@@ -33,8 +33,10 @@ A cp.async copy writes through the generic proxy; a wgmma reads through the asyn
 consumer runs ``wgmma.fence_proxy_async`` after its wait and before its wgmmas (the copying
 threads cannot: they do not wait for their copies).
 
-The CUDA simulator has none of these (its threads are not warps): the device names raise
-NotImplementedError there; the ring arithmetic works everywhere.
+The CUDA simulator has none of these: there the device names are ``device/sim_pipeline.py``'s
+emulations (the same semantics on the simulator's threads, per block; a wait that can never
+complete fails instead of hanging; ``setmaxnreg`` does nothing). The ring arithmetic works
+everywhere.
 """
 from __future__ import annotations
 
@@ -83,19 +85,17 @@ def empty_parity(t, STAGES):
 
 
 if SIMULATOR:
-
-    def _unavailable(name):
-        def stub(*args, **kwargs):
-            raise NotImplementedError(
-                f"{name}: mbarriers, named barriers and setmaxnreg are Hopper instructions "
-                "that the CUDA simulator cannot run")
-        stub.__name__ = name
-        return stub
-
-    for _name in __all__:
-        if _name not in ("MBARRIER_BYTES", "stage_of", "full_parity", "empty_parity"):
-            globals()[_name] = _unavailable(_name)
-    del _name
+    # (the same semantics on the simulator's threads: device/sim_pipeline.py)
+    from .sim_pipeline import (  # noqa: F401
+        cp_async_arrive,
+        mbarrier_arrive,
+        mbarrier_init,
+        mbarrier_wait,
+        named_arrive,
+        named_sync,
+        setmaxnreg_dec,
+        setmaxnreg_inc,
+    )
 
 else:
     from llvmlite import ir
