@@ -1,0 +1,108 @@
+"""How the numba_cpu forward and torch SDPA's CPU kernel scale with threads, side by side.
+
+For each (D, causal, N) and thread count, both are timed in turns (A B, B A, ...; the
+median of ``--rounds`` rounds), B=1, H=8, fp32, on torch tensors as the bench does; the
+flashcore forward also at other job sizes (query tiles per job, ``--per-job``) to see
+whether the split of the work, not the tile products, sets the pace at few jobs per thread.
+One more row: a tiny call (N=16), the per-call cost that is neither.
+
+Usage: python tools/cpu_scaling.py [--seqlens 1024,4096] [--head-dims 64,128]
+           [--threads 1,4,16] [--per-job 0,1,2] [--rounds 15]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def timed(fn, rounds, inner):
+    """Median seconds per call over ``rounds`` blocks of ``inner`` calls (after a warmup)."""
+    fn()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - t0) / inner)
+    return statistics.median(out)
+
+
+def take_turns(rows, rounds):
+    """Median seconds of each ``(name, fn)``, the rows taking turns, one call each per round
+    (the order reversed every other round)."""
+    times = {name: [] for name, _ in rows}
+    for _, fn in rows:
+        fn()
+        fn()
+    for r in range(rounds):
+        for name, fn in (rows if r % 2 == 0 else rows[::-1]):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--seqlens", type=ints, default=[1024, 4096])
+    ap.add_argument("--head-dims", type=ints, default=[64, 128])
+    ap.add_argument("--threads", type=ints, default=None)
+    ap.add_argument("--per-job", type=ints, default=[0],
+                    help="query tiles per job (0: the backend's choice)")
+    ap.add_argument("--rounds", type=int, default=15)
+    a = ap.parse_args(argv)
+    import numba
+    import torch
+    import torch.nn.functional as F
+
+    import flashcore
+    from flashcore.backends import numba_cpu
+
+    top = os.cpu_count() or 1
+    threads = a.threads or sorted({1, max(1, top // 4), max(1, top // 2), top})
+    print(f"threading layer: {numba.config.THREADING_LAYER}; cpus {top}; "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    chosen = numba_cpu.q_tiles_per_job
+    tiny = [torch.randn(1, 1, 16, 64) for _ in range(3)]
+    header = f"{'D':>4} {'causal':>6} {'N':>6} {'thr':>4} {'sdpa ms':>8} " + " ".join(
+        f"{'fc/j' + str(p) if p else 'fc':>8}" for p in a.per_job) + "  ratios (fc ÷ sdpa)"
+    print(header)
+    for D in a.head_dims:
+        for causal in (False, True):
+            for N in a.seqlens:
+                q, k, v = (torch.randn(1, 8, N, D) for _ in range(3))
+                for t in threads:
+                    numba.set_num_threads(t)
+                    torch.set_num_threads(t)
+                    rows = [("sdpa", lambda: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal))]
+                    for p in a.per_job:
+                        def ours(p=p):
+                            if p:
+                                numba_cpu.q_tiles_per_job = lambda *_, p=p: p
+                            try:
+                                flashcore.attention_forward(q, k, v, causal=causal,
+                                                            backend="numba_cpu")
+                            finally:
+                                numba_cpu.q_tiles_per_job = chosen
+                        rows.append((f"fc{p}", ours))
+                    m = take_turns(rows, a.rounds)
+                    s = m["sdpa"]
+                    ours_ms = [m[f"fc{p}"] for p in a.per_job]
+                    print(f"{D:>4} {str(causal):>6} {N:>6} {t:>4} {s * 1e3:8.2f} "
+                          + " ".join(f"{x * 1e3:8.2f}" for x in ours_ms) + "  "
+                          + " ".join(f"{x / s:.2f}" for x in ours_ms), flush=True)
+    numba.set_num_threads(top)
+    torch.set_num_threads(top)
+    fc = timed(lambda: flashcore.attention_forward(*tiny, backend="numba_cpu"), 20, 50)
+    sd = timed(lambda: F.scaled_dot_product_attention(*tiny), 20, 50)
+    print(f"threading layer used: {numba.threading_layer()}")
+    print(f"tiny call (B=1 H=1 N=16 D=64), {top} threads: flashcore {fc * 1e6:.0f} us, "
+          f"sdpa {sd * 1e6:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
