@@ -57,9 +57,9 @@ def main(argv=None):
     import numba
     import torch
     import torch.nn.functional as F
+    from flashcore.backends import numba_cpu
 
     import flashcore
-    from flashcore.backends import numba_cpu
 
     top = os.cpu_count() or 1
     threads = a.threads or sorted({1, max(1, top // 4), max(1, top // 2), top})
