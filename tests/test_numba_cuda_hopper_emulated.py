@@ -212,28 +212,18 @@ else:
                             marks=pytest.mark.slow),
                pytest.param(_PP_D128, False, marks=pytest.mark.slow),
                pytest.param(_PP_GQA, True, marks=_PRODUCER),
-               pytest.param(_PP_D128, True, marks=_PRODUCER),
-               (_PP_GQA, "lazy")]
+               pytest.param(_PP_D128, True, marks=_PRODUCER)]
 
     @pytest.mark.parametrize("c,producer", PP_RUNS, ids=lambda x: (
-        "x".join(map(str, x[:6])) if isinstance(x, tuple) else x if isinstance(x, str)
-        else "producer" if x else "consumers"))
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) else "producer" if x else
+        "consumers"))
     def test_pingpong_forward(emulated, monkeypatch, c, producer):
-        """The ping-pong schedule (device/sim_pipeline.py's barriers) against the oracle.
-        ``"lazy"``: with the lazy rescale (``HopperTiles.lazy``) on keys whose norms grow
-        along the sequence (x1 to x5), so that the rows' max moves past ``LAZY_MAX`` in
-        some key tiles and not in others (both branches of the warp's vote), and rows of
-        one warp differ."""
+        """The ping-pong schedule (device/sim_pipeline.py's barriers) against the oracle."""
         B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
-        lazy = producer == "lazy"
-        t = dataclasses.replace(PINGPONG, producer=producer is True, lazy=lazy)
+        t = dataclasses.replace(PINGPONG, producer=producer)
         assert t.pingpong and t.stages < -(-Nk // t.block_n)
         monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), t)
         q, k, v, _ = _inputs(c)
-        if lazy:
-            ramp = np.linspace(1.0, 5.0, Nk).reshape((1, 1, Nk, 1) if layout == "bhnd"
-                                                     else (1, Nk, 1, 1))
-            k = (k.astype(np.float64) * ramp).astype(k.dtype)
         opts = dict(causal=causal, layout=layout)
         o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
         assert len(emulated.tags) == 1 and f"_d{D}_{t.tag}_" in emulated.tags[0], emulated.tags

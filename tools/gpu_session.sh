@@ -29,6 +29,8 @@
 #   hopper_bwd  tools/hopper_backward.py: the sm_90a wgmma backward (FLASHCORE_HOPPER_BWD=0
 #           turns it off) checked against the mma.sync backward, then forward+backward
 #           timed beside SDPA's flash and cuDNN backends; $HOPPER_BWD_ARGS (e.g. --quick)
+#   cpu     the host CPU: tools/cpu_scaling.py $CPU_ARGS (numba_cpu and SDPA by thread count),
+#           then python -m flashcore bench --device cpu $CPU_BENCH_ARGS (empty: skip)
 #   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink
 #           multicast off): ring attention against one GPU, then the scaling table
 #           ($RING_ARGS); on nvidia-h200-x2
@@ -44,7 +46,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd"
+STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd cpu"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -220,6 +222,15 @@ stage_hopper_bwd() {
       python3 tools/hopper_backward.py ${HOPPER_BWD_ARGS:-}
 }
 
+stage_cpu() {
+  timeout "${CPU_TIMEOUT:-300}" python3 tools/cpu_scaling.py ${CPU_ARGS:-} || return
+  if [ -n "${CPU_BENCH_ARGS:-}" ]; then
+    echo "== bench (CPU)"
+    timeout "${CPU_TIMEOUT:-300}" python3 -m flashcore bench --device cpu $CPU_BENCH_ARGS \
+        --json "$FILES/bench_cpu.json"
+  fi
+}
+
 stage_ring() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   precompile
@@ -236,6 +247,7 @@ result() {  # one line for the summary table
   ncu)   grep -hE "^ *Duration" "$log" | xargs ;;
   sass)  echo "$(grep -c ' registers' "$log") kernels, $(grep -c Error "$log") errors (sass.json)" ;;
   ring)  grep -hE "^N=" "$log" | tail -1 ;;
+  cpu)   grep -hE "^threading layer used" "$log" | tail -1 ;;
   hopper) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                "$(grep -cE '^check .*: FAIL' "$log") failed (hopper.json)" ;;
   hopper_bwd) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \

@@ -17,10 +17,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 #: fp32 infinities: comparing with Python's math.inf would compute in fp64.
 NEG_INF = np.float32(-np.inf)
-#: How far (log2 units of the scaled scores) a row's max may grow past the one its P is
-#: taken against before the running max moves and O is rescaled (``HopperTiles.lazy``):
-#: until then P stays at most 2^8, exact in fp32 and in the fp16/bf16 P fed to P V.
-LAZY_MAX = 8.0
 POS_INF = np.float32(np.inf)
 #: The smallest normal float32.
 FLT_MIN = 1.1754943508222875e-38

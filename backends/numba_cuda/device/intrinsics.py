@@ -58,7 +58,6 @@ __all__ = [
     "pack_bf16x2",
     "pack_f16x2",
     "shfl_xor_f32",
-    "warp_any",
     "warp_uniform",
     "tanh_approx",
 ]
@@ -257,11 +256,6 @@ if SIMULATOR:
     def warp_uniform(x):
         """``x``, the same in every lane of the warp (the GPU's version only tells ptxas)."""
         return x
-
-    def warp_any(pred):
-        """Whether ``pred`` holds in any lane of the warp (all 32 lanes take part)."""
-        _, out = _warp_exchange(bool(pred), any)
-        return out
 
     def tanh_approx(x):
         """tanh of an fp32 (``tanh.approx.f32`` on the GPU: max relative error ~2^-11)."""
@@ -486,9 +480,3 @@ else:
         from it (wgmma descriptors) in uniform registers, without an R2UR move per use (all
         32 lanes take part; CUTLASS broadcasts its warpgroup index the same way)."""
         return cuda.shfl_sync(0xFFFFFFFF, x, 0)
-
-    @cuda.jit(device=True, forceinline=True)
-    def warp_any(pred):
-        """Whether ``pred`` holds in any lane of the warp (``vote.any``; all 32 lanes take
-        part): a branch on it is the same in every lane."""
-        return cuda.any_sync(0xFFFFFFFF, pred)

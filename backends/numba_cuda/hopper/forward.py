@@ -53,13 +53,7 @@ from ..device.constants import (
     SMEM_ALIGN,
 )
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import (
-    cp_async16,
-    cp_async_commit,
-    cp_async_wait,
-    warp_any,
-    warp_uniform,
-)
+from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp_uniform
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     distance,
@@ -220,18 +214,17 @@ def issue_pv(BF16, acc, pf, vb, PSTEPS, V_LBO):
 
 @device_function
 def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma, mb, la,
-                 lb, sl2, LAZY):
+                 lb, sl2):
     """The online softmax of one score tile on this thread's rows ``i`` (``s[4 jn + 0,
     1]``) and ``i + 8`` (``s[4 jn + 2, 3]``), in the log2 domain, a diagonal or tail tile
     through the mask first; ``s`` becomes P (fp32). Returns the new ``(ma, mb, la, lb)``
-    and the factors ``(al0, al1)`` that rescale the rows' accumulators (``LAZY``: the
-    running max moves only past ``LAZY_MAX``, ``softmax_row``)."""
+    and the factors ``(al0, al1)`` that rescale the rows' accumulators."""
     if n0 + BN > n_full:
         mask_scores(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
         mask_scores(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
-    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False, 0, LAZY)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False, 0)
     la = la * al0 + ps
-    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False, 0, LAZY)
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False, 0)
     lb = lb * al1 + ps
     return ma, mb, la, lb, al0, al1
 
@@ -240,7 +233,7 @@ def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma
 def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h,
                       tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
                       LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES,
-                      POLY, LAZY):
+                      POLY):
     """:func:`softmax_tile` with the masks and score modifiers, in the mma.sync forward's
     order: the softcap, ALiBi (warp ``w0``'s 16 rows for its linear form), the user's
     score_mod, then the masks (causal, the window, the user's mask_mod where ``partial``)
@@ -265,9 +258,9 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
                  KEEPS, margs, b, h, Nq)
         mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
                  partial, KEEPS, margs, b, h, Nq)
-    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI, POLY, LAZY)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI, POLY)
     la = la * al0 + ps
-    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI, POLY, LAZY)
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI, POLY)
     lb = lb * al1 + ps
     return ma, mb, la, lb, al0, al1
 
@@ -322,12 +315,8 @@ def pack_p(BF16, pf, s, NP):
 
 
 @device_function
-def rescale(oa, al0, al1, DTILES, LAZY):
-    """O's rows ``i`` and ``i + 8`` (local array ``oa``) times their factors; ``LAZY``
-    (compile-time): only where some row of the warp has a factor other than 1 (a vote, so
-    the branch is the warp's; the factors are exactly 1 where a row's max stayed put)."""
-    if LAZY and not warp_any(al0 != float32(1.0) or al1 != float32(1.0)):
-        return
+def rescale(oa, al0, al1, DTILES):
+    """O's rows ``i`` and ``i + 8`` (local array ``oa``) times their factors."""
     rescale_row(oa, 0, al0, DTILES)
     rescale_row(oa, 2, al1, DTILES)
 
@@ -374,7 +363,6 @@ def make_attn_forward_wgmma(var):
     OVERLAP = t.overlap  # the softmax of tile j under the P V wgmmas of tile j - 1
     PACKED = PACKING[var.packed]  # dense or varlen rows (device/seams.sequence)
     POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
-    LAZY = t.lazy  # O rescaled only when a row's max moved (softmax_row)
     LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR = mask_flags(var, SMOD)
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -473,9 +461,9 @@ def make_attn_forward_wgmma(var):
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h, tq,
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
-                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY, LAZY)
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 acc_to_local(acc, oa)
-                rescale(oa, al0, al1, DTILES, LAZY)
+                rescale(oa, al0, al1, DTILES)
                 acc = acc_from_local(oa, D)
                 # P's A fragments, all before the fence: a register written between two
                 # wgmmas makes ptxas serialize them (it injects warpgroup.arrive, C7519)
@@ -514,8 +502,7 @@ def make_attn_forward_wgmma(var):
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n_begin, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h,
                     tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
-                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY,
-                    LAZY)
+                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 pack_p(BF16, pf, s, NP)  # (O is still zero: nothing to rescale)
             for it in range(1, n_tiles):
                 n0 = n_begin + it * BN
@@ -537,10 +524,10 @@ def make_attn_forward_wgmma(var):
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h, tq,
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
-                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY, LAZY)
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)
                 acc_to_local(acc, oa)
-                rescale(oa, al0, al1, DTILES, LAZY)
+                rescale(oa, al0, al1, DTILES)
                 acc = acc_from_local(oa, D)
                 pack_p(BF16, pf, s, NP)
             if n_tiles > 0:

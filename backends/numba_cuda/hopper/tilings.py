@@ -28,9 +28,7 @@ class HopperTiles:
     them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers).
     ``poly``: every ``poly``-th 8-key n-tile of the softmax takes its exp2 from the FMA
     pipe (``intrinsics.exp2_fma``) instead of the MUFU unit (0: none), for a softcap, whose
-    tanh is a second MUFU operation per score. ``lazy`` (forward): a row's running max
-    moves, and O is rescaled, only once its max has grown past ``LAZY_MAX`` (FlashAttention
-    4's conditional rescale; ``tensor_core/forward.softmax_row``)."""
+    tanh is a second MUFU operation per score."""
 
     warpgroups: int
     block_n: int
@@ -40,7 +38,6 @@ class HopperTiles:
     stages: int = 2
     producer: bool = False
     poly: int = 0
-    lazy: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -61,13 +58,12 @@ class HopperTiles:
     def tag(self) -> str:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
         (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
-        (every second n-tile's exp2 on the FMA pipe), ``g2n128op3z`` (the lazy rescale):
-        names the tiling in kernel names and timings."""
+        (every second n-tile's exp2 on the FMA pipe): names the tiling in kernel names and
+        timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
                 + ("w" if self.producer else "")
                 + (f"x{self.poly}" if self.poly else "")
-                + ("z" if self.lazy else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
@@ -107,9 +103,6 @@ HOPPER_ALIGN = 1024
 #: Ping-pong with every other n-tile's exp2 on the FMA pipe (slower on the H100: kept for
 #: the tool, at D=128).
 _POLY2 = HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)
-#: The chosen D=64 and D=128 tilings with the lazy rescale (``HopperTiles.lazy``).
-_LAZY64 = HopperTiles(2, 64, True, lazy=True)
-_LAZY128 = HopperTiles(2, 128, True, pingpong=True, stages=3, lazy=True)
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
 #: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
@@ -120,12 +113,11 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     _POLY2, _LAZY64, _LAZY128)
+                     _POLY2)
 #: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
 HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
-HOPPER_CANDIDATE_DIMS[_POLY2] = HOPPER_CANDIDATE_DIMS[_LAZY128] = (128,)
-HOPPER_CANDIDATE_DIMS[_LAZY64] = (64,)
+HOPPER_CANDIDATE_DIMS[_POLY2] = (128,)
 
 
 def hopper_candidates(head_dim: int) -> tuple:

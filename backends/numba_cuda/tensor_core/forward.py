@@ -36,7 +36,6 @@ from ..device.constants import (
     DENSE,
     EMPTY,
     FLT_MIN,
-    LAZY_MAX,
     LN2,
     LOG2E,
     NEG_INF,
@@ -147,7 +146,7 @@ def alibi_row(s, base, d0, slope, side, linear, NTILES):
 
 
 @device_function
-def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI, POLY, LAZY=False):
+def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI, POLY):
     """One of this lane's rows of a score tile (``s[base + 4 jn + e]``, masked already):
     new running max (of the scores) over the 4 lanes sharing the row, then
     ``P = exp2(S * sl2 - max * sl2)`` in place, one FFMA and one ex2 per score. Returns
@@ -155,11 +154,6 @@ def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI, POLY, LAZY=False):
     ``POLY`` (compile-time; 0: none): every ``POLY``-th n-tile takes its exp2 from the FMA
     pipe (``intrinsics.exp2_fma``) instead of the MUFU unit, for kernels whose MUFU is busy
     with a softcap's tanh too.
-    ``LAZY`` (compile-time): the running max moves only once the row's max has grown more
-    than ``LAZY_MAX`` (log2 units) past it (FlashAttention 4's conditional rescale); until
-    then P is taken against the old one (at most ``2^LAZY_MAX``) and the factor is exactly
-    1, so the caller may skip the rescale of O (``rescale_lazy``). The result is the same
-    up to rounding: O and the row's sum share the max, and lse adds it back.
     ``ALIBI`` (compile-time): the row's scores are the stored ones less this lane's ``r``
     (:func:`alibi_row`); the lane's max is taken on the stored ones and moved by ``r``
     before the shuffles, and P's FFMA subtracts ``(max + r) sl2``."""
@@ -173,15 +167,9 @@ def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI, POLY, LAZY=False):
         mx = max(m_old, mx - r)
     mx = max(mx, shfl_xor_f32(mx, 1))
     mx = max(mx, shfl_xor_f32(mx, 2))
-    keep = False
-    if LAZY:  # (compile-time; the row's 4 lanes agree: their mx and m_old are the same)
-        keep = m_old != NEG_INF and (mx - m_old) * sl2 <= float32(LAZY_MAX)
-        if keep:
-            mx = m_old
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead
     mu = mx * sl2 if mx != NEG_INF else float32(0.0)
-    # (kept: exactly 1, which a contracted m_old * sl2 - mu need not give)
-    alpha = float32(1.0) if keep else math.exp2(m_old * sl2 - mu)
+    alpha = math.exp2(m_old * sl2 - mu)
     mus = mu
     if ALIBI:  # (a row with no key: its stored scores are -inf, any finite mus gives 0)
         mus = (mx + r) * sl2 if mx != NEG_INF else float32(0.0)
