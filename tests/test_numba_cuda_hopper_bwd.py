@@ -269,6 +269,11 @@ def _ptx_cases():
                          marks=() if d == 128 else pytest.mark.slow)
             for n, d, t, c in (("dkdv", 128, "bfloat16", True), ("dq", 128, "float16", False),
                                ("dkdv", 64, "float16", False), ("dq", 64, "bfloat16", True))]
+    # the non-deterministic mode's kernel (dQ's parts by atomics): the table's tilings
+    out += [pytest.param("dkdvq", None, d, t, c, "",
+                         id=f"dkdvq-D{d}-{t}-{'causal' if c else 'full'}",
+                         marks=() if d == 128 else pytest.mark.slow)
+            for d, t, c in ((128, "bfloat16", True), (64, "float16", False))]
     return out
 
 
@@ -297,7 +302,10 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     bn = v.tiles.block_n
     # two score products (SS, N = block_n, k over D) and one (dQ) or two (dV, dK) RS
     # products (N = D, k over block_n), loops written out
-    n_ss, n_rs = 2 * head_dim // 16, (2 if kernel == "dkdv" else 1) * bn // 16
+    n_ss, n_rs = 2 * head_dim // 16, (1 if kernel == "dq" else 2) * bn // 16
+    if kernel == "dkdvq":  # dQᵀ = Kᵀ dSᵀ: 4 k-steps per 64 head dims, K read M-major
+        n_ss += 4 * head_dim // 64
+        assert ptx.count("red.global.add.f32") > 0
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert len(mma) == n_ss + n_rs, f"{len(mma)} wgmma (loops left rolled?)"
     kind = "bf16" if dtype == "bfloat16" else "f16"
@@ -357,6 +365,8 @@ def hopper_bwd_gpu():
         todo.add(launch.hopper_variant(d, t, c))
         kt = tilings.choose_simt(d, t, c, (9, 0))
         todo.add(launch.simt_variants(d, t, c, kt)[1])  # (the preprocess)
+    for d, t, c, _ in FUSED_CASES:  # the non-deterministic mode's two kernels
+        todo |= {_variant("dkdvq", d, t, c), Variant("dqconvert", "simt", d, t, False, 256)}
     compile_once(todo, "flashcore-hopper-bwd-test")
     return torch
 
@@ -420,3 +430,58 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
     assert ran[-2:] == ["attn_backward_dkdv_tc", "attn_backward_dq_tc"], ran
     for name, g, r, fl in zip(("dq", "dk", "dv"), grads2, refs, floors):
         assert rel_err(g.float().cpu().numpy(), r, fl) < TOL_BWD[dtype], name
+
+
+#: (D, dtype, causal, shape) of the non-deterministic mode's GPU test: the table's tilings,
+#: both dtypes, every shape at one of each head dim and causal mode
+FUSED_CASES = [(d, t, c, shape) for d, t, c in TABLE for shape in SHAPES
+               if (t == "bfloat16") == c or shape is SHAPES[0]] if HAVE else []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,dtype,causal,shape", [
+    pytest.param(*x, id=f"D{x[0]}-{x[1]}-{'causal' if x[2] else 'full'}-"
+                        f"{'x'.join(map(str, x[3]))}") for x in FUSED_CASES])
+def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, causal, shape):
+    """``FLASHCORE_DETERMINISTIC=0``: one dkdvq kernel (dK, dV, and dQ by atomics into a
+    float32 accumulator), against the float64 oracle; dK and dV bit for bit those of the
+    deterministic mode (the same sums in the same order), dQ within the tolerance of it."""
+    torch = hopper_bwd_gpu
+    from helpers import TOL_BWD, grad_floor, oracle_backward, rel_err
+
+    import flashcore
+
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    tags = []
+    real = launch.launch_dkdv
+
+    def spy(kern, *a, **kw):
+        tags.append(kern._dispatcher.py_func.__qualname__)
+        return real(kern, *a, **kw)
+
+    monkeypatch.setattr(launch, "launch_dkdv", spy)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(Nq * 5 + Nk + head_dim)
+
+    def t(h, n):
+        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
+        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
+
+    q, k, v, do = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)
+    opts = dict(causal=causal, layout=layout, backend="numba_cuda")
+    o, lse = flashcore.attention_forward(q, k, v, **opts)
+    det = flashcore.attention_backward(do, q, k, v, o, lse, **opts)
+    monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")
+    grads = flashcore.attention_backward(do, q, k, v, o, lse, **opts)
+    assert tags[-1].startswith("attn_backward_dkdvq_wgmma"), tags
+    torch.cuda.synchronize()
+    host = [x.float().cpu().numpy() for x in (do, q, k, v)]
+    refs = oracle_backward(*host, causal=causal, layout=layout)
+    floors = grad_floor(*host, causal=causal, layout=layout)
+    for name, g, r, fl, x in zip(("dq", "dk", "dv"), grads, refs, floors, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        e = rel_err(g.float().cpu().numpy(), r, fl)
+        assert e < TOL_BWD[dtype], f"{name}: {e}"
+    assert torch.equal(grads[1], det[1]) and torch.equal(grads[2], det[2])

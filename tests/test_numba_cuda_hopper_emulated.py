@@ -191,6 +191,39 @@ else:
             e = rel_err(g, r, f)
             assert e < TOL_BWD["bfloat16"], f"{name}: {e}"
 
+    #: The non-deterministic mode (FLASHCORE_DETERMINISTIC=0): dK, dV and dQ's parts in one
+    #: kernel (dkdvq), dQ added into a float32 accumulator (hopper/dq_atomic.py), then
+    #: converted. Tilings: the table's (one warpgroup), two warpgroups (each its own dS tile
+    #: and barrier), D=128 (two chains of dQᵀ rows); GQA (dQ of every head of the group),
+    #: causal with Nq < Nk, key and query tails.
+    FUSED = [((1, 4, 2, 70, 150, 64, "bfloat16", True, "bhnd"), None),
+             pytest.param((1, 2, 1, 100, 90, 64, "float16", False, "bnhd"),
+                          tilings.HopperTiles(2, 64, True), marks=pytest.mark.slow),
+             pytest.param((1, 2, 2, 40, 100, 128, "bfloat16", True, "bhnd"), None,
+                          marks=pytest.mark.slow)]
+
+    @pytest.mark.parametrize("c,tiles", FUSED, ids=lambda x: (
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) else getattr(x, "tag", "table")))
+    def test_fused_backward(emulated, monkeypatch, c, tiles):
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        monkeypatch.setenv("FLASHCORE_DETERMINISTIC", "0")
+        if tiles is not None:
+            monkeypatch.setitem(tilings.HOPPER_DKDV, (D, causal), tiles)
+        q, k, v, do = _inputs(c)
+        opts = dict(causal=causal, layout=layout)
+        o, lse = oracle_forward(q, k, v, **opts)
+        o = o.astype(q.dtype)
+        lse = lse.astype(np.float32)
+        grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
+        assert [t.split("_wgmma")[0] for t in emulated.tags] == ["attn_backward_dkdvq"], \
+            emulated.tags
+        refs = oracle_backward(do, q, k, v, **opts)
+        floors = grad_floor(do, q, k, v, **opts)
+        for name, g, r, x, f in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), floors):
+            assert g.dtype == x.dtype and g.shape == x.shape
+            e = rel_err(g, r, f)
+            assert e < TOL_BWD[dtype], f"{name}: {e}"
+
     #: The table's ping-pong tiling (D=128: g2n128op3) and its producer-warpgroup form
     #: (``True``), on cases (B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout) with more key
     #: tiles than ring stages (the rings' phases flip); GQA and two blocks (the second on

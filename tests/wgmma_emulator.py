@@ -28,7 +28,8 @@ import numpy as np
 #: (name, emulation) pairs are made by :func:`_emulations`; these modules get them
 MODULES = ("flashcore.backends.numba_cuda.hopper.forward",
            "flashcore.backends.numba_cuda.hopper.pingpong",
-           "flashcore.backends.numba_cuda.hopper.backward")
+           "flashcore.backends.numba_cuda.hopper.backward",
+           "flashcore.backends.numba_cuda.hopper.dq_atomic")
 
 _cond = threading.Condition()
 _slots: dict = {}
@@ -107,9 +108,10 @@ def _ss(kind):
     def wgmma_ss(acc, desc_a, desc_b, scale_d, trans_a, trans_b):
         me = _me()
         n = 2 * len(acc)
-        if trans_a:
-            raise AssertionError("the kernels keep A K-major")
-        a = _operand(me._wgmma_smem, "k", desc_a, 64, 16, kind)
+        if trans_a:  # (M-major A: Kᵀ in the dkdvq kernel's dQᵀ = Kᵀ dSᵀ)
+            a = _operand(me._wgmma_smem, "mn", desc_a, 16, 64, kind).T
+        else:
+            a = _operand(me._wgmma_smem, "k", desc_a, 64, 16, kind)
         if trans_b:
             b = _operand(me._wgmma_smem, "mn", desc_b, 16, n, kind)
         else:

@@ -17,7 +17,11 @@ inputs requiring grad. TFLOP/s count 4 B H N² D for the forward and 2.5 times t
 backward, halved for causal. The table comes last; exit status 1 when a check fails, 2 when
 it cannot run.
 
-Usage: python tools/hopper_backward.py [--quick] [--table-only] [--repeat 20] [--json FILE]
+``--fused``: also the non-deterministic mode (``FLASHCORE_DETERMINISTIC=0``: the dkdvq
+kernel, dQ by atomics; the table's dK/dV tiling), checked and timed as "wgmma fused".
+
+Usage: python tools/hopper_backward.py [--quick] [--table-only] [--fused] [--repeat 20]
+           [--json FILE]
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import sys
 from hopper_forward import environment, timer  # (tools/ is the script's directory)
 
 HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
+DETERMINISTIC_ENV = "FLASHCORE_DETERMINISTIC"
 CASES = [(4, 16, 4096), (1, 16, 16384)]
 HEAD_DIMS = (64, 128)
 #: Norm-wise relative difference allowed between the two bf16 backwards (each within ~1e-2
@@ -36,7 +41,7 @@ HEAD_DIMS = (64, 128)
 TOL = 2e-2
 
 
-def variants(launch, tilings, pairs=None):
+def variants(launch, tilings, pairs=None, fused=False):
     """The kernels the run needs, per (D, causal): the wgmma forward, the wgmma dK/dV and dQ
     of every candidate pair (the first ``pairs`` only, if given), the mma.sync dK/dV and
     dQ, and the preprocess."""
@@ -56,6 +61,11 @@ def variants(launch, tilings, pairs=None):
                     if v.kernel in ("dkdv", "dq")}
             kt = tilings.choose_simt(d, "bfloat16", c, device_cc(0))
             out.add(launch.simt_variants(d, "bfloat16", c, kt)[1])
+            if fused:
+                from flashcore.backends.numba_cuda.variant import Variant
+
+                out.add(launch.hopper_variant(d, "bfloat16", c, "dkdvq"))
+                out.add(Variant("dqconvert", "simt", d, "bfloat16", False, 256))
     return sorted(out, key=lambda v: v.tag)
 
 
@@ -102,6 +112,8 @@ def run(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--table-only", action="store_true",
                     help="the table's pair only, not every candidate pair")
+    ap.add_argument("--fused", action="store_true",
+                    help="also the non-deterministic mode (dQ by atomics)")
     ap.add_argument("--json", default=os.environ.get("HOPPER_BWD_JSON"))
     args = ap.parse_args(argv)
     torch, flashcore, launch = environment()
@@ -112,7 +124,8 @@ def run(argv=None) -> int:
     from flashcore._warmup import compile_variants
 
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
-    for tag, s in compile_variants(variants(launch, tilings, 1 if args.table_only else None), 0):
+    for tag, s in compile_variants(variants(launch, tilings, 1 if args.table_only else None,
+                                            args.fused), 0):
         print(f"compiled {tag}: {s:.1f} s", flush=True)
     saved = (dict(tilings.HOPPER_DKDV), dict(tilings.HOPPER_DQ))
 
@@ -133,6 +146,16 @@ def run(argv=None) -> int:
         os.environ[HOPPER_BWD_ENV] = "1" if hopper else "0"
         return flashcore.attention_backward(do, q, k, v, o, lse, causal=causal,
                                             backend="numba_cuda")
+
+    def nondeterministic(fn):
+        """``fn`` run in the non-deterministic mode."""
+        def run_it():
+            os.environ[DETERMINISTIC_ENV] = "0"
+            try:
+                return fn()
+            finally:
+                os.environ.pop(DETERMINISTIC_ENV, None)
+        return run_it
 
     def both(q, k, v, do, causal, hopper):
         o, lse = flashcore.attention_forward(q, k, v, causal=causal, backend="numba_cuda")
@@ -180,6 +203,17 @@ def run(argv=None) -> int:
                     ok &= kinds == (("attn_backward_dkdv_tc", "attn_backward_dq_tc")
                                     + ("attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma")
                                     * (2 * len(pairs)))
+                    if args.fused:  # the table's dK/dV tiling, dQ by atomics
+                        use_pair(launch, tilings, D, causal, pairs[0])
+                        got = nondeterministic(
+                            lambda: backward(do, q, k, v, o, lse, causal, True))()
+                        torch.cuda.synchronize()
+                        errs = [rel(a, b) for a, b in zip(got, ref)]
+                        fin = all(bool(torch.isfinite(a).all() == torch.isfinite(b).all())
+                                  for a, b in zip(got, ref))
+                        good = max(errs) < TOL and fin
+                        checks.append(("wgmma fused", good, errs, True))
+                        ok &= good
                 except Exception as e:  # noqa: BLE001  (a fault ends the CUDA context)
                     print(f"check {name}: ERROR {type(e).__name__}: {e}", flush=True)
                     rows.append({"case": name, "check": False, "ms": {}, "bwd_ms": {},
@@ -200,6 +234,12 @@ def run(argv=None) -> int:
                         bwd_ms[lb] = timer(
                             torch, lambda: backward(do, q, k, v, o, lse, causal, True),
                             args.repeat)
+                if args.fused and checks[-1][1]:
+                    use_pair(launch, tilings, D, causal, pairs[0])
+                    ms["wgmma fused"] = timer(torch, nondeterministic(
+                        lambda: both(q, k, v, do, causal, True)), args.repeat)
+                    bwd_ms["wgmma fused"] = timer(torch, nondeterministic(
+                        lambda: backward(do, q, k, v, o, lse, causal, True)), args.repeat)
                 ms["mma.sync bwd"] = timer(torch, lambda: both(q, k, v, do, causal, False),
                                            args.repeat)
                 bwd_ms["mma.sync bwd"] = timer(

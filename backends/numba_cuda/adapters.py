@@ -18,7 +18,7 @@ from flashcore import _poison
 from flashcore._interop import cuda_raw
 from flashcore._memo import Memo
 
-from . import launch
+from . import launch, launch_args
 from .device.convert import SIMULATOR
 from .driver import synchronize
 
@@ -37,6 +37,7 @@ class _Adapter:
     which an adapter may write for its own arrays in as few steps as they allow."""
 
     synchronous = False  # JAX: wait for the kernels before handing buffers back
+    fused_ok = True  # the backward may allocate a dQ accumulator (launch.fused_backward)
 
     def forward(self, q, k, v, case):
         if case.packed:  # varlen or a KV cache (packed.py)
@@ -83,6 +84,11 @@ class _Adapter:
         delta = self.empty(q, (B, Hq, Nq), "float32", dev, poison=False)
         stream = self.stream(q, dev)
         keep = []
+        acc = None  # the non-deterministic mode's (zeroed by the launch)
+        if self.fused_ok and launch.fused_backward(case, dev):
+            buf = self.empty(q, (B * Hq * Nq * case.head_dim,), "float32", dev, poison=False)
+            keep.append(buf)
+            acc = self.address(buf, keep)
         lay = case.layout
         view = self.view
         lse = self.as_float32(lse)
@@ -91,7 +97,7 @@ class _Adapter:
                             view(lse, None, keep), self.address(delta, keep),
                             view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep),
                             slopes=self.slopes(case, keep), margs=self.mod_args(case, keep),
-                           classes=self.tile_classes(case, q, keep))
+                            classes=self.tile_classes(case, q, keep), dq_acc=acc)
         if self.synchronous:
             synchronize(stream, dev)
         return dq, dk, dv
@@ -141,7 +147,7 @@ class _Adapter:
             a = self.contiguous(a)
             keep.append(a)
             views.append((self.address(a, keep), tuple(int(n) for n in a.shape)))
-        return launch.mod_args(views)
+        return launch_args.mod_args(views)
 
     def contiguous(self, x):
         """``x``, or a C-contiguous copy of it (a mod_args array the kernels index flat)."""
@@ -230,6 +236,8 @@ class BufferLauncher(_Adapter):
     """The passes on buffers a framework owns and lends (JAX's ``buffer_callback``): inputs
     are read through ``view(x, keep) -> (address, strides)``, outputs are ``outputs`` taken
     in order (o, lse; or dq, dk, dv, delta), kernels go on raw stream ``stream``."""
+
+    fused_ok = False  # (the buffers are the framework's: no accumulator to allocate)
 
     def __init__(self, view, outputs, stream):
         self._view = view

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import os
 
-import numpy as np
 from numba.cuda import types
 
 from . import tilings
@@ -25,8 +24,18 @@ from .driver import Prepared, device_cc, device_name, prepared
 from .hopper import backward as _hop_bwd
 from .hopper import forward as _hop_fwd
 from .hopper import pingpong as _hop_pp
+from .launch_args import (  # noqa: F401 (re-exported: launch.no_slopes, ...)
+    bhnd,
+    host_flat,
+    no_classes,
+    no_mod_args,
+    no_packed,
+    no_slopes,
+    packed_args,
+)
 from .simt import backward as _simt_bwd
 from .simt import cache as _simt_cache
+from .simt import dq_convert as _simt_dqc
 from .simt import forward as _simt_fwd
 from .tensor_core import backward as _tc_bwd
 from .tensor_core import forward as _tc_fwd
@@ -49,6 +58,11 @@ HOPPER_ENV = "FLASHCORE_HOPPER"
 #: wgmma forward would (so ``FLASHCORE_HOPPER=0`` turns both off); ``FLASHCORE_HOPPER_BWD=0``
 #: keeps the mma.sync backward while the wgmma forward serves; read per call.
 HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
+#: Environment switch of the backward's non-deterministic mode: ``FLASHCORE_DETERMINISTIC=0``
+#: lets the wgmma dK/dV kernel add dQ's parts into a float32 accumulator by atomics
+#: ("dkdvq", hopper/dq_atomic.py) instead of the dQ kernel recomputing S and dP; dQ may then
+#: differ in its last bits from run to run. Read per call; dense calls only.
+DETERMINISTIC_ENV = "FLASHCORE_DETERMINISTIC"
 _TC_DTYPES = ("float16", "bfloat16")
 
 #: (family, kernel) -> factory of the Python kernel function of a variant
@@ -65,6 +79,8 @@ FACTORIES = {
                                         else _hop_fwd.make_attn_forward_wgmma)(var),
     ("hopper", "dkdv"): _hop_bwd.make_attn_backward_dkdv_wgmma,
     ("hopper", "dq"): _hop_bwd.make_attn_backward_dq_wgmma,
+    ("hopper", "dkdvq"): _hop_bwd.make_attn_backward_dkdv_wgmma,
+    ("simt", "dqconvert"): _simt_dqc.make_dq_convert,
     ("simt", "merge"): _simt_cache.make_attn_merge_splits,
     ("simt", "append"): _simt_cache.make_cache_append,
 }
@@ -107,11 +123,13 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
     kinds = [a[0] for a in mod_args] + ["float32"] * (MAX_ARGS - len(mod_args))
     mods = (f32, _I64, _I64) + tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (
         _I64,) * (MAX_ARGS * MAX_DIMS) + (types.CPointer(types.int8), _I64, _I64, _I64)
+    dkdv = (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods + PACKED_SIG
     return {
         "attn_forward": (e, e, e, o, f32) + (_I64,) * 21 + (_F64,) + mods + PACKED_SIG,
         "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
-        "attn_backward_dkdv": ((e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods
-                               + PACKED_SIG),
+        "attn_backward_dkdv": dkdv,
+        "attn_backward_dkdvq": dkdv,  # (its dQ accumulator where ALiBi's slopes go)
+        "attn_backward_dq_convert": (f32, e) + (_I64,) * 11 + (_F64,),
         "attn_backward_dq": ((e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,) + mods
                              + PACKED_SIG),
         "attn_merge_splits": (f32, f32, e, f32) + (_I64,) * 8,
@@ -187,6 +205,13 @@ def hopper_bwd_serves(case, device) -> bool:
         return False
     m = mask_options(case)
     return m["window"] == () and m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None
+
+
+def fused_backward(case, device) -> bool:
+    """Whether a backward takes the non-deterministic mode (:data:`DETERMINISTIC_ENV`): the
+    wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows."""
+    return (os.environ.get(DETERMINISTIC_ENV, "1") == "0" and not case.packed
+            and hopper_bwd_serves(case, device))
 
 
 def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
@@ -299,9 +324,10 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
         else:
             fam = [simt[0], simt[2], simt[3]]
         if hopper:
+            pair = ("dkdvq", None) if direction == "fused" else ("dkdv", "dq")
             fam = ([hopper_variant(d, dt, c, **mask)] if direction == "forward" else
-                   [hopper_variant(d, dt, c, k_, packed=mask["packed"])
-                    for k_ in ("dkdv", "dq")])
+                   [hopper_variant(d, dt, c, k_, packed=mask["packed"]) if k_ else
+                    Variant("dqconvert", "simt", d, dt, False, 256) for k_ in pair])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
     return plan
@@ -482,15 +508,20 @@ def run_append(case, device, stream, src, dst, seqlens, table, page):
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None,
-                 slopes=None, margs=None, classes=None, packed=None):
+                 slopes=None, margs=None, classes=None, packed=None, dq_acc=None):
     """Launch the preprocess kernel, then the dK/dV and dQ kernels (tensor-core ones where
     :func:`tc_serves`, wgmma ones where also :func:`hopper_bwd_serves`, as in
     :func:`run_forward`). Arrays are (handle, strides) pairs; lse
     has three strides; delta is a handle of a contiguous float32 (B, Hq, Nq) scratch
     buffer ((Hq, total_q) for varlen, whose preprocess runs over the packed rows as one
-    batch entry)."""
+    batch entry). ``dq_acc``: the handle of a float32 (B, Hq, Nq, D) buffer where
+    :func:`fused_backward` holds: the non-deterministic mode, dK/dV and dQ in one pass
+    (:func:`run_fused_backward`)."""
     tc = tiles is None and tc_serves(case, device, q, k, v, do)
     hop = tc and hopper_bwd_serves(case, device)
+    if hop and dq_acc is not None:
+        return run_fused_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk,
+                                  dv, dq_acc)
     pre, pt, dkdv, dkdv_bm, dqk, dq_bm = _plan(
         "backward", case, device, tiles, _fp32_rows_aligned(case, q, k, v, do), tc,
         hopper=hop)
@@ -508,71 +539,18 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
               packed)
 
 
-def no_slopes(buffer):
-    """The slopes argument of a call without ALiBi: a float32 buffer of the call (its
-    variants never read it) with zero strides. The simulator copies each array argument
-    back after the launch, so there it is a buffer of its own, not one the kernel writes."""
-    if SIMULATOR:
-        return np.zeros(1, np.float32), (0, 0)
-    return buffer, (0, 0)
-
-
-def no_mod_args(buffer):
-    """The mod_args arguments of a call without them (:func:`no_slopes`'s buffer)."""
-    return (no_slopes(buffer)[0],) * MAX_ARGS + (0,) * (MAX_ARGS * MAX_DIMS)
-
-
-def no_packed(buffer):
-    """The packed-rows arguments of a dense call (never read)."""
-    h = no_slopes(buffer)[0]
-    return (h, h, h, h, 0, 1, 0, 0, 0, 0, 0)
-
-
-def packed_args(cu_q=None, cu_k=None, seqk=None, table=None, tsb=0, page=1, psp=0,
-                total_q=0, chunk=0, oss=0, lss=0, buffer=None):
-    """The packed-rows arguments (:data:`PACKED_SIG`) of a varlen or KV-cache call: int32
-    handles (``buffer``'s, never read, where a layout has none), the block table's batch
-    stride, the page size and the page stride (paged), the packed query rows (varlen), and
-    split-KV's keys per split and the partials' split strides."""
-    h = no_slopes(buffer)[0]
-    return (h if cu_q is None else cu_q, h if cu_k is None else cu_k,
-            h if seqk is None else seqk, h if table is None else table, tsb, page, psp,
-            total_q, chunk, oss, lss)
-
-
-def no_classes(buffer):
-    """The tile-classes arguments of a call without a mask_mod (never read)."""
-    return (no_slopes(buffer)[0], 0, 0, 0)
-
-
-def mod_args(views) -> tuple:
-    """The mod_args arguments of a call from ``views``, a ``(handle, shape)`` per C-
-    contiguous array: MAX_ARGS handles (the first again past them), then each array's
-    extents padded with 1 to MAX_DIMS (and 1s past the arrays)."""
-    handles = [h for h, _ in views]
-    handles += [handles[0]] * (MAX_ARGS - len(handles))
-    ext = []
-    for _, shape in views:
-        ext += list(shape) + [1] * (MAX_DIMS - len(shape))
-    ext += [1] * (MAX_ARGS * MAX_DIMS - len(ext))
-    return (*handles, *ext)
-
-
-def bhnd(strides, layout):
-    """Strides of a (B, H, N, D) or (B, N, H, D) array, in (B, H, N, D) order."""
-    s0, s1, s2, s3 = strides
-    return (s0, s1, s2, s3) if layout == "bhnd" else (s0, s2, s1, s3)
-
-
-def host_flat(x: np.ndarray):
-    """A flat NumPy view over the memory of ``x`` (simulator launches index it like a
-    pointer) and ``x``'s strides in elements; bf16 is viewed as its uint16 bits."""
-    if x.dtype.name == "bfloat16":
-        x = x.view(np.uint16)
-    item = x.itemsize
-    if any(s < 0 for s in x.strides) or any(s % item for s in x.strides):
-        x = np.ascontiguousarray(x)
-    strides = tuple(s // item for s in x.strides)
-    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, strides)) if x.size else 0
-    flat = np.lib.stride_tricks.as_strided(x, shape=(extent,), strides=(item,))
-    return flat, strides
+def run_fused_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc):
+    """The non-deterministic mode (:func:`fused_backward`): the accumulator ``dq_acc`` (a
+    handle of a float32 (B, Hq, Nq, D) buffer) zeroed, the preprocess, the dkdvq kernel
+    (dK, dV, and dQ's parts added into the accumulator), then dQ = accumulator × scale."""
+    pre, pt, dkdvq, bm, conv, ct = _plan("fused", case, device, None, True, True,
+                                         hopper=True)
+    B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
+    rows = B * Hq * Nq
+    strides = (Hq * Nq * D, Nq * D, D)
+    grid = ((rows * D + ct - 1) // ct, 1)
+    conv(grid, stream, (dq_acc, dq[0], 1, rows, Hq, Nq, *strides, *dq[1], 1.0))
+    pre(((Nq + pt - 1) // pt, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    launch_dkdv(dkdvq, bm, case, stream, q, k, v, do, lse, delta, dk, dv,
+                (dq_acc, strides[:2]), no_mod_args(delta), no_classes(delta))
+    conv(grid, stream, (dq_acc, dq[0], 0, rows, Hq, Nq, *strides, *dq[1], float(case.scale)))

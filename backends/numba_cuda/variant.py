@@ -22,9 +22,10 @@ from . import tilings
 #: kernel -> name of its entry point (and of the launch signature, launch.signature)
 ENTRY = {"forward": "attn_forward", "preprocess": "attn_backward_preprocess",
          "dkdv": "attn_backward_dkdv", "dq": "attn_backward_dq",
+         "dkdvq": "attn_backward_dkdvq", "dqconvert": "attn_backward_dq_convert",
          "merge": "attn_merge_splits", "append": "cache_append"}
 #: Kernels whose ``tiles`` is a thread count: one thread per row or element, no tiling.
-ELEMENTWISE = ("preprocess", "merge", "append")
+ELEMENTWISE = ("preprocess", "merge", "append", "dqconvert")
 #: Row layouts (Variant.packed): a dense batch, packed variable-length sequences, a
 #: contiguous KV cache, a paged KV cache.
 PACKINGS = ("", "varlen", "cache", "paged")
@@ -97,7 +98,7 @@ class Variant:
             raise ValueError(f"family={self.family!r} is not one of {FAMILIES}")
         if self.family == "tensor_core" and self.kernel in ELEMENTWISE:
             raise ValueError(f"the {self.kernel} kernel has no tensor-core form")
-        if self.family == "hopper" and self.kernel not in ("forward", "dkdv", "dq"):
+        if self.family == "hopper" and self.kernel not in ("forward", "dkdv", "dq", "dkdvq"):
             raise ValueError(f"the {self.kernel} kernel has no wgmma (hopper) form")
         if self.packed not in PACKINGS:
             raise ValueError(f"packed={self.packed!r} is not one of {PACKINGS}")

@@ -44,6 +44,7 @@ from numba import cuda, float32, int64, uint16, uint32
 from ..device.constants import DENSE, LOG2E, NEG_INF, PACKING, POS_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
+from ..device.pipeline import named_sync
 from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
     hides,
@@ -54,6 +55,7 @@ from ..device.seams import (
 )
 from ..device.wgmma import (
     acc_to_local,
+    fence_proxy_async,
     opaque,
     smem_address,
     wgmma_fence_acc,
@@ -62,6 +64,7 @@ from ..device.wgmma import (
 )
 from ..tensor_core.fragments import pack, store_frags
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
+from .dq_atomic import add_dq, issue_dqt, store_ds
 from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, publish
 
 
@@ -187,6 +190,22 @@ def grads_row(s, dp, base, dl, NTILES):
             dp[x] = s[x] * (dp[x] - dl)
 
 
+@device_function
+def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq, BM, BN, NTILES, HALVES):
+    """The dkdvq kernel's dQ of one step: ``dSᵀ`` (``dp``) into this warpgroup's dS tile,
+    published to the async proxy and across the warpgroup (named barrier ``1 + wg``), then
+    ``dQᵀ = Kᵀ dSᵀ`` issued (``dq_atomic.issue_dqt``); returns its accumulators."""
+    ds = DS_OFF + wg * BN * LINE
+    store_ds(smem, el + ds // 2, dp, BF16, warp, g, tq, NTILES)
+    fence_proxy_async()
+    if wg == 0:
+        named_sync(1, 128)
+    else:
+        named_sync(2, 128)
+    return issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(BN)),
+                     wgmma_fence_acc(zero_accumulators(BN)), ka, at + ds, BM, BN, HALVES)
+
+
 def _sizes(var, kernel):
     """The compile-time constants both kernels share (the last: dense or varlen rows,
     ``device/seams.sequence``); checks the variant."""
@@ -209,7 +228,11 @@ def _sizes(var, kernel):
 def make_attn_backward_dkdv_wgmma(var):
     """dK, dV of variant ``var`` (family "hopper", kernel "dkdv"): a key tile of
     ``64 * warpgroups`` keys per block, query steps of ``block_n``
-    (:class:`tilings.HopperTiles`)."""
+    (:class:`tilings.HopperTiles`). Kernel "dkdvq" (the non-deterministic mode): and each
+    step's part of dQ, added into a float32 accumulator (``hopper/dq_atomic.py``), which
+    the launch passes where ALiBi kernels take their slopes (``slopes``, ``ssb``, ``ssh``:
+    the accumulator and its batch and head strides; rows of ``D`` elements): the wgmma
+    backward serves no ALiBi."""
     # (head dim, keys per block, queries per step, threads, 16-byte chunks per row,
     # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles, output n-tiles,
     # packed registers of Pᵀ)
@@ -227,6 +250,9 @@ def make_attn_backward_dkdv_wgmma(var):
     # (without it, within the step: fewer registers held). At D=128 dK and dV hold 128 of
     # them: steps of 32 queries fit (223 registers), steps of 64 spill (124 bytes)
     PRELOAD = NO + NS <= 80
+    DQ = var.kernel == "dkdvq"  # (compile-time) dQ's part of each step too
+    DS_OFF = DO_OFF + 2 * TILE  # (DQ) each warpgroup's dSᵀ tile: BN lines of 64 keys
+    HALVES = D // 64
 
     def attn_backward_dkdv_wgmma(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                                  causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -356,6 +382,9 @@ def make_attn_backward_dkdv_wgmma(var):
                         tq)
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
+                if DQ:  # (compile-time)
+                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq,
+                                       BM, BN, NTILES, HALVES)
             else:  # (fewer registers held: the fp32 tiles die as they are packed)
                 sacc = wgmma_wait_group_acc(0, sacc)  # Sᵀ and dPᵀ
                 pacc = wgmma_wait_group_acc(0, pacc)
@@ -371,8 +400,20 @@ def make_attn_backward_dkdv_wgmma(var):
                                   NTILES, tq)
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
+                if DQ:  # (compile-time)
+                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq,
+                                       BM, BN, NTILES, HALVES)
             dka = wgmma_wait_group_acc(0, dka)
             dva = wgmma_wait_group_acc(0, dva)
+            if DQ:  # (compile-time) this step's dQ rows, added into the accumulator
+                qa0 = wgmma_wait_group_acc(0, qa0)
+                abase = b * ssb + h * ssh + q_row0 * D
+                acc_to_local(qa0, s)
+                add_dq(s, 0, slopes, abase, D, mq, Nq, warp, g, tq, NTILES)
+                if HALVES == 2:
+                    qa1 = wgmma_wait_group_acc(0, qa1)
+                    acc_to_local(qa1, s)
+                    add_dq(s, 1, slopes, abase, D, mq, Nq, warp, g, tq, NTILES)
             gi, mq = gn, mn
         cp_async_wait(0)
 

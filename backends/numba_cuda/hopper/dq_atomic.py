@@ -1,0 +1,94 @@
+"""The steps that fold dQ into the wgmma dK/dV kernel (``kernel`` "dkdvq", the backward's
+non-deterministic mode): per query step, after ``dSᵀ`` (keys as rows, this warpgroup's
+64 keys) is computed for ``dK += dSᵀ Q``,
+
+- :func:`store_ds`: ``dSᵀ``, rounded to the input dtype, into a shared tile of the step's
+  queries as rows and the warpgroup's keys as columns (K-major, the 128-byte swizzle of
+  ``forward.load_tile``'s tiles), so that it is the Bᵀ operand of the next product;
+- :func:`issue_dqt`: ``dQᵀ = Kᵀ dSᵀ`` (``D / 64`` wgmma chains of m64nBNk16 over the 64
+  keys, A = Kᵀ read MN-major, ``trans_a``, straight from the resident K tile);
+- :func:`add_dq`: this thread's part of ``dQᵀ`` added into a float32 accumulator in
+  global memory by ``red.global.add.f32`` (no return: the thread does not wait), which a
+  last kernel scales and converts to dQ (``simt/convert.py``).
+
+The adds of different key blocks into one element land in any order, so dQ may differ in
+its last bits from run to run (dK and dV do not: each is summed by one thread in a fixed
+order). What it saves is the dQ kernel's recomputation of ``S`` and ``dP``: 5 matrix
+products per step pair instead of 7.
+"""
+from __future__ import annotations
+
+from numba import float32, uint16, uint64
+
+from ..device.convert import device_function
+from ..device.intrinsics import red_add_f32
+from ..device.wgmma import (
+    SWIZZLE_128B,
+    smem_descriptor,
+    wgmma_commit_group,
+    wgmma_ss_bf16,
+    wgmma_ss_f16,
+)
+from ..tensor_core.fragments import pack
+from .forward import LINE, PATTERN, k_start
+
+
+@device_function
+def store_ds(smem, e0, dp, BF16, warp, g, tq, NTILES):
+    """``dSᵀ`` (``dp``, fp32 in wgmma's accumulator order: ``dp[4 jn + 2 r + e]`` is key
+    ``16 warp + g + 8 r`` of the warpgroup, query ``8 jn + 2 tq + e`` of the step) rounded
+    and stored at element (query, key) of the ``8 NTILES``-row tile at element ``e0``: line
+    = query, 16-byte chunk ``key // 8`` swizzled by the line (``chunk ^ (line % 8)``)."""
+    for jn in range(NTILES):
+        for e in range(2):
+            row = 8 * jn + 2 * tq + e
+            for r in range(2):
+                chunk = (2 * warp + r) ^ (row & 7)
+                bits = pack(BF16, dp[4 * jn + 2 * r + e], float32(0.0))
+                smem[e0 + row * 64 + chunk * 8 + g] = uint16(bits & 0xFFFF)
+
+
+@device_function
+def dqt_step(BF16, acc, da, db, scale_d):
+    """One k-step of ``dQᵀ = Kᵀ dSᵀ``: A (Kᵀ) M-major, Bᵀ (the dS tile) K-major."""
+    if BF16:
+        return wgmma_ss_bf16(acc, da, db, scale_d, 1, 0)
+    return wgmma_ss_f16(acc, da, db, scale_d, 1, 0)
+
+
+@device_function
+def issue_dqt(BF16, acc0, acc1, ka, dsa, BM, BN, HALVES):
+    """Issue ``dQᵀ = Kᵀ dSᵀ`` as one commit group: ``HALVES`` (``D / 64``: 1 or 2) chains of
+    4 k-steps (the warpgroup's 64 keys), rows ``64 h ..`` of dQᵀ (head dims) into ``acc0``
+    and ``acc1``. ``ka``: shared address of the warpgroup's first key row in the K tile
+    (``BM`` lines per 64-column block, MN-major as A); ``dsa``: the dS tile (``BN`` lines).
+    ``acc1`` is returned as it came when ``HALVES`` is 1."""
+    db0 = smem_descriptor(dsa, 16, PATTERN, SWIZZLE_128B)
+    da0 = smem_descriptor(ka, BM * LINE, PATTERN, SWIZZLE_128B)
+    for kk in range(4):
+        # 16 keys down in K (16 lines: LINE in the descriptor's 16-byte units); 16 columns
+        # along the dS tile's lines
+        db = db0 + uint64(k_start(kk, BN) >> 4)
+        acc0 = dqt_step(BF16, acc0, da0 + uint64(kk * LINE), db, kk)
+    if HALVES == 2:
+        da1 = da0 + uint64(BM * LINE >> 4)  # the next 64 head dims: the next block of K
+        for kk in range(4):
+            db = db0 + uint64(k_start(kk, BN) >> 4)
+            acc1 = dqt_step(BF16, acc1, da1 + uint64(kk * LINE), db, kk)
+    wgmma_commit_group()
+    return acc0, acc1
+
+
+@device_function
+def add_dq(acc, half, dqa, abase, asn, m, Nq, warp, g, tq, NTILES):
+    """This thread's elements of rows ``64 half ..`` of ``dQᵀ`` (``acc``, a local array in
+    accumulator order: register ``4 jn + 2 r + e`` is head dim ``64 half + 16 warp + g + 8
+    r``, query ``m + 8 jn + 2 tq + e``) added into ``dqa[abase + query * asn + dim]``;
+    queries past ``Nq`` are left out."""
+    for jn in range(NTILES):
+        for e in range(2):
+            i = m + 8 * jn + 2 * tq + e
+            if i < Nq:
+                for r in range(2):
+                    d = 64 * half + 16 * warp + g + 8 * r
+                    red_add_f32(dqa, abase + i * asn + d, acc[4 * jn + 2 * r + e])
