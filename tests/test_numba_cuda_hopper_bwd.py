@@ -305,7 +305,7 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     n_ss, n_rs = 2 * head_dim // 16, (1 if kernel == "dq" else 2) * bn // 16
     if kernel == "dkdvq":  # dQᵀ = Kᵀ dSᵀ: 4 k-steps per 64 head dims, K read M-major
         n_ss += 4 * head_dim // 64
-        assert ptx.count("red.global.add.f32") > 0
+        assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert len(mma) == n_ss + n_rs, f"{len(mma)} wgmma (loops left rolled?)"
     kind = "bf16" if dtype == "bfloat16" else "f16"

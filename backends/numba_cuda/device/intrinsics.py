@@ -57,7 +57,6 @@ __all__ = [
     "mma_f16",
     "pack_bf16x2",
     "pack_f16x2",
-    "red_add_f32",
     "shfl_xor_f32",
     "warp_uniform",
     "tanh_approx",
@@ -278,13 +277,6 @@ if SIMULATOR:
             gidx = int(gidx)
             smem[sidx:sidx + m] = src[gidx:gidx + m].view(smem.dtype)
 
-    _red_lock = threading.Lock()
-
-    def red_add_f32(dst, idx, val):
-        """``dst[idx] += val`` atomically (``red.global.add.f32`` on the GPU)."""
-        with _red_lock:
-            dst[int(idx)] += np.float32(val)
-
     def cp_async_commit():
         """Close the current group of cp.async copies (a no-op in the simulator)."""
 
@@ -452,24 +444,6 @@ else:
         return cp_async
 
     cp_async16 = _cp_async_intrinsic(16, "cg")
-
-    @intrinsic
-    def red_add_f32(typingctx, dst, idx, val):
-        """``dst[idx] += val`` (fp32, global memory) as one ``red.global.add.f32``: an
-        atomic add that returns nothing, so the thread does not wait for it. ``dst`` is a
-        raw float32 pointer."""
-        if not isinstance(dst, types.CPointer) or val != types.float32:
-            return None
-        sig = types.void(dst, idx, val)
-
-        def codegen(context, builder, sig, args):
-            d, i, x = args
-            _asm(builder, ir.VoidType(), [_generic_u64(builder, d, i), x],
-                 "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; red.global.add.f32 [ga], $1; }",
-                 "l,f,~{memory}")
-            return context.get_dummy_value()
-
-        return sig, codegen
 
     @intrinsic
     def cp_async_commit(typingctx):

@@ -41,6 +41,7 @@ import math
 
 from numba import cuda, float32, int64, uint16, uint32
 
+from ..device.bulk import bulk_wait, bulk_wait_read
 from ..device.constants import DENSE, LOG2E, NEG_INF, PACKING, POS_INF, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
@@ -64,7 +65,7 @@ from ..device.wgmma import (
 )
 from ..tensor_core.fragments import pack, store_frags
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
-from .dq_atomic import add_dq, issue_dqt, store_ds
+from .dq_atomic import ROW_PAD, issue_dqt, reduce_dq, stage_dq, store_ds
 from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, publish
 
 
@@ -191,17 +192,27 @@ def grads_row(s, dp, base, dl, NTILES):
 
 
 @device_function
-def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq, BM, BN, NTILES, HALVES):
-    """The dkdvq kernel's dQ of one step: ``dSᵀ`` (``dp``) into this warpgroup's dS tile,
-    published to the async proxy and across the warpgroup (named barrier ``1 + wg``), then
-    ``dQᵀ = Kᵀ dSᵀ`` issued (``dq_atomic.issue_dqt``); returns its accumulators."""
-    ds = DS_OFF + wg * BN * LINE
-    store_ds(smem, el + ds // 2, dp, BF16, warp, g, tq, NTILES)
-    fence_proxy_async()
+def wg_sync(wg):
+    """The barrier of this warpgroup's 128 threads alone (named barrier ``1 + wg``)."""
     if wg == 0:
         named_sync(1, 128)
     else:
         named_sync(2, 128)
+
+
+@device_function
+def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq, BM, BN, NTILES, HALVES):
+    """The dkdvq kernel's dQ of one step: ``dSᵀ`` (``dp``) into this warpgroup's dS tile,
+    published to the async proxy and across the warpgroup (the barrier also tells it that
+    the staging buffer of two steps ago is free: its first warp waited for the reductions
+    that read it), then ``dQᵀ = Kᵀ dSᵀ`` issued (``dq_atomic.issue_dqt``); returns its
+    accumulators."""
+    ds = DS_OFF + wg * BN * LINE
+    store_ds(smem, el + ds // 2, dp, BF16, warp, g, tq, NTILES)
+    fence_proxy_async()
+    if warp == 0:
+        bulk_wait_read(1)
+    wg_sync(wg)
     return issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(BN)),
                      wgmma_fence_acc(zero_accumulators(BN)), ka, at + ds, BM, BN, HALVES)
 
@@ -253,6 +264,8 @@ def make_attn_backward_dkdv_wgmma(var):
     DQ = var.kernel == "dkdvq"  # (compile-time) dQ's part of each step too
     DS_OFF = DO_OFF + 2 * TILE  # (DQ) each warpgroup's dSᵀ tile: BN lines of 64 keys
     HALVES = D // 64
+    STAGE = BN * (D + ROW_PAD) * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
+    DQ_OFF = DS_OFF + (BM // 64) * BN * LINE
 
     def attn_backward_dkdv_wgmma(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                                  causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -405,17 +418,24 @@ def make_attn_backward_dkdv_wgmma(var):
                                        BM, BN, NTILES, HALVES)
             dka = wgmma_wait_group_acc(0, dka)
             dva = wgmma_wait_group_acc(0, dva)
-            if DQ:  # (compile-time) this step's dQ rows, added into the accumulator
+            if DQ:  # (compile-time) this step's dQ rows, staged, then bulk-added
+                stage = el + (DQ_OFF + (2 * wg + (it & 1)) * STAGE) // 2
                 qa0 = wgmma_wait_group_acc(0, qa0)
-                abase = b * ssb + h * ssh + q_row0 * D
                 acc_to_local(qa0, s)
-                add_dq(s, 0, slopes, abase, D, mq, Nq, warp, g, tq, NTILES)
+                stage_dq(smem, stage, s, 0, D, warp, g, tq, NTILES)
                 if HALVES == 2:
                     qa1 = wgmma_wait_group_acc(0, qa1)
                     acc_to_local(qa1, s)
-                    add_dq(s, 1, slopes, abase, D, mq, Nq, warp, g, tq, NTILES)
+                    stage_dq(smem, stage, s, 1, D, warp, g, tq, NTILES)
+                fence_proxy_async()
+                wg_sync(wg)
+                if warp == 0:
+                    reduce_dq(smem, stage, slopes, b * ssb + h * ssh + (q_row0 + mq) * D, D,
+                              Nq - mq, lane, BN)
             gi, mq = gn, mn
         cp_async_wait(0)
+        if DQ and warp == 0:  # (compile-time first) the reductions done before the exit
+            bulk_wait(0)
 
         out = cuda.local.array(NO, float32)
         sc = float32(scale)

@@ -7,9 +7,13 @@ non-deterministic mode): per query step, after ``dSᵀ`` (keys as rows, this war
   ``forward.load_tile``'s tiles), so that it is the Bᵀ operand of the next product;
 - :func:`issue_dqt`: ``dQᵀ = Kᵀ dSᵀ`` (``D / 64`` wgmma chains of m64nBNk16 over the 64
   keys, A = Kᵀ read MN-major, ``trans_a``, straight from the resident K tile);
-- :func:`add_dq`: this thread's part of ``dQᵀ`` added into a float32 accumulator in
-  global memory by ``red.global.add.f32`` (no return: the thread does not wait), which a
-  last kernel scales and converts to dQ (``simt/convert.py``).
+- :func:`stage_dq`: this thread's part of ``dQᵀ`` stored transposed, as dQ's rows (of
+  ``D + 4`` floats: the 4 lanes that share a head dim hit 4 banks, not one), into one of
+  two staging buffers per warpgroup; :func:`reduce_dq`: lane ``r`` of the warpgroup's
+  first warp adds row ``r`` into a float32 accumulator in global memory with one bulk
+  asynchronous reduction (``device/bulk.py``: the copy engine adds, the thread goes on),
+  which a last kernel scales and converts to dQ (``simt/dq_convert.py``). A buffer is
+  written again two steps later, once its reductions have read it (``bulk_wait_read``).
 
 The adds of different key blocks into one element land in any order, so dQ may differ in
 its last bits from run to run (dK and dV do not: each is summed by one thread in a fixed
@@ -20,8 +24,8 @@ from __future__ import annotations
 
 from numba import float32, uint16, uint64
 
+from ..device.bulk import bulk_commit, bulk_reduce_add_f32, st_shared_f32
 from ..device.convert import device_function
-from ..device.intrinsics import red_add_f32
 from ..device.wgmma import (
     SWIZZLE_128B,
     smem_descriptor,
@@ -79,16 +83,29 @@ def issue_dqt(BF16, acc0, acc1, ka, dsa, BM, BN, HALVES):
     return acc0, acc1
 
 
+#: Floats of a staged dQ row beyond the head dim (bank spread; rows stay 16-byte aligned).
+ROW_PAD = 4
+
+
 @device_function
-def add_dq(acc, half, dqa, abase, asn, m, Nq, warp, g, tq, NTILES):
+def stage_dq(smem, e0, acc, half, D, warp, g, tq, NTILES):
     """This thread's elements of rows ``64 half ..`` of ``dQᵀ`` (``acc``, a local array in
     accumulator order: register ``4 jn + 2 r + e`` is head dim ``64 half + 16 warp + g + 8
-    r``, query ``m + 8 jn + 2 tq + e``) added into ``dqa[abase + query * asn + dim]``;
-    queries past ``Nq`` are left out."""
+    r``, query ``8 jn + 2 tq + e`` of the step) stored at float ``query (D + ROW_PAD) + dim``
+    of the staging buffer at 16-bit element ``e0``."""
     for jn in range(NTILES):
         for e in range(2):
-            i = m + 8 * jn + 2 * tq + e
-            if i < Nq:
-                for r in range(2):
-                    d = 64 * half + 16 * warp + g + 8 * r
-                    red_add_f32(dqa, abase + i * asn + d, acc[4 * jn + 2 * r + e])
+            row = (8 * jn + 2 * tq + e) * (D + ROW_PAD)
+            for r in range(2):
+                d = 64 * half + 16 * warp + g + 8 * r
+                st_shared_f32(smem, e0 + 2 * (row + d), acc[4 * jn + 2 * r + e])
+
+
+@device_function
+def reduce_dq(smem, e0, dqa, abase, D, nrows, lane, BN):
+    """Lane ``lane`` of the warpgroup's first warp: the staged rows ``lane``, ``lane + 32``,
+    ... below ``nrows`` added into ``dqa[abase + row D:]`` (bulk reductions, one group)."""
+    for r in range(lane, BN, 32):
+        if r < nrows:
+            bulk_reduce_add_f32(dqa, abase + r * D, smem, e0 + 2 * r * (D + ROW_PAD), 4 * D)
+    bulk_commit()
