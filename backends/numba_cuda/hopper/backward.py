@@ -65,7 +65,7 @@ from ..device.wgmma import (
 )
 from ..tensor_core.fragments import pack, store_frags
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
-from .dq_atomic import ROW_PAD, issue_dqt, reduce_dq, stage_dq, store_ds
+from .dq_atomic import issue_dqt, reduce_dq, stage_dq, store_ds
 from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, publish
 
 
@@ -201,7 +201,8 @@ def wg_sync(wg):
 
 
 @device_function
-def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq, BM, BN, NTILES, HALVES):
+def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g, tq, BM, BN, NTILES,
+            HALVES):
     """The dkdvq kernel's dQ of one step: ``dSᵀ`` (``dp``) into this warpgroup's dS tile,
     published to the async proxy and across the warpgroup (the barrier also tells it that
     the staging buffer of two steps ago is free: its first warp waited for the reductions
@@ -210,7 +211,7 @@ def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq, BM, BN, NTILES,
     ds = DS_OFF + wg * BN * LINE
     store_ds(smem, el + ds // 2, dp, BF16, warp, g, tq, NTILES)
     fence_proxy_async()
-    if warp == 0:
+    if warp == 0 and lane == 0:
         bulk_wait_read(1)
     wg_sync(wg)
     return issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(BN)),
@@ -264,7 +265,7 @@ def make_attn_backward_dkdv_wgmma(var):
     DQ = var.kernel == "dkdvq"  # (compile-time) dQ's part of each step too
     DS_OFF = DO_OFF + 2 * TILE  # (DQ) each warpgroup's dSᵀ tile: BN lines of 64 keys
     HALVES = D // 64
-    STAGE = BN * (D + ROW_PAD) * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
+    STAGE = BN * D * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
     DQ_OFF = DS_OFF + (BM // 64) * BN * LINE
 
     def attn_backward_dkdv_wgmma(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
@@ -396,8 +397,8 @@ def make_attn_backward_dkdv_wgmma(var):
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
-                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq,
-                                       BM, BN, NTILES, HALVES)
+                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
+                                       tq, BM, BN, NTILES, HALVES)
             else:  # (fewer registers held: the fp32 tiles die as they are packed)
                 sacc = wgmma_wait_group_acc(0, sacc)  # Sᵀ and dPᵀ
                 pacc = wgmma_wait_group_acc(0, pacc)
@@ -414,8 +415,8 @@ def make_attn_backward_dkdv_wgmma(var):
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
-                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, g, tq,
-                                       BM, BN, NTILES, HALVES)
+                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
+                                       tq, BM, BN, NTILES, HALVES)
             dka = wgmma_wait_group_acc(0, dka)
             dva = wgmma_wait_group_acc(0, dva)
             if DQ:  # (compile-time) this step's dQ rows, staged, then bulk-added
@@ -429,12 +430,12 @@ def make_attn_backward_dkdv_wgmma(var):
                     stage_dq(smem, stage, s, 1, D, warp, g, tq, NTILES)
                 fence_proxy_async()
                 wg_sync(wg)
-                if warp == 0:
+                if warp == 0 and lane == 0:
                     reduce_dq(smem, stage, slopes, b * ssb + h * ssh + (q_row0 + mq) * D, D,
-                              Nq - mq, lane, BN)
+                              Nq - mq, BN)
             gi, mq = gn, mn
         cp_async_wait(0)
-        if DQ and warp == 0:  # (compile-time first) the reductions done before the exit
+        if DQ and warp == 0 and lane == 0:  # (compile-time first) the reductions done
             bulk_wait(0)
 
         out = cuda.local.array(NO, float32)

@@ -7,13 +7,15 @@ non-deterministic mode): per query step, after ``dSᵀ`` (keys as rows, this war
   ``forward.load_tile``'s tiles), so that it is the Bᵀ operand of the next product;
 - :func:`issue_dqt`: ``dQᵀ = Kᵀ dSᵀ`` (``D / 64`` wgmma chains of m64nBNk16 over the 64
   keys, A = Kᵀ read MN-major, ``trans_a``, straight from the resident K tile);
-- :func:`stage_dq`: this thread's part of ``dQᵀ`` stored transposed, as dQ's rows (of
-  ``D + 4`` floats: the 4 lanes that share a head dim hit 4 banks, not one), into one of
-  two staging buffers per warpgroup; :func:`reduce_dq`: lane ``r`` of the warpgroup's
-  first warp adds row ``r`` into a float32 accumulator in global memory with one bulk
+- :func:`stage_dq`: this thread's part of ``dQᵀ`` stored transposed, as dQ's rows, into
+  one of two staging buffers per warpgroup, each row rotated by 4 floats per row (head
+  dim ``d`` of row ``i`` at ``(d + 4 i) mod D``: the 32 lanes of a store hit 32 banks, and
+  the buffer stays one contiguous block); :func:`reduce_dq`: one thread adds the block's
+  rows into a float32 accumulator in global memory, rotated the same way, with one bulk
   asynchronous reduction (``device/bulk.py``: the copy engine adds, the thread goes on),
-  which a last kernel scales and converts to dQ (``simt/dq_convert.py``). A buffer is
-  written again two steps later, once its reductions have read it (``bulk_wait_read``).
+  and a last kernel un-rotates, scales and converts it to dQ (``simt/dq_convert.py``). A
+  buffer is written again two steps later, once its reduction has read it
+  (``bulk_wait_read``).
 
 The adds of different key blocks into one element land in any order, so dQ may differ in
 its last bits from run to run (dK and dV do not: each is summed by one thread in a fixed
@@ -83,29 +85,23 @@ def issue_dqt(BF16, acc0, acc1, ka, dsa, BM, BN, HALVES):
     return acc0, acc1
 
 
-#: Floats of a staged dQ row beyond the head dim (bank spread; rows stay 16-byte aligned).
-ROW_PAD = 4
-
-
 @device_function
 def stage_dq(smem, e0, acc, half, D, warp, g, tq, NTILES):
     """This thread's elements of rows ``64 half ..`` of ``dQᵀ`` (``acc``, a local array in
     accumulator order: register ``4 jn + 2 r + e`` is head dim ``64 half + 16 warp + g + 8
-    r``, query ``8 jn + 2 tq + e`` of the step) stored at float ``query (D + ROW_PAD) + dim``
-    of the staging buffer at 16-bit element ``e0``."""
+    r``, query ``8 jn + 2 tq + e`` of the step) stored at float ``query D + (dim + 4 query)
+    mod D`` of the staging buffer at 16-bit element ``e0`` (``D`` a power of two)."""
     for jn in range(NTILES):
         for e in range(2):
-            row = (8 * jn + 2 * tq + e) * (D + ROW_PAD)
+            i = 8 * jn + 2 * tq + e
             for r in range(2):
-                d = 64 * half + 16 * warp + g + 8 * r
-                st_shared_f32(smem, e0 + 2 * (row + d), acc[4 * jn + 2 * r + e])
+                d = (64 * half + 16 * warp + g + 8 * r + 4 * i) & (D - 1)
+                st_shared_f32(smem, e0 + 2 * (i * D + d), acc[4 * jn + 2 * r + e])
 
 
 @device_function
-def reduce_dq(smem, e0, dqa, abase, D, nrows, lane, BN):
-    """Lane ``lane`` of the warpgroup's first warp: the staged rows ``lane``, ``lane + 32``,
-    ... below ``nrows`` added into ``dqa[abase + row D:]`` (bulk reductions, one group)."""
-    for r in range(lane, BN, 32):
-        if r < nrows:
-            bulk_reduce_add_f32(dqa, abase + r * D, smem, e0 + 2 * r * (D + ROW_PAD), 4 * D)
+def reduce_dq(smem, e0, dqa, abase, D, nrows, BN):
+    """The staged rows below ``nrows`` (at most ``BN``) added into ``dqa[abase:]`` by one
+    bulk reduction (one group): by one thread."""
+    bulk_reduce_add_f32(dqa, abase, smem, e0, 4 * D * min(nrows, BN))
     bulk_commit()

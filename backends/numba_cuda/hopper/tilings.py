@@ -169,9 +169,8 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     if kernel == "forward":
         return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
                 + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
-    # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows (D + 4 floats)
-    ds = (t.warpgroups * t.block_n * (128 + 8 * (head_dim + 4)) if kernel == "dkdvq"
-          else 0)
+    # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
+    ds = t.warpgroups * t.block_n * (128 + 8 * head_dim) if kernel == "dkdvq" else 0
     return HOPPER_ALIGN + (2 * t.block_m + 4 * t.block_n) * head_dim * 2 + ds
 
 

@@ -12,8 +12,9 @@ from ..device.convert import store_f32
 def make_dq_convert(v):
     """Variant ``v`` (head dim, output dtype; ``v.tiles`` threads per block): over ``rows``
     = B Hq Nq rows of ``D`` elements, the accumulator's element of (b, h, i, d) at
-    ``b asb + h ash + i asn + d``; ``zero`` 1: set it to 0; 0: write it times ``scale`` to
-    ``dq`` (strides in (B, H, N, D) order)."""
+    ``b asb + h ash + i asn + (d + 4 i) mod D`` (rows rotated as ``hopper/dq_atomic.py``
+    stages them; ``D`` a power of two); ``zero`` 1: set it to 0; 0: write it times
+    ``scale`` to ``dq`` (strides in (B, H, N, D) order)."""
     D = v.head_dim
     NT = v.tiles
 
@@ -28,7 +29,7 @@ def make_dq_convert(v):
         rest = r - b * Hq * Nq
         h = rest // Nq
         i = rest - h * Nq
-        a = b * asb + h * ash + i * asn + d
+        a = b * asb + h * ash + i * asn + ((d + 4 * i) & (D - 1))
         if zero:
             acc[a] = float32(0.0)
         else:
