@@ -218,24 +218,6 @@ def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g, tq, BM, BN, N
                      wgmma_fence_acc(zero_accumulators(BN)), ka, at + ds, BM, BN, HALVES)
 
 
-@device_function
-def publish_dq(smem, stage, s, qa0, qa1, dqa, abase, D, nrows, wg, warp, lane, g, tq, BN,
-               NTILES, HALVES):
-    """A step's dQᵀ (``qa0``, ``qa1``, waited for) staged as dQ rows (``stage``: 16-bit
-    element of this warpgroup's buffer), published to the async proxy and across the
-    warpgroup, then added into ``dqa[abase:]`` by one bulk reduction of the first
-    ``nrows`` rows (lane 0 of the first warp). ``s``: a local array of ``BN / 2``."""
-    acc_to_local(qa0, s)
-    stage_dq(smem, stage, s, 0, D, warp, g, tq, NTILES)
-    if HALVES == 2:
-        acc_to_local(qa1, s)
-        stage_dq(smem, stage, s, 1, D, warp, g, tq, NTILES)
-    fence_proxy_async()
-    wg_sync(wg)
-    if warp == 0 and lane == 0:
-        reduce_dq(smem, stage, dqa, abase, D, nrows, BN)
-
-
 def _sizes(var, kernel):
     """The compile-time constants both kernels share (the last: dense or varlen rows,
     ``device/seams.sequence``); checks the variant."""
@@ -356,8 +338,6 @@ def make_attn_backward_dkdv_wgmma(var):
         # head's); kept by counting, not by dividing it by per_head at run time
         gi = 0
         mq = m_begin
-        ph, pm = 0, 0  # (DQ) the previous step's head and rows: its dQ is added a step late
-        qa0 = qa1 = zero_accumulators(BN)  # (DQ: dQᵀ of the previous step)
         if PRELOAD and n_steps > 0:  # step 0's column statistics (later: a step ahead)
             column_reads(lsa, dla, lse, delta, lb0 + hk * group * lsh, lsn,
                          sb0 + hk * group * sstep, m_begin, Nq, NTILES, tq)
@@ -387,12 +367,6 @@ def make_attn_backward_dkdv_wgmma(var):
                             KSTEPS, BM, BN)
             pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(va), gb,
                             KSTEPS, BM, BN)
-            if DQ and it > 0:  # (compile-time first) the previous step's dQ, under Sᵀ, dPᵀ
-                qa0 = wgmma_wait_group_acc(2, qa0)
-                qa1 = wgmma_wait_group_acc(2, qa1)
-                publish_dq(smem, el + (DQ_OFF + (2 * wg + ((it - 1) & 1)) * STAGE) // 2, s,
-                           qa0, qa1, slopes, b * ssb + ph * ssh + (q_row0 + pm) * D, D,
-                           Nq - pm, wg, warp, lane, g, tq, BN, NTILES, HALVES)
             lbase = lb0 + h * lsh
             dbase = sb0 + h * sstep
             if PRELOAD:  # (compile-time) this step's statistics, read a step ago; the
@@ -443,21 +417,24 @@ def make_attn_backward_dkdv_wgmma(var):
                 if DQ:  # (compile-time)
                     qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
                                        tq, BM, BN, NTILES, HALVES)
-            if DQ:  # (compile-time) dV and dK done; dQᵀ may still run (waited next step)
-                dka = wgmma_wait_group_acc(1, dka)
-                dva = wgmma_wait_group_acc(1, dva)
-            else:
-                dka = wgmma_wait_group_acc(0, dka)
-                dva = wgmma_wait_group_acc(0, dva)
-            ph, pm = h, mq
+            dka = wgmma_wait_group_acc(0, dka)
+            dva = wgmma_wait_group_acc(0, dva)
+            if DQ:  # (compile-time) this step's dQ rows, staged, then bulk-added
+                stage = el + (DQ_OFF + (2 * wg + (it & 1)) * STAGE) // 2
+                qa0 = wgmma_wait_group_acc(0, qa0)
+                acc_to_local(qa0, s)
+                stage_dq(smem, stage, s, 0, D, warp, g, tq, NTILES)
+                if HALVES == 2:
+                    qa1 = wgmma_wait_group_acc(0, qa1)
+                    acc_to_local(qa1, s)
+                    stage_dq(smem, stage, s, 1, D, warp, g, tq, NTILES)
+                fence_proxy_async()
+                wg_sync(wg)
+                if warp == 0 and lane == 0:
+                    reduce_dq(smem, stage, slopes, b * ssb + h * ssh + (q_row0 + mq) * D, D,
+                              Nq - mq, BN)
             gi, mq = gn, mn
         cp_async_wait(0)
-        if DQ and n_steps > 0:  # (compile-time first) the last step's dQ
-            qa0 = wgmma_wait_group_acc(0, qa0)
-            qa1 = wgmma_wait_group_acc(0, qa1)
-            publish_dq(smem, el + (DQ_OFF + (2 * wg + ((n_steps - 1) & 1)) * STAGE) // 2, s,
-                       qa0, qa1, slopes, b * ssb + ph * ssh + (q_row0 + pm) * D, D, Nq - pm,
-                       wg, warp, lane, g, tq, BN, NTILES, HALVES)
         if DQ and warp == 0 and lane == 0:  # (compile-time first) the reductions done
             bulk_wait(0)
 
