@@ -35,6 +35,13 @@ def split_heads(bh, heads, group):
 
 
 @device_function
+def lse_log2(lv):
+    """A row's stored lse in the log2 domain of ``P = exp2(S · scale · log2 e − lse ·
+    log2 e)``: +inf for a row that sees no key (lse −inf), so that its P is 0."""
+    return POS_INF if lv == NEG_INF else lv * float32(LOG2E)
+
+
+@device_function
 def query_stats(lse, delta, lidx, didx, valid):
     """``(lse · log2 e, delta)`` of one query row, as both backward passes use them in
     ``P = exp2(S · scale · log2 e − lse · log2 e)`` and ``dS = P (dP − delta)``: a row that
@@ -43,8 +50,6 @@ def query_stats(lse, delta, lidx, didx, valid):
     ls = POS_INF
     dl = float32(0.0)
     if valid:
-        lv = lse[lidx]
-        if lv != NEG_INF:
-            ls = lv * float32(LOG2E)
+        ls = lse_log2(lse[lidx])
         dl = delta[didx]
     return ls, dl

@@ -42,11 +42,11 @@ import math
 from numba import cuda, float32, int64, uint16, uint32
 
 from ..device.bulk import bulk_wait, bulk_wait_read
-from ..device.constants import DENSE, LOG2E, NEG_INF, PACKING, POS_INF, SMEM_ALIGN
+from ..device.constants import DENSE, LOG2E, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
 from ..device.pipeline import named_sync
-from ..device.prologue import block_tile, query_stats, split_heads
+from ..device.prologue import block_tile, lse_log2, query_stats, split_heads
 from ..device.seams import (
     hides,
     key_range,
@@ -93,8 +93,7 @@ def stats_of_reads(ls, dl, la, da, NP):
     """The step's column statistics from what :func:`column_reads` read: lse in the log2
     domain, +inf where it is -inf (a row that sees no key, or one past the end: P = 0)."""
     for x in range(NP):
-        lv = la[x]
-        ls[x] = POS_INF if lv == NEG_INF else lv * float32(LOG2E)
+        ls[x] = lse_log2(la[x])
         dl[x] = da[x]
 
 
@@ -346,13 +345,13 @@ def make_attn_backward_dkdv_wgmma(var):
             gn, mn = gi, mq + BN  # the next step's head and rows
             if mn >= Nq:
                 gn, mn = gi + 1, m_begin
+            hn = hk * group + gn
             buf = (it & 1) * TILE
             cp_async_wait(0)  # Q, dO of step it (K and V with the first)
             publish()
             # Every warpgroup has waited for its wgmmas of step it-1: its buffers take
             # step it+1.
             if it + 1 < n_steps:
-                hn = hk * group + gn
                 nb = (TILE - buf) // 2
                 load_tile(smem, el + Q_OFF // 2 + nb, q, qb0 + hn * qsh, mn, Nq, qsn, BN, CH,
                           tid, NT)
@@ -374,7 +373,6 @@ def make_attn_backward_dkdv_wgmma(var):
                 # reads within the step left 23% of the warps' samples on their latency)
                 stats_of_reads(ls, dl, lsa, dla, NP)
                 if it + 1 < n_steps:
-                    hn = hk * group + gn
                     column_reads(lsa, dla, lse, delta, lb0 + hn * lsh, lsn, sb0 + hn * sstep,
                                  mn, Nq, NTILES, tq)
             mask = CAUSAL and mq < m_full  # a step across the diagonal
