@@ -73,6 +73,8 @@ def _candidates():
 def on_host(monkeypatch):
     """The helpers the elementwise step calls, as plain Python."""
     monkeypatch.setattr(hb, "query_stats", prologue.query_stats.py_func)
+    monkeypatch.setattr(hb, "lse_log2", prologue.lse_log2.py_func)
+    monkeypatch.setattr(prologue, "lse_log2", prologue.lse_log2.py_func)
     monkeypatch.setattr(hb, "hides", seams.hides.py_func)
     monkeypatch.setattr(seams, "hides", seams.hides.py_func)
     monkeypatch.setattr(hb, "visible", seams.visible.py_func)

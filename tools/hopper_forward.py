@@ -102,8 +102,8 @@ def variants(launch, tilings, candidates, head_dims, masks):
             for m in masks:
                 opts = mask_of(m, c, 1, None)[1]
                 base = launch.hopper_variant(d, "bfloat16", c, **opts)
-                out += [replace(base, tiles=tilings.masked_tiles(t, False, 'softcap' in opts)
-                                if opts else t)
+                out += [replace(base, tiles=tilings.masked_tiles(
+                    t, False, 'softcap' in opts, False) if opts else t)
                         for t in candidates if t in tilings.hopper_candidates(d)]
                 out.append(launch.tc_variants(d, "bfloat16", c, device_cc(0),
                                               gpu=launch._gpu(0)[1], **opts)[0])
@@ -180,6 +180,7 @@ def run(argv=None) -> int:
     from flashcore.backends.numba_cuda import tilings
 
     candidates = list(tilings.HOPPER_CANDIDATES)
+    tilings.WINDOW_TILES.clear()  # (windows run on each candidate, not on the table's choice)
     if args.tilings:
         known = {t.tag: t for t in candidates}
         try:

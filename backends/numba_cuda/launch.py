@@ -229,7 +229,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     if masked:  # (a producer warpgroup's schedule has no mask steps)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
-                                 bool(softcap))
+                                 bool(softcap), bool(window), head_dim)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user, packed=packed)
 

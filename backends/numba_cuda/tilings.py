@@ -458,6 +458,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_MASK_MOD,
     HOPPER_ROWS,
     SOFTCAP_POLY,
+    WINDOW_TILES,
     HopperTiles,
     choose_hopper,
     hopper_candidates,
