@@ -198,10 +198,11 @@ SOFTCAP_POLY = 0
 #: Per head dim, the wgmma forward's tiling for a sliding window: one warpgroup of 64 query
 #: rows, two blocks per SM. A window leaves each block few key tiles (9-10 of 128 keys for
 #: a window of 1024), so its prologue and epilogue weigh more, and the second block's work
-#: runs under them. H100, B=4 H=16 N=8192 D=128 bf16, window 1024, time ÷ the unmasked
-#: forward's (g2n128op3): 0.211 non-causal / 0.278 causal, against 0.253 / 0.316 with the
-#: overlapped two-warpgroup tiling (g2n128o) that windows took before; g2n64o 0.266.
-WINDOW_TILES = {128: HopperTiles(1, 64, True, 2)}
+#: runs under them. H100, B=4 H=16 N=8192 bf16, window 1024, time ÷ the unmasked forward's
+#: (the table's tiling), non-causal / causal, at bfc383a: D=64 0.181 / 0.222 (the
+#: overlapped g2n64o that windows took before: 0.288 / 0.39); D=128 0.189 / 0.289
+#: (g2n128o: 0.228 / 0.323); the unmasked D=128 forward moved by 10% between runs.
+WINDOW_TILES = {64: HopperTiles(1, 64, True, 2), 128: HopperTiles(1, 64, True, 2)}
 
 
 def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
