@@ -17,6 +17,17 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   hardware barrier ``id`` (a literal, 1..15; ``syncthreads`` is 0) with ``count`` threads
   (a literal multiple of 32) taking part: ``bar.arrive`` counts without waiting, so two
   warpgroups can take turns (one waits on its barrier, the other arrives on it).
+- ``st_shared_f32(smem, idx, value)``: one ``st.shared.f32`` at 16-bit element ``idx``
+  (even) of ``smem``.
+- ``bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes)``:
+  ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: ``nbytes`` (a multiple
+  of 16) of fp32 from shared element ``sidx`` added, element by element and atomically,
+  into ``dst[didx:]`` (a float32 pointer) by the copy engine; the issuing thread goes on
+  at once. Shared memory written by ordinary stores is published to the async proxy first
+  (``fence.proxy.async``, then a barrier), as for a wgmma. ``bulk_commit()`` closes this
+  thread's bulk group; ``bulk_wait_read(n)`` (a literal) waits until at most ``n`` of its
+  groups still read their source (the buffer may be written again); ``bulk_wait(n)``:
+  until they are done.
 - ``setmaxnreg_inc(n)`` / ``setmaxnreg_dec(n)``: ``setmaxnreg.{inc,dec}.sync.aligned.u32``
   (sm_90a; ``n`` a literal multiple of 8 in 24..256), the warpgroup's registers per thread
   raised or lowered; ptxas honours it only in kernels compiled with a register cap
@@ -46,6 +57,10 @@ from .convert import SIMULATOR, device_function
 
 __all__ = [
     "MBARRIER_BYTES",
+    "bulk_commit",
+    "bulk_reduce_add_f32",
+    "bulk_wait",
+    "bulk_wait_read",
     "cp_async_arrive",
     "empty_parity",
     "full_parity",
@@ -56,6 +71,7 @@ __all__ = [
     "named_sync",
     "setmaxnreg_dec",
     "setmaxnreg_inc",
+    "st_shared_f32",
     "stage_of",
 ]
 
@@ -87,6 +103,10 @@ def empty_parity(t, STAGES):
 if SIMULATOR:
     # (the same semantics on the simulator's threads: device/sim_pipeline.py)
     from .sim_pipeline import (  # noqa: F401
+        bulk_commit,
+        bulk_reduce_add_f32,
+        bulk_wait,
+        bulk_wait_read,
         cp_async_arrive,
         mbarrier_arrive,
         mbarrier_init,
@@ -95,6 +115,7 @@ if SIMULATOR:
         named_sync,
         setmaxnreg_dec,
         setmaxnreg_inc,
+        st_shared_f32,
     )
 
 else:
@@ -198,3 +219,47 @@ else:
                                  "Raise this warpgroup's registers per thread to ``n``.")
     setmaxnreg_dec = _literal_op(lambda n: f"setmaxnreg.dec.sync.aligned.u32 {n};",
                                  "Lower this warpgroup's registers per thread to ``n``.")
+    bulk_wait_read = _literal_op(lambda n: f"cp.async.bulk.wait_group.read {n};",
+                                 "Wait until at most ``n`` bulk groups read their source.")
+    bulk_wait = _literal_op(lambda n: f"cp.async.bulk.wait_group {n};",
+                            "Wait until at most ``n`` bulk groups are pending.")
+
+    @intrinsic
+    def bulk_commit(typingctx):
+        """Close this thread's bulk group."""
+        def codegen(context, builder, sig, args):
+            _asm(builder, [], "cp.async.bulk.commit_group;", "~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def st_shared_f32(typingctx, smem, idx, value):
+        """``st.shared.f32`` at 16-bit element ``idx`` of ``smem``."""
+        if not isinstance(smem, types.CPointer) or value != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, [_shared_u32(builder, args[0], args[1]), args[2]],
+                 "st.shared.f32 [$0], $1;", "r,f,~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(smem, idx, value), codegen
+
+    @intrinsic
+    def bulk_reduce_add_f32(typingctx, dst, didx, smem, sidx, nbytes):
+        """``dst[didx:] += `` ``nbytes`` of fp32 at shared element ``sidx`` (bulk, async)."""
+        if not (isinstance(dst, types.CPointer) and isinstance(smem, types.CPointer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            d, di, sm, si, n = args
+            g = builder.ptrtoint(builder.gep(d, [di]), ir.IntType(64))
+            nb = context.cast(builder, n, sig.args[4], types.uint32)
+            _asm(builder, [g, _shared_u32(builder, sm, si), nb],
+                 "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; "
+                 "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [ga], [$1], $2; }",
+                 "l,r,r,~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(dst, didx, smem, sidx, nbytes), codegen

@@ -262,3 +262,34 @@ def setmaxnreg_inc(n):
 def setmaxnreg_dec(n):
     """A no-op here (the simulator has no register file); ``n`` checked."""
     _check_regs(n)
+
+
+# --- bulk reductions: no copy engine here; made at once (under a lock: other blocks add
+# into the same elements), and the waits have nothing to wait for
+
+_red_lock = threading.Lock()
+
+
+def st_shared_f32(smem, idx, value):
+    i = int(idx)
+    smem[i:i + 2] = np.array([value], np.float32).view(np.uint16)
+
+
+def bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes):
+    n, s, d = int(nbytes) // 4, int(sidx), int(didx)
+    assert int(nbytes) % 16 == 0 and s % 8 == 0, "bulk copies move aligned 16-byte units"
+    src = np.array(smem[s:s + 2 * n]).view(np.float32)
+    with _red_lock:
+        dst[d:d + n] += src
+
+
+def bulk_commit():
+    pass
+
+
+def bulk_wait_read(n):
+    pass
+
+
+def bulk_wait(n):
+    pass

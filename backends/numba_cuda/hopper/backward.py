@@ -41,11 +41,10 @@ import math
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.bulk import bulk_wait, bulk_wait_read
 from ..device.constants import DENSE, LOG2E, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
-from ..device.pipeline import named_sync
+from ..device.pipeline import bulk_wait, bulk_wait_read, named_sync
 from ..device.prologue import block_tile, lse_log2, query_stats, split_heads
 from ..device.seams import (
     hides,

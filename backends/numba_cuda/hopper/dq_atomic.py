@@ -12,7 +12,7 @@ non-deterministic mode): per query step, after ``dSᵀ`` (keys as rows, this war
   dim ``d`` of row ``i`` at ``(d + 4 i) mod D``: the 32 lanes of a store hit 32 banks, and
   the buffer stays one contiguous block); :func:`reduce_dq`: one thread adds the block's
   rows into a float32 accumulator in global memory, rotated the same way, with one bulk
-  asynchronous reduction (``device/bulk.py``: the copy engine adds, the thread goes on),
+  asynchronous reduction (``device/pipeline.py``: the copy engine adds, the thread goes on),
   and a last kernel un-rotates, scales and converts it to dQ (``simt/dq_convert.py``). A
   buffer is written again two steps later, once its reduction has read it
   (``bulk_wait_read``).
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from numba import float32, uint16, uint64
 
-from ..device.bulk import bulk_commit, bulk_reduce_add_f32, st_shared_f32
 from ..device.convert import device_function
+from ..device.pipeline import bulk_commit, bulk_reduce_add_f32, st_shared_f32
 from ..device.wgmma import (
     SWIZZLE_128B,
     smem_descriptor,
