@@ -334,6 +334,22 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
 
 # --- on an H100/H200 ----------------------------------------------------------------------
 
+def _check_grads(torch, grads, do, q, k, v, causal, layout, dtype):
+    """``grads`` (dq, dk, dv on the GPU) against the float64 oracle, dtype and shape too;
+    returns the oracle's gradients and their floors."""
+    from helpers import TOL_BWD, grad_floor, oracle_backward, rel_err
+
+    torch.cuda.synchronize()
+    host = [x.float().cpu().numpy() for x in (do, q, k, v)]
+    refs = oracle_backward(*host, causal=causal, layout=layout)
+    floors = grad_floor(*host, causal=causal, layout=layout)
+    for name, g, r, fl, x in zip(("dq", "dk", "dv"), grads, refs, floors, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        e = rel_err(g.float().cpu().numpy(), r, fl)
+        assert e < TOL_BWD[dtype], f"{name}: {e}"
+    return refs, floors
+
+
 def _gpu():
     return hopper_gpu_or_skip("the wgmma backward")
 
@@ -380,7 +396,7 @@ def hopper_bwd_gpu():
 def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tiles, shape,
                                 head_dim, dtype, causal):
     torch = hopper_bwd_gpu
-    from helpers import TOL_BWD, grad_floor, oracle_backward, rel_err
+    from helpers import TOL_BWD, rel_err
 
     import flashcore
 
@@ -412,14 +428,7 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
     grads = flashcore.attention_backward(do, q, k, v, o, lse, causal=causal, layout=layout,
                                          backend="numba_cuda")
     assert ran == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"], ran
-    torch.cuda.synchronize()
-    host = [x.float().cpu().numpy() for x in (do, q, k, v)]
-    refs = oracle_backward(*host, causal=causal, layout=layout)
-    floors = grad_floor(*host, causal=causal, layout=layout)
-    for name, g, r, fl, x in zip(("dq", "dk", "dv"), grads, refs, floors, (q, k, v)):
-        assert g.dtype == x.dtype and g.shape == x.shape
-        e = rel_err(g.float().cpu().numpy(), r, fl)
-        assert e < TOL_BWD[dtype], f"{name}: {e}"
+    refs, floors = _check_grads(torch, grads, do, q, k, v, causal, layout, dtype)
     # bitwise deterministic: a second call gives the same bits
     again = flashcore.attention_backward(do, q, k, v, o, lse, causal=causal, layout=layout,
                                          backend="numba_cuda")
@@ -449,7 +458,6 @@ def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, cau
     float32 accumulator), against the float64 oracle; dK and dV bit for bit those of the
     deterministic mode (the same sums in the same order), dQ within the tolerance of it."""
     torch = hopper_bwd_gpu
-    from helpers import TOL_BWD, grad_floor, oracle_backward, rel_err
 
     import flashcore
 
@@ -478,12 +486,5 @@ def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, cau
     monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")
     grads = flashcore.attention_backward(do, q, k, v, o, lse, **opts)
     assert tags[-1].startswith("attn_backward_dkdvq_wgmma"), tags
-    torch.cuda.synchronize()
-    host = [x.float().cpu().numpy() for x in (do, q, k, v)]
-    refs = oracle_backward(*host, causal=causal, layout=layout)
-    floors = grad_floor(*host, causal=causal, layout=layout)
-    for name, g, r, fl, x in zip(("dq", "dk", "dv"), grads, refs, floors, (q, k, v)):
-        assert g.dtype == x.dtype and g.shape == x.shape
-        e = rel_err(g.float().cpu().numpy(), r, fl)
-        assert e < TOL_BWD[dtype], f"{name}: {e}"
+    _check_grads(torch, grads, do, q, k, v, causal, layout, dtype)
     assert torch.equal(grads[1], det[1]) and torch.equal(grads[2], det[2])
