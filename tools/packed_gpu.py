@@ -31,6 +31,10 @@ import flashcore
 from flashcore._mods import options as _options
 from flashcore._packed_checks import make_kvcache_case, make_varlen_case
 
+#: PACKED_TILES=<tag>: the varlen forward (backend alone) timed on that wgmma tiling too;
+#: PACKED_SKIP_DECODE=1: the varlen part only.
+TILES = os.environ.get("PACKED_TILES", "")
+
 
 def timed(fn, reps=20, warm=3):
     for _ in range(warm):
@@ -156,6 +160,18 @@ def varlen(rows):
                                  max_seqlen_k=longest, causal=causal, scale=None,
                                  need_lse=True)
         res["varlen_fwd_backend"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
+        if TILES:  # the backend alone again, the wgmma forward on another tiling
+            from flashcore.backends.numba_cuda import launch, tilings
+
+            known = {t.tag: t for t in tilings.HOPPER_CANDIDATES}
+            saved = tilings.HOPPER_FORWARD[D, causal]
+            tilings.HOPPER_FORWARD[D, causal] = known[TILES]
+            launch.forget_plans()
+            try:
+                res["varlen_fwd_tiles"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
+            finally:
+                tilings.HOPPER_FORWARD[D, causal] = saved
+                launch.forget_plans()
         qr, kr, vr = (x.requires_grad_() for x in (q, k, v))
         qpr, kpr, vpr = (x.requires_grad_() for x in (qp, kp, vp))
 
@@ -202,6 +218,18 @@ def main():
         print(f"       forward, the backend alone on a case made once (no host checks): "
               f"{r['varlen_fwd_backend'] * 1e3:.2f}ms, {r['varlen_fwd_backend'] / pf:.2f}x "
               "pad*share")
+        if "varlen_fwd_tiles" in r:
+            print(f"       the same on tiling {TILES}: {r['varlen_fwd_tiles'] * 1e3:.2f}ms, "
+                  f"{r['varlen_fwd_tiles'] / pf:.2f}x pad*share")
+    if not os.environ.get("PACKED_SKIP_DECODE"):
+        decode_table(out, bw)
+    if os.environ.get("PACKED_JSON"):
+        with open(os.environ["PACKED_JSON"], "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def decode_table(out, bw):
+    """The decode measurements and their table."""
     decode(out["decode"])
     print("\ndecode: B=8 Hq=32 Hkv=8 D=128 bf16 Nq=1; GB/s = K and V bytes / time "
           f"(copy {bw / 1e9:.0f} GB/s)")
@@ -229,9 +257,6 @@ def main():
               f"{gb(r['table_tiles']):.0f}")
         print("        contiguous, num_splits: " + "  ".join(
             f"{s}: {t * 1e3:.3f}ms {gb(t):.0f}" for s, t in r["sweep"].items()))
-    if os.environ.get("PACKED_JSON"):
-        with open(os.environ["PACKED_JSON"], "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
