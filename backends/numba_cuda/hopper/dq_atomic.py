@@ -20,7 +20,9 @@ non-deterministic mode): per query step, after ``dSᵀ`` (keys as rows, this war
 The adds of different key blocks into one element land in any order, so dQ may differ in
 its last bits from run to run (dK and dV do not: each is summed by one thread in a fixed
 order). What it saves is the dQ kernel's recomputation of ``S`` and ``dP``: 5 matrix
-products per step pair instead of 7.
+products per step pair instead of 7. On an H100 it is still 1.08-1.29x slower than the
+two-kernel backward (each step waits for its dQ and two more barriers;
+notes/fused_backward_2026-11-26.md), which is why it is off by default.
 """
 from __future__ import annotations
 
