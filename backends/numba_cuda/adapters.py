@@ -84,7 +84,7 @@ class _Adapter:
         delta = self.empty(q, (B, Hq, Nq), "float32", dev, poison=False)
         stream = self.stream(q, dev)
         keep = []
-        acc = None  # the non-deterministic mode's (zeroed by the launch)
+        acc = None  # dQ's accumulator in the non-deterministic mode (zeroed by the launch)
         if self.fused_ok and launch.fused_backward(case, dev):
             buf = self.empty(q, (B * Hq * Nq * case.head_dim,), "float32", dev, poison=False)
             keep.append(buf)
