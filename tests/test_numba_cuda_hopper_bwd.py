@@ -130,7 +130,7 @@ def test_dkdv_step_on_the_host(on_host, preload, BN, step):
             hb.column_reads.py_func(la, da, lse_buf, delta_buf, lbase, lsn, dbase, m, Nq, NT, tq)
             hb.stats_of_reads.py_func(ls, dl, la, da, BN // 4)
         hb.probs_t.py_func(sv, ls, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, j0,
-                           causal_offset, sl2, mask, True, preload, NT, tq)
+                           causal_offset, sl2, mask, True, -1, -1, preload, NT, tq)
         hb.grads_t.py_func(sv, dv, dl, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, preload,
                            NT, tq)
         for x, (r, c) in enumerate(coords):
@@ -177,7 +177,7 @@ def test_dq_step_on_the_host(on_host, BN, mask):
         for base, r in ((0, r0), (2, r0 + 8)):
             ls, dl = prologue.query_stats.py_func(lse, delta, r, r, True)
             hb.probs_row.py_func(sv, base, ls, n0, q0 + r, Nk, causal_offset, sl2, mask,
-                                 True, BN // 8, tq)
+                                 True, -1, -1, BN // 8, tq)
             hb.grads_row.py_func(sv, dv, base, dl, BN // 8)
         for x, (r, c) in enumerate(coords):
             out_p[r, c], out_ds[r, c] = sv[x], dv[x]
@@ -210,7 +210,7 @@ def test_tilings_and_variants():
         Variant("preprocess", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 64))
     with pytest.raises(ValueError):
         launch.build(Variant("dkdv", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 64),
-                             window=(8, 0)))
+                             softcap=20.0))
 
 
 def _case(dtype="float16", D=64, **options):
@@ -238,7 +238,7 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     assert not launch.hopper_bwd_serves(case, 0)
     monkeypatch.delenv(launch.HOPPER_ENV)
     assert not launch.hopper_bwd_serves(_case(D=32), 0)
-    assert not launch.hopper_bwd_serves(_case(window=(8, 0)), 0)
+    assert launch.hopper_bwd_serves(_case(window=(8, 0)), 0)  # (a window: the wgmma kernels)
     assert not launch.hopper_bwd_serves(_case(softcap=20.0), 0)
     for cc in ((8, 0), (9, 1), (10, 0)):
         monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)
@@ -383,6 +383,10 @@ def hopper_bwd_gpu():
         todo.add(launch.hopper_variant(d, t, c))
         kt = tilings.choose_simt(d, t, c, (9, 0))
         todo.add(launch.simt_variants(d, t, c, kt)[1])  # (the preprocess)
+    for d, t, c, w, _ in WINDOW_CASES:  # the wgmma backward with a window
+        todo |= {launch.hopper_variant(d, t, c, n, window=tuple(-1 if x is None else x
+                                                                for x in w))
+                 for n in KERNELS}
     for d, t, c, _ in FUSED_CASES:  # the non-deterministic mode's two kernels
         todo |= {_variant("dkdvq", d, t, c), Variant("dqconvert", "simt", d, t, False, 256)}
     compile_once(todo, "flashcore-hopper-bwd-test")
@@ -488,3 +492,57 @@ def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, cau
     assert tags[-1].startswith("attn_backward_dkdvq_wgmma"), tags
     _check_grads(torch, grads, do, q, k, v, causal, layout, dtype)
     assert torch.equal(grads[1], det[1]) and torch.equal(grads[2], det[2])
+
+
+#: (D, dtype, causal, window, shape) of the windowed wgmma backward's GPU test: a left
+#: window causal, a two-sided one, one wider than the keys, on tails, GQA and Nq != Nk
+WINDOW_CASES = [(64, "bfloat16", True, (50, None), SHAPES[1]),
+                (128, "bfloat16", False, (100, 30), SHAPES[0]),
+                (128, "float16", True, (256, 0), SHAPES[3]),
+                (64, "float16", False, (2000, None), SHAPES[2])] if HAVE else []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,dtype,causal,window,shape", [
+    pytest.param(*x, id=f"D{x[0]}-{x[1]}-{'causal' if x[2] else 'full'}-w{x[3][0]}_{x[3][1]}-"
+                        f"{'x'.join(map(str, x[4]))}") for x in WINDOW_CASES])
+def test_window_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, causal, window,
+                                shape):
+    """A sliding window on the wgmma backward (its query steps and key tiles cut to the
+    window's range, the edge steps masked) against the float64 reference backend."""
+    torch = hopper_bwd_gpu
+    from helpers import TOL_BWD, rel_err
+
+    import flashcore
+
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV, launch.DETERMINISTIC_ENV):
+        monkeypatch.delenv(name, raising=False)
+    ran = []
+    for fn in ("launch_dkdv", "launch_dq"):
+        real = getattr(launch, fn)
+
+        def spy(kern, *a, real=real, **kw):
+            ran.append(kern.name)
+            return real(kern, *a, **kw)
+
+        monkeypatch.setattr(launch, fn, spy)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(Nq * 3 + Nk + head_dim)
+
+    def t(h, n):
+        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
+        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
+
+    q, k, v, do = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)
+    opts = dict(causal=causal, layout=layout, window=window)
+    o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+    grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
+    assert ran == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"], ran
+    x64 = [x.double().cpu().numpy() for x in (do, q, k, v)]
+    o64, lse64 = flashcore.attention_forward(*x64[1:], backend="reference", **opts)
+    refs = flashcore.attention_backward(*x64, o64, lse64, backend="reference", **opts)
+    for name, g, r, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        e = rel_err(g.double().cpu().numpy(), r)
+        assert e < TOL_BWD[dtype], f"{name}: {e}"

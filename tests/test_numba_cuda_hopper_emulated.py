@@ -57,9 +57,11 @@ if not SIM:
         # (about 45 s: GQA, causal Nq < Nk, bf16; the varlen cases took 3 min more in CI,
         # which the varlen GPU tests and PTX checks cover there; and the ping-pong forward
         # at D=64, about 10-40 s on a loaded 2-core host, and the barriers' own tests,
-        # about 5 s; the non-deterministic backward's first case, about 50 s)
+        # about 5 s; the non-deterministic backward's first case, about 50 s; the
+        # windowed backward's, about 50 s)
         pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
-                     f"not slow) or barrier or (fused_backward and not slow)", id="ci"),
+                     f"not slow) or barrier or (fused_backward and not slow) or "
+                     f"(window_backward and not slow)", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
@@ -190,6 +192,30 @@ else:
         for name, g, r, f in zip(("dq", "dk", "dv"), grads, refs, floors):
             e = rel_err(g, r, f)
             assert e < TOL_BWD["bfloat16"], f"{name}: {e}"
+
+    #: A sliding window on the wgmma backward: the dK/dV kernel's query steps and the dQ
+    #: kernel's key tiles cut to the window's range, its edge steps masked (the seams'
+    #: window_query_range, visited_keys); GQA, tails, Nq < Nk.
+    WINDOWED = [((1, 4, 2, 70, 200, 64, "bfloat16", True, "bhnd"), (50, None)),
+                pytest.param((1, 2, 1, 150, 130, 128, "float16", False, "bnhd"), (40, 30),
+                             marks=pytest.mark.slow)]
+
+    @pytest.mark.parametrize("c,window", WINDOWED, ids=lambda x: (
+        "x".join(map(str, x[:6])) if len(x) > 2 else f"w{x[0]}_{x[1]}"))
+    def test_window_backward(emulated, c, window):
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        q, k, v, do = _inputs(c)
+        opts = dict(causal=causal, layout=layout, window=window)
+        x64 = [x.astype(np.float64) for x in (do, q, k, v)]  # the float64 oracle
+        o, lse = flashcore.attention_forward(*x64[1:], backend="reference", **opts)
+        refs = flashcore.attention_backward(*x64, o, lse, backend="reference", **opts)
+        grads = flashcore.attention_backward(do, q, k, v, o.astype(q.dtype),
+                                             lse.astype(np.float32), backend="numba_cuda",
+                                             **opts)
+        assert emulated == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"], emulated
+        for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+            e = rel_err(g, r)  # (every row sees many keys: no floor for cancellations)
+            assert e < TOL_BWD[dtype], f"{name}: {e}"
 
     #: The non-deterministic mode (FLASHCORE_DETERMINISTIC=0): dK, dV and dQ's parts in one
     #: kernel (dkdvq), dQ added into a float32 accumulator (hopper/dq_atomic.py), then

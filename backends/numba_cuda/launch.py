@@ -200,12 +200,12 @@ def hopper_serves(case, device) -> bool:
 def hopper_bwd_serves(case, device) -> bool:
     """Whether the wgmma dK/dV and dQ kernels (hopper/backward.py) take a backward the
     tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
-    for calls with no mask beyond causal (masks and score modifiers: the mma.sync
-    backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
+    for calls with no mask beyond causal and a sliding window (the softcap, ALiBi and the
+    user's mods: the mma.sync backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
     if os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device):
         return False
     m = mask_options(case)
-    return m["window"] == () and m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None
+    return m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None
 
 
 def fused_backward(case, device) -> bool:
@@ -219,16 +219,17 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                    alibi=False, user=None, packed="", split=False):
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
-    cache and split-KV; the backward varlen rows and no mask), or None where it has no
-    tiling."""
+    cache and split-KV; the backward varlen rows and a window, no other mask), or None
+    where it has no tiling."""
     masked = bool(window) or bool(softcap) or alibi or user is not None
-    if packed not in tilings.HOPPER_ROWS or split or (kernel != "forward" and masked):
+    if packed not in tilings.HOPPER_ROWS or split or (
+            kernel != "forward" and (bool(softcap) or alibi or user is not None)):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None)
     if t is None:
         return None
-    if masked:  # (a producer warpgroup's schedule has no mask steps)
+    if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap), bool(window), head_dim)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
@@ -327,7 +328,8 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
         if hopper:
             pair = ("dkdvq", None) if direction == "fused" else ("dkdv", "dq")
             fam = ([hopper_variant(d, dt, c, **mask)] if direction == "forward" else
-                   [hopper_variant(d, dt, c, k_, packed=mask["packed"]) if k_ else
+                   [hopper_variant(d, dt, c, k_, window=mask["window"],
+                                   packed=mask["packed"]) if k_ else
                     Variant("dqconvert", "simt", d, dt, False, 256) for k_ in pair])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))

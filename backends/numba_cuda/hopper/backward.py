@@ -48,10 +48,11 @@ from ..device.pipeline import bulk_wait, bulk_wait_read, named_sync
 from ..device.prologue import block_tile, lse_log2, query_stats, split_heads
 from ..device.seams import (
     hides,
-    key_range,
     query_range,
     sequence_rows,
     visible,
+    visited_keys,
+    window_query_range,
 )
 from ..device.wgmma import (
     acc_to_local,
@@ -98,7 +99,7 @@ def stats_of_reads(ls, dl, la, da, NP):
 
 @device_function
 def probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2, MASK, CAUSAL,
-            PRELOAD, NTILES, tq):
+            LEFT, RIGHT, PRELOAD, NTILES, tq):
     """``Sᵀ`` (``s``, wgmma's accumulator order: ``s[4 jn + 2 r + e]`` is key ``j0 + 8 r``,
     query ``m + 8 jn + 2 tq + e``) becomes ``Pᵀ``; with ``MASK`` (a step across the
     diagonal) keys the mask hides from a query get P = 0. The columns' lse come from ``ls``
@@ -114,7 +115,7 @@ def probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2,
                 x = 4 * jn + 2 * r + e
                 p = math.exp2(s[x] * sl2 - li)
                 if MASK:
-                    if hides(i, j0 + 8 * r, causal_offset, CAUSAL, -1, -1):
+                    if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
                 s[x] = p
 
@@ -137,7 +138,7 @@ def grads_t(s, dp, dl, lse, delta, lbase, lsn, dbase, Nq, m, PRELOAD, NTILES, tq
 
 @device_function
 def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, Nq, m, j0,
-                  causal_offset, sl2, MASK, CAUSAL, PRELOAD, NTILES, tq):
+                  causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq):
     """:func:`probs_t` and :func:`grads_t` in one pass, each k-step's Pᵀ and dSᵀ packed
     (``pf``, ``dsf``: the A fragments, as :func:`..forward.pack_p`) as soon as they are
     done, so that the fp32 tiles die early (the schedule without overlap)."""
@@ -154,7 +155,7 @@ def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, N
                     x = 4 * jn + 2 * r + e
                     p = math.exp2(s[x] * sl2 - li)
                     if MASK:
-                        if hides(i, j0 + 8 * r, causal_offset, CAUSAL, -1, -1):
+                        if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                             p = float32(0.0)
                     s[x] = p
                     dp[x] = p * (dp[x] - di)
@@ -165,7 +166,8 @@ def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, N
 
 
 @device_function
-def probs_row(s, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, NTILES, tq):
+def probs_row(s, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT, NTILES,
+              tq):
     """One of this thread's rows (``s[base + 4 jn + e]``, key ``n0 + 8 jn + 2 tq + e``;
     ``base`` 0 for row ``i``, 2 for row ``i + 8``) of ``S`` becomes ``P``; with ``MASK`` (a
     diagonal or tail tile) keys past ``Nk`` or hidden from row ``i`` get P = 0."""
@@ -174,8 +176,8 @@ def probs_row(s, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, NTILES, 
             x = base + 4 * jn + e
             p = math.exp2(s[x] * sl2 - ls)
             if MASK:
-                if not visible(i, n0 + 8 * jn + 2 * tq + e, Nk, causal_offset, CAUSAL, -1,
-                               -1):
+                if not visible(i, n0 + 8 * jn + 2 * tq + e, Nk, causal_offset, CAUSAL, LEFT,
+                               RIGHT):
                     p = float32(0.0)
             s[x] = p
 
@@ -222,10 +224,10 @@ def _sizes(var, kernel):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma backward")
-    if var.window or var.softcap or var.alibi or var.user is not None \
+    if var.softcap or var.alibi or var.user is not None \
             or var.packed not in HOPPER_ROWS or var.split:
-        raise ValueError(f"the wgmma backward takes no masks beyond causal and dense or "
-                         f"varlen rows: {var.tag}")
+        raise ValueError(f"the wgmma backward takes no masks beyond causal and a window, and "
+                         f"dense or varlen rows: {var.tag}")
     CH = D // 8  # 16-byte chunks per row
     if t.block_n % (t.threads // CH) or t.block_m % (t.threads // CH):
         raise ValueError(f"{kernel}: tiles of {t.block_m} and {t.block_n} rows must be "
@@ -248,6 +250,8 @@ def make_attn_backward_dkdv_wgmma(var):
     # packed registers of Pᵀ)
     (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED) = _sizes(var, "dkdv")
+    LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
+    WINDOW = bool(var.window)
     # shared memory, in bytes from the aligned start: K, V (resident), Q[2], dO[2]
     TILE = BN * D * 2
     K_OFF = 0
@@ -303,7 +307,11 @@ def make_attn_backward_dkdv_wgmma(var):
 
         # Query tiles before m_begin see none of our keys; from m_full on, all (no mask).
         m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
-        per_head = (Nq - m_begin + BN - 1) // BN if Nq > m_begin else 0
+        m_end = m_last = Nq
+        if WINDOW:  # (compile-time) the window ends the rows too; [m_full, m_last]: whole
+            m_begin, m_end, m_full, m_last = window_query_range(k0, BM, BN, Nq, causal_offset,
+                                                                CAUSAL, LEFT, RIGHT)
+        per_head = (m_end - m_begin + BN - 1) // BN if m_end > m_begin else 0
         n_steps = group * per_head
 
         load_tile(smem, el + K_OFF // 2, k, b * ksb + hk * ksh + k_row0 * ksn, k0, Nk, ksn, BM,
@@ -342,7 +350,7 @@ def make_attn_backward_dkdv_wgmma(var):
         for it in range(n_steps):
             h = hk * group + gi
             gn, mn = gi, mq + BN  # the next step's head and rows
-            if mn >= Nq:
+            if mn >= m_end:
                 gn, mn = gi + 1, m_begin
             hn = hk * group + gn
             buf = (it & 1) * TILE
@@ -374,16 +382,18 @@ def make_attn_backward_dkdv_wgmma(var):
                 if it + 1 < n_steps:
                     column_reads(lsa, dla, lse, delta, lb0 + hn * lsh, lsn, sb0 + hn * sstep,
                                  mn, Nq, NTILES, tq)
-            mask = CAUSAL and mq < m_full  # a step across the diagonal
+            # a step across the diagonal, or (a window) across one of its edges
+            mask = (CAUSAL and mq < m_full) or (WINDOW and (mq < m_full
+                                                           or mq + BN - 1 > m_last))
             if OVERLAP:
                 sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
                 acc_to_local(sacc, s)
                 if mask:
                     probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset,
-                            sl2, True, CAUSAL, PRELOAD, NTILES, tq)
+                            sl2, True, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq)
                 else:
                     probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset,
-                            sl2, False, CAUSAL, PRELOAD, NTILES, tq)
+                            sl2, False, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq)
                 pack_p(BF16, pf, s, NP)
                 # dV's wgmmas run while dSᵀ is computed
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
@@ -403,12 +413,12 @@ def make_attn_backward_dkdv_wgmma(var):
                 acc_to_local(pacc, dp)
                 if mask:
                     probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
-                                  Nq, mq, j0, causal_offset, sl2, True, CAUSAL, PRELOAD,
-                                  NTILES, tq)
+                                  Nq, mq, j0, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
+                                  PRELOAD, NTILES, tq)
                 else:
                     probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
-                                  Nq, mq, j0, causal_offset, sl2, False, CAUSAL, PRELOAD,
-                                  NTILES, tq)
+                                  Nq, mq, j0, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
+                                  PRELOAD, NTILES, tq)
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
@@ -454,6 +464,8 @@ def make_attn_backward_dq_wgmma(var):
     ``64 * warpgroups`` rows per block, key steps of ``block_n``."""
     (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED) = _sizes(var, "dq")
+    LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
+    WINDOW = bool(var.window)
     # shared memory, in bytes from the aligned start: Q, dO (resident), K[2], V[2]
     TILE = BN * D * 2
     Q_OFF = 0
@@ -496,16 +508,17 @@ def make_attn_backward_dq_wgmma(var):
         at = raw + pad
         el = pad >> 1
 
-        n_end, n_full = key_range(q0, BM, Nk, causal_offset, CAUSAL)
-        n_tiles = (n_end + BN - 1) // BN
+        n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                    LEFT, RIGHT, WINDOW, False, cls, 0, csq)
+        n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         load_tile(smem, el + Q_OFF // 2, q, b * qsb + h * qsh + q_row0 * qsn, q0, Nq, qsn, BM,
                   CH, tid, NT)
         load_tile(smem, el + DO_OFF // 2, do, b * gsb + h * gsh + q_row0 * gsn, q0, Nq, gsn,
                   BM, CH, tid, NT)
         if n_tiles > 0:
-            load_tile(smem, el + K_OFF // 2, k, kbase, 0, Nk, ksn, BN, CH, tid, NT)
-            load_tile(smem, el + V_OFF // 2, v, vbase, 0, Nk, vsn, BN, CH, tid, NT)
+            load_tile(smem, el + K_OFF // 2, k, kbase, n_begin, Nk, ksn, BN, CH, tid, NT)
+            load_tile(smem, el + V_OFF // 2, v, vbase, n_begin, Nk, vsn, BN, CH, tid, NT)
         cp_async_commit()
 
         qa = at + Q_OFF + 64 * wg * LINE  # this warpgroup's 64 rows of Q and of dO
@@ -521,7 +534,7 @@ def make_attn_backward_dq_wgmma(var):
         dqa = zero_accumulators(D)
 
         for it in range(n_tiles):
-            n0 = it * BN
+            n0 = n_begin + it * BN
             buf = (it & 1) * TILE
             cp_async_wait(0)  # K, V of tile it (Q and dO with the first)
             publish()
@@ -545,16 +558,16 @@ def make_attn_backward_dq_wgmma(var):
                 sacc = wgmma_wait_group_acc(0, sacc)  # S and dP
             acc_to_local(sacc, s)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            if n0 + BN > n_full:  # a diagonal or tail tile
-                probs_row(s, 0, ls0, n0, i0, Nk, causal_offset, sl2, True, CAUSAL, NTILES,
-                          tq)
-                probs_row(s, 2, ls1, n0, i1, Nk, causal_offset, sl2, True, CAUSAL, NTILES,
-                          tq)
+            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
+                probs_row(s, 0, ls0, n0, i0, Nk, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
+                          NTILES, tq)
+                probs_row(s, 2, ls1, n0, i1, Nk, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
+                          NTILES, tq)
             else:
-                probs_row(s, 0, ls0, n0, i0, Nk, causal_offset, sl2, False, CAUSAL, NTILES,
-                          tq)
-                probs_row(s, 2, ls1, n0, i1, Nk, causal_offset, sl2, False, CAUSAL, NTILES,
-                          tq)
+                probs_row(s, 0, ls0, n0, i0, Nk, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
+                          NTILES, tq)
+                probs_row(s, 2, ls1, n0, i1, Nk, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
+                          NTILES, tq)
             pacc = wgmma_wait_group_acc(0, pacc)
             acc_to_local(pacc, dp)
             grads_row(s, dp, 0, dl0, NTILES)
