@@ -30,10 +30,13 @@ runs, and the dK/dV kernel issues ``dV += Pᵀ dO`` before it computes ``dSᵀ``
 both products are waited for, P and dS computed and packed, and the two RS products issued
 together (fewer registers held: at D=128 the dK/dV kernel's query steps of 64 fit only so).
 Every group is waited for before the step ends (the next step's copies overwrite the
-buffers it read). The causal mask applies through the seams (``hides``, ``visible``) on
-steps that cross the diagonal only; keys past Nk are masked in the dQ kernel (in the dK/dV
-kernel they only reach rows of dK and dV that are never stored). Serves what the wgmma
-forward serves (dense rows, no mask beyond causal; ``launch.hopper_bwd_serves``).
+buffers it read). The causal mask and a sliding window apply through the seams (``hides``,
+``visible``) on steps that cross the diagonal or a window's edge only; a window also cuts the
+steps to its range (``window_query_range`` in the dK/dV kernel, ``visited_keys`` in the dQ
+kernel), so a window of W keys costs O(N W). Keys past Nk are masked in the dQ kernel (in
+the dK/dV kernel they only reach rows of dK and dV that are never stored). Serves dense and
+varlen rows, causal or not, with a window; the softcap, ALiBi and the user's mods take the
+mma.sync backward (``launch.hopper_bwd_serves``).
 """
 from __future__ import annotations
 
