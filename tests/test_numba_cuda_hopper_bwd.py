@@ -239,6 +239,9 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     monkeypatch.delenv(launch.HOPPER_ENV)
     assert not launch.hopper_bwd_serves(_case(D=32), 0)
     assert launch.hopper_bwd_serves(_case(window=(8, 0)), 0)  # (a window: the wgmma kernels)
+    monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")  # the non-deterministic mode: no window
+    assert launch.fused_backward(case, 0) and not launch.fused_backward(_case(window=(8, 0)), 0)
+    monkeypatch.delenv(launch.DETERMINISTIC_ENV)
     assert not launch.hopper_bwd_serves(_case(softcap=20.0), 0)
     for cc in ((8, 0), (9, 1), (10, 0)):
         monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)

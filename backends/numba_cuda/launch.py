@@ -210,9 +210,10 @@ def hopper_bwd_serves(case, device) -> bool:
 
 def fused_backward(case, device) -> bool:
     """Whether a backward takes the non-deterministic mode (:data:`DETERMINISTIC_ENV`): the
-    wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows."""
+    wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows, no window (the
+    window's dkdvq kernel has not run on a GPU)."""
     return (os.environ.get(DETERMINISTIC_ENV, "1") == "0" and not case.packed
-            and hopper_bwd_serves(case, device))
+            and hopper_bwd_serves(case, device) and mask_options(case)["window"] == ())
 
 
 def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
