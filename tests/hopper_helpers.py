@@ -1,6 +1,7 @@
 """What the wgmma kernels' GPU tests share (test_numba_cuda_hopper for the forward,
 test_numba_cuda_hopper_bwd for the backward): the skip where there is no cc 9.0 GPU, the
-shapes, and compiling the variants a module runs once per machine under pytest-xdist."""
+shapes, compiling the variants a module runs once per machine under pytest-xdist, the
+inputs on the GPU and a spy on the launches."""
 from __future__ import annotations
 
 import os
@@ -57,3 +58,34 @@ def compile_once(todo, name):
             compile_variants(todo, 0)
             with open(path + ".done", "w") as f:
                 f.write(done)
+
+
+def spy_launches(monkeypatch, fns=("launch_dkdv", "launch_dq"), name=lambda kern: kern.name):
+    """The list that ``name(kernel)`` of every launch through ``launch.<fn>`` (numba_cuda's
+    launch module) is appended to."""
+    from flashcore.backends.numba_cuda import launch
+
+    ran = []
+    for fn in fns:
+        real = getattr(launch, fn)
+
+        def spy(kern, *a, real=real, **kw):
+            ran.append(name(kern))
+            return real(kern, *a, **kw)
+
+        monkeypatch.setattr(launch, fn, spy)
+    return ran
+
+
+def gpu_inputs(torch, shape, head_dim, dtype, seed):
+    """q, k, v, do of ``shape`` (B, Hq, Hkv, Nq, Nk, layout), standard normal from a CUDA
+    generator seeded with ``seed``, in ``dtype`` and the shape's layout."""
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def t(h, n):
+        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
+        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
+
+    return t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)

@@ -21,7 +21,7 @@ import types as pytypes
 
 import numpy as np
 import pytest
-from hopper_helpers import SHAPES, compile_once, hopper_gpu_or_skip
+from hopper_helpers import SHAPES, compile_once, gpu_inputs, hopper_gpu_or_skip, spy_launches
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 pytestmark = [
@@ -574,22 +574,8 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     monkeypatch.setitem(tilings.HOPPER_FORWARD, (head_dim, causal), tiles)
     monkeypatch.setattr(launch, "_PLANS", {})  # (plans do not key on the wgmma tiling)
-    ran = []
-    real = launch.launch_forward
-
-    def spy(kern, *a, **kw):
-        ran.append(kern.name)
-        return real(kern, *a, **kw)
-
-    monkeypatch.setattr(launch, "launch_forward", spy)
-    tdt = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(Nq * 7 + Nk + head_dim)
-
-    def t(h, n):
-        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
-        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
-
-    q, k, v = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk)
+    ran = spy_launches(monkeypatch, ("launch_forward",))
+    q, k, v, _ = gpu_inputs(torch, shape, head_dim, dtype, Nq * 7 + Nk + head_dim)
     o, lse = flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
                                          backend="numba_cuda")
     assert ran == ["attn_forward_wgmma"], ran

@@ -25,7 +25,7 @@ import types as pytypes
 
 import numpy as np
 import pytest
-from hopper_helpers import SHAPES, compile_once, hopper_gpu_or_skip
+from hopper_helpers import SHAPES, compile_once, gpu_inputs, hopper_gpu_or_skip, spy_launches
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 HAVE = not SIM and importlib.util.find_spec("numba_cuda") is not None
@@ -413,23 +413,8 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
     monkeypatch.setitem(tilings.HOPPER_DKDV, (head_dim, causal), dkdv_tiles)
     monkeypatch.setitem(tilings.HOPPER_DQ, (head_dim, causal), dq_tiles)
     monkeypatch.setattr(launch, "_PLANS", {})  # (plans do not key on the wgmma tilings)
-    ran = []
-    for fn in ("launch_dkdv", "launch_dq"):
-        real = getattr(launch, fn)
-
-        def spy(kern, *a, real=real, **kw):
-            ran.append(kern.name)
-            return real(kern, *a, **kw)
-
-        monkeypatch.setattr(launch, fn, spy)
-    tdt = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(Nq * 7 + Nk + head_dim + 1)
-
-    def t(h, n):
-        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
-        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
-
-    q, k, v, do = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)
+    ran = spy_launches(monkeypatch)
+    q, k, v, do = gpu_inputs(torch, shape, head_dim, dtype, Nq * 7 + Nk + head_dim + 1)
     o, lse = flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
                                          backend="numba_cuda")
     grads = flashcore.attention_backward(do, q, k, v, o, lse, causal=causal, layout=layout,
@@ -471,22 +456,9 @@ def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, cau
     B, Hq, Hkv, Nq, Nk, layout = shape
     for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
         monkeypatch.delenv(name, raising=False)
-    tags = []
-    real = launch.launch_dkdv
-
-    def spy(kern, *a, **kw):
-        tags.append(kern._dispatcher.py_func.__qualname__)
-        return real(kern, *a, **kw)
-
-    monkeypatch.setattr(launch, "launch_dkdv", spy)
-    tdt = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(Nq * 5 + Nk + head_dim)
-
-    def t(h, n):
-        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
-        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
-
-    q, k, v, do = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)
+    tags = spy_launches(monkeypatch, ("launch_dkdv",),
+                         lambda kern: kern._dispatcher.py_func.__qualname__)
+    q, k, v, do = gpu_inputs(torch, shape, head_dim, dtype, Nq * 5 + Nk + head_dim)
     opts = dict(causal=causal, layout=layout, backend="numba_cuda")
     o, lse = flashcore.attention_forward(q, k, v, **opts)
     det = flashcore.attention_backward(do, q, k, v, o, lse, **opts)
@@ -521,23 +493,8 @@ def test_window_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, ca
     B, Hq, Hkv, Nq, Nk, layout = shape
     for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV, launch.DETERMINISTIC_ENV):
         monkeypatch.delenv(name, raising=False)
-    ran = []
-    for fn in ("launch_dkdv", "launch_dq"):
-        real = getattr(launch, fn)
-
-        def spy(kern, *a, real=real, **kw):
-            ran.append(kern.name)
-            return real(kern, *a, **kw)
-
-        monkeypatch.setattr(launch, fn, spy)
-    tdt = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(Nq * 3 + Nk + head_dim)
-
-    def t(h, n):
-        x = torch.randn((B, h, n, head_dim), device="cuda", generator=gen).to(tdt)
-        return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
-
-    q, k, v, do = t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)
+    ran = spy_launches(monkeypatch)
+    q, k, v, do = gpu_inputs(torch, shape, head_dim, dtype, Nq * 3 + Nk + head_dim)
     opts = dict(causal=causal, layout=layout, window=window)
     o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
     grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)

@@ -61,8 +61,8 @@ HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
 #: Environment switch of the backward's non-deterministic mode: ``FLASHCORE_DETERMINISTIC=0``
 #: lets the wgmma dK/dV kernel add dQ's parts into a float32 accumulator by atomics
 #: ("dkdvq", hopper/dq_atomic.py) instead of the dQ kernel recomputing S and dP; dQ may then
-#: differ in its last bits from run to run. Read per call; dense calls only. Experimental:
-#: 1.08-1.29x slower than the deterministic backward on an H100 so far.
+#: differ in its last bits from run to run. Read per call; dense calls without a window.
+#: Experimental: 1.08-1.29x slower than the deterministic backward on an H100 so far.
 DETERMINISTIC_ENV = "FLASHCORE_DETERMINISTIC"
 _TC_DTYPES = ("float16", "bfloat16")
 
@@ -222,9 +222,9 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
     cache and split-KV; the backward varlen rows and a window, no other mask), or None
     where it has no tiling."""
-    masked = bool(window) or bool(softcap) or alibi or user is not None
-    if packed not in tilings.HOPPER_ROWS or split or (
-            kernel != "forward" and (bool(softcap) or alibi or user is not None)):
+    mods = bool(softcap) or alibi or user is not None  # (the backward takes none of them)
+    masked = bool(window) or mods
+    if packed not in tilings.HOPPER_ROWS or split or (kernel != "forward" and mods):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None)
@@ -400,6 +400,15 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
           *(packed or no_packed(lse))))
 
 
+def launch_preprocess(pre, pt, case, stream, o, do, delta):
+    """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``pt`` rows per block) over
+    the call's rows: (B, Hq, Nq), or for varlen the packed rows as one batch entry."""
+    B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
+    if case.varlen is not None:
+        B, Nq = 1, case.varlen.total_q
+    pre(((Nq + pt - 1) // pt, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+
+
 def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
                 classes, packed=None):
     """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
@@ -529,11 +538,7 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
     pre, pt, dkdv, dkdv_bm, dqk, dq_bm = _plan(
         "backward", case, device, tiles, _fp32_rows_aligned(case, q, k, v, do), tc,
         hopper=hop)
-    B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
-    if case.varlen is not None:
-        B, Nq = 1, case.varlen.total_q
-    pre(((Nq + pt - 1) // pt, B * Hq), stream,
-        (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    launch_preprocess(pre, pt, case, stream, o, do, delta)
     slopes = slopes or no_slopes(delta)
     margs = margs or no_mod_args(delta)
     classes = classes or no_classes(delta)
@@ -554,7 +559,7 @@ def run_fused_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk,
     strides = (Hq * Nq * D, Nq * D, D)
     grid = ((rows * D + ct - 1) // ct, 1)
     conv(grid, stream, (dq_acc, dq[0], 1, rows, Hq, Nq, *strides, *dq[1], 1.0))
-    pre(((Nq + pt - 1) // pt, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    launch_preprocess(pre, pt, case, stream, o, do, delta)
     launch_dkdv(dkdvq, bm, case, stream, q, k, v, do, lse, delta, dk, dv,
                 (dq_acc, strides[:2]), no_mod_args(delta), no_classes(delta))
     conv(grid, stream, (dq_acc, dq[0], 0, rows, Hq, Nq, *strides, *dq[1], float(case.scale)))
