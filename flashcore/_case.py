@@ -27,8 +27,9 @@ class Varlen:
 
     On the :class:`Case`: ``batch`` is the number of sequences, ``seqlen_q``/``seqlen_k`` are
     ``max_seqlen_q``/``max_seqlen_k`` (every sequence fits: checked on the host), ``layout``
-    is ``"bnhd"``. A kernel grid sized ``(batch, heads, ceil(max_seqlen / tile))`` covers
-    every sequence; jobs past a sequence's end do nothing. Mods see ``b`` = the sequence
+    is ``"bnhd"``. A grid of jobs sized ``(batch, heads, ceil(max_seqlen / tile))`` covers
+    every sequence, and jobs past a sequence's end do nothing (the CPU's); the GPU's grid
+    counts each sequence's tiles instead (``device/seams.packed_tile``). Mods see ``b`` = the sequence
     index and ``i``, ``j`` = positions within the sequence.
     """
 

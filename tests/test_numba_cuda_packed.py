@@ -182,6 +182,7 @@ if not SIM:
         assert " passed" in proc.stdout, tail
 
 else:
+    from numba import cuda  # (a module global: the simulator gives kernels its own)
 
     @pytest.mark.cudasim
     @pytest.mark.parametrize("c", VARLEN_SIMT, ids=lambda c: str(c["lq"]))
@@ -192,6 +193,42 @@ else:
     @pytest.mark.parametrize("c", VARLEN_TC, ids=lambda c: str(c["lq"]))
     def test_sim_tensor_core_varlen(c, monkeypatch):
         _run_varlen(c, monkeypatch, "tensor_core")
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("warps", [True, False])
+    def test_sim_simt_packed_tile(warps, rows=16):
+        """``seams.packed_tile`` over 70 sequences (three warp-wide chunks; empty ones, one
+        longer than 32 tiles), by the warp-wide scan and by each thread alone: every tile
+        number of the launch's axis maps to the sequence and tile a plain enumeration
+        gives, in both warps of a block, and the numbers past the last tile to a tile
+        past the last sequence's end."""
+        from flashcore.backends.numba_cuda.device.constants import VARLEN
+        from flashcore.backends.numba_cuda.device.seams import packed_tile
+
+        rng = np.random.default_rng(rows)
+        lens = rng.integers(0, 3 * rows, 70)
+        lens[[0, 31, 32, 69]] = 0
+        lens[40] = 33 * rows + 5
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        want = [(s, t) for s, n in enumerate(lens) for t in range(-(-int(n) // rows))]
+        grid = int(cu[-1]) // rows + len(lens)  # (launch._grid)
+        assert len(want) <= grid
+
+        @cuda.jit
+        def tiles(cu, nseq, out):  # (one block: the simulator's blocks are slow to start)
+            tid = cuda.threadIdx.x
+            for x in range(out.shape[0]):
+                b, t = packed_tile(0, x, cu, nseq, rows, tid & 31, warps, VARLEN)
+                if tid & 31 == 0:
+                    out[x, tid >> 5, 0] = b
+                    out[x, tid >> 5, 1] = t
+
+        out = np.full((grid, 2, 2), -7, np.int64)
+        tiles[1, 64](cu, len(lens), out)
+        assert np.array_equal(out[:, 0], out[:, 1])
+        assert [tuple(x) for x in out[:len(want), 0]] == want
+        for b, t in out[len(want):, 0]:
+            assert b == len(lens) - 1 and t * rows >= lens[-1]
 
     @pytest.mark.cudasim
     @pytest.mark.parametrize("c", CACHE_SIMT, ids=lambda c: f"paged{c['paged']}-nq{c['nq']}")
@@ -218,6 +255,25 @@ def _cuda_torch():
     return torch
 
 
+def _varlen_on_gpu(torch, rng, lq, lk, Hq, Hkv, D, dtype, causal):
+    """Forward and backward of packed sequences on torch CUDA tensors against the oracle."""
+    q, k, v, cq, ck = packed(rng, lq, lk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    t = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to("cuda", getattr(torch, dtype))  # noqa: E731
+    tq, tk, tv, tdo = (t(x) for x in (q, k, v, do))
+    tcq, tck = (torch.from_numpy(x).cuda() for x in (cq, ck))
+    o, lse = flashcore.attention_varlen_forward(tq, tk, tv, tcq, tck, causal=causal,
+                                                backend="numba_cuda")
+    grads = flashcore.attention_varlen_backward(tdo, tq, tk, tv, o, lse, tcq, tck,
+                                                causal=causal, backend="numba_cuda")
+    host = lambda x: x.float().cpu().numpy()  # noqa: E731
+    ro, rl, *rg = oracle_varlen(host(tq), host(tk), host(tv), cq, ck, do=host(tdo),
+                                causal=causal)
+    _check(dtype, host(o), host(lse), ro, rl)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+        assert rel_err(host(g), r) < TOL_BWD[dtype], f"{name}: {rel_err(host(g), r)}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, D, causal", [("bfloat16", 128, True), ("float16", 64, True),
                                               ("float32", 64, True), ("bfloat16", 128, False),
@@ -234,26 +290,26 @@ def test_packed_varlen_on_gpu(dtype, D, causal, monkeypatch):
     monkeypatch.setattr(launch, "launch_forward",
                         lambda kern, *a, **kw: ran.append(kern.name) or real(kern, *a, **kw))
     monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
-    rng = np.random.default_rng(D)
-    lq = [0, 300, 129, 1000, 64]
-    lk = [17, 200, 129, 1100, 70]
-    q, k, v, cq, ck = packed(rng, lq, lk, Hq=8, Hkv=2, D=D, dtype=dtype)
-    do = rng.standard_normal(q.shape).astype(q.dtype)
-    t = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to("cuda", getattr(torch, dtype))  # noqa: E731
-    tq, tk, tv, tdo = (t(x) for x in (q, k, v, do))
-    tcq, tck = (torch.from_numpy(x).cuda() for x in (cq, ck))
-    o, lse = flashcore.attention_varlen_forward(tq, tk, tv, tcq, tck, causal=causal,
-                                                backend="numba_cuda")
+    _varlen_on_gpu(torch, np.random.default_rng(D), [0, 300, 129, 1000, 64],
+                   [17, 200, 129, 1100, 70], 8, 2, D, dtype, causal)
     wgmma = torch.cuda.get_device_capability(0) == (9, 0) and dtype != "float32"
     assert ran[:1] == (["attn_forward_wgmma"] if wgmma else ran[:1]), ran
-    grads = flashcore.attention_varlen_backward(tdo, tq, tk, tv, o, lse, tcq, tck,
-                                                causal=causal, backend="numba_cuda")
-    host = lambda x: x.float().cpu().numpy()  # noqa: E731
-    ro, rl, *rg = oracle_varlen(host(tq), host(tk), host(tv), cq, ck, do=host(tdo),
-                                causal=causal)
-    _check(dtype, host(o), host(lse), ro, rl)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
-        assert rel_err(host(g), r) < TOL_BWD[dtype], f"{name}: {rel_err(host(g), r)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, D, causal", [("bfloat16", 128, True), ("bfloat16", 64, False),
+                                              ("float32", 64, True)])
+def test_packed_varlen_many_sequences_on_gpu(dtype, D, causal):
+    """45 sequences (two chunks of the grid's warp-wide scan, ``seams.packed_tile``; empty
+    ones at a chunk's edges, one of 20 query tiles): forward and backward against the
+    oracle."""
+    torch = _cuda_torch()
+    rng = np.random.default_rng(45 + D)
+    lq = [int(n) for n in rng.integers(1, 300, 45)]
+    lq[0] = lq[31] = lq[32] = lq[44] = 0
+    lq[7] = 20 * 128 - 3
+    lk = [n + int(rng.integers(0, 40)) for n in lq]
+    _varlen_on_gpu(torch, rng, lq, lk, 4, 2, D, dtype, causal)
 
 
 @pytest.mark.gpu

@@ -104,8 +104,9 @@ _I32P = types.CPointer(types.int32)
 #: read by varlen and KV-cache variants only, :func:`packed_args`): cu_seqlens_q,
 #: cu_seqlens_k, the keys of each cached sequence, the block table (int32 pointers), then
 #: the table's batch stride, the page size, the page stride, the packed query rows, the
-#: keys per split, and the split strides of the partial output and lse.
-PACKED_SIG = (_I32P,) * 4 + (_I64,) * 7
+#: keys per split, the split strides of the partial output and lse, and the number of
+#: varlen sequences (``device/seams.packed_tile``).
+PACKED_SIG = (_I32P,) * 4 + (_I64,) * 8
 
 
 def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False) -> tuple:
@@ -383,6 +384,16 @@ def forget_plans():
     tilings.forget_tuned()
 
 
+def _grid(rows, bm, case, heads, total):
+    """``(tiles, batch x heads)`` of a launch over ``rows`` rows per batch entry in tiles of
+    ``bm``. Varlen: every sequence's tiles on the first axis (``device/seams.packed_tile``
+    finds a tile's sequence), ``total // bm + batch`` of them (at least their number, with
+    no block past a sequence's end but for at most ``batch``), by heads."""
+    if case.varlen is None:
+        return (rows + bm - 1) // bm, case.batch * heads
+    return total // bm + case.batch, heads
+
+
 def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
                    classes, packed=None, splits=1):
     """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
@@ -393,7 +404,8 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
     classes the mask_mod's tile classes, ``(handle, batch stride, head stride, query-block
     stride)`` (:func:`no_classes`); packed the packed-rows arguments (:func:`packed_args`;
     None for a dense batch); ``splits`` key ranges per (query tile, head), on grid z."""
-    kern(((case.seqlen_q + bm - 1) // bm, case.batch * case.heads_q, splits), stream,
+    total = 0 if case.varlen is None else case.varlen.total_q
+    kern((*_grid(case.seqlen_q, bm, case, case.heads_q, total), splits), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
           *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes,
@@ -412,8 +424,8 @@ def launch_preprocess(pre, pt, case, stream, o, do, delta):
 def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
                 classes, packed=None):
     """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
-    B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    kern(((Nk + bm - 1) // bm, B * Hkv), stream,
+    Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
+    kern(_grid(Nk, bm, case, Hkv, 0 if case.varlen is None else case.varlen.total_k), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
           Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
           slopes[0], *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
@@ -422,8 +434,8 @@ def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes,
 def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs,
               classes, packed=None):
     """One dQ launch (``bm`` queries per block)."""
-    B, Hq, Hkv, Nq, Nk = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    kern(((Nq + bm - 1) // bm, B * Hq), stream,
+    Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
+    kern(_grid(Nq, bm, case, Hq, 0 if case.varlen is None else case.varlen.total_q), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
           *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
           *slopes[1], *margs, *classes, *(packed or no_packed(delta))))

@@ -27,19 +27,20 @@ def no_mod_args(buffer):
 def no_packed(buffer):
     """The packed-rows arguments of a dense call (never read)."""
     h = no_slopes(buffer)[0]
-    return (h, h, h, h, 0, 1, 0, 0, 0, 0, 0)
+    return (h, h, h, h, 0, 1, 0, 0, 0, 0, 0, 0)
 
 
 def packed_args(cu_q=None, cu_k=None, seqk=None, table=None, tsb=0, page=1, psp=0,
-                total_q=0, chunk=0, oss=0, lss=0, buffer=None):
+                total_q=0, chunk=0, oss=0, lss=0, nseq=0, buffer=None):
     """The packed-rows arguments (:data:`PACKED_SIG`) of a varlen or KV-cache call: int32
     handles (``buffer``'s, never read, where a layout has none), the block table's batch
-    stride, the page size and the page stride (paged), the packed query rows (varlen), and
-    split-KV's keys per split and the partials' split strides."""
+    stride, the page size and the page stride (paged), the packed query rows (varlen),
+    split-KV's keys per split and the partials' split strides, and the number of
+    sequences (varlen)."""
     h = no_slopes(buffer)[0]
     return (h if cu_q is None else cu_q, h if cu_k is None else cu_k,
             h if seqk is None else seqk, h if table is None else table, tsb, page, psp,
-            total_q, chunk, oss, lss)
+            total_q, chunk, oss, lss, nseq)
 
 
 def no_classes(buffer):

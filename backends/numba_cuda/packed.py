@@ -56,7 +56,7 @@ def _varlen_forward(ad, q, k, v, case):
     at = ad.address(lse, keep)
     pk = launch.packed_args(cu_q=ad.int32(vl.cu_seqlens_q, keep),
                             cu_k=ad.int32(vl.cu_seqlens_k, keep), total_q=vl.total_q,
-                            buffer=at)
+                            nseq=case.batch, buffer=at)
     stream = ad.stream(q, dev)
     launch.run_forward(case, dev, stream, _rows(ad, q, keep), _rows(ad, k, keep),
                        _rows(ad, v, keep), _rows(ad, o, keep), at, packed=pk,
@@ -83,7 +83,7 @@ def backward(ad, do, q, k, v, o, lse, case):
     lh, (l0, l1) = ad.raw(lse, keep)
     pk = launch.packed_args(cu_q=ad.int32(vl.cu_seqlens_q, keep),
                             cu_k=ad.int32(vl.cu_seqlens_k, keep), total_q=vl.total_q,
-                            buffer=dat)
+                            nseq=case.batch, buffer=dat)
     stream = ad.stream(q, dev)
     launch.run_backward(case, dev, stream, _rows(ad, do, keep), _rows(ad, q, keep),
                         _rows(ad, k, keep), _rows(ad, v, keep), _rows(ad, o, keep),

@@ -58,6 +58,9 @@ __all__ = [
     "pack_bf16x2",
     "pack_f16x2",
     "shfl_xor_f32",
+    "warp_first",
+    "warp_inclusive_sum",
+    "warp_lane_value",
     "warp_uniform",
     "tanh_approx",
 ]
@@ -257,6 +260,21 @@ if SIMULATOR:
         """``x``, the same in every lane of the warp (the GPU's version only tells ptxas)."""
         return x
 
+    def warp_inclusive_sum(v):
+        """The sum of ``v`` (int64) over lanes ``0 .. lane`` (all 32 lanes take part)."""
+        lane, vals = _warp_exchange(int(v))
+        return np.int64(sum(vals[:lane + 1]))
+
+    def warp_first(pred):
+        """The first lane whose ``pred`` holds, 32 where none does (all 32 lanes)."""
+        _, vals = _warp_exchange(bool(pred))
+        return np.int32(next((n for n, p in enumerate(vals) if p), 32))
+
+    def warp_lane_value(v, src):
+        """``v`` (int64) of lane ``src`` (all 32 lanes take part)."""
+        _, vals = _warp_exchange(int(v))
+        return np.int64(vals[int(src)])
+
     def tanh_approx(x):
         """tanh of an fp32 (``tanh.approx.f32`` on the GPU: max relative error ~2^-11)."""
         return np.float32(np.tanh(np.float32(x)))
@@ -285,6 +303,7 @@ if SIMULATOR:
 
 else:
     from llvmlite import ir
+    from numba import int32
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
@@ -480,3 +499,47 @@ else:
         from it (wgmma descriptors) in uniform registers, without an R2UR move per use (all
         32 lanes take part; CUTLASS broadcasts its warpgroup index the same way)."""
         return cuda.shfl_sync(0xFFFFFFFF, x, 0)
+
+    def _shfl_i64_intrinsic(mode, clamp):
+        """A 64-bit ``shfl.sync`` (``mode`` up or idx) as two 32-bit shuffles of its halves,
+        unpacked and packed by ``mov.b64`` (the value moves whole: no conversion narrows
+        it, which tests/ptx_addresses.py would take for a truncation)."""
+        text = ("{ .reg .b32 lo, hi; mov.b64 {lo, hi}, $1; "
+                f"shfl.sync.{mode}.b32 lo, lo, $2, {clamp}, -1; "
+                f"shfl.sync.{mode}.b32 hi, hi, $2, {clamp}, -1; mov.b64 $0, {{lo, hi}}; }}")
+
+        @intrinsic
+        def shfl(typingctx, v, d):
+            sig = types.int64(types.int64, types.int32)
+
+            def codegen(context, builder, sig, args):
+                return _asm(builder, ir.IntType(64), list(args), text, "=l,l,r")
+
+            return sig, codegen
+
+        return shfl
+
+    _shfl_up_i64 = _shfl_i64_intrinsic("up", 0)
+    _shfl_idx_i64 = _shfl_i64_intrinsic("idx", 31)
+
+    @cuda.jit(device=True, forceinline=True)
+    def warp_inclusive_sum(v):
+        """The sum of ``v`` (int64) over lanes ``0 .. lane``: five ``shfl.up`` steps (all
+        32 lanes take part)."""
+        lane = cuda.laneid
+        for d in (1, 2, 4, 8, 16):
+            y = _shfl_up_i64(v, int32(d))
+            if lane >= d:
+                v += y
+        return v
+
+    @cuda.jit(device=True, forceinline=True)
+    def warp_first(pred):
+        """The first lane whose ``pred`` holds, 32 where none does: a ballot's trailing
+        zeros, as the leading zeros of its bits reversed (all 32 lanes take part)."""
+        return cuda.clz(cuda.brev(cuda.ballot_sync(0xFFFFFFFF, pred)))
+
+    @cuda.jit(device=True, forceinline=True)
+    def warp_lane_value(v, src):
+        """``v`` (int64) of lane ``src`` (all 32 lanes take part)."""
+        return _shfl_idx_i64(v, int32(src))

@@ -30,7 +30,7 @@ from numba import float32, int32, int64
 
 from .constants import CACHE, CLASS_BLOCK, EMPTY, FULL, NEG_INF, PARTIAL, VARLEN
 from .convert import device_function
-from .intrinsics import tanh_approx
+from .intrinsics import tanh_approx, warp_first, warp_inclusive_sum, warp_lane_value
 
 
 @device_function
@@ -56,6 +56,44 @@ def query_range(k0, cols, step, causal_offset, CAUSAL):
         m_begin = max(0, k0 - causal_offset) // step * step
     m_full = k0 + cols - 1 - causal_offset
     return m_begin, m_full
+
+
+@device_function
+def packed_tile(b, tile, cu, nseq, rows, lane, WARPS, PACKED):
+    """``(b, tile)``: the batch entry and the tile of ``rows`` rows a block computes.
+    Dense rows and KV caches keep the grid's. Varlen (``PACKED``, compile-time): the
+    grid's tile axis counts the tiles of every sequence in turn (``cu`` the offsets of
+    ``nseq`` sequences), so no block falls past its sequence's end; ``tile`` is found in
+    its sequence by a warp-wide prefix sum of the sequences' tile counts, 32 sequences at
+    a time (``lane`` the thread's lane; all 32 lanes take part), or (``WARPS`` False,
+    compile-time: a block of part of a warp, as the simulator's tiny tilings) by each
+    thread on its own. The launch rounds the axis up to ``total // rows + nseq`` tiles: a
+    tile number past the last tile gives the last sequence and a tile past its end (the
+    kernel returns at once)."""
+    if PACKED != VARLEN:
+        return b, tile
+    t = int64(tile)  # (64-bit throughout: the tile moves addresses)
+    before = int64(0)  # tiles of the sequences already scanned
+    if not WARPS:
+        for s in range(nseq):
+            n = (int64(cu[s + 1]) - int64(cu[s]) + (rows - 1)) // rows
+            if t < before + n:
+                return int64(s), t - before
+            before += n
+        return int64(nseq - 1), int64(1 << 30)
+    c0 = int64(0)
+    while c0 < nseq:
+        s = c0 + lane
+        n = int64(0)
+        if s < nseq:
+            n = (int64(cu[s + 1]) - int64(cu[s]) + (rows - 1)) // rows
+        incl = warp_inclusive_sum(n)
+        first = warp_first(t < before + incl)
+        if first < 32:
+            return c0 + first, t - before - warp_lane_value(incl - n, first)
+        before += warp_lane_value(incl, 31)
+        c0 += 32
+    return int64(nseq - 1), int64(1 << 30)
 
 
 @device_function

@@ -48,7 +48,7 @@ from ..device.pipeline import (
     stage_of,
 )
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import stat_rows, visited_keys
+from ..device.seams import packed_tile, stat_rows, visited_keys
 from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_from_local,
@@ -231,7 +231,7 @@ def make_attn_forward_wgmma_pingpong(var):
                            vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
                            m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                            e12, e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table,
-                           tsb, page, psp, TQ, chunk, oss, lss):
+                           tsb, page, psp, TQ, chunk, oss, lss, nseq):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         wtid = tid & 127
@@ -244,6 +244,8 @@ def make_attn_forward_wgmma_pingpong(var):
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, True)
         b, h, hk = split_heads(bh, Hq, group)
+        b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
+                            True, PACKED)
         q0 = qt * BM
         q_row0, Nq, Nk, causal_offset, qbase, kbase, vbase = sequence_bases(
             b, h, hk, Nq, Nk, causal_offset, cu_q, cu_k, seqk, qsb, qsh, qsn, ksb, ksh, ksn,

@@ -34,6 +34,7 @@ from ..device.seams import (
     alibi,
     distance,
     key_row,
+    packed_tile,
     score,
     sequence_rows,
     slope_of,
@@ -214,7 +215,7 @@ def make_attn_forward(v):
                      vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
                      m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12,
                      e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table, tsb, page,
-                     psp, TQ, chunk, oss, lss):
+                     psp, TQ, chunk, oss, lss, nseq):
         smem = smem_pointer(cuda.shared.array(0, float32, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         tr = tid // TC
@@ -223,6 +224,8 @@ def make_attn_forward(v):
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, True)
         b, h, hk = split_heads(bh, Hq, group)
+        b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
+                            NT % 32 == 0, PACKED)
         q0 = qt * BM
         # this batch entry's rows (packed: its sequence's; a cache: its key count)
         q_row0, k_row0, Nq, Nk, causal_offset, lrow, _ = sequence_rows(

@@ -49,6 +49,7 @@ from ..device.seams import (
     class_query_range,
     distance,
     hides,
+    packed_tile,
     query_range,
     sequence_rows,
     slope_of,
@@ -323,7 +324,7 @@ def make_attn_backward_dkdv_tc(v):
                               lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0, e1,
                               e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15,
                               cls, csb, csh, csq, cu_q, cu_k, seqk, table, tsb, page, psp, TQ,
-                              chunk, oss, lss):
+                              chunk, oss, lss, nseq):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -333,8 +334,10 @@ def make_attn_backward_dkdv_tc(v):
         # (causal: heaviest first; the first key tile is seen by the most queries)
         kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, False)
-        k0 = kt * BM
         b, hk, _ = split_heads(bh, Hkv, 1)
+        b, kt = packed_tile(b, kt, cu_k, nseq, BM, cuda.threadIdx.x & 31,
+                            True, PACKED)
+        k0 = kt * BM
         # this batch entry's rows (varlen: its sequence's) and where they start
         q_row0, k_row0, Nq, Nk, causal_offset, sb0, sstep = sequence_rows(
             b, 0, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
@@ -429,7 +432,7 @@ def make_attn_backward_dq_tc(v):
                             gsb, gsh, gsn, gsd, dqsb, dqsh, dqsn, dqsd, lsb, lsh, lsn, scale,
                             slopes, ssb, ssh, m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7,
                             e8, e9, e10, e11, e12, e13, e14, e15, cls, csb, csh, csq, cu_q,
-                            cu_k, seqk, table, tsb, page, psp, TQ, chunk, oss, lss):
+                            cu_k, seqk, table, tsb, page, psp, TQ, chunk, oss, lss, nseq):
         smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -439,8 +442,10 @@ def make_attn_backward_dq_tc(v):
         # (causal: heaviest first; the last query tile sees the most keys)
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
                             CAUSAL, True)
-        q0 = qt * BM
         b, h, hk = split_heads(bh, Hq, group)
+        b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
+                            True, PACKED)
+        q0 = qt * BM
         # this batch entry's rows (varlen: its sequence's) and where they start
         q_row0, k_row0, Nq, Nk, causal_offset, srow, _ = sequence_rows(
             b, h, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
