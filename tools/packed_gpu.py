@@ -32,8 +32,25 @@ from flashcore._mods import options as _options
 from flashcore._packed_checks import make_kvcache_case, make_varlen_case
 
 #: PACKED_TILES=<tag>: the varlen forward (backend alone) timed on that wgmma tiling too;
-#: PACKED_SKIP_DECODE=1: the varlen part only.
+#: PACKED_SKIP_DECODE=1: the varlen part only; PACKED_PROFILE=1: each kernel's time in one
+#: varlen and one padded forward+backward (torch.profiler), printed per causal mode.
 TILES = os.environ.get("PACKED_TILES", "")
+PROFILE = os.environ.get("PACKED_PROFILE", "") == "1"
+
+
+def kernel_times(fn, label):
+    """Print each GPU kernel's time (ms, summed over its launches) in one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    print(f"  kernels of {label}: " + "; ".join(f"{k[:48]} {t:.3f}ms x{n}"
+                                                for k, t, n in rows[:6]))
 
 
 def timed(fn, reps=20, warm=3):
@@ -196,6 +213,9 @@ def varlen(rows):
                     v[None, a:b].transpose(1, 2), is_causal=causal)
 
         res["sdpa_per_seq_fwd"] = timed(per_seq, reps=10)
+        if PROFILE:
+            kernel_times(vl_fb, f"varlen f+b, causal={causal}")
+            kernel_times(pad_fb, f"padded f+b, causal={causal}")
         rows.append(res)
 
 

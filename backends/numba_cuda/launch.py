@@ -413,12 +413,14 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
 
 
 def launch_preprocess(pre, pt, case, stream, o, do, delta):
-    """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``pt`` rows per block) over
-    the call's rows: (B, Hq, Nq), or for varlen the packed rows as one batch entry."""
+    """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``pt`` threads per block, a
+    warp per row) over the call's rows: (B, Hq, Nq), or for varlen the packed rows as one
+    batch entry."""
     B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
     if case.varlen is not None:
         B, Nq = 1, case.varlen.total_q
-    pre(((Nq + pt - 1) // pt, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    rows = pt // 32
+    pre(((Nq + rows - 1) // rows, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
 
 
 def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,

@@ -234,7 +234,7 @@ SIMULATOR_SIMT = KernelTiles(
     forward=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
     dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2, async_copy=True, one_ps_buffer=True),
     dq=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
-    preprocess_threads=8,
+    preprocess_threads=32,  # (a warp per row: one row per block)
 )
 
 #: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ, causal forward or
