@@ -188,7 +188,7 @@ def _varlen_host_calls(static):
 def _varlen_gpu_calls(static):
     """Forward and backward through ``buffer_callback``: numba_cuda's kernels on XLA's
     buffers and stream. The offsets are made int32 by XLA before the callback, which reads
-    them to the host (the checks, and the longest sequence, which sizes the grid)."""
+    them to the host (the checks, and the longest sequence, which the case carries)."""
     max_q, max_k, causal, scale, name, mods = static
     buffer_callback = _buffer_callback()
     launcher = _gpu_launcher(name)

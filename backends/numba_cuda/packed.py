@@ -5,9 +5,10 @@ The kernels are the dense ones compiled for a row layout (``Variant.packed``; th
 ``device/seams.sequence`` gives each batch entry its rows):
 
 - varlen: q ``(total_q, Hq, D)`` is seen as one batch entry whose rows the offsets cut
-  into sequences: strides ``(0, head, row, col)``, the grid's batch axis runs over the
-  sequences and its query-tile axis over the longest one (blocks past a sequence's end
-  return at once). lse and delta are ``(Hq, total_q)``.
+  into sequences: strides ``(0, head, row, col)``; the grid's tile axis counts every
+  sequence's tiles in turn (``device/seams.packed_tile`` finds a block's sequence), so no
+  block falls past its sequence's end but for the at most ``batch`` that round the axis
+  up. lse and delta are ``(Hq, total_q)``.
 - KV cache: the cache is the key/value array, a sequence's key count
   ``cache_seqlens[b] + Nnew`` is read per block; a paged cache is read through its block
   table. With one query row and grouped heads (decoding), the group's query heads become
