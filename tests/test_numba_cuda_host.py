@@ -243,3 +243,28 @@ def test_split_plan_aims_at_warps_per_multiprocessor():
         splits, chunk = launch.split_plan(case(L), decode, asked, 132)
         assert 1 <= splits <= min(asked, -(-L // 64))
         assert chunk % 64 == 0 and splits * chunk >= L > (splits - 1) * chunk
+
+
+@pytest.mark.parametrize("grid_x, grid_y", [(5, 3), (7, 8), (4, 20), (64, 64), (3, 17), (1, 9)])
+@pytest.mark.parametrize("last_heaviest", [True, False])
+def test_causal_tiles_go_out_heaviest_first_by_head_group(grid_x, grid_y, last_heaviest):
+    """prologue.block_tile (the device function's Python body) maps the causal grid one to
+    one onto (tile, row); in launch order the rows come in groups of HEAD_GROUP (the last
+    one smaller), each group handing out its tiles heaviest first; without causal the map
+    is the grid itself."""
+    from flashcore.backends.numba_cuda.device.constants import HEAD_GROUP
+    from flashcore.backends.numba_cuda.device.prologue import block_tile
+
+    fn = getattr(block_tile, "py_func", block_tile)
+    order = [fn(x, y, grid_x, grid_y, True, last_heaviest)
+             for y in range(grid_y) for x in range(grid_x)]  # (launch order: x fastest)
+    assert sorted(order) == [(t, r) for t in range(grid_x) for r in range(grid_y)]
+    weight = [(grid_x - t if not last_heaviest else t + 1) for t, _ in order]
+    for g in range(0, grid_y, HEAD_GROUP):
+        rows = min(HEAD_GROUP, grid_y - g)
+        part = slice(g * grid_x, (g + rows) * grid_x)
+        assert {r for _, r in order[part]} == set(range(g, g + rows))
+        assert weight[part] == sorted(weight[part], reverse=True)
+    assert [fn(x, y, grid_x, grid_y, False, last_heaviest)
+            for y in range(grid_y) for x in range(grid_x)] == [
+        (x, y) for y in range(grid_y) for x in range(grid_x)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from numba import float32
 
-from .constants import LOG2E, NEG_INF, POS_INF
+from .constants import HEAD_GROUP, LOG2E, NEG_INF, POS_INF
 from .convert import device_function
 
 
@@ -12,17 +12,24 @@ from .convert import device_function
 def block_tile(block_x, block_y, grid_x, grid_y, CAUSAL, LAST_HEAVIEST):
     """``(tile, bh)`` of block ``(block_x, block_y)`` on a grid of ``(grid_x, grid_y)`` =
     (tiles, batch * heads) blocks: as launched, or (``CAUSAL``: tiles differ in work)
-    heaviest first across all heads. Blocks start in order of their linear index (x
-    fastest), so linear index ``L`` becomes rank ``L // grid_y`` of head ``L % grid_y``:
-    every head's heaviest tile (the last one with ``LAST_HEAVIEST``, else the first) starts
-    before any lighter one, and the grid's tail is made of the lightest tiles, not of a
-    heavy one started last. (Arguments, not ``cuda.blockIdx``: the simulator gives kernels,
-    not helpers, their thread's view.)"""
+    heaviest first within each group of :data:`HEAD_GROUP` grid rows. Blocks start in order
+    of their linear index (x fastest); group ``g`` takes the linear indices ``g * HEAD_GROUP
+    * grid_x`` on, and in it index ``L`` becomes rank ``L // rows`` of row ``L % rows``
+    (``rows`` the group's, fewer in a last partial group): every head of the group starts
+    its heaviest tile (the last one with ``LAST_HEAVIEST``, else the first) before any
+    lighter one, so a group's tail is made of its lightest tiles, while the blocks running
+    at once read the keys and values of a few heads, which stay in L2. (Arguments, not
+    ``cuda.blockIdx``: the simulator gives kernels, not helpers, their thread's view.)"""
     if not CAUSAL:
         return block_x, block_y
     lin = block_x + block_y * grid_x
-    rank = lin // grid_y
-    return (grid_x - 1 - rank if LAST_HEAVIEST else rank), lin - rank * grid_y
+    span = HEAD_GROUP * grid_x  # blocks of a whole group
+    grp = lin // span
+    rows = min(HEAD_GROUP, grid_y - grp * HEAD_GROUP)
+    within = lin - grp * span
+    rank = within // rows
+    bh = grp * HEAD_GROUP + within - rank * rows
+    return (grid_x - 1 - rank if LAST_HEAVIEST else rank), bh
 
 
 @device_function
