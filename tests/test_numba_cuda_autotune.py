@@ -124,8 +124,9 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
     # (no ALiBi: a float32 buffer no kernel reads, zero strides; no mod_args: that buffer
     # for each of the 4 pointers, extents 0; no tile classes: that buffer, strides 0)
     no_slopes = (delta, 0, 0, delta, delta, delta, delta) + (0,) * 16 + (delta, 0, 0, 0)
-    # (a dense call: the packed-rows arguments are a buffer no kernel reads, page size 1)
-    packed = lambda x: (x, x, x, x, 0, 1, 0, 0, 0, 0, 0)  # noqa: E731
+    # (a dense call: the packed-rows arguments are a buffer no kernel reads, page size 1,
+    # no sequences)
+    packed = lambda x: (x, x, x, x, 0, 1, 0, 0, 0, 0, 0, 0)  # noqa: E731
     expected = {
         "forward": (q, k, v, o, lse, N, N, H, 1, 0, *st, *st, *st, *st, scale, *no_slopes,
                     *packed(lse)),
