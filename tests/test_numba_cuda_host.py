@@ -250,13 +250,13 @@ def test_split_plan_aims_at_warps_per_multiprocessor():
 def test_causal_tiles_go_out_heaviest_first_by_head_group(grid_x, grid_y, last_heaviest):
     """prologue.block_tile (the device function's Python body) maps the causal grid one to
     one onto (tile, row); in launch order the rows come in groups of HEAD_GROUP (the last
-    one smaller), each group handing out its tiles heaviest first; without causal the map
-    is the grid itself."""
+    one smaller), each group handing out its tiles heaviest first (with GROUP 0, the whole
+    grid at once); without causal the map is the grid itself."""
     from flashcore.backends.numba_cuda.device.constants import HEAD_GROUP
     from flashcore.backends.numba_cuda.device.prologue import block_tile
 
     fn = getattr(block_tile, "py_func", block_tile)
-    order = [fn(x, y, grid_x, grid_y, True, last_heaviest)
+    order = [fn(x, y, grid_x, grid_y, True, last_heaviest, HEAD_GROUP)
              for y in range(grid_y) for x in range(grid_x)]  # (launch order: x fastest)
     assert sorted(order) == [(t, r) for t in range(grid_x) for r in range(grid_y)]
     weight = [(grid_x - t if not last_heaviest else t + 1) for t, _ in order]
@@ -265,6 +265,12 @@ def test_causal_tiles_go_out_heaviest_first_by_head_group(grid_x, grid_y, last_h
         part = slice(g * grid_x, (g + rows) * grid_x)
         assert {r for _, r in order[part]} == set(range(g, g + rows))
         assert weight[part] == sorted(weight[part], reverse=True)
-    assert [fn(x, y, grid_x, grid_y, False, last_heaviest)
+    assert [fn(x, y, grid_x, grid_y, False, last_heaviest, HEAD_GROUP)
             for y in range(grid_y) for x in range(grid_x)] == [
         (x, y) for y in range(grid_y) for x in range(grid_x)]
+    # GROUP 0 (the mma.sync and SIMT kernels): heaviest first across every row
+    every = [fn(x, y, grid_x, grid_y, True, last_heaviest, 0)
+             for y in range(grid_y) for x in range(grid_x)]
+    assert sorted(every) == sorted(order)
+    w = [(grid_x - t if not last_heaviest else t + 1) for t, _ in every]
+    assert w == sorted(w, reverse=True)

@@ -28,8 +28,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 #: dense batch; packed variable-length sequences; a KV cache, contiguous or paged.
 DENSE, VARLEN, CACHE, PAGED = 0, 1, 2, 3
 PACKING = {"": DENSE, "varlen": VARLEN, "cache": CACHE, "paged": PAGED}
-#: Rows of the grid (batch x heads) whose tiles a causal grid hands out together, heaviest
-#: first (``prologue.block_tile``): the blocks running at once then share few heads' keys
+#: Rows of the grid (batch x heads) whose tiles a causal wgmma grid hands out together,
+#: heaviest first (``prologue.block_tile``): the blocks running at once then share few heads' keys
 #: and values in L2. Handed out across all heads, the 132-264 blocks an H100 runs at once
 #: were about two per head at B=4 H=16, each reading its head's keys from HBM; 8 heads'
 #: keys and values at N=8192, D=128, bf16 are 32 MB, inside the 50 MB L2.

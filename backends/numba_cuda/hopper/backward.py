@@ -44,7 +44,7 @@ import math
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, LOG2E, NEG_INF, PACKING, SMEM_ALIGN
+from ..device.constants import DENSE, HEAD_GROUP, LOG2E, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
 from ..device.pipeline import bulk_wait, bulk_wait_read, named_sync
@@ -291,7 +291,7 @@ def make_attn_backward_dkdv_wgmma(var):
         tq = lane & 3
         # (causal: heaviest first; the first key tile is seen by the most queries)
         kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
-                            CAUSAL, False)
+                            CAUSAL, False, HEAD_GROUP)
         b, hk, _ = split_heads(bh, Hkv, 1)
         b, kt = packed_tile(b, kt, cu_k, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)
@@ -497,7 +497,7 @@ def make_attn_backward_dq_wgmma(var):
         tq = lane & 3
         # (causal: heaviest first; the last query tile sees the most keys)
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
-                            CAUSAL, True)
+                            CAUSAL, True, HEAD_GROUP)
         b, h, hk = split_heads(bh, Hq, group)
         b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)

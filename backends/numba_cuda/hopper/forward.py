@@ -46,6 +46,7 @@ from ..device.constants import (
     DENSE,
     EMPTY,
     FLT_MIN,
+    HEAD_GROUP,
     LOG2E,
     NEG_INF,
     PACKING,
@@ -381,7 +382,7 @@ def make_attn_forward_wgmma(var):
         tq = lane & 3
         # (causal: heaviest first; the last query tile sees the most keys)
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
-                            CAUSAL, True)
+                            CAUSAL, True, HEAD_GROUP)
         b, h, hk = split_heads(bh, Hq, group)
         b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, NEG_INF, PACKING, SMEM_ALIGN
+from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp_uniform
 from ..device.pipeline import (
@@ -242,7 +242,7 @@ def make_attn_forward_wgmma_pingpong(var):
         g = lane >> 2
         tq = lane & 3
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
-                            CAUSAL, True)
+                            CAUSAL, True, HEAD_GROUP)
         b, h, hk = split_heads(bh, Hq, group)
         b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)

@@ -333,7 +333,7 @@ def make_attn_backward_dkdv_tc(v):
         tq = lane & 3
         # (causal: heaviest first; the first key tile is seen by the most queries)
         kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
-                            CAUSAL, False)
+                            CAUSAL, False, 0)
         b, hk, _ = split_heads(bh, Hkv, 1)
         b, kt = packed_tile(b, kt, cu_k, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)
@@ -441,7 +441,7 @@ def make_attn_backward_dq_tc(v):
         tq = lane & 3
         # (causal: heaviest first; the last query tile sees the most keys)
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
-                            CAUSAL, True)
+                            CAUSAL, True, 0)
         b, h, hk = split_heads(bh, Hq, group)
         b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)

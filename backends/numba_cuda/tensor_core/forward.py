@@ -276,7 +276,7 @@ def make_attn_forward_tc(v):
         tq = lane & 3
         # (causal: heaviest first; the last query tile sees the most keys)
         qt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
-                            CAUSAL, True)
+                            CAUSAL, True, 0)
         b, h, hk = split_heads(bh, Hq, group)
         b, qt = packed_tile(b, qt, cu_q, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)
