@@ -1,7 +1,17 @@
 import os
+import sys
 
 # Every backend fills its result buffers with NaN before its kernels run (flashcore._poison).
 os.environ.setdefault("FLASHCORE_POISON", "1")
+
+# Under numba's CUDA simulator each thread of a block is a Python thread, and the thread
+# that launched the kernel polls them in a busy loop (numba/cuda/simulator/kernel.py) while
+# holding the GIL, which it hands over only every switch interval (5 ms by default): most of
+# a simulated kernel's time went to that wait. A 0.2 ms interval ran a simulated
+# tensor-core forward+backward in 7.4 s instead of 29 s (0.5 ms: 7.3 s; 0.05 ms: 11.8 s;
+# 2-core AMD EPYC host). It changes only when threads switch, not what they compute.
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    sys.setswitchinterval(2e-4)
 
 import pytest  # noqa: E402
 

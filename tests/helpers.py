@@ -153,3 +153,31 @@ def assert_nan_rows(o, lse, bad):
     if lse is not None:
         lse = np.asarray(lse, dtype=np.float64)
         assert (np.isnan(lse) == bad).all(), f"NaN lse {np.argwhere(np.isnan(lse)).tolist()}"
+
+
+def run_under_simulator(request, test_file, select=None, tensor_cores=None, timeout=1800):
+    """Runs ``test_file``'s tests again in a subprocess with numba's CUDA simulator on
+    (``FLASHCORE_POISON=1``; ``tensor_cores`` True/False sets ``FLASHCORE_TENSOR_CORES``),
+    those matching the ``-k`` expression ``select``, and fails with the subprocess's tail.
+    A calling run that leaves out tests marked slow (``-m "not slow"``, the README's command)
+    leaves them out of the subprocess too; ``nox -s tests-cudasim`` runs them all."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
+    if tensor_cores is not None:
+        env["FLASHCORE_TENSOR_CORES"] = "1" if tensor_cores else "0"
+    here = Path(test_file).resolve()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)]
+    if select:
+        cmd += ["-k", select]
+    if "not slow" in (request.config.getoption("markexpr") or ""):
+        cmd += ["-m", "not slow"]
+    proc = subprocess.run(cmd, cwd=here.parent.parent, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"simulator run failed:\n{tail}"
+    assert " passed" in proc.stdout, tail
+    print(proc.stdout.strip().splitlines()[-1])

@@ -17,7 +17,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
-from helpers import TOL_BWD, TOL_FWD, rel_err  # noqa: E402
+from helpers import TOL_BWD, TOL_FWD, rel_err, run_under_simulator  # noqa: E402
 from packed_helpers import oracle_kvcache, oracle_varlen, packed  # noqa: E402
 
 import flashcore  # noqa: E402
@@ -380,22 +380,9 @@ def simulated_gpu(monkeypatch):
 if not SIM:
 
     @pytest.mark.cudasim
-    def test_callbacks_under_simulator():
+    def test_callbacks_under_simulator(request):
         """Runs the cases below in a subprocess with the simulator on (CUDA-core family)."""
-        import subprocess
-        import sys
-        from pathlib import Path
-
-        env = dict(__import__("os").environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1",
-                   FLASHCORE_TENSOR_CORES="0")
-        here = Path(__file__).resolve()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
-             "sim_"], cwd=here.parent.parent, env=env, capture_output=True, text=True,
-            timeout=1800, check=False)
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
-        assert " passed" in proc.stdout, tail
+        run_under_simulator(request, __file__, "sim_", tensor_cores=False)
 
 else:
 

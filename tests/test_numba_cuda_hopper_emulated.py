@@ -22,9 +22,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,6 +49,7 @@ def _id(c):
 
 
 if not SIM:
+    from helpers import run_under_simulator
 
     @pytest.mark.parametrize("only", [
         # (about 45 s: GQA, causal Nq < Nk, bf16; the varlen cases took 3 min more in CI,
@@ -63,20 +61,9 @@ if not SIM:
                      f"not slow) or barrier or (fused_backward and not slow) or "
                      f"(window_backward and not slow)", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
-    def test_hopper_kernels_under_simulator(only):
+    def test_hopper_kernels_under_simulator(only, request):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
-        here = Path(__file__).resolve()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)]
-            + (["-k", only] if only else []),
-            cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=3000,
-            check=False,
-        )
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
-        assert " passed" in proc.stdout, tail
-        print(proc.stdout.strip().splitlines()[-1])
+        run_under_simulator(request, __file__, only, timeout=3000)
 
 else:
     from flashcore.backends.numba_cuda import launch, tilings

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 import types as pytypes
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +30,7 @@ from helpers import (
     qkv,
     rand,
     rel_err,
+    run_under_simulator,
 )
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
@@ -164,18 +162,9 @@ if SIM:
 else:
 
     @pytest.mark.cudasim
-    def test_tc_in_simulator_subprocess():
+    def test_tc_in_simulator_subprocess(request):
         """Runs this file again with the simulator on."""
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1")
-        here = Path(__file__).resolve()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],
-            cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=1200,
-            check=False,
-        )
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
-        assert " passed" in proc.stdout, tail
+        run_under_simulator(request, __file__, timeout=1200)
 
     #: mma instructions per streamed tile: the forward's Q Kᵀ and P V, the dK/dV kernel's
     #: Sᵀ, dPᵀ, dV and dK, the dQ kernel's S, dP and dQ, each (16 x block_n x head_dim) /

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TOL_BWD, TOL_FWD, qkv, rand, rel_err
+from helpers import TOL_BWD, TOL_FWD, qkv, rand, rel_err, run_under_simulator
 
 import flashcore
 
@@ -105,18 +102,10 @@ if not SIM:
 
     @pytest.mark.cudasim
     @pytest.mark.parametrize("family", ["simt", "tensor_core"])
-    def test_window_under_simulator(family):
+    def test_window_under_simulator(family, request):
         """Runs the cases below in a subprocess with the simulator on."""
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1",
-                   FLASHCORE_TENSOR_CORES="0" if family == "simt" else "1")
-        here = Path(__file__).resolve()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
-             f"sim_{family}"], cwd=here.parent.parent, env=env, capture_output=True,
-            text=True, timeout=1800, check=False)
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
-        assert " passed" in proc.stdout, tail
+        run_under_simulator(request, __file__, f"sim_{family}",
+                            tensor_cores=family != "simt")
 
 else:
     # (marked cudasim so that ``nox -s tests-cudasim``, which runs with the simulator on,
