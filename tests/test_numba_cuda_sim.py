@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +27,7 @@ from helpers import (
     qkv,
     rand,
     rel_err,
+    run_under_simulator,
 )
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
@@ -43,22 +41,11 @@ pytestmark = [
 
 if not SIM:
 
-    def test_kernels_under_simulator():
+    def test_kernels_under_simulator(request):
         """Runs the cases below in a subprocess with the simulator on."""
         # The SIMT kernels: fp16/bf16 would otherwise go to the tensor-core kernel, whose
         # simulator tests are tests/test_numba_cuda_tc.py.
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", FLASHCORE_POISON="1",
-                   FLASHCORE_TENSOR_CORES="0")
-        here = Path(__file__).resolve()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)],
-            cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=1800,
-            check=False,
-        )
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, f"simulator run failed:\n{tail}"
-        assert " passed" in proc.stdout, tail
-        print(proc.stdout.strip().splitlines()[-1])
+        run_under_simulator(request, __file__, tensor_cores=False)
 
 else:
     import flashcore
@@ -198,7 +185,8 @@ else:
 
         t = tiles.Tiles(block_m=8, block_n=16, rows=2, cols=16, min_blocks=min_blocks,
                         async_copy=streamed)
-        monkeypatch.setattr(tiles, "SIMULATOR_SIMT", tiles.KernelTiles(t, t, t, 32))
+        kt = tiles.KernelTiles(t, t, t, tiles.RowTiles(32, 32))  # (the GPU's 32 lanes)
+        monkeypatch.setattr(tiles, "SIMULATOR_SIMT", kt)
         monkeypatch.setattr(launch, "_PLANS", {})  # (plans are cached per kind of call)
         c = dict(B=1, Hq=2, Hkv=1, Nq=11, Nk=19, D=12, dtype="float32", causal=True,
                  layout="bnhd")

@@ -90,7 +90,7 @@ def variant(kernel, head_dim, causal, dtype, tiles, cc):
 
 def compile_ptx(kernel, head_dim, causal, dtype, tiles, cc):
     """PTX of one kernel and its tiling (the pass's own: a Tiles, a TCTiles or the
-    preprocess kernel's thread count)."""
+    preprocess kernel's tilings.RowTiles)."""
     import numba.cuda.dispatcher as nd
     from numba import cuda
 

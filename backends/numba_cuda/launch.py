@@ -270,7 +270,7 @@ def simt_variants(head_dim, dtype, causal, kt, aligned=True, **mask):
         return Variant(kernel, "simt", head_dim, dtype, causal, t,
                        tilings.streams(t, dtype, aligned), **mask)
     return [one("forward", kt.forward),
-            Variant("preprocess", "simt", head_dim, dtype, False, kt.preprocess_threads),
+            Variant("preprocess", "simt", head_dim, dtype, False, kt.preprocess),
             one("dkdv", kt.dkdv), one("dq", kt.dq)]
 
 
@@ -384,13 +384,17 @@ def forget_plans():
     tilings.forget_tuned()
 
 
-def _grid(rows, bm, case, heads, total):
-    """``(tiles, batch x heads)`` of a launch over ``rows`` rows per batch entry in tiles of
-    ``bm``. Varlen: every sequence's tiles on the first axis (``device/seams.packed_tile``
-    finds a tile's sequence), ``total // bm + batch`` of them (at least their number, with
-    no block past a sequence's end but for at most ``batch``), by heads."""
+def _grid(bm, case, keys=False):
+    """``(tiles, batch x heads)`` of a launch over the call's query rows (or its key rows,
+    by the key heads, where ``keys``) in tiles of ``bm``. Varlen: every sequence's tiles on
+    the first axis (``device/seams.packed_tile`` finds a tile's sequence), ``total // bm +
+    batch`` of them (at least their number, with no block past a sequence's end but for at
+    most ``batch``), by heads."""
+    heads = case.heads_kv if keys else case.heads_q
     if case.varlen is None:
+        rows = case.seqlen_k if keys else case.seqlen_q
         return (rows + bm - 1) // bm, case.batch * heads
+    total = case.varlen.total_k if keys else case.varlen.total_q
     return total // bm + case.batch, heads
 
 
@@ -404,22 +408,20 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
     classes the mask_mod's tile classes, ``(handle, batch stride, head stride, query-block
     stride)`` (:func:`no_classes`); packed the packed-rows arguments (:func:`packed_args`;
     None for a dense batch); ``splits`` key ranges per (query tile, head), on grid z."""
-    total = 0 if case.varlen is None else case.varlen.total_q
-    kern((*_grid(case.seqlen_q, bm, case, case.heads_q, total), splits), stream,
+    kern((*_grid(bm, case), splits), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
           *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes,
           *(packed or no_packed(lse))))
 
 
-def launch_preprocess(pre, pt, case, stream, o, do, delta):
-    """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``pt`` threads per block, a
-    warp per row) over the call's rows: (B, Hq, Nq), or for varlen the packed rows as one
-    batch entry."""
+def launch_preprocess(pre, rows, case, stream, o, do, delta):
+    """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``rows`` per block,
+    tilings.RowTiles) over the call's rows: (B, Hq, Nq), or for varlen the packed rows as
+    one batch entry."""
     B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
     if case.varlen is not None:
         B, Nq = 1, case.varlen.total_q
-    rows = pt // 32
     pre(((Nq + rows - 1) // rows, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
 
 
@@ -427,7 +429,7 @@ def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes,
                 classes, packed=None):
     """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
     Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    kern(_grid(Nk, bm, case, Hkv, 0 if case.varlen is None else case.varlen.total_k), stream,
+    kern(_grid(bm, case, keys=True), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
           Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
           slopes[0], *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
@@ -437,7 +439,7 @@ def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs
               classes, packed=None):
     """One dQ launch (``bm`` queries per block)."""
     Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    kern(_grid(Nq, bm, case, Hq, 0 if case.varlen is None else case.varlen.total_q), stream,
+    kern(_grid(bm, case), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
           *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
           *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
@@ -549,10 +551,10 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
     if hop and dq_acc is not None:
         return run_fused_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk,
                                   dv, dq_acc)
-    pre, pt, dkdv, dkdv_bm, dqk, dq_bm = _plan(
+    pre, pre_rows, dkdv, dkdv_bm, dqk, dq_bm = _plan(
         "backward", case, device, tiles, _fp32_rows_aligned(case, q, k, v, do), tc,
         hopper=hop)
-    launch_preprocess(pre, pt, case, stream, o, do, delta)
+    launch_preprocess(pre, pre_rows, case, stream, o, do, delta)
     slopes = slopes or no_slopes(delta)
     margs = margs or no_mod_args(delta)
     classes = classes or no_classes(delta)
@@ -566,14 +568,14 @@ def run_fused_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk,
     """The non-deterministic mode (:func:`fused_backward`): the accumulator ``dq_acc`` (a
     handle of a float32 (B, Hq, Nq, D) buffer) zeroed, the preprocess, the dkdvq kernel
     (dK, dV, and dQ's parts added into the accumulator), then dQ = accumulator × scale."""
-    pre, pt, dkdvq, bm, conv, ct = _plan("fused", case, device, None, True, True,
+    pre, pre_rows, dkdvq, bm, conv, ct = _plan("fused", case, device, None, True, True,
                                          hopper=True)
     B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
     rows = B * Hq * Nq
     strides = (Hq * Nq * D, Nq * D, D)
     grid = ((rows * D + ct - 1) // ct, 1)
     conv(grid, stream, (dq_acc, dq[0], 1, rows, Hq, Nq, *strides, *dq[1], 1.0))
-    launch_preprocess(pre, pt, case, stream, o, do, delta)
+    launch_preprocess(pre, pre_rows, case, stream, o, do, delta)
     launch_dkdv(dkdvq, bm, case, stream, q, k, v, do, lse, delta, dk, dv,
                 (dq_acc, strides[:2]), no_mod_args(delta), no_classes(delta))
     conv(grid, stream, (dq_acc, dq[0], 0, rows, Hq, Nq, *strides, *dq[1], float(case.scale)))

@@ -120,13 +120,40 @@ class Tiles:
 
 
 @dataclass(frozen=True)
+class RowTiles:
+    """The backward preprocess's tiling (``delta = rowsum(dO * O)``): ``threads`` per block
+    (whole warps), ``lanes`` consecutive lanes per row (a power of two up to 32), each
+    reading every ``lanes``-th element of the row, then summing by shuffles. On a GPU a
+    warp per row (32 lanes: a warp's load reads 32 consecutive elements); the simulator
+    takes 4 (each simulated thread is a Python thread: 32 per row cost twice the CI time)."""
+
+    threads: int = 128
+    lanes: int = 32
+
+    def __post_init__(self):
+        if self.threads % 32 or self.threads <= 0:
+            raise ValueError(f"the preprocess takes whole warps; got {self.threads} threads")
+        if self.lanes not in (2, 4, 8, 16, 32):
+            raise ValueError(f"lanes={self.lanes} is not a power of two from 2 to 32")
+
+    @property
+    def block_m(self) -> int:
+        """Rows a block sums."""
+        return self.threads // self.lanes
+
+    @property
+    def tag(self) -> str:
+        return f"t{self.threads}" + ("" if self.lanes == 32 else f"l{self.lanes}")
+
+
+@dataclass(frozen=True)
 class KernelTiles:
     """The tilings of the three passes, as chosen for one (head dim, dtype, causal, cc)."""
 
     forward: Tiles
     dkdv: Tiles  # block_m: key rows owned by a block; block_n: query rows per step
     dq: Tiles  # block_m: query rows owned by a block; block_n: key rows per step
-    preprocess_threads: int = 128
+    preprocess: RowTiles = RowTiles()
 
 
 def _gcd(a, b):
@@ -234,7 +261,7 @@ SIMULATOR_SIMT = KernelTiles(
     forward=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
     dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2, async_copy=True, one_ps_buffer=True),
     dq=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
-    preprocess_threads=32,  # (a warp per row: one row per block)
+    preprocess=RowTiles(32, 4),  # (8 rows per block, 4 lanes each)
 )
 
 #: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ, causal forward or

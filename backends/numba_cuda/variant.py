@@ -61,9 +61,11 @@ class Variant:
     """One compiled kernel.
 
     ``tiles`` is a :class:`tilings.Tiles` (simt), a :class:`tilings.TCTiles`
-    (tensor_core), a :class:`tilings.HopperTiles` (hopper: the sm_90a wgmma forward and backward), or the thread count of the preprocess kernel. ``streamed`` (simt fp32
-    only): K and V (forward, dQ) or Q and dO (dK/dV) arrive by 16-byte ``cp.async`` copies
-    and are stored as rows (``tilings.streams``).
+    (tensor_core), a :class:`tilings.HopperTiles` (hopper: the sm_90a wgmma forward and
+    backward), a :class:`tilings.RowTiles` (the preprocess), or the thread count of the
+    other elementwise kernels. ``streamed`` (simt fp32 only): K and V (forward, dQ) or Q
+    and dO (dK/dV) arrive by 16-byte ``cp.async`` copies and are stored as rows
+    (``tilings.streams``).
     """
 
     kernel: str
@@ -114,12 +116,12 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        return self.tiles if self.kernel in ELEMENTWISE else self.tiles.threads
+        return self.tiles if isinstance(self.tiles, int) else self.tiles.threads
 
     @property
     def block_m(self) -> int:
         """Rows a block owns: queries (forward, dQ), keys (dK/dV), queries (preprocess)."""
-        return self.tiles if self.kernel in ELEMENTWISE else self.tiles.block_m
+        return self.tiles if isinstance(self.tiles, int) else self.tiles.block_m
 
     @property
     def launch_bounds(self):
@@ -161,7 +163,7 @@ class Variant:
         if self.split:
             mask += "_split"
         if self.kernel == "preprocess":
-            return f"{self.entry}_d{d}_t{t}"
+            return f"{self.entry}_d{d}_{t.tag}"
         if self.kernel in ELEMENTWISE:
             return f"{self.entry}_{self.packed or 'dense'}_t{t}_{self.dtype}"
         if self.family == "hopper":

@@ -59,6 +59,12 @@ def query_range(k0, cols, step, causal_offset, CAUSAL):
 
 
 @device_function
+def sequence_tiles(cu, s, rows):
+    """The number of ``rows``-row tiles of packed sequence ``s`` (``cu`` its offsets)."""
+    return (int64(cu[s + 1]) - int64(cu[s]) + (rows - 1)) // rows
+
+
+@device_function
 def packed_tile(b, tile, cu, nseq, rows, lane, WARPS, PACKED):
     """``(b, tile)``: the batch entry and the tile of ``rows`` rows a block computes.
     Dense rows and KV caches keep the grid's. Varlen (``PACKED``, compile-time): the
@@ -76,7 +82,7 @@ def packed_tile(b, tile, cu, nseq, rows, lane, WARPS, PACKED):
     before = int64(0)  # tiles of the sequences already scanned
     if not WARPS:
         for s in range(nseq):
-            n = (int64(cu[s + 1]) - int64(cu[s]) + (rows - 1)) // rows
+            n = sequence_tiles(cu, s, rows)
             if t < before + n:
                 return int64(s), t - before
             before += n
@@ -86,7 +92,7 @@ def packed_tile(b, tile, cu, nseq, rows, lane, WARPS, PACKED):
         s = c0 + lane
         n = int64(0)
         if s < nseq:
-            n = (int64(cu[s + 1]) - int64(cu[s]) + (rows - 1)) // rows
+            n = sequence_tiles(cu, s, rows)
         incl = warp_inclusive_sum(n)
         first = warp_first(t < before + incl)
         if first < 32:

@@ -51,38 +51,39 @@ from .tile_product import column, tile_product
 
 
 def make_attn_backward_preprocess(v):
-    """delta = rowsum(dO * O) for variant ``v`` (``v.tiles``: threads per block, whole
-    warps): a warp per row, its lanes along the head dim, so that each load of a warp reads
-    32 consecutive elements of a row (one thread per row, which this replaces, read 32
-    rows' elements at a stride and ran at about 200 GB/s on an H100: 1.3 ms of a 4.6 ms
-    varlen backward)."""
+    """delta = rowsum(dO * O) for variant ``v`` (``v.tiles``: a tilings.RowTiles):
+    ``LANES`` consecutive lanes per row, lane ``l`` reading elements ``l, l + LANES, ...``,
+    then a shuffle sum. With 32 lanes (the GPU's tiling) each load of a warp reads 32
+    consecutive elements of a row (one thread per row, which this replaced, read 32 rows'
+    elements at a stride and ran at about 200 GB/s on an H100: 1.3 ms of a 4.6 ms varlen
+    backward)."""
     D = v.head_dim
-    NT = v.tiles
-    if NT % 32:
-        raise ValueError(f"the preprocess takes whole warps; got {NT} threads")
-    ROWS = NT // 32  # rows per block
-    STEPS = (D + 31) // 32  # elements per lane
+    LANES = v.tiles.lanes
+    ROWS = v.tiles.block_m  # rows per block
+    STEPS = (D + LANES - 1) // LANES  # elements per lane
 
     def attn_backward_preprocess(o, do, delta, Nq, Hq, osb, osh, osn, osd,
                                  gsb, gsh, gsn, gsd):
-        """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d], one warp per row."""
-        lane = cuda.threadIdx.x & 31
-        i = cuda.blockIdx.x * ROWS + (cuda.threadIdx.x >> 5)
+        """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d], LANES lanes per row."""
+        lane = cuda.threadIdx.x % LANES
+        i = cuda.blockIdx.x * ROWS + cuda.threadIdx.x // LANES
         bh = cuda.blockIdx.y
         b = bh // Hq
         h = bh - b * Hq
-        if i < Nq:  # (the warp's row: the shuffles below see every lane)
+        acc = float32(0.0)
+        if i < Nq:
             ob = b * osb + h * osh + i * osn
             gb = b * gsb + h * gsh + i * gsn
-            acc = float32(0.0)
             for c in range(STEPS):
-                d = c * 32 + lane
+                d = c * LANES + lane
                 if d < D:
                     acc += load_f32(o[ob + d * osd]) * load_f32(do[gb + d * gsd])
-            for m in (16, 8, 4, 2, 1):
-                acc += shfl_xor_f32(acc, m)
-            if lane == 0:
-                delta[bh * Nq + i] = acc
+        m = LANES >> 1
+        while m:  # (every lane of the warp shuffles, rows past Nq too)
+            acc += shfl_xor_f32(acc, m)
+            m >>= 1
+        if lane == 0 and i < Nq:
+            delta[bh * Nq + i] = acc
 
     attn_backward_preprocess.__qualname__ = v.tag
     return attn_backward_preprocess
