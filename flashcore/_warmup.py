@@ -71,31 +71,41 @@ def jobs(head_dims, dtypes, causal) -> list:
     return [(d, c, tuple(dtypes)) for d in head_dims for c in CAUSAL[causal]]
 
 
+def variants(head_dim, dtype, causal, device=0) -> list:
+    """The numba_cuda kernel variants a call of one (head dim, dtype, causal) may launch on
+    GPU ``device``: the SIMT ones (the preprocess with the non-causal job only), and for
+    fp16/bf16 the tensor-core ones and, on sm_90, the wgmma forward and backward."""
+    from flashcore.backends.numba_cuda import launch, tilings
+    from flashcore.backends.numba_cuda.driver import device_cc
+
+    cc, gpu = device_cc(device), launch._gpu(device)[1]  # (the name; None in the simulator)
+    kt = tilings.choose_simt(head_dim, dtype, causal, cc)
+    out = [v for v in launch.simt_variants(head_dim, dtype, causal, kt)
+           if not (causal and v.kernel == "preprocess")]
+    if dtype != "float32" and head_dim in tilings.HEAD_DIMS:
+        out += launch.tc_variants(head_dim, dtype, causal, cc, gpu=gpu)
+        if cc == (9, 0) and os.environ.get(launch.HOPPER_ENV) != "0":
+            # the wgmma forward and backward, where they run
+            names = ("forward",) + (("dkdv", "dq") if os.environ.get(
+                launch.HOPPER_BWD_ENV) != "0" else ())
+            out += [x for x in (launch.hopper_variant(head_dim, dtype, causal, n)
+                                for n in names) if x is not None]
+    return out
+
+
 def job(args):
     """Compile (or load from the disk cache) every variant of one job on GPU ``device``;
     returns ``(head_dim, causal, variants, seconds)``."""
     head_dim, causal, dtypes, device = args
     t0 = time.perf_counter()
-    from flashcore.backends.numba_cuda import launch, tilings
-    from flashcore.backends.numba_cuda.driver import device_cc
+    from flashcore.backends.numba_cuda import launch
 
-    cc, gpu = device_cc(device), launch._gpu(device)[1]  # (the name; None in the simulator)
     n = 0
     for dtype in dtypes:
-        kt = tilings.choose_simt(head_dim, dtype, causal, cc)
-        variants = [v for v in launch.simt_variants(head_dim, dtype, causal, kt)
-                    if not (causal and v.kernel == "preprocess")]
-        if dtype != "float32" and head_dim in tilings.HEAD_DIMS:
-            variants += launch.tc_variants(head_dim, dtype, causal, cc, gpu=gpu)
-            if cc == (9, 0) and os.environ.get(launch.HOPPER_ENV) != "0":
-                # the wgmma forward and backward, where they run
-                names = ("forward",) + (("dkdv", "dq") if os.environ.get(
-                    launch.HOPPER_BWD_ENV) != "0" else ())
-                variants += [x for x in (launch.hopper_variant(head_dim, dtype, causal, n)
-                                         for n in names) if x is not None]
-        for v in variants:
+        todo = variants(head_dim, dtype, causal, device)
+        for v in todo:
             launch.kernel(v, device)
-        n += len(variants)
+        n += len(todo)
     return head_dim, causal, n, time.perf_counter() - t0
 
 
