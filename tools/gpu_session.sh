@@ -31,6 +31,8 @@
 #           timed beside SDPA's flash and cuDNN backends; $HOPPER_BWD_ARGS (e.g. --quick)
 #   cpu     the host CPU: tools/cpu_scaling.py $CPU_ARGS (numba_cpu and SDPA by thread count),
 #           then python -m flashcore bench --device cpu $CPU_BENCH_ARGS (empty: skip)
+#   compile tools/compile_times.py $COMPILE_ARGS: each kernel variant's cold compile and warm
+#           (disk cache) load, in parallel processes
 #   ring    tools/ring_gpu.py under torchrun on every GPU of the machine (NCCL, NVLink
 #           multicast off): ring attention against one GPU, then the scaling table
 #           ($RING_ARGS); on nvidia-h200-x2
@@ -46,7 +48,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd cpu"
+STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd cpu compile"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -231,6 +233,10 @@ stage_cpu() {
   fi
 }
 
+stage_compile() {
+  timeout "${COMPILE_TIMEOUT:-400}" python3 tools/compile_times.py ${COMPILE_ARGS:-}
+}
+
 stage_ring() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   precompile
@@ -248,6 +254,7 @@ result() {  # one line for the summary table
   sass)  echo "$(grep -c ' registers' "$log") kernels, $(grep -c Error "$log") errors (sass.json)" ;;
   ring)  grep -hE "^N=" "$log" | tail -1 ;;
   cpu)   grep -hE "^threading layer used" "$log" | tail -1 ;;
+  compile) grep -hE "^(cold|warm):" "$log" | xargs ;;
   hopper) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                "$(grep -cE '^check .*: FAIL' "$log") failed (hopper.json)" ;;
   hopper_bwd) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
