@@ -425,3 +425,32 @@ def test_second_gpu_cupy_and_jax():
     assert rel_err(np.asarray(jo), ro) < TOL_FWD["float32"]
     jo2 = jax.jit(flashcore.attention)(jq, jk, jv)  # XLA's stream on device 1
     assert rel_err(np.asarray(jo2), ro) < TOL_FWD["float32"]
+
+
+_LOAD_SCRIPT = """
+import json
+from flashcore.backends.numba_cuda import launch
+out = []
+for v in launch.case_variants(32, "bfloat16", True, launch.device_cc(0))[:1] + \\
+        launch.tc_variants(32, "bfloat16", True, launch.device_cc(0))[:1]:
+    d = launch.kernel(v, 0)._dispatcher
+    out.append([v.tag, sum(d._cache_hits.values()), sum(d._cache_misses.values())])
+print(json.dumps(out))
+"""
+
+
+def test_a_second_process_loads_the_kernels_from_the_disk_cache(tmp_path):
+    """A new process finds on disk the kernels another compiled (driver.VariantCache):
+    numba's own key hashed a per-process pickle of each kernel's closure, so every process
+    compiled every variant again."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _LOAD_SCRIPT], env=env,
+                                      capture_output=True, text=True, check=True,
+                                      timeout=600).stdout.strip().splitlines()[-1])
+            for _ in range(2)]
+    assert [(t, h) for t, h, _ in runs[0]] == [(t, 0) for t, _, _ in runs[0]]  # compiled
+    assert [(t, h, m) for t, h, m in runs[1]] == [(t, 1, 0) for t, _, _ in runs[0]], runs

@@ -274,3 +274,60 @@ def test_causal_tiles_go_out_heaviest_first_by_head_group(grid_x, grid_y, last_h
     assert sorted(every) == sorted(order)
     w = [(grid_x - t if not last_heaviest else t + 1) for t, _ in every]
     assert w == sorted(w, reverse=True)
+
+
+_KEYS_SCRIPT = """
+import hashlib, json, sys
+import numba.cuda.dispatcher as nd
+from types import SimpleNamespace
+nd.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
+from numba.cuda.dispatcher import CUDACache
+from flashcore.backends.numba_cuda import driver, launch
+
+class Codegen:
+    def magic_tuple(self):
+        return ("sm_90",)
+
+out = {}
+variants = launch.case_variants(64, "bfloat16", True, (9, 0))
+variants.append(launch.hopper_variant(64, "bfloat16", True, "forward"))
+for v in variants:
+    fn, sig = launch.build(v), launch.signature(v.entry, v.dtype)
+    ours = driver.variant_cache(fn, launch.cache_key(v))._index_key(sig, Codegen())
+    numbas = CUDACache(fn)._index_key(sig, Codegen())
+    out[v.tag] = [hashlib.sha256(repr(k).encode()).hexdigest() for k in (ours, numbas)]
+print(json.dumps(out))
+"""
+
+
+def test_disk_cache_keys_agree_across_processes(tmp_path):
+    """Two processes key each kernel variant's disk-cache entry alike, so that the second
+    loads what the first compiled. numba's own key hashes a pickle of the kernel's closure,
+    which differs between processes (the closures' device functions pickle with what
+    varies: hash-ordered sets, ids), so that most variants were compiled again."""
+    import json
+    import subprocess
+    import sys
+
+    runs = [json.loads(subprocess.run(
+        [sys.executable, "-c", _KEYS_SCRIPT], capture_output=True, text=True, check=True,
+        timeout=600, env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_ENABLE_CUDASIM="0",
+                              PYTHONHASHSEED=seed)).stdout.strip().splitlines()[-1])
+            for seed in ("1", "2")]  # (string hashes, and so set orders, differ)
+    assert runs[0].keys() == runs[1].keys() and len(runs[0]) >= 5
+    for tag, (ours, _) in runs[0].items():
+        assert runs[1][tag][0] == ours, tag
+    assert any(runs[1][tag][1] != numbas for tag, (_, numbas) in runs[0].items())
+    assert len({ours for ours, _ in runs[0].values()}) == len(runs[0])  # one per variant
+
+
+def test_disk_cache_key_follows_the_sources(monkeypatch):
+    """A change in any of the backend's sources (a device function's module, not only the
+    kernel's) changes every variant's key."""
+    from flashcore.backends.numba_cuda import driver, launch
+
+    v = launch.case_variants(64, "float32", False, (9, 0))[0]
+    before = launch.cache_key(v)
+    monkeypatch.setattr(driver, "sources_digest", lambda: "edited")
+    monkeypatch.setattr(launch, "sources_digest", lambda: "edited")
+    assert launch.cache_key(v) != before

@@ -146,7 +146,7 @@ class Prepared:
     )
 
     def __init__(self, pyfunc, sig, threads, smem_words, device, launch_bounds=None,
-                 cache=True):
+                 cache=True, cache_key=None):
         self.name = pyfunc.__name__
         self.threads = threads
         self.smem = 4 * smem_words
@@ -168,6 +168,8 @@ class Prepared:
         self._cur_ref = ctypes.byref(self._cur)
         self._dispatcher = cuda.jit(pyfunc, cache=cache, fastmath=FASTMATH,
                                     **jit_options(launch_bounds))
+        if cache and cache_key is not None:
+            self._dispatcher._cache = variant_cache(pyfunc, cache_key)
         with cuda.gpus[device], compile_notice(self.name, device):
             self.kernel = self._dispatcher.compile(sig)
             cufunc = self.kernel._codelibrary.get_cufunc()
@@ -219,6 +221,53 @@ class Prepared:
                     lib.cuCtxPopCurrent_v2(self._cur_ref)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed: {error_text(err)}")
+
+
+@functools.cache
+def _variant_cache_class():
+    from numba.cuda.dispatcher import CUDACache
+
+    class VariantCache(CUDACache):
+        """numba-cuda's disk cache of one kernel variant, its entries keyed by ``key`` (the
+        variant and flashcore's kernel sources, :func:`sources_digest`) where numba's own
+        key hashes a pickle of the kernel's closure. Those closures hold device functions,
+        whose pickles carry an id drawn afresh in each process, so no process ever found
+        another's entries: in a warm process 38 of 50 variants compiled again (H100 host,
+        tools/compile_times.py), and a kernel edit in a device function's module (not the
+        kernel's own file, whose timestamp the index checks) could not reach the key."""
+
+        def __init__(self, py_func, key):
+            self._flashcore_key = key
+            super().__init__(py_func)
+
+        def _index_key(self, sig, codegen):
+            import numba_cuda
+
+            key = (sig, codegen.magic_tuple(), numba_cuda.__version__,
+                   ("flashcore", self._flashcore_key))
+            launch = getattr(self, "_launch_config_key", None)
+            return key if launch is None else key + (("launch_config", launch),)
+
+    return VariantCache
+
+
+def variant_cache(pyfunc, key: str):
+    """A disk cache for kernel ``pyfunc`` keyed by ``key`` (see VariantCache)."""
+    return _variant_cache_class()(pyfunc, key)
+
+
+@functools.cache
+def sources_digest() -> str:
+    """sha256 of the numba_cuda backend's Python sources (the kernels and every device
+    function they inline), once per process: part of each kernel's disk-cache key."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 #: Seconds a kernel build may take before the one-line notice: loading from numba's disk

@@ -20,7 +20,7 @@ from numba.cuda import types
 from . import tilings
 from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
-from .driver import Prepared, device_cc, device_name, prepared
+from .driver import Prepared, device_cc, device_name, prepared, sources_digest
 from .hopper import backward as _hop_bwd
 from .hopper import forward as _hop_fwd
 from .hopper import pingpong as _hop_pp
@@ -143,7 +143,16 @@ def kernel(v: Variant, device: int) -> Prepared:
     """Variant ``v`` compiled and loaded on GPU ``device`` (once per process)."""
     return prepared((v, device), lambda: Prepared(
         build(v), signature(v.entry, v.dtype, v.user.args if v.user else (), v.split), v.threads,
-        v.smem_words, device, v.launch_bounds, cache=v.user is None))
+        v.smem_words, device, v.launch_bounds, cache=v.user is None, cache_key=cache_key(v)))
+
+
+def cache_key(v: Variant) -> str:
+    """The disk-cache key of variant ``v``'s kernel (driver.VariantCache): the variant (a
+    frozen dataclass of plain values; user mods are never cached) and the backend's
+    sources."""
+    import hashlib
+
+    return hashlib.sha256(f"{v!r}|{sources_digest()}".encode()).hexdigest()
 
 
 # --- which variants serve a case ------------------------------------------------------------
