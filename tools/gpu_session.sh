@@ -234,7 +234,13 @@ stage_cpu() {
 }
 
 stage_compile() {
-  timeout "${COMPILE_TIMEOUT:-400}" python3 tools/compile_times.py ${COMPILE_ARGS:-}
+  timeout "${COMPILE_TIMEOUT:-400}" python3 tools/compile_times.py ${COMPILE_ARGS:-} || return
+  local cache; cache=$(mktemp -d)
+  for run in cold warm; do  # the main job in a fresh process, with an empty cache, then again
+    local t0; t0=$(date +%s.%N)
+    NUMBA_CACHE_DIR=$cache python3 -m flashcore > /dev/null 2>&1 || return
+    echo "main job ($run cache): $(echo "$(date +%s.%N) - $t0" | bc) s"
+  done
 }
 
 stage_ring() {
@@ -254,7 +260,7 @@ result() {  # one line for the summary table
   sass)  echo "$(grep -c ' registers' "$log") kernels, $(grep -c Error "$log") errors (sass.json)" ;;
   ring)  grep -hE "^N=" "$log" | tail -1 ;;
   cpu)   grep -hE "^threading layer used" "$log" | tail -1 ;;
-  compile) grep -hE "^(cold|warm):" "$log" | xargs ;;
+  compile) grep -hE "^(cold|warm):|^main job" "$log" | cut -c1-40 | xargs ;;
   hopper) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                "$(grep -cE '^check .*: FAIL' "$log") failed (hopper.json)" ;;
   hopper_bwd) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
