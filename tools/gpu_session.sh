@@ -237,9 +237,9 @@ stage_compile() {
   timeout "${COMPILE_TIMEOUT:-400}" python3 tools/compile_times.py ${COMPILE_ARGS:-} || return
   local cache; cache=$(mktemp -d)
   for run in cold warm; do  # the main job in a fresh process, with an empty cache, then again
-    local t0; t0=$(date +%s.%N)
+    local t0=$EPOCHREALTIME
     NUMBA_CACHE_DIR=$cache python3 -m flashcore > /dev/null 2>&1 || return
-    echo "main job ($run cache): $(echo "$(date +%s.%N) - $t0" | bc) s"
+    echo "main job ($run cache): $(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN {printf "%.1f", b - a}') s"
   done
 }
 
