@@ -126,3 +126,49 @@ def test_softmax_steps_zero_the_tails_and_keep_nan_rows(dtype):
     assert np.allclose(st[:n_cols, ok].T, want, rtol=1e-6)
     assert np.allclose(l_i[ok], 1.5 * l_old[ok], rtol=1e-6)
     assert np.allclose(acc[ok], 0.5, rtol=1e-6) and np.isnan(l_i[1]) and l_i[2] == 0
+
+
+_BITS = ("from flashcore.backends.numba_cpu import simd, tiles; "
+         "print(simd.VECTOR_BITS, tiles.PRODUCT_ROWS)")
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"NUMBA_CPU_NAME": "generic"}, "128 4"),
+    ({"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,-avx512f"}, "256 4"),
+    ({"NUMBA_CPU_NAME": "skylake-avx512", "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx512f"},
+     "512 8"),
+])
+def test_vectors_follow_the_cpu_numba_compiles_for(env, expected):
+    """A portable build (``NUMBA_CPU_NAME``, e.g. ``generic`` for a disk cache shared by
+    hosts of different instruction sets) gets vectors of its own width, not the host's."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")} | env
+    out = subprocess.run([sys.executable, "-c", _BITS], env=env, capture_output=True,
+                         text=True, check=True, timeout=300).stdout.split()
+    assert " ".join(out[-2:]) == expected
+
+
+@pytest.mark.slow
+def test_a_generic_build_computes_the_same_attention():
+    """The kernels compiled for ``NUMBA_CPU_NAME=generic`` (128-bit vectors) agree with the
+    float64 reference (compiles every forward kernel afresh: slow)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import numpy as np, flashcore\n"
+              "rng = np.random.default_rng(0)\n"
+              "q, k, v = (rng.standard_normal((1, 2, 70, 64)).astype(np.float32) "
+              "for _ in range(3))\n"
+              "o, _ = flashcore.attention_forward(q, k, v, causal=True, backend='numba_cpu')\n"
+              "r, _ = flashcore.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), "
+              "causal=True, backend='reference')\n"
+              "print(float(np.linalg.norm(o - r) / np.linalg.norm(r)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
+    env["NUMBA_CPU_NAME"] = "generic"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, check=True, timeout=1200).stdout.split()
+    assert float(out[-1]) < 2e-5

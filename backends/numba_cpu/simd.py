@@ -16,11 +16,22 @@ from numba.extending import intrinsic, models, register_model
 
 
 def host_vector_bits():
-    """Bits of the widest SIMD register the kernels use on this host (Numba compiles for it)."""
-    try:
-        features = llvm.get_host_cpu_features()
-    except RuntimeError:  # no feature list on this platform
+    """Bits of the widest SIMD register the kernels use: that of the CPU Numba compiles for.
+    That is the host's, unless ``NUMBA_CPU_NAME`` names another (a portable build, e.g.
+    ``generic`` for a disk cache shared by different hosts): then the features of
+    ``NUMBA_CPU_FEATURES`` (``+avx2,+fma,...``) where given, else 128 bits (the named CPU's
+    own features are LLVM's to know; 128-bit vectors are right for any, if slower)."""
+    from numba.core import config
+
+    if config.CPU_FEATURES:
+        features = {f[1:]: f[0] == "+" for f in config.CPU_FEATURES.split(",") if f[:1] in "+-"}
+    elif config.CPU_NAME not in (None, "host"):
         return 128
+    else:
+        try:
+            features = llvm.get_host_cpu_features()
+        except RuntimeError:  # no feature list on this platform
+            return 128
     if features.get("avx512f"):
         return 512
     if features.get("avx2") and features.get("fma"):
