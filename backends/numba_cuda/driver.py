@@ -231,10 +231,11 @@ def _variant_cache_class():
         """numba-cuda's disk cache of one kernel variant, its entries keyed by ``key`` (the
         variant and flashcore's kernel sources, :func:`sources_digest`) where numba's own
         key hashes a pickle of the kernel's closure. Those closures hold device functions,
-        whose pickles carry an id drawn afresh in each process, so no process ever found
-        another's entries: in a warm process 38 of 50 variants compiled again (H100 host,
-        tools/compile_times.py), and a kernel edit in a device function's module (not the
-        kernel's own file, whose timestamp the index checks) could not reach the key."""
+        whose pickles differ from process to process (hash-ordered sets, ids), so most
+        entries were never found again: in a warm process 38 of 50 variants compiled
+        again (H100 host, tools/compile_times.py). And an edit in a device function's
+        module (not the kernel's own file, whose timestamp the index checks) did not
+        reach numba's key."""
 
         def __init__(self, py_func, key):
             self._flashcore_key = key

@@ -125,7 +125,8 @@ class RowTiles:
     (whole warps), ``lanes`` consecutive lanes per row (a power of two up to 32), each
     reading every ``lanes``-th element of the row, then summing by shuffles. On a GPU a
     warp per row (32 lanes: a warp's load reads 32 consecutive elements); the simulator
-    takes 4 (each simulated thread is a Python thread: 32 per row cost twice the CI time)."""
+    takes 4 (each simulated thread is a Python thread: with 32 per row, every simulated
+    backward ran a 32-thread block per row)."""
 
     threads: int = 128
     lanes: int = 32
