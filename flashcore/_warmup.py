@@ -1,8 +1,9 @@
 """``python -m flashcore warmup``: compile numba_cuda's kernel variants ahead of time.
 
-A kernel variant (head dim, dtype, causal, tiling) costs 15-20 s to compile the first time
-it is called, once per machine: numba keeps the result in its disk cache (``cache=True``),
-so later processes load it in well under a second. Run this once after installing (or
+A kernel variant (head dim, dtype, causal, tiling) costs 3-17 s to compile the first time
+it is called (H100 host, notes/ci_and_disk_cache_2026-11-26.md), once per machine: numba
+keeps the result in its disk cache (keyed by ``driver.VariantCache``), so later processes
+load it in milliseconds. Run this once after installing (or
 after upgrading flashcore, numba or the driver) so that the first training step does not
 stall: jobs of one (head dim, causal) each compile every variant a launch on the chosen
 GPU may pick, for the dtypes asked, in parallel processes (Numba compiles one kernel at a

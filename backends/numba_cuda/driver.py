@@ -272,7 +272,7 @@ def sources_digest() -> str:
 
 
 #: Seconds a kernel build may take before the one-line notice: loading from numba's disk
-#: cache takes well under this, a compile 15-20 s.
+#: cache takes milliseconds, a compile 3-17 s (notes/ci_and_disk_cache_2026-11-26.md).
 NOTICE_AFTER_S = 2.0
 _log = logging.getLogger("flashcore")
 _notice_lock = threading.Lock()
@@ -303,8 +303,9 @@ def _notice(name, device):
             return
         _noticed = True
     _log.warning(
-        "flashcore: compiling CUDA kernel %s for GPU %d on its first use (15-20 s per kernel "
-        "variant, once: cached in %s); `python -m flashcore warmup` compiles them ahead",
+        "flashcore: compiling CUDA kernel %s for GPU %d on its first use (up to ~20 s per "
+        "kernel variant, once: cached in %s); `python -m flashcore warmup` compiles them "
+        "ahead",
         name, device, cache_location())
 
 
