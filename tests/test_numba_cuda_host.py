@@ -331,3 +331,18 @@ def test_disk_cache_key_follows_the_sources(monkeypatch):
     monkeypatch.setattr(driver, "sources_digest", lambda: "edited")
     monkeypatch.setattr(launch, "sources_digest", lambda: "edited")
     assert launch.cache_key(v) != before
+
+
+def test_preprocess_tiling_takes_whole_warps_and_power_of_two_lanes():
+    """tilings.RowTiles: the preprocess's shuffles sum over ``lanes`` (2..32, a power of
+    two) inside whole warps; the rows a block sums follow."""
+    from flashcore.backends.numba_cuda import tilings
+
+    assert tilings.RowTiles().block_m == 4 and tilings.RowTiles().tag == "t128"
+    assert tilings.RowTiles(32, 4).block_m == 8 and tilings.RowTiles(32, 4).tag == "t32l4"
+    with pytest.raises(ValueError, match="whole warps; got 48 threads"):
+        tilings.RowTiles(48, 16)
+    with pytest.raises(ValueError, match="lanes=6 is not a power of two"):
+        tilings.RowTiles(64, 6)
+    with pytest.raises(ValueError, match="lanes=64"):
+        tilings.RowTiles(64, 64)
