@@ -3,11 +3,10 @@
 A kernel variant (head dim, dtype, causal, tiling) costs 3-17 s to compile the first time
 it is called (H100 host, notes/ci_and_disk_cache_2026-11-26.md), once per machine: numba
 keeps the result in its disk cache (keyed by ``driver.VariantCache``), so later processes
-load it in milliseconds. Run this once after installing (or
-after upgrading flashcore, numba or the driver) so that the first training step does not
-stall: jobs of one (head dim, causal) each compile every variant a launch on the chosen
-GPU may pick, for the dtypes asked, in parallel processes (Numba compiles one kernel at a
-time per process).
+load it in milliseconds. Run this once after installing (or after upgrading flashcore,
+numba or the driver) so that the first training step does not stall: jobs of one (head
+dim, causal) each compile every variant a launch on the chosen GPU may pick, for the
+dtypes asked, in parallel processes (Numba compiles one kernel at a time per process).
 
 Each variant has its own cache index file, and the preprocess kernel, which does not
 depend on causality, is compiled by non-causal jobs only, so no two jobs write one file.

@@ -40,12 +40,12 @@ def main(argv=None):
     print(f"\n{'variant':<72} {'cold s':>7} {'warm s':>7}")
     for tag in sorted(rows):
         print(f"{tag[:72]:<72} {rows[tag]['cold']:>7.2f} {rows[tag]['warm']:>7.2f}")
-    print(f"\n{'kind':<12} {'n':>3} {'cold median':>12} {'cold max':>9} {'warm median':>12}")
+    print(f"\n{'kind':<20} {'n':>3} {'cold median':>12} {'cold max':>9} {'warm median':>12}")
     for kind in sorted({v.family + "/" + v.kernel for v in todo.values()}):
         tags = [t for t, v in todo.items() if v.family + "/" + v.kernel == kind]
         cold = [rows[t]["cold"] for t in tags]
         warm = [rows[t]["warm"] for t in tags]
-        print(f"{kind:<12} {len(tags):>3} {statistics.median(cold):>12.2f} {max(cold):>9.2f} "
+        print(f"{kind:<20} {len(tags):>3} {statistics.median(cold):>12.2f} {max(cold):>9.2f} "
               f"{statistics.median(warm):>12.2f}")
 
 
