@@ -506,3 +506,31 @@ def test_window_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, ca
         assert g.dtype == x.dtype and g.shape == x.shape
         e = rel_err(g.double().cpu().numpy(), r)
         assert e < TOL_BWD[dtype], f"{name}: {e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,causal", [("bfloat16", True), ("float16", False)])
+def test_head_dim_256_takes_the_wgmma_forward_and_the_mma_sync_backward(monkeypatch, dtype,
+                                                                         causal):
+    """At D=256 the wgmma forward serves and the backward stays on mma.sync (dK and dV of
+    64 keys would take every register of a wgmma thread: tilings.HOPPER_BWD_HEAD_DIMS);
+    torch autograd through both, GQA, against the float64 oracle."""
+    torch = _gpu()
+    from helpers import TOL_FWD, oracle_forward, rel_err
+
+    import flashcore
+
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    ran = spy_launches(monkeypatch, ("launch_forward", "launch_dkdv", "launch_dq"))
+    shape = SHAPES[0]
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    q, k, v, do = gpu_inputs(torch, shape, 256, dtype, 256 + Nq)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = flashcore.attention(*leaves, causal=causal, layout=layout, backend="numba_cuda")
+    o.backward(do)
+    assert ran == ["attn_forward_wgmma", "attn_backward_dkdv_tc", "attn_backward_dq_tc"], ran
+    ref_o, _ = oracle_forward(*(x.float().cpu().numpy() for x in (q, k, v)), causal=causal,
+                              layout=layout)
+    assert rel_err(o.detach().float().cpu().numpy(), ref_o) < TOL_FWD[dtype]
+    _check_grads(torch, [x.grad for x in leaves], do, q, k, v, causal, layout, dtype)

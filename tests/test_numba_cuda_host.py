@@ -8,6 +8,7 @@ import os
 import struct
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -329,8 +330,17 @@ def test_disk_cache_key_follows_the_sources(monkeypatch):
     v = launch.case_variants(64, "float32", False, (9, 0))[0]
     before = launch.cache_key(v)
     monkeypatch.setattr(driver, "sources_digest", lambda: "edited")
-    monkeypatch.setattr(launch, "sources_digest", lambda: "edited")
     assert launch.cache_key(v) != before
+
+
+def test_variants_with_user_mods_have_no_disk_cache_key():
+    """The user's functions are not part of a key, so a variant with them is never cached."""
+    from flashcore.backends.numba_cuda import launch
+    from flashcore.backends.numba_cuda.variant import UserMods
+
+    v = launch.case_variants(64, "float32", False, (9, 0))[0]
+    assert launch.cache_key(v) is not None
+    assert launch.cache_key(replace(v, user=UserMods(abs, None, ()))) is None
 
 
 def test_preprocess_tiling_takes_whole_warps_and_power_of_two_lanes():

@@ -146,7 +146,7 @@ class Prepared:
     )
 
     def __init__(self, pyfunc, sig, threads, smem_words, device, launch_bounds=None,
-                 cache=True, cache_key=None):
+                 cache_key=None):
         self.name = pyfunc.__name__
         self.threads = threads
         self.smem = 4 * smem_words
@@ -166,9 +166,10 @@ class Prepared:
         self._ctx = _primary_context(device)
         self._cur = ctypes.c_void_p()
         self._cur_ref = ctypes.byref(self._cur)
-        self._dispatcher = cuda.jit(pyfunc, cache=cache, fastmath=FASTMATH,
+        # on disk where the caller gives a key (:class:`VariantCache`), else in memory only
+        self._dispatcher = cuda.jit(pyfunc, cache=cache_key is not None, fastmath=FASTMATH,
                                     **jit_options(launch_bounds))
-        if cache and cache_key is not None:
+        if cache_key is not None:
             self._dispatcher._cache = variant_cache(pyfunc, cache_key)
         with cuda.gpus[device], compile_notice(self.name, device):
             self.kernel = self._dispatcher.compile(sig)

@@ -17,10 +17,10 @@ import os
 
 from numba.cuda import types
 
-from . import tilings
+from . import driver, tilings
 from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
-from .driver import Prepared, device_cc, device_name, prepared, sources_digest
+from .driver import Prepared, device_cc, device_name, prepared
 from .hopper import backward as _hop_bwd
 from .hopper import forward as _hop_fwd
 from .hopper import pingpong as _hop_pp
@@ -143,16 +143,18 @@ def kernel(v: Variant, device: int) -> Prepared:
     """Variant ``v`` compiled and loaded on GPU ``device`` (once per process)."""
     return prepared((v, device), lambda: Prepared(
         build(v), signature(v.entry, v.dtype, v.user.args if v.user else (), v.split), v.threads,
-        v.smem_words, device, v.launch_bounds, cache=v.user is None, cache_key=cache_key(v)))
+        v.smem_words, device, v.launch_bounds, cache_key=cache_key(v)))
 
 
-def cache_key(v: Variant) -> str:
+def cache_key(v: Variant) -> str | None:
     """The disk-cache key of variant ``v``'s kernel (driver.VariantCache): the variant (a
-    frozen dataclass of plain values; user mods are never cached) and the backend's
-    sources."""
+    frozen dataclass of plain values) and the backend's sources; None for a variant with
+    the user's mods, which is never cached (its functions are not part of the key)."""
+    if v.user is not None:
+        return None
     import hashlib
 
-    return hashlib.sha256(f"{v!r}|{sources_digest()}".encode()).hexdigest()
+    return hashlib.sha256(f"{v!r}|{driver.sources_digest()}".encode()).hexdigest()
 
 
 # --- which variants serve a case ------------------------------------------------------------
@@ -210,9 +212,11 @@ def hopper_serves(case, device) -> bool:
 def hopper_bwd_serves(case, device) -> bool:
     """Whether the wgmma dK/dV and dQ kernels (hopper/backward.py) take a backward the
     tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
-    for calls with no mask beyond causal and a sliding window (the softcap, ALiBi and the
-    user's mods: the mma.sync backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
-    if os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device):
+    at a head dim it is built for (``HOPPER_BWD_HEAD_DIMS``), for calls with no mask beyond
+    causal and a sliding window (the softcap, ALiBi and the user's mods: the mma.sync
+    backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
+    if (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device)
+            or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS):
         return False
     m = mask_options(case)
     return m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None

@@ -477,6 +477,7 @@ def smem_elements(kernel: str, t: TCTiles, head_dim: int) -> int:
 from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_ALIGN,
     HOPPER_BWD_CANDIDATES,
+    HOPPER_BWD_HEAD_DIMS,
     HOPPER_CANDIDATE_DIMS,
     HOPPER_CANDIDATES,
     HOPPER_DKDV,

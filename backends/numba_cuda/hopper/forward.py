@@ -191,13 +191,24 @@ def issue_qk(BF16, sacc, qa, kb, KSTEPS, BM, BN):
     commit group; ``sacc`` (fenced zeros) is overwritten by k-step 0."""
     da0 = smem_descriptor(qa, 16, PATTERN, SWIZZLE_128B)
     db0 = smem_descriptor(kb, 16, PATTERN, SWIZZLE_128B)
-    for kk in range(KSTEPS):
+    # runs of at most 8 k-steps: LLVM unrolls a loop of 8 wgmmas but left D=256's 16
+    # rolled, and ptxas then serializes the wgmmas of a loop that carries accumulators
+    sacc = qk_steps(BF16, sacc, da0, db0, 0, min(KSTEPS, 8), BM, BN)
+    if KSTEPS > 8:  # (compile-time)
+        sacc = qk_steps(BF16, sacc, da0, db0, 8, KSTEPS, BM, BN)
+    wgmma_commit_group()
+    return sacc
+
+
+@device_function
+def qk_steps(BF16, sacc, da0, db0, k0, k1, BM, BN):
+    """k-steps ``k0 .. k1 - 1`` of ``S = Q Kᵀ`` (:func:`issue_qk`)."""
+    for kk in range(k0, k1):
         # a k-step's descriptor is the tile's plus its start (address field: bytes / 16;
         # shared addresses stay below 256 KiB, so the 14-bit field never carries)
         da = da0 + uint64(k_start(kk, BM) >> 4)
         db = db0 + uint64(k_start(kk, BN) >> 4)
         sacc = qk_step(BF16, sacc, da, db, kk)
-    wgmma_commit_group()
     return sacc
 
 

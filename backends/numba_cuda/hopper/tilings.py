@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 #: Head dims the wgmma forward (``hopper/forward.py``) is built for.
-HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_HEAD_DIMS = (64, 128, 256)
+#: Head dims the wgmma backward (``hopper/backward.py``) is built for: at 256, dK and dV of
+#: a warpgroup's 64 keys would hold 256 fp32 accumulator registers per thread, all there
+#: are, so D=256 keeps the mma.sync backward.
+HOPPER_BWD_HEAD_DIMS = (64, 128)
 #: Row layouts (``Variant.packed``) the wgmma kernels take: a dense batch and varlen
 #: sequences (a KV cache and split-KV stay on mma.sync).
 HOPPER_ROWS = ("", "varlen")
@@ -96,7 +100,8 @@ class HopperTiles:
 #: producer-warpgroup form 317-382).
 HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles(2, 64, True),
                   (128, False): HopperTiles(2, 128, True, pingpong=True, stages=3),
-                  (128, True): HopperTiles(2, 128, True, pingpong=True, stages=3)}
+                  (128, True): HopperTiles(2, 128, True, pingpong=True, stages=3),
+                  (256, False): HopperTiles(2, 64, True), (256, True): HopperTiles(2, 64, True)}
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
@@ -115,9 +120,18 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
                      _POLY2)
 #: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
-#: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles.
+#: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
+#: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
+#: tile 32 KiB: two stages of both, 193 KiB); ptxas 13: g2n64o 220-228 registers, g2n64
+#: 234, the 2-stage ping-pong g2n64op2 208-225, no spills.
+_PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
+HOPPER_CANDIDATES += (_PP2,)
 HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
 HOPPER_CANDIDATE_DIMS[_POLY2] = (128,)
+HOPPER_CANDIDATE_DIMS[_PP2] = (256,)
+HOPPER_CANDIDATE_DIMS[HopperTiles(2, 64, True)] = HOPPER_HEAD_DIMS
+for _t in HOPPER_CANDIDATES:  # the others: up to D=128
+    HOPPER_CANDIDATE_DIMS.setdefault(_t, (64, 128))
 
 
 def hopper_candidates(head_dim: int) -> tuple:
