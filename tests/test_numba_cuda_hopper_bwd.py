@@ -78,6 +78,38 @@ def on_host(monkeypatch):
     monkeypatch.setattr(hb, "hides", seams.hides.py_func)
     monkeypatch.setattr(seams, "hides", seams.hides.py_func)
     monkeypatch.setattr(hb, "visible", seams.visible.py_func)
+    monkeypatch.setattr(hb, "modded", hb.modded.py_func)
+    monkeypatch.setattr(hb, "distance", seams.distance.py_func)
+    monkeypatch.setattr(hb, "alibi", seams.alibi.py_func)
+    # the one-pass form packs P and dS to 16 bits as it goes (not what these tests check)
+    monkeypatch.setattr(hb, "pack", lambda bf16, a, b: np.uint32(0))
+    # the softcap's tanh.approx.f32 has no host form: math.tanh in its place
+    monkeypatch.setattr(hb, "softcap", lambda x, cap, inv, approx: (
+        np.float32(cap * math.tanh(x * inv)), np.float32(1.0 - math.tanh(x * inv) ** 2)))
+
+
+#: (softcap c, ALiBi slope) of the host step tests, in natural units: neither, and both
+HOST_MODS = {"plain": (0.0, 0.0), "cap+alibi": (3.0, 0.05)}
+
+
+def _modded_reference(s, scale, cap, slope, dist):
+    """The scores (raw units) through the softcap and ALiBi, and the softcap's derivative
+    ``d score / d raw``, in float64 (``dist``: query position minus key position)."""
+    if cap:
+        t = np.tanh(s * scale / cap)
+        s, g = t * cap / scale, 1.0 - t * t
+    else:
+        g = np.ones_like(s)
+    return s - slope / scale * np.abs(dist), g
+
+
+def _host_mods(mods, scale):
+    """``(mods array, CAP, ALIBI)`` for the step functions: ``HOST_MODS[mods]`` in raw
+    units."""
+    cap, slope = HOST_MODS[mods]
+    arr = np.array([cap / scale if cap else 1.0, scale / cap if cap else 1.0, slope / scale],
+                   np.float32)
+    return arr, bool(cap), bool(slope)
 
 
 def _reference(s, lse, dp, delta, scale, seen):
@@ -89,13 +121,16 @@ def _reference(s, lse, dp, delta, scale, seen):
     return p, p * (dp - delta[:, None])
 
 
+@pytest.mark.parametrize("mods", list(HOST_MODS))
 @pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("BN", [32, 64])
 @pytest.mark.parametrize("step", ["inner", "diagonal", "tail"])
-def test_dkdv_step_on_the_host(on_host, preload, BN, step):
+def test_dkdv_step_on_the_host(on_host, preload, BN, step, mods):
     """Sᵀ and dPᵀ in wgmma's accumulator layout (one warpgroup's 64 keys x ``BN`` queries)
     become Pᵀ and dSᵀ as the rule says: per query column its lse and delta (strided lse, a
-    row that sees no key has lse -inf), the causal mask on a diagonal step, P = 0 past Nq."""
+    row that sees no key has lse -inf), the causal mask on a diagonal step, P = 0 past Nq;
+    the softcap and ALiBi (with the derivative in dS), both in the overlapped form
+    (``probs_t`` then ``grads_t``) and in the one-pass form (``probs_grads_t``)."""
     rng = np.random.default_rng(BN)
     scale = 0.125
     k0 = 64  # the warpgroup's keys k0 .. k0 + 63
@@ -116,7 +151,9 @@ def test_dkdv_step_on_the_host(on_host, preload, BN, step):
     mask = step == "diagonal"
     out_p = np.full((64, BN), np.nan)
     out_ds = np.full((64, BN), np.nan)
+    one_p, one_ds = np.full((64, BN), np.nan), np.full((64, BN), np.nan)
     NT = BN // 8
+    marr, CAP, ALIBI = _host_mods(mods, scale)
     for t in range(128):
         coords = w.acc_coords(t, BN)
         sv = np.array([s[r, c] for r, c in coords], np.float32)
@@ -129,33 +166,46 @@ def test_dkdv_step_on_the_host(on_host, preload, BN, step):
             la, da = np.empty_like(ls), np.empty_like(dl)
             hb.column_reads.py_func(la, da, lse_buf, delta_buf, lbase, lsn, dbase, m, Nq, NT, tq)
             hb.stats_of_reads.py_func(ls, dl, la, da, BN // 4)
-        hb.probs_t.py_func(sv, ls, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, j0,
-                           causal_offset, sl2, mask, True, -1, -1, preload, NT, tq)
-        hb.grads_t.py_func(sv, dv, dl, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, preload,
-                           NT, tq)
+        s1, d1 = sv.copy(), dv.copy()
+        gc = np.full(len(sv), np.nan, np.float32)
+        hb.probs_t.py_func(sv, gc, ls, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, j0,
+                           causal_offset, sl2, mask, True, -1, -1, preload, NT, tq, marr, CAP,
+                           ALIBI)
+        hb.grads_t.py_func(sv, gc, dv, dl, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m,
+                           preload, NT, tq, CAP)
+        packed = np.zeros(BN // 4, np.uint32)
+        hb.probs_grads_t.py_func(None, s1, d1, packed, packed.copy(), ls, dl, lse_buf,
+                                 delta_buf, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2,
+                                 mask, True, -1, -1, preload, NT, tq, marr, CAP, ALIBI)
         for x, (r, c) in enumerate(coords):
             out_p[r, c], out_ds[r, c] = sv[x], dv[x]
+            one_p[r, c], one_ds[r, c] = s1[x], d1[x]
     qi = m + np.arange(BN)
     kj = k0 + np.arange(64)
     seen = (qi[:, None] < Nq) & (kj[None, :] <= qi[:, None] + causal_offset)
     if not mask:  # (inner and tail steps lie wholly below the diagonal)
         assert seen[qi < Nq].all()
     lq = np.where(qi < Nq, lse[qi], np.inf)
-    p, ds = _reference(s.T.astype(np.float64), lq, dp.T.astype(np.float64),
+    sm, gm = _modded_reference(s.T.astype(np.float64), scale, *HOST_MODS[mods],
+                               qi[:, None] + causal_offset - kj[None, :])
+    p, ds = _reference(sm, lq, dp.T.astype(np.float64),
                        np.where(qi < Nq, delta[qi], 0.0), scale, seen)
-    np.testing.assert_allclose(out_p, p.T, rtol=1e-5, atol=1e-30)
-    np.testing.assert_allclose(out_ds, ds.T, rtol=1e-5, atol=1e-6)
+    ds = ds * gm
+    for got_p, got_ds in ((out_p, out_ds), (one_p, one_ds)):
+        np.testing.assert_allclose(got_p, p.T, rtol=2e-5, atol=1e-30)
+        np.testing.assert_allclose(got_ds, ds.T, rtol=2e-5, atol=1e-6)
     assert (out_p[:, 5] == 0).all()  # the row that sees no key
     if step == "tail":
         assert (out_p[:, Nq - m:] == 0).all()
 
 
+@pytest.mark.parametrize("mods", list(HOST_MODS))
 @pytest.mark.parametrize("BN", [64, 128])
 @pytest.mark.parametrize("mask", [False, True])
-def test_dq_step_on_the_host(on_host, BN, mask):
+def test_dq_step_on_the_host(on_host, BN, mask, mods):
     """S and dP in wgmma's accumulator layout (64 query rows x ``BN`` keys) become P and dS:
     per row its lse and delta; with the mask (a diagonal or tail tile, bottom-right causal
-    with Nq != Nk) keys past Nk or after the diagonal get P = 0."""
+    with Nq != Nk) keys past Nk or after the diagonal get P = 0; the softcap and ALiBi."""
     rng = np.random.default_rng(BN + mask)
     scale = 0.09
     n0, q0 = 128, 64
@@ -168,17 +218,19 @@ def test_dq_step_on_the_host(on_host, BN, mask):
     sl2 = np.float32(scale * math.log2(math.e))
     out_p = np.full((64, BN), np.nan)
     out_ds = np.full((64, BN), np.nan)
+    marr, CAP, ALIBI = _host_mods(mods, scale)
     for t in range(128):
         coords = w.acc_coords(t, BN)
         sv = np.array([s[r, c] for r, c in coords], np.float32)
         dv = np.array([dp[r, c] for r, c in coords], np.float32)
+        gc = np.full(len(sv), np.nan, np.float32)
         warp, g, tq = t // 32, (t % 32) // 4, t % 4
         r0 = 16 * warp + g
         for base, r in ((0, r0), (2, r0 + 8)):
             ls, dl = prologue.query_stats.py_func(lse, delta, r, r, True)
-            hb.probs_row.py_func(sv, base, ls, n0, q0 + r, Nk, causal_offset, sl2, mask,
-                                 True, -1, -1, BN // 8, tq)
-            hb.grads_row.py_func(sv, dv, base, dl, BN // 8)
+            hb.probs_row.py_func(sv, gc, base, ls, n0, q0 + r, Nk, causal_offset, sl2, mask,
+                                 True, -1, -1, BN // 8, tq, marr, CAP, ALIBI)
+            hb.grads_row.py_func(sv, gc, dv, base, dl, BN // 8, CAP)
         for x, (r, c) in enumerate(coords):
             out_p[r, c], out_ds[r, c] = sv[x], dv[x]
     qi = q0 + np.arange(64)
@@ -186,10 +238,12 @@ def test_dq_step_on_the_host(on_host, BN, mask):
     seen = (kj[None, :] < Nk) & (kj[None, :] <= qi[:, None] + causal_offset)
     if mask:
         assert not seen.all() and seen.any()
-    p, ds = _reference(s.astype(np.float64), lse.astype(np.float64), dp.astype(np.float64),
+    sm, gm = _modded_reference(s.astype(np.float64), scale, *HOST_MODS[mods],
+                               qi[:, None] + causal_offset - kj[None, :])
+    p, ds = _reference(sm, lse.astype(np.float64), dp.astype(np.float64),
                        delta.astype(np.float64), scale, seen)
-    np.testing.assert_allclose(out_p, p, rtol=1e-5, atol=1e-30)
-    np.testing.assert_allclose(out_ds, ds, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out_p, p, rtol=2e-5, atol=1e-30)
+    np.testing.assert_allclose(out_ds, ds * gm, rtol=2e-5, atol=1e-6)
 
 
 def test_tilings_and_variants():
@@ -209,8 +263,8 @@ def test_tilings_and_variants():
     with pytest.raises(ValueError):
         Variant("preprocess", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 64))
     with pytest.raises(ValueError):
-        launch.build(Variant("dkdv", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 64),
-                             softcap=20.0))
+        launch.build(Variant("dkdvq", "hopper", 64, "bfloat16", False,
+                             tilings.HopperTiles(2, 64), alibi=True))
 
 
 def _case(dtype="float16", D=64, **options):
@@ -242,7 +296,13 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")  # the non-deterministic mode: no window
     assert launch.fused_backward(case, 0) and not launch.fused_backward(_case(window=(8, 0)), 0)
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
-    assert not launch.hopper_bwd_serves(_case(softcap=20.0), 0)
+    # the softcap and ALiBi: the wgmma kernels, deterministic; a user mod: mma.sync
+    assert launch.hopper_bwd_serves(_case(softcap=20.0), 0)
+    assert launch.hopper_bwd_serves(_case(alibi_slopes=np.ones(2, np.float32)), 0)
+    assert not launch.hopper_bwd_serves(_case(score_mod=lambda s, b, h, i, j: s), 0)
+    monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")
+    assert not launch.fused_backward(_case(softcap=20.0), 0)
+    monkeypatch.delenv(launch.DETERMINISTIC_ENV)
     for cc in ((8, 0), (9, 1), (10, 0)):
         monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)
         assert not launch.hopper_bwd_serves(case, 0), cc
@@ -326,6 +386,57 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     assert narrowed_addresses(ptx) == []  # 64-bit addresses: tensors past 2^31 elements
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
     assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
+    res = _ptxas(ptx, "sm_90a")
+    if res is None:
+        return
+    rc, report = res
+    assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
+
+
+#: (kernel, D, dtype, causal, softcap, ALiBi, window) of the mods' PTX test; the first two
+#: in CI (the registers are tightest in dK/dV at D=64 with both and a causal mask)
+MOD_PTX = [("dkdv", 64, "bfloat16", True, 30.0, True, ()),
+           ("dq", 128, "float16", False, 30.0, True, ()),
+           ("dkdv", 128, "bfloat16", True, 20.0, True, (100, 0)),
+           ("dkdv", 64, "float16", False, 0.0, True, ()),
+           ("dkdv", 128, "float16", False, 5.0, False, ()),
+           ("dq", 64, "bfloat16", True, 2.5, False, (64, 32))]
+
+
+@pytest.mark.parametrize("kernel,head_dim,dtype,causal,softcap,alibi,window", [
+    pytest.param(*x, id=f"{x[0]}-D{x[1]}-{x[2]}-{'causal' if x[3] else 'full'}-cap{x[4]}-"
+                        f"alibi{int(x[5])}-w{'_'.join(map(str, x[6]))}",
+                 marks=() if i < 2 else pytest.mark.slow) for i, x in enumerate(MOD_PTX)])
+def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal, softcap,
+                                          alibi, window):
+    """The wgmma backward with the softcap and ALiBi compiles for sm_90a in the tiling the
+    launch picks (at D=64 a softcap's own: tilings.HOPPER_BWD_SOFTCAP), the softcap's tanh
+    approximate, with no local memory, no spills and no serialized wgmmas."""
+    from flashcore.backends.numba_cuda import driver
+    from numba import cuda
+    from test_numba_cuda_wgmma import _ptxas
+
+    v = launch.hopper_variant(head_dim, dtype, causal, kernel, window=window, softcap=softcap,
+                              alibi=alibi)
+    assert v.softcap == softcap and v.alibi == alibi
+    assert v.tiles == tilings.HOPPER_BWD_SOFTCAP.get((kernel, head_dim) if softcap else (),
+                                                     tilings.choose_hopper(head_dim, causal,
+                                                                           kernel)), v.tag
+    assert launch.hopper_variant(head_dim, dtype, causal, "dkdvq", softcap=softcap,
+                                 alibi=alibi) is None  # (the deterministic kernels only)
+    sig = launch.signature(v.entry, dtype)
+    try:
+        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
+                                  fastmath=driver.FASTMATH,
+                                  **driver.jit_options(v.launch_bounds))
+    except Exception as e:
+        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
+            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
+        raise
+    assert ("tanh.approx.f32" in ptx) == bool(softcap)
+    assert ".local" not in ptx, "register tiles went to local memory"
     res = _ptxas(ptx, "sm_90a")
     if res is None:
         return
@@ -502,6 +613,59 @@ def test_window_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, ca
     x64 = [x.double().cpu().numpy() for x in (do, q, k, v)]
     o64, lse64 = flashcore.attention_forward(*x64[1:], backend="reference", **opts)
     refs = flashcore.attention_backward(*x64, o64, lse64, backend="reference", **opts)
+    for name, g, r, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        e = rel_err(g.double().cpu().numpy(), r)
+        assert e < TOL_BWD[dtype], f"{name}: {e}"
+
+
+#: (D, dtype, causal, softcap, ALiBi slopes' shape, window, shape) of the wgmma backward's
+#: softcap and ALiBi GPU test: each alone and together, with a window, on tails, GQA and
+#: Nq != Nk, both head dims, dtypes and causal modes
+MOD_CASES = [(64, "bfloat16", True, 30.0, None, None, SHAPES[1]),
+             (128, "float16", False, 5.0, None, None, SHAPES[0]),
+             (128, "bfloat16", True, None, "bh", None, SHAPES[0]),
+             (64, "float16", False, None, "h", None, SHAPES[2]),
+             (128, "bfloat16", True, 20.0, "h", (100, 0), SHAPES[3]),
+             (64, "bfloat16", False, 2.5, "bh", (64, 32), SHAPES[0])] if HAVE else []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,dtype,causal,softcap,alibi,window,shape", [
+    pytest.param(*x, id=f"D{x[0]}-{x[1]}-{'causal' if x[2] else 'full'}-cap{x[3]}-"
+                        f"alibi{x[4]}-w{x[5]}-{'x'.join(map(str, x[6]))}") for x in MOD_CASES])
+def test_softcap_and_alibi_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype,
+                                           causal, softcap, alibi, window, shape):
+    """The softcap (dS times 1 - tanh^2) and ALiBi on the wgmma backward, with and without
+    a window, against the float64 reference backend; the deterministic mode is kept for
+    them (the dkdvq kernel takes neither)."""
+    torch = hopper_bwd_gpu
+    from helpers import TOL_BWD, rel_err
+
+    import flashcore
+
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")  # (not taken with these mods)
+    ran = spy_launches(monkeypatch)
+    q, k, v, do = gpu_inputs(torch, shape, head_dim, dtype, Nq * 5 + Nk + head_dim + 3)
+    rng = np.random.default_rng(Nq + head_dim)
+    slopes = (None if alibi is None else
+              rng.uniform(0.01, 0.5, (Hq,) if alibi == "h" else (B, Hq)).astype(np.float32))
+    opts = dict(causal=causal, layout=layout, window=window, softcap=softcap)
+    o, lse = flashcore.attention_forward(
+        q, k, v, backend="numba_cuda", **opts,
+        alibi_slopes=None if slopes is None else torch.from_numpy(slopes).cuda())
+    grads = flashcore.attention_backward(
+        do, q, k, v, o, lse, backend="numba_cuda", **opts,
+        alibi_slopes=None if slopes is None else torch.from_numpy(slopes).cuda())
+    assert ran == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"], ran
+    x64 = [x.double().cpu().numpy() for x in (do, q, k, v)]
+    o64, lse64 = flashcore.attention_forward(*x64[1:], backend="reference", **opts,
+                                             alibi_slopes=slopes)
+    refs = flashcore.attention_backward(*x64, o64, lse64, backend="reference", **opts,
+                                        alibi_slopes=slopes)
     for name, g, r, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
         e = rel_err(g.double().cpu().numpy(), r)

@@ -212,36 +212,40 @@ def hopper_serves(case, device) -> bool:
 def hopper_bwd_serves(case, device) -> bool:
     """Whether the wgmma dK/dV and dQ kernels (hopper/backward.py) take a backward the
     tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
-    at a head dim it is built for (``HOPPER_BWD_HEAD_DIMS``), for calls with no mask beyond
-    causal and a sliding window (the softcap, ALiBi and the user's mods: the mma.sync
-    backward), unless ``FLASHCORE_HOPPER_BWD=0``."""
+    at a head dim it is built for (``HOPPER_BWD_HEAD_DIMS``), for calls with causal, a
+    sliding window, the softcap and ALiBi (the user's mods: the mma.sync backward), unless
+    ``FLASHCORE_HOPPER_BWD=0``."""
     if (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device)
             or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS):
         return False
-    m = mask_options(case)
-    return m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None
+    return mask_options(case)["user"] is None
 
 
 def fused_backward(case, device) -> bool:
     """Whether a backward takes the non-deterministic mode (:data:`DETERMINISTIC_ENV`): the
     wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows, no window (the
-    window's dkdvq kernel has not run on a GPU)."""
+    window's dkdvq kernel has not run on a GPU), no ALiBi (its slopes' arguments carry the
+    dQ accumulator there) and no softcap (not run on a GPU in that kernel either)."""
+    m = mask_options(case)
     return (os.environ.get(DETERMINISTIC_ENV, "1") == "0" and not case.packed
-            and hopper_bwd_serves(case, device) and mask_options(case)["window"] == ())
+            and hopper_bwd_serves(case, device) and m["window"] == ()
+            and m["softcap"] == 0.0 and not m["alibi"])
 
 
 def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
                    alibi=False, user=None, packed="", split=False):
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
-    cache and split-KV; the backward varlen rows and a window, no other mask), or None
-    where it has no tiling."""
-    mods = bool(softcap) or alibi or user is not None  # (the backward takes none of them)
+    cache and split-KV; the backward varlen rows, a window, the softcap and ALiBi, no user
+    mods, and the dkdvq kernel neither softcap nor ALiBi), or None where it has no tiling."""
+    mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
-    if packed not in tilings.HOPPER_ROWS or split or (kernel != "forward" and mods):
+    if (packed not in tilings.HOPPER_ROWS or split
+            or (kernel != "forward" and user is not None)  # (the backward takes no user mods)
+            or (kernel == "dkdvq" and (alibi or softcap))):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
-                              user is not None and user.mask_mod is not None)
+                              user is not None and user.mask_mod is not None, bool(softcap))
     if t is None:
         return None
     if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
@@ -344,6 +348,7 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
             pair = ("dkdvq", None) if direction == "fused" else ("dkdv", "dq")
             fam = ([hopper_variant(d, dt, c, **mask)] if direction == "forward" else
                    [hopper_variant(d, dt, c, k_, window=mask["window"],
+                                   softcap=mask["softcap"], alibi=mask["alibi"],
                                    packed=mask["packed"]) if k_ else
                     Variant("dqconvert", "simt", d, dt, False, 256) for k_ in pair])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]

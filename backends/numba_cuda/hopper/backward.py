@@ -34,8 +34,10 @@ buffers it read). The causal mask and a sliding window apply through the seams (
 ``visible``) on steps that cross the diagonal or a window's edge only; a window also cuts the
 steps to its range (``window_query_range`` in the dK/dV kernel, ``visited_keys`` in the dQ
 kernel), so a window of W keys costs O(N W). Keys past Nk are masked in the dQ kernel (in
-the dK/dV kernel they only reach rows of dK and dV that are never stored). Serves dense and
-varlen rows, causal or not, with a window; the softcap, ALiBi and the user's mods take the
+the dK/dV kernel they only reach rows of dK and dV that are never stored). The softcap and
+ALiBi (second seam, the forward's order: ``modded``) rework each recomputed score before
+its exponential, and dS takes the softcap's derivative ``1 - tanh^2``. Serves dense and
+varlen rows, causal or not, with a window, the softcap and ALiBi; the user's mods take the
 mma.sync backward (``launch.hopper_bwd_serves``).
 """
 from __future__ import annotations
@@ -50,10 +52,14 @@ from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
 from ..device.pipeline import bulk_wait, bulk_wait_read, named_sync
 from ..device.prologue import block_tile, lse_log2, query_stats, split_heads
 from ..device.seams import (
+    alibi,
+    distance,
     hides,
     packed_tile,
     query_range,
     sequence_rows,
+    slope_of,
+    softcap,
     visible,
     visited_keys,
     window_query_range,
@@ -102,12 +108,38 @@ def stats_of_reads(ls, dl, la, da, NP):
 
 
 @device_function
-def probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2, MASK, CAUSAL,
-            LEFT, RIGHT, PRELOAD, NTILES, tq):
+def modded(x, d, mods, CAP, ALIBI):
+    """``(score, d score / d raw score)`` of raw score ``x`` through the softcap and ALiBi
+    at distance ``d`` (``seams.distance``), in the forward's order; ``mods``: ``(cap,
+    1 / cap, slope)`` in raw-score units (:func:`score_mods`). Each compile-time flag off
+    leaves its step out: ``(x, 1)`` for neither."""
+    g = float32(1.0)
+    if CAP:
+        x, g = softcap(x, mods[0], mods[1], True)
+    if ALIBI:
+        x = alibi(x, d, mods[2])
+    return x, g
+
+
+@device_function
+def score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI):
+    """``mods`` of :func:`modded` for query head ``h`` of batch entry ``b``: the cap and
+    its reciprocal, the ALiBi slope (read only where ``ALIBI``), in raw-score units."""
+    mods[0] = CAP_C / float32(scale)
+    mods[1] = float32(scale) / CAP_C
+    mods[2] = slope_of(slopes, b, h, ssb, ssh, float32(1.0) / float32(scale), ALIBI)
+
+
+@device_function
+def probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2, MASK,
+            CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq, mods, CAP, ALIBI):
     """``Sᵀ`` (``s``, wgmma's accumulator order: ``s[4 jn + 2 r + e]`` is key ``j0 + 8 r``,
     query ``m + 8 jn + 2 tq + e``) becomes ``Pᵀ``; with ``MASK`` (a step across the
     diagonal) keys the mask hides from a query get P = 0. The columns' lse come from ``ls``
-    (``PRELOAD``, :func:`column_reads` a step ahead) or are read here (fewer registers held)."""
+    (``PRELOAD``, :func:`column_reads` a step ahead) or are read here (fewer registers held).
+    Scores go through the softcap and ALiBi first (:func:`modded`); with ``CAP``, ``gc``
+    keeps the softcap's derivative for :func:`grads_t`."""
+    d0 = distance(m + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
     for jn in range(NTILES):
         for e in range(2):
             i = m + 8 * jn + 2 * tq + e
@@ -117,7 +149,10 @@ def probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2,
                 li, _ = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
-                p = math.exp2(s[x] * sl2 - li)
+                sx, gx = modded(s[x], d0 + float32(8 * jn + e - 8 * r), mods, CAP, ALIBI)
+                if CAP:  # (compile-time)
+                    gc[x] = gx
+                p = math.exp2(sx * sl2 - li)
                 if MASK:
                     if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
@@ -125,9 +160,9 @@ def probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2,
 
 
 @device_function
-def grads_t(s, dp, dl, lse, delta, lbase, lsn, dbase, Nq, m, PRELOAD, NTILES, tq):
+def grads_t(s, gc, dp, dl, lse, delta, lbase, lsn, dbase, Nq, m, PRELOAD, NTILES, tq, CAP):
     """``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` (delta per query column: from ``dl`` or
-    read here, as in :func:`probs_t`)."""
+    read here, as in :func:`probs_t`), times the softcap's derivative ``gc`` (``CAP``)."""
     for jn in range(NTILES):
         for e in range(2):
             i = m + 8 * jn + 2 * tq + e
@@ -137,15 +172,20 @@ def grads_t(s, dp, dl, lse, delta, lbase, lsn, dbase, Nq, m, PRELOAD, NTILES, tq
                 _, di = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
-                dp[x] = s[x] * (dp[x] - di)
+                dx = s[x] * (dp[x] - di)
+                if CAP:  # (compile-time)
+                    dx = dx * gc[x]
+                dp[x] = dx
 
 
 @device_function
 def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, Nq, m, j0,
-                  causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq):
+                  causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq, mods,
+                  CAP, ALIBI):
     """:func:`probs_t` and :func:`grads_t` in one pass, each k-step's Pᵀ and dSᵀ packed
     (``pf``, ``dsf``: the A fragments, as :func:`..forward.pack_p`) as soon as they are
     done, so that the fp32 tiles die early (the schedule without overlap)."""
+    d0 = distance(m + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
     for kk in range(NTILES // 2):
         for jn in range(2 * kk, 2 * kk + 2):
             for e in range(2):
@@ -157,12 +197,17 @@ def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, N
                     li, di = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
                 for r in range(2):
                     x = 4 * jn + 2 * r + e
-                    p = math.exp2(s[x] * sl2 - li)
+                    sx, gx = modded(s[x], d0 + float32(8 * jn + e - 8 * r), mods, CAP,
+                                    ALIBI)
+                    p = math.exp2(sx * sl2 - li)
                     if MASK:
                         if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                             p = float32(0.0)
                     s[x] = p
-                    dp[x] = p * (dp[x] - di)
+                    dx = p * (dp[x] - di)
+                    if CAP:  # (compile-time)
+                        dx = dx * gx
+                    dp[x] = dx
         for r in range(4):
             x = 8 * kk + 2 * r
             pf[4 * kk + r] = pack(BF16, s[x], s[x + 1])
@@ -170,15 +215,21 @@ def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, N
 
 
 @device_function
-def probs_row(s, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT, NTILES,
-              tq):
+def probs_row(s, gc, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT,
+              NTILES, tq, mods, CAP, ALIBI):
     """One of this thread's rows (``s[base + 4 jn + e]``, key ``n0 + 8 jn + 2 tq + e``;
     ``base`` 0 for row ``i``, 2 for row ``i + 8``) of ``S`` becomes ``P``; with ``MASK`` (a
-    diagonal or tail tile) keys past ``Nk`` or hidden from row ``i`` get P = 0."""
+    diagonal or tail tile) keys past ``Nk`` or hidden from row ``i`` get P = 0. Scores go
+    through the softcap and ALiBi first (:func:`modded`; ``gc``: the softcap's derivative,
+    with ``CAP``)."""
+    d0 = distance(i, n0 + 2 * tq, causal_offset)  # (ALIBI) this row's first distance
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            p = math.exp2(s[x] * sl2 - ls)
+            sx, gx = modded(s[x], d0 - float32(8 * jn + e), mods, CAP, ALIBI)
+            if CAP:  # (compile-time)
+                gc[x] = gx
+            p = math.exp2(sx * sl2 - ls)
             if MASK:
                 if not visible(i, n0 + 8 * jn + 2 * tq + e, Nk, causal_offset, CAUSAL, LEFT,
                                RIGHT):
@@ -187,12 +238,16 @@ def probs_row(s, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, LEFT, RI
 
 
 @device_function
-def grads_row(s, dp, base, dl, NTILES):
-    """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this thread's rows."""
+def grads_row(s, gc, dp, base, dl, NTILES, CAP):
+    """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this thread's rows (times the
+    softcap's derivative ``gc`` with ``CAP``)."""
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            dp[x] = s[x] * (dp[x] - dl)
+            dx = s[x] * (dp[x] - dl)
+            if CAP:  # (compile-time)
+                dx = dx * gc[x]
+            dp[x] = dx
 
 
 @device_function
@@ -228,17 +283,19 @@ def _sizes(var, kernel):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma backward")
-    if var.softcap or var.alibi or var.user is not None \
-            or var.packed not in HOPPER_ROWS or var.split:
-        raise ValueError(f"the wgmma backward takes no masks beyond causal and a window, and "
-                         f"dense or varlen rows: {var.tag}")
+    if (var.user is not None or var.packed not in HOPPER_ROWS or var.split
+            or (var.alibi and var.kernel == "dkdvq")):
+        raise ValueError(f"the wgmma backward takes causal, a window, the softcap and ALiBi "
+                         f"(not in the dkdvq kernel, whose dQ accumulator takes the slopes' "
+                         f"arguments), no user mods, and dense or varlen rows: {var.tag}")
     CH = D // 8  # 16-byte chunks per row
     if t.block_n % (t.threads // CH) or t.block_m % (t.threads // CH):
         raise ValueError(f"{kernel}: tiles of {t.block_m} and {t.block_n} rows must be "
                          f"whole passes of the copies ({t.threads // CH} rows): {t}")
     return (D, t.block_m, t.block_n, t.threads, CH, D // 16, t.block_n // 16,
             t.block_n // 8, D // 8, t.block_n // 4, bool(var.causal),
-            var.dtype == "bfloat16", t.overlap, PACKING[var.packed])
+            var.dtype == "bfloat16", t.overlap, PACKING[var.packed], bool(var.softcap),
+            float32(var.softcap or 1.0), bool(var.alibi))
 
 
 def make_attn_backward_dkdv_wgmma(var):
@@ -253,7 +310,7 @@ def make_attn_backward_dkdv_wgmma(var):
     # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles, output n-tiles,
     # packed registers of Pᵀ)
     (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
-     PACKED) = _sizes(var, "dkdv")
+     PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dkdv")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)
     # shared memory, in bytes from the aligned start: K, V (resident), Q[2], dO[2]
@@ -337,6 +394,8 @@ def make_attn_backward_dkdv_wgmma(var):
         j0 = k0 + 64 * wg + 16 * warp + g  # this thread's keys: j0, j0 + 8
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
+        gc = cuda.local.array(NS, float32)  # (CAP) the softcap's derivative
+        mods = cuda.local.array(3, float32)  # (CAP, ALIBI) score_mods
         ls = cuda.local.array(NP, float32)
         dl = cuda.local.array(NP, float32)
         lsa = cuda.local.array(NP, float32)  # (PRELOAD: the next step's, read ahead)
@@ -381,6 +440,8 @@ def make_attn_backward_dkdv_wgmma(var):
                             KSTEPS, BM, BN)
             lbase = lb0 + h * lsh
             dbase = sb0 + h * sstep
+            if CAP or ALIBI:  # (compile-time) this query head's modifiers
+                score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI)
             if PRELOAD:  # (compile-time) this step's statistics, read a step ago; the
                 # next step's read now, a whole step before they are used (at D=128 the
                 # reads within the step left 23% of the warps' samples on their latency)
@@ -395,18 +456,20 @@ def make_attn_backward_dkdv_wgmma(var):
                 sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
                 acc_to_local(sacc, s)
                 if mask:
-                    probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset,
-                            sl2, True, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq)
+                    probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0,
+                            causal_offset, sl2, True, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq,
+                            mods, CAP, ALIBI)
                 else:
-                    probs_t(s, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0, causal_offset,
-                            sl2, False, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq)
+                    probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0,
+                            causal_offset, sl2, False, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES,
+                            tq, mods, CAP, ALIBI)
                 pack_p(BF16, pf, s, NP)
                 # dV's wgmmas run while dSᵀ is computed
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
                 pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)
                 acc_to_local(pacc, dp)
-                grads_t(s, dp, dl, lse, delta, lbase, lsn, dbase, Nq, mq, PRELOAD, NTILES,
-                        tq)
+                grads_t(s, gc, dp, dl, lse, delta, lbase, lsn, dbase, Nq, mq, PRELOAD,
+                        NTILES, tq, CAP)
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
@@ -420,11 +483,11 @@ def make_attn_backward_dkdv_wgmma(var):
                 if mask:
                     probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
                                   Nq, mq, j0, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
-                                  PRELOAD, NTILES, tq)
+                                  PRELOAD, NTILES, tq, mods, CAP, ALIBI)
                 else:
                     probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
                                   Nq, mq, j0, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
-                                  PRELOAD, NTILES, tq)
+                                  PRELOAD, NTILES, tq, mods, CAP, ALIBI)
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
@@ -469,7 +532,7 @@ def make_attn_backward_dq_wgmma(var):
     """dQ of variant ``var`` (family "hopper", kernel "dq"): a query tile of
     ``64 * warpgroups`` rows per block, key steps of ``block_n``."""
     (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
-     PACKED) = _sizes(var, "dq")
+     PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dq")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)
     # shared memory, in bytes from the aligned start: Q, dO (resident), K[2], V[2]
@@ -538,6 +601,10 @@ def make_attn_backward_dq_wgmma(var):
         ls1, dl1 = query_stats(lse, delta, lbase + i1 * lsn, srow + i1, i1 < Nq)
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
+        gc = cuda.local.array(NS, float32)  # (CAP) the softcap's derivative
+        mods = cuda.local.array(3, float32)  # (CAP, ALIBI) score_mods
+        if CAP or ALIBI:  # (compile-time)
+            score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI)
         dsf = cuda.local.array(NP, uint32)  # dS, packed: 4 per k-step of dQ += dS K
         dqa = zero_accumulators(D)
 
@@ -567,19 +634,19 @@ def make_attn_backward_dq_wgmma(var):
             acc_to_local(sacc, s)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
             if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
-                probs_row(s, 0, ls0, n0, i0, Nk, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
-                          NTILES, tq)
-                probs_row(s, 2, ls1, n0, i1, Nk, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
-                          NTILES, tq)
+                probs_row(s, gc, 0, ls0, n0, i0, Nk, causal_offset, sl2, True, CAUSAL, LEFT,
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                probs_row(s, gc, 2, ls1, n0, i1, Nk, causal_offset, sl2, True, CAUSAL, LEFT,
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
             else:
-                probs_row(s, 0, ls0, n0, i0, Nk, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
-                          NTILES, tq)
-                probs_row(s, 2, ls1, n0, i1, Nk, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
-                          NTILES, tq)
+                probs_row(s, gc, 0, ls0, n0, i0, Nk, causal_offset, sl2, False, CAUSAL, LEFT,
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                probs_row(s, gc, 2, ls1, n0, i1, Nk, causal_offset, sl2, False, CAUSAL, LEFT,
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
             pacc = wgmma_wait_group_acc(0, pacc)
             acc_to_local(pacc, dp)
-            grads_row(s, dp, 0, dl0, NTILES)
-            grads_row(s, dp, 2, dl1, NTILES)
+            grads_row(s, gc, dp, 0, dl0, NTILES, CAP)
+            grads_row(s, gc, dp, 2, dl1, NTILES, CAP)
             pack_p(BF16, dsf, dp, NP)
             dqa = issue_pv(BF16, wgmma_fence_acc(dqa), dsf, kb, PSTEPS, B_LBO)
             dqa = wgmma_wait_group_acc(0, dqa)

@@ -193,11 +193,23 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
 HOPPER_MASK_MOD = HopperTiles(2, 64)
 
 
+#: The wgmma backward's tilings with a softcap, per (kernel, head dim) where the table's
+#: do not take one (ptxas 13.0). dK/dV at D=64: the overlapped g1n64o would hold the
+#: softcap's derivatives through the step too (32 more registers) and ptxas serializes its
+#: wgmmas (C7519, 246-250 registers); without the overlap (P, dS and the derivative in one
+#: pass) g1n64 takes 246-254 registers. dQ at D=64: 128-key steps (g1n128o) spill 24 bytes
+#: with a causal window; 64-key steps (g1n64o) take 158-167 registers.
+HOPPER_BWD_SOFTCAP = {("dkdv", 64): HopperTiles(1, 64), ("dq", 64): HopperTiles(1, 64, True)}
+
+
 def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
-                  mask_mod: bool = False) -> HopperTiles | None:
+                  mask_mod: bool = False, softcap: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
-    (``mask_mod``: of a forward with one), or None where it has none."""
+    (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one), or
+    None where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
+    if t is not None and softcap:
+        return HOPPER_BWD_SOFTCAP.get((kernel, head_dim), t)
     return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
 
 
