@@ -303,6 +303,14 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")
     assert not launch.fused_backward(_case(softcap=20.0), 0)
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
+    # the softcap's backward tilings leave the forward's alone: with a mask_mod it keeps
+    # the schedule without the overlap
+    from flashcore.backends.numba_cuda.variant import UserMods
+
+    for d in (64, 128):
+        v = launch.hopper_variant(d, "bfloat16", False, softcap=20.0,
+                                  user=UserMods(None, abs, ()))
+        assert v.tiles == tilings.HOPPER_MASK_MOD, v.tag
     for cc in ((8, 0), (9, 1), (10, 0)):
         monkeypatch.setattr(launch, "device_cc", lambda device, cc=cc: cc)
         assert not launch.hopper_bwd_serves(case, 0), cc

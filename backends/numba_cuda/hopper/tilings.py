@@ -208,7 +208,7 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
     (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one), or
     None where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
-    if t is not None and softcap:
+    if t is not None and softcap and kernel != "forward":
         return HOPPER_BWD_SOFTCAP.get((kernel, head_dim), t)
     return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
 
