@@ -39,7 +39,7 @@ if HAVE:
     from flashcore.backends.numba_cuda import launch, tilings
     from flashcore.backends.numba_cuda.device import prologue, seams
     from flashcore.backends.numba_cuda.device import wgmma as w
-    from flashcore.backends.numba_cuda.hopper import backward as hb
+    from flashcore.backends.numba_cuda.hopper import backward_scores as hb
     from flashcore.backends.numba_cuda.variant import Variant
 
 KERNELS = ("dkdv", "dq")

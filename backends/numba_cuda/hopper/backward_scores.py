@@ -1,0 +1,189 @@
+"""The elementwise part of a wgmma backward step (``backward.py``): from the recomputed
+scores ``Sᵀ`` / ``S`` and ``dPᵀ`` / ``dP`` in wgmma's accumulator layout to ``Pᵀ`` / ``P``
+and ``dSᵀ`` / ``dS``, per query column (the dK/dV kernel, keys as rows: ``probs_t``,
+``grads_t``, or both in one pass, ``probs_grads_t``) or per query row (the dQ kernel:
+``probs_row``, ``grads_row``): the second seam (softcap, ALiBi: ``modded``), the masks
+(``seams.hides`` / ``seams.visible``) and the statistics the forward stored (lse, and
+delta from the preprocess)."""
+from __future__ import annotations
+
+import math
+
+from numba import float32
+
+from ..device.constants import NEG_INF
+from ..device.convert import device_function
+from ..device.prologue import lse_log2, query_stats
+from ..device.seams import alibi, distance, hides, slope_of, softcap, visible
+from ..tensor_core.fragments import pack
+
+
+@device_function
+def column_reads(la, da, lse, delta, lbase, lsn, dbase, m, Nq, NTILES, tq):
+    """The lse and delta of this thread's query columns of a step that starts at query
+    ``m``, as stored: ``la[2 jn + e]``, ``da[2 jn + e]`` for query ``m + 8 jn + 2 tq + e``
+    (lse at ``lbase + i * lsn``, delta at ``dbase + i``; past ``Nq``: -inf and 0). Read a
+    step ahead; :func:`stats_of_reads` converts them when the step comes (converting here
+    would wait for the reads at once)."""
+    for jn in range(NTILES):
+        for e in range(2):
+            i = m + 8 * jn + 2 * tq + e
+            lv = NEG_INF
+            dv = float32(0.0)
+            if i < Nq:
+                lv = lse[lbase + i * lsn]
+                dv = delta[dbase + i]
+            la[2 * jn + e] = lv
+            da[2 * jn + e] = dv
+
+
+@device_function
+def stats_of_reads(ls, dl, la, da, NP):
+    """The step's column statistics from what :func:`column_reads` read: lse in the log2
+    domain, +inf where it is -inf (a row that sees no key, or one past the end: P = 0)."""
+    for x in range(NP):
+        ls[x] = lse_log2(la[x])
+        dl[x] = da[x]
+
+
+@device_function
+def modded(x, d, mods, CAP, ALIBI):
+    """``(score, d score / d raw score)`` of raw score ``x`` through the softcap and ALiBi
+    at distance ``d`` (``seams.distance``), in the forward's order; ``mods``: ``(cap,
+    1 / cap, slope)`` in raw-score units (:func:`score_mods`). Each compile-time flag off
+    leaves its step out: ``(x, 1)`` for neither."""
+    g = float32(1.0)
+    if CAP:
+        x, g = softcap(x, mods[0], mods[1], True)
+    if ALIBI:
+        x = alibi(x, d, mods[2])
+    return x, g
+
+
+@device_function
+def score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI):
+    """``mods`` of :func:`modded` for query head ``h`` of batch entry ``b``: the cap and
+    its reciprocal, the ALiBi slope (read only where ``ALIBI``), in raw-score units."""
+    mods[0] = CAP_C / float32(scale)
+    mods[1] = float32(scale) / CAP_C
+    mods[2] = slope_of(slopes, b, h, ssb, ssh, float32(1.0) / float32(scale), ALIBI)
+
+
+@device_function
+def probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2, MASK,
+            CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq, mods, CAP, ALIBI):
+    """``Sᵀ`` (``s``, wgmma's accumulator order: ``s[4 jn + 2 r + e]`` is key ``j0 + 8 r``,
+    query ``m + 8 jn + 2 tq + e``) becomes ``Pᵀ``; with ``MASK`` (a step across the
+    diagonal) keys the mask hides from a query get P = 0. The columns' lse come from ``ls``
+    (``PRELOAD``, :func:`column_reads` a step ahead) or are read here (fewer registers held).
+    Scores go through the softcap and ALiBi first (:func:`modded`); with ``CAP``, ``gc``
+    keeps the softcap's derivative for :func:`grads_t`."""
+    d0 = distance(m + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
+    for jn in range(NTILES):
+        for e in range(2):
+            i = m + 8 * jn + 2 * tq + e
+            if PRELOAD:
+                li = ls[2 * jn + e]
+            else:
+                li, _ = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
+            for r in range(2):
+                x = 4 * jn + 2 * r + e
+                sx, gx = modded(s[x], d0 + float32(8 * jn + e - 8 * r), mods, CAP, ALIBI)
+                if CAP:  # (compile-time)
+                    gc[x] = gx
+                p = math.exp2(sx * sl2 - li)
+                if MASK:
+                    if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
+                        p = float32(0.0)
+                s[x] = p
+
+
+@device_function
+def grads_t(s, gc, dp, dl, lse, delta, lbase, lsn, dbase, Nq, m, PRELOAD, NTILES, tq, CAP):
+    """``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` into ``dp`` (delta per query column: from ``dl`` or
+    read here, as in :func:`probs_t`), times the softcap's derivative ``gc`` (``CAP``)."""
+    for jn in range(NTILES):
+        for e in range(2):
+            i = m + 8 * jn + 2 * tq + e
+            if PRELOAD:
+                di = dl[2 * jn + e]
+            else:
+                _, di = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
+            for r in range(2):
+                x = 4 * jn + 2 * r + e
+                dx = s[x] * (dp[x] - di)
+                if CAP:  # (compile-time)
+                    dx = dx * gc[x]
+                dp[x] = dx
+
+
+@device_function
+def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, Nq, m, j0,
+                  causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq, mods,
+                  CAP, ALIBI):
+    """:func:`probs_t` and :func:`grads_t` in one pass, each k-step's Pᵀ and dSᵀ packed
+    (``pf``, ``dsf``: the A fragments, as :func:`..forward.pack_p`) as soon as they are
+    done, so that the fp32 tiles die early (the schedule without overlap)."""
+    d0 = distance(m + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
+    for kk in range(NTILES // 2):
+        for jn in range(2 * kk, 2 * kk + 2):
+            for e in range(2):
+                i = m + 8 * jn + 2 * tq + e
+                if PRELOAD:
+                    li = ls[2 * jn + e]
+                    di = dl[2 * jn + e]
+                else:
+                    li, di = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
+                for r in range(2):
+                    x = 4 * jn + 2 * r + e
+                    sx, gx = modded(s[x], d0 + float32(8 * jn + e - 8 * r), mods, CAP,
+                                    ALIBI)
+                    p = math.exp2(sx * sl2 - li)
+                    if MASK:
+                        if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
+                            p = float32(0.0)
+                    s[x] = p
+                    dx = p * (dp[x] - di)
+                    if CAP:  # (compile-time)
+                        dx = dx * gx
+                    dp[x] = dx
+        for r in range(4):
+            x = 8 * kk + 2 * r
+            pf[4 * kk + r] = pack(BF16, s[x], s[x + 1])
+            dsf[4 * kk + r] = pack(BF16, dp[x], dp[x + 1])
+
+
+@device_function
+def probs_row(s, gc, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, LEFT, RIGHT,
+              NTILES, tq, mods, CAP, ALIBI):
+    """One of this thread's rows (``s[base + 4 jn + e]``, key ``n0 + 8 jn + 2 tq + e``;
+    ``base`` 0 for row ``i``, 2 for row ``i + 8``) of ``S`` becomes ``P``; with ``MASK`` (a
+    diagonal or tail tile) keys past ``Nk`` or hidden from row ``i`` get P = 0. Scores go
+    through the softcap and ALiBi first (:func:`modded`; ``gc``: the softcap's derivative,
+    with ``CAP``)."""
+    d0 = distance(i, n0 + 2 * tq, causal_offset)  # (ALIBI) this row's first distance
+    for jn in range(NTILES):
+        for e in range(2):
+            x = base + 4 * jn + e
+            sx, gx = modded(s[x], d0 - float32(8 * jn + e), mods, CAP, ALIBI)
+            if CAP:  # (compile-time)
+                gc[x] = gx
+            p = math.exp2(sx * sl2 - ls)
+            if MASK:
+                if not visible(i, n0 + 8 * jn + 2 * tq + e, Nk, causal_offset, CAUSAL, LEFT,
+                               RIGHT):
+                    p = float32(0.0)
+            s[x] = p
+
+
+@device_function
+def grads_row(s, gc, dp, base, dl, NTILES, CAP):
+    """``dS = P ∘ (dP − delta)`` into ``dp`` for one of this thread's rows (times the
+    softcap's derivative ``gc`` with ``CAP``)."""
+    for jn in range(NTILES):
+        for e in range(2):
+            x = base + 4 * jn + e
+            dx = s[x] * (dp[x] - dl)
+            if CAP:  # (compile-time)
+                dx = dx * gc[x]
+            dp[x] = dx
