@@ -35,7 +35,7 @@ buffers it read). The causal mask and a sliding window apply through the seams (
 steps to its range (``window_query_range`` in the dK/dV kernel, ``visited_keys`` in the dQ
 kernel), so a window of W keys costs O(N W). Keys past Nk are masked in the dQ kernel (in
 the dK/dV kernel they only reach rows of dK and dV that are never stored). The softcap and
-ALiBi (second seam, the forward's order: ``modded``) rework each recomputed score before
+ALiBi (second seam, the forward's order: ``backward_scores.prob``) rework each recomputed score before
 its exponential, and dS takes the softcap's derivative ``1 - tanh^2``. Serves dense and
 varlen rows, causal or not, with a window, the softcap and ALiBi; the user's mods take the
 mma.sync backward (``launch.hopper_bwd_serves``).

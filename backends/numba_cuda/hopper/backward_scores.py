@@ -2,7 +2,7 @@
 scores ``Sᵀ`` / ``S`` and ``dPᵀ`` / ``dP`` in wgmma's accumulator layout to ``Pᵀ`` / ``P``
 and ``dSᵀ`` / ``dS``, per query column (the dK/dV kernel, keys as rows: ``probs_t``,
 ``grads_t``, or both in one pass, ``probs_grads_t``) or per query row (the dQ kernel:
-``probs_row``, ``grads_row``): the second seam (softcap, ALiBi: ``modded``), the masks
+``probs_row``, ``grads_row``): the second seam (softcap, ALiBi: ``prob``), the masks
 (``seams.hides`` / ``seams.visible``) and the statistics the forward stored (lse, and
 delta from the preprocess)."""
 from __future__ import annotations
@@ -47,22 +47,33 @@ def stats_of_reads(ls, dl, la, da, NP):
 
 
 @device_function
-def modded(x, d, mods, CAP, ALIBI):
-    """``(score, d score / d raw score)`` of raw score ``x`` through the softcap and ALiBi
-    at distance ``d`` (``seams.distance``), in the forward's order; ``mods``: ``(cap,
-    1 / cap, slope)`` in raw-score units (:func:`score_mods`). Each compile-time flag off
-    leaves its step out: ``(x, 1)`` for neither."""
+def prob(x, d, li, sl2, mods, CAP, ALIBI):
+    """``(P, d score / d raw score)`` of raw score ``x``: the score through the softcap and
+    ALiBi at distance ``d`` (``seams.distance``), in the forward's order (``mods``: ``(cap,
+    1 / cap, slope)`` in raw-score units, :func:`score_mods`; each compile-time flag off
+    leaves its step out), then ``P = exp2(score sl2 - li)`` (``li``: the row's lse in the
+    log2 domain). The derivative is the softcap's, 1 without one."""
     g = float32(1.0)
     if CAP:
         x, g = softcap(x, mods[0], mods[1], True)
     if ALIBI:
         x = alibi(x, d, mods[2])
-    return x, g
+    return math.exp2(x * sl2 - li), g
+
+
+@device_function
+def grad(p, dpx, di, g, CAP):
+    """``dS = P (dP - delta)`` of one score, times the softcap's derivative ``g`` where
+    ``CAP`` (compile-time)."""
+    ds = p * (dpx - di)
+    if CAP:
+        ds = ds * g
+    return ds
 
 
 @device_function
 def score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI):
-    """``mods`` of :func:`modded` for query head ``h`` of batch entry ``b``: the cap and
+    """``mods`` of :func:`prob` for query head ``h`` of batch entry ``b``: the cap and
     its reciprocal, the ALiBi slope (read only where ``ALIBI``), in raw-score units."""
     mods[0] = CAP_C / float32(scale)
     mods[1] = float32(scale) / CAP_C
@@ -76,7 +87,7 @@ def probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, 
     query ``m + 8 jn + 2 tq + e``) becomes ``Pᵀ``; with ``MASK`` (a step across the
     diagonal) keys the mask hides from a query get P = 0. The columns' lse come from ``ls``
     (``PRELOAD``, :func:`column_reads` a step ahead) or are read here (fewer registers held).
-    Scores go through the softcap and ALiBi first (:func:`modded`); with ``CAP``, ``gc``
+    Scores go through the softcap and ALiBi first (:func:`prob`); with ``CAP``, ``gc``
     keeps the softcap's derivative for :func:`grads_t`."""
     d0 = distance(m + 2 * tq, j0, causal_offset)  # (ALIBI) this lane's first distance
     for jn in range(NTILES):
@@ -88,10 +99,10 @@ def probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, m, j0, causal_offset, 
                 li, _ = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
-                sx, gx = modded(s[x], d0 + float32(8 * jn + e - 8 * r), mods, CAP, ALIBI)
+                p, gx = prob(s[x], d0 + float32(8 * jn + e - 8 * r), li, sl2, mods, CAP,
+                             ALIBI)
                 if CAP:  # (compile-time)
                     gc[x] = gx
-                p = math.exp2(sx * sl2 - li)
                 if MASK:
                     if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                         p = float32(0.0)
@@ -111,10 +122,7 @@ def grads_t(s, gc, dp, dl, lse, delta, lbase, lsn, dbase, Nq, m, PRELOAD, NTILES
                 _, di = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
             for r in range(2):
                 x = 4 * jn + 2 * r + e
-                dx = s[x] * (dp[x] - di)
-                if CAP:  # (compile-time)
-                    dx = dx * gc[x]
-                dp[x] = dx
+                dp[x] = grad(s[x], dp[x], di, gc[x], CAP)
 
 
 @device_function
@@ -136,17 +144,13 @@ def probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase, N
                     li, di = query_stats(lse, delta, lbase + i * lsn, dbase + i, i < Nq)
                 for r in range(2):
                     x = 4 * jn + 2 * r + e
-                    sx, gx = modded(s[x], d0 + float32(8 * jn + e - 8 * r), mods, CAP,
-                                    ALIBI)
-                    p = math.exp2(sx * sl2 - li)
+                    p, gx = prob(s[x], d0 + float32(8 * jn + e - 8 * r), li, sl2, mods, CAP,
+                                 ALIBI)
                     if MASK:
                         if hides(i, j0 + 8 * r, causal_offset, CAUSAL, LEFT, RIGHT):
                             p = float32(0.0)
                     s[x] = p
-                    dx = p * (dp[x] - di)
-                    if CAP:  # (compile-time)
-                        dx = dx * gx
-                    dp[x] = dx
+                    dp[x] = grad(p, dp[x], di, gx, CAP)
         for r in range(4):
             x = 8 * kk + 2 * r
             pf[4 * kk + r] = pack(BF16, s[x], s[x + 1])
@@ -159,16 +163,15 @@ def probs_row(s, gc, base, ls, n0, i, Nk, causal_offset, sl2, MASK, CAUSAL, LEFT
     """One of this thread's rows (``s[base + 4 jn + e]``, key ``n0 + 8 jn + 2 tq + e``;
     ``base`` 0 for row ``i``, 2 for row ``i + 8``) of ``S`` becomes ``P``; with ``MASK`` (a
     diagonal or tail tile) keys past ``Nk`` or hidden from row ``i`` get P = 0. Scores go
-    through the softcap and ALiBi first (:func:`modded`; ``gc``: the softcap's derivative,
+    through the softcap and ALiBi first (:func:`prob`; ``gc``: the softcap's derivative,
     with ``CAP``)."""
     d0 = distance(i, n0 + 2 * tq, causal_offset)  # (ALIBI) this row's first distance
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            sx, gx = modded(s[x], d0 - float32(8 * jn + e), mods, CAP, ALIBI)
+            p, gx = prob(s[x], d0 - float32(8 * jn + e), ls, sl2, mods, CAP, ALIBI)
             if CAP:  # (compile-time)
                 gc[x] = gx
-            p = math.exp2(sx * sl2 - ls)
             if MASK:
                 if not visible(i, n0 + 8 * jn + 2 * tq + e, Nk, causal_offset, CAUSAL, LEFT,
                                RIGHT):
@@ -183,7 +186,4 @@ def grads_row(s, gc, dp, base, dl, NTILES, CAP):
     for jn in range(NTILES):
         for e in range(2):
             x = base + 4 * jn + e
-            dx = s[x] * (dp[x] - dl)
-            if CAP:  # (compile-time)
-                dx = dx * gc[x]
-            dp[x] = dx
+            dp[x] = grad(s[x], dp[x], dl, gc[x], CAP)
