@@ -89,3 +89,20 @@ def gpu_inputs(torch, shape, head_dim, dtype, seed):
         return x if layout == "bhnd" else x.transpose(1, 2).contiguous()
 
     return t(Hq, Nq), t(Hkv, Nk), t(Hkv, Nk), t(Hq, Nq)
+
+
+def compile_sm90a(v, sig):
+    """The PTX of kernel variant ``v`` for sm_90a with the launch's options (fastmath,
+    launch bounds), or the test skipped where the CUDA toolkit's NVVM is not importable."""
+    from flashcore.backends.numba_cuda import driver, launch
+    from numba import cuda
+
+    try:
+        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
+                                  fastmath=driver.FASTMATH,
+                                  **driver.jit_options(v.launch_bounds))
+    except Exception as e:
+        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
+            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
+        raise
+    return ptx

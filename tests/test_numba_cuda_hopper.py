@@ -21,7 +21,14 @@ import types as pytypes
 
 import numpy as np
 import pytest
-from hopper_helpers import SHAPES, compile_once, gpu_inputs, hopper_gpu_or_skip, spy_launches
+from hopper_helpers import (
+    SHAPES,
+    compile_once,
+    compile_sm90a,
+    gpu_inputs,
+    hopper_gpu_or_skip,
+    spy_launches,
+)
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 pytestmark = [
@@ -405,20 +412,11 @@ def sm90(monkeypatch):
                  marks=() if _in_ci(tt, (d, t, c)) else pytest.mark.slow)
     for tt in TILINGS for d, t, c in ALL if tt in tilings.hopper_candidates(d)])
 def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
-    from flashcore.backends.numba_cuda import driver
-    from numba import cuda
     from test_numba_cuda_wgmma import _ptxas
 
     v = _variant(head_dim, dtype, causal, tiles)
     sig = launch.signature(v.entry, dtype)
-    try:
-        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
-                                  fastmath=driver.FASTMATH,
-                                  **driver.jit_options(v.launch_bounds))
-    except Exception as e:
-        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
-            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
-        raise
+    ptx = compile_sm90a(v, sig)
     assert ".target sm_90a" in ptx
     # k-steps of Q Kᵀ and of P V, written out (the overlapped schedule: twice, its first
     # tile's S and its last tile's P V outside the loop)
@@ -500,8 +498,6 @@ def test_ptx_sm90a_with_mods(sm90, which):
     """The wgmma forward with masks and score modifiers compiles for sm_90a with the
     launch's parameters, no local memory and (ptxas) no spills nor serialized wgmmas; a
     mask_mod takes the schedule without the overlap."""
-    from flashcore.backends.numba_cuda import driver
-    from numba import cuda
     from test_numba_cuda_wgmma import _ptxas
 
     name, opts, d, dtype, causal = _mod_variants()[which]
@@ -513,14 +509,7 @@ def test_ptx_sm90a_with_mods(sm90, which):
         "softcap" in opts or not {"window", "alibi"} & set(opts))), v.tag
     assert v.packed == opts.get("packed", "")
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())
-    try:
-        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
-                                  fastmath=driver.FASTMATH,
-                                  **driver.jit_options(v.launch_bounds))
-    except Exception as e:
-        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
-            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
-        raise
+    ptx = compile_sm90a(v, sig)
     assert "wgmma.mma_async" in ptx
     assert ".local" not in ptx, "register tiles went to local memory"
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)

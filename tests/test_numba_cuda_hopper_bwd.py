@@ -25,7 +25,14 @@ import types as pytypes
 
 import numpy as np
 import pytest
-from hopper_helpers import SHAPES, compile_once, gpu_inputs, hopper_gpu_or_skip, spy_launches
+from hopper_helpers import (
+    SHAPES,
+    compile_once,
+    compile_sm90a,
+    gpu_inputs,
+    hopper_gpu_or_skip,
+    spy_launches,
+)
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 HAVE = not SIM and importlib.util.find_spec("numba_cuda") is not None
@@ -353,10 +360,8 @@ def _ptx_cases():
 
 @pytest.mark.parametrize("kernel,tiles,head_dim,dtype,causal,packed", _ptx_cases())
 def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
-    from flashcore.backends.numba_cuda import driver
-    from numba import cuda
     from ptx_addresses import narrowed_addresses
-    from test_numba_cuda_wgmma import _ptxas
+    from test_numba_cuda_wgmma import _assembles_clean
 
     v = _variant(kernel, head_dim, dtype, causal, tiles)
     if packed:
@@ -364,14 +369,7 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
 
         v = replace(v, packed=packed)
     sig = launch.signature(v.entry, dtype)
-    try:
-        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
-                                  fastmath=driver.FASTMATH,
-                                  **driver.jit_options(v.launch_bounds))
-    except Exception as e:
-        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
-            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
-        raise
+    ptx = compile_sm90a(v, sig)
     assert ".target sm_90a" in ptx
     bn = v.tiles.block_n
     # two score products (SS, N = block_n, k over D) and one (dQ) or two (dV, dK) RS
@@ -395,13 +393,7 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     assert narrowed_addresses(ptx) == []  # 64-bit addresses: tensors past 2^31 elements
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
     assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
-    res = _ptxas(ptx, "sm_90a")
-    if res is None:
-        return
-    rc, report = res
-    assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-    assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
+    _assembles_clean(ptx)
 
 
 #: (kernel, D, dtype, causal, softcap, ALiBi, window) of the mods' PTX test; the first two
@@ -423,9 +415,7 @@ def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal,
     """The wgmma backward with the softcap and ALiBi compiles for sm_90a in the tiling the
     launch picks (at D=64 a softcap's own: tilings.HOPPER_BWD_SOFTCAP), the softcap's tanh
     approximate, with no local memory, no spills and no serialized wgmmas."""
-    from flashcore.backends.numba_cuda import driver
-    from numba import cuda
-    from test_numba_cuda_wgmma import _ptxas
+    from test_numba_cuda_wgmma import _assembles_clean
 
     v = launch.hopper_variant(head_dim, dtype, causal, kernel, window=window, softcap=softcap,
                               alibi=alibi)
@@ -436,23 +426,10 @@ def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal,
     assert launch.hopper_variant(head_dim, dtype, causal, "dkdvq", softcap=softcap,
                                  alibi=alibi) is None  # (the deterministic kernels only)
     sig = launch.signature(v.entry, dtype)
-    try:
-        ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0, "a"),
-                                  fastmath=driver.FASTMATH,
-                                  **driver.jit_options(v.launch_bounds))
-    except Exception as e:
-        if "NVVM" in str(e) or "libnvvm" in str(e).lower():
-            pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
-        raise
+    ptx = compile_sm90a(v, sig)
     assert ("tanh.approx.f32" in ptx) == bool(softcap)
     assert ".local" not in ptx, "register tiles went to local memory"
-    res = _ptxas(ptx, "sm_90a")
-    if res is None:
-        return
-    rc, report = res
-    assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-    assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
+    _assembles_clean(ptx)
 
 
 # --- on an H100/H200 ----------------------------------------------------------------------
