@@ -108,6 +108,8 @@ HOPPER_ALIGN = 1024
 #: Ping-pong with every other n-tile's exp2 on the FMA pipe (slower on the H100: kept for
 #: the tool, at D=128).
 _POLY2 = HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)
+#: The 2-stage ping-pong, for D=256 (three stages do not fit its shared memory).
+_PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
 #: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
@@ -118,26 +120,21 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     _POLY2)
-#: Head dims of a candidate where not all of them: 192 keys at D=128 spill; 64-key ping-pong
+                     _POLY2, _PP2)
+#: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
-#: tile 32 KiB: two stages of both, 193 KiB); ptxas 13: g2n64o 220-228 registers, g2n64
-#: 234, the 2-stage ping-pong g2n64op2 208-225, no spills.
-_PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
-HOPPER_CANDIDATES += (_PP2,)
+#: tile 32 KiB: two stages of both, 193 KiB): the overlapped g2n64o and the 2-stage
+#: ping-pong; ptxas 13: g2n64o 220-228 registers, g2n64 234, g2n64op2 208-225, no spills.
 HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
-HOPPER_CANDIDATE_DIMS[_POLY2] = (128,)
-HOPPER_CANDIDATE_DIMS[_PP2] = (256,)
-HOPPER_CANDIDATE_DIMS[HopperTiles(2, 64, True)] = HOPPER_HEAD_DIMS
-for _t in HOPPER_CANDIDATES:  # the others: up to D=128
-    HOPPER_CANDIDATE_DIMS.setdefault(_t, (64, 128))
+HOPPER_CANDIDATE_DIMS.update({_POLY2: (128,), _PP2: (256,),
+                              HopperTiles(2, 64, True): HOPPER_HEAD_DIMS})
 
 
 def hopper_candidates(head_dim: int) -> tuple:
     """The candidates built (timed, tested) at ``head_dim``."""
     return tuple(t for t in HOPPER_CANDIDATES
-                 if head_dim in HOPPER_CANDIDATE_DIMS.get(t, HOPPER_HEAD_DIMS))
+                 if head_dim in HOPPER_CANDIDATE_DIMS.get(t, (64, 128)))
 
 
 #: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): one
