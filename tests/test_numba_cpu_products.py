@@ -172,3 +172,21 @@ def test_a_generic_build_computes_the_same_attention():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, check=True, timeout=1200).stdout.split()
     assert float(out[-1]) < 2e-5
+
+
+def test_forward_jobs_even_out_the_threads():
+    """Non-causal jobs cost alike: the job size is the one whose busiest thread has the
+    least work with each job's fixed cost counted (B=1 H=8 N=1024 on 16 threads: one job of
+    16 query tiles per thread, not four of 4); causal and masked calls keep at least 4 jobs
+    per thread for the balance."""
+    from flashcore.backends.numba_cpu.tiles import JOB_COST, q_tiles_per_job
+
+    tiles = 8 * 1024 // 32
+    assert q_tiles_per_job(tiles, 16, 32) == 4
+    assert q_tiles_per_job(tiles, 16, 32, 8) == 16
+    for threads in (1, 2, 3, 5, 7, 16, 64):
+        for heads, per_head in ((8, 32), (3, 5), (1, 1), (12, 128)):
+            per = q_tiles_per_job(heads * per_head, threads, 32, heads)
+            assert 1 <= per <= min(per_head, 16)
+            busiest = lambda p: -(-heads * -(-per_head // p) // threads) * (p + JOB_COST)  # noqa: E731
+            assert busiest(per) <= min(busiest(p) for p in range(1, min(per_head, 16) + 1))

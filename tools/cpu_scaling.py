@@ -102,6 +102,28 @@ def main(argv=None):
     print(f"threading layer used: {numba.threading_layer()}")
     print(f"tiny call (B=1 H=1 N=16 D=64), {top} threads: flashcore {fc * 1e6:.0f} us, "
           f"sdpa {sd * 1e6:.0f} us")
+    tiny_parts(tiny, top, numba_cpu)
+
+
+def tiny_parts(tiny, top, numba_cpu):
+    """Where the tiny call's time goes: the backend on a case made once (no front end),
+    and a parallel region that does nothing, on ``top`` threads."""
+    import numba
+    import numpy as np
+
+    from flashcore._api import _plan
+
+    @numba.njit(parallel=True)
+    def empty_region(x, n):
+        for i in numba.prange(n):
+            x[i] += 0.0
+
+    buf = np.zeros(top)
+    case, _ = _plan(*tiny, False, None, "bhnd", True, "numba_cpu")
+    backend = timed(lambda: numba_cpu.forward(*tiny, case), 20, 50)
+    region = timed(lambda: empty_region(buf, top), 20, 50)
+    print(f"tiny call parts: the backend alone {backend * 1e6:.0f} us; an empty parallel "
+          f"region on {top} threads {region * 1e6:.1f} us")
 
 
 if __name__ == "__main__":

@@ -177,6 +177,12 @@ def varlen(rows):
                                  max_seqlen_k=longest, causal=causal, scale=None,
                                  need_lse=True)
         res["varlen_fwd_backend"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
+        # the padded tokens as a varlen batch of equal lengths: the packed kernel's own cost
+        # per tile, with no ragged tiles and no short sequences
+        qu, ku, vu = (x.reshape(nseq * longest, H, D) for x in (qp, kp, vp))
+        cu_u = torch.arange(nseq + 1, dtype=torch.int32, device="cuda") * longest
+        res["uniform_fwd"] = timed(lambda: flashcore.attention_varlen(
+            qu, ku, vu, cu_u, cu_u, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal))
         if TILES:  # the backend alone again, the wgmma forward on another tiling
             from flashcore.backends.numba_cuda import launch, tilings
 
@@ -238,6 +244,9 @@ def main():
         print(f"       forward, the backend alone on a case made once (no host checks): "
               f"{r['varlen_fwd_backend'] * 1e3:.2f}ms, {r['varlen_fwd_backend'] / pf:.2f}x "
               "pad*share")
+        print(f"       equal lengths ({r['longest']} x 16) as varlen: "
+              f"{r['uniform_fwd'] * 1e3:.2f}ms, {r['uniform_fwd'] / r['padded_fwd']:.2f}x the "
+              "padded call")
         if "varlen_fwd_tiles" in r:
             print(f"       the same on tiling {TILES}: {r['varlen_fwd_tiles'] * 1e3:.2f}ms, "
                   f"{r['varlen_fwd_tiles'] / pf:.2f}x pad*share")

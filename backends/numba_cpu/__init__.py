@@ -77,7 +77,8 @@ def forward(q, k, v, case):
         import numba
 
         n_tiles = case.batch * case.heads_q * -(-case.seqlen_q // tiles.block_q)
-        per_job = q_tiles_per_job(n_tiles, numba.get_num_threads(), tiles.block_q)
+        per_job = q_tiles_per_job(n_tiles, numba.get_num_threads(), tiles.block_q,
+                                  0 if case.causal else case.batch * case.heads_q)
         attn_forward(qk, kk, vk, ok, lse, case.scale, case.causal, tiles.block_q, tiles.block_k,
                      per_job, tiles.d_pad, _work(case))
     return _give(o, case), _give(lse, case)

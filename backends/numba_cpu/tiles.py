@@ -64,12 +64,30 @@ def choose_tiles(head_dim: int, dtype: str, causal: bool) -> TileConfig:
 
 #: Query rows one forward job may own (each key/value tile it loads serves all of them).
 MAX_ROWS_PER_JOB = 512
+#: A forward job's fixed cost (loading and padding its key/value tiles) in units of one
+#: query tile's products over the same keys: 0.14 at D=64, 0.16 at D=128 (one thread,
+#: N=1024, 1 against 16 query tiles per job; notes/numba_cpu.md, 2026-11-26).
+JOB_COST = 0.15
 
 
-def q_tiles_per_job(n_tiles: int, threads: int, block_q: int) -> int:
-    """As many query tiles per job as keeps at least 4 jobs per thread (load balance)."""
-    per = n_tiles // (4 * max(threads, 1))
-    return max(1, min(MAX_ROWS_PER_JOB // block_q, per))
+def q_tiles_per_job(n_tiles: int, threads: int, block_q: int, heads: int = 0) -> int:
+    """Query tiles per forward job. ``heads`` (batch x query heads) given: the jobs cost
+    alike (dense, non-causal), and Numba hands each thread an equal run of them, so the
+    size whose busiest thread has the least work, :data:`JOB_COST` per job included (ties
+    to the smaller jobs). Otherwise (causal, masks: jobs of different costs) as many tiles
+    as keeps at least 4 jobs per thread, for the balance."""
+    cap = MAX_ROWS_PER_JOB // block_q
+    threads = max(threads, 1)
+    if heads < 1:
+        return max(1, min(cap, n_tiles // (4 * threads)))
+    per_head = max(1, -(-n_tiles // heads))
+    best, choice = None, 1
+    for per in range(1, min(cap, per_head) + 1):
+        jobs = heads * -(-per_head // per)
+        cost = -(-jobs // threads) * (per + JOB_COST)
+        if best is None or cost < best - 1e-9:
+            best, choice = cost, per
+    return choice
 
 
 #: Split-KV (decoding): at least this many keys per split, and at most this many splits.
