@@ -9,11 +9,11 @@ import weakref
 
 import numpy as np
 
-from . import _interop
+from . import _dispatch, _interop
 from ._case import Case, KVCache, Varlen
 from ._checks import _arrays, _dtype, check_backward_inputs, check_options
 from ._memo import Memo
-from ._mods import check_mods
+from ._mods import check_mods, options_key, with_arrays
 
 #: Integer dtypes accepted for offsets, lengths and page tables (int32 is FA2's; int64 is
 #: what torch.arange and NumPy give by default).
@@ -146,6 +146,56 @@ def make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
                 explicit=explicit, mods=mods, **arrays,
                 varlen=Varlen(total_q=qs[0], total_k=ks[0], cu_seqlens_q=cu_seqlens_q,
                               cu_seqlens_k=cu_seqlens_k))
+
+
+#: Checked varlen calls: key (see _varlen_key) -> (case, backend module)
+_VARLEN_PLANS = Memo(64)
+
+
+def varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, backend, **kw):
+    """``(case, backend module)`` of a varlen call (``kw``: :func:`make_varlen_case`'s
+    keywords): checked and selected once per kind of call and pair of offsets arrays, then
+    looked up; the checks and the selection cost more host time than the kernel of a
+    small call. Kept only where a write to the offsets changes the key: torch GPU tensors,
+    keyed as :func:`host_ints` keys them (object, address, version counter), and found
+    only while the case holds those very objects. Other calls are checked every time. The
+    option arrays (ALiBi slopes, mod_args) join the case per call."""
+    key = _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, backend, kw)
+    hit = _VARLEN_PLANS.get(key) if key is not None else None
+    if (hit is not None and hit[0].varlen.cu_seqlens_q is cu_seqlens_q
+            and hit[0].varlen.cu_seqlens_k is cu_seqlens_k):
+        options = kw.get("options")
+        return (hit[0] if options is None else with_arrays(hit[0], options)), hit[1]
+    case = make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
+    impl = _dispatch.select(case, backend)
+    if key is not None:
+        if len(_VARLEN_PLANS) >= _VARLEN_PLANS.max_size:
+            _VARLEN_PLANS.clear()
+        _VARLEN_PLANS[key] = (case, impl)
+    return case, impl
+
+
+def _offsets_key(x):
+    """What keys a torch GPU offsets tensor (its values were read for the checks; any
+    in-place write bumps the version); TypeError for any other array."""
+    if not getattr(x, "is_cuda", False) or not hasattr(x, "_version"):
+        raise TypeError("offsets without a version counter")
+    return (id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype)
+
+
+def _varlen_key(q, k, v, cu_q, cu_k, backend, kw):
+    """The memo key of a varlen call, or None where one part cannot key it."""
+    try:
+        extra = kw.get("extra") or {}
+        arrays = tuple((n, type(x), tuple(x.shape), x.dtype, x.device) for n, x in
+                       (("q", q), ("k", k), ("v", v), *sorted(extra.items())))
+        rest = tuple((n, kw[n]) for n in sorted(kw) if n not in ("extra", "options"))
+        key = (arrays, _offsets_key(cu_q), _offsets_key(cu_k), backend, rest,
+               options_key(kw.get("options")))
+        hash(key)
+        return key
+    except (AttributeError, TypeError):
+        return None
 
 
 def _mods_of(options, library, device, B, Hq, Nq, Nk):

@@ -23,7 +23,7 @@ import torch
 from . import _dispatch
 from ._checks import check_options
 from ._mods import options as _options
-from ._packed_checks import make_kvcache_case, make_varlen_case
+from ._packed_checks import make_kvcache_case, varlen_plan
 from ._rules import lse_dtype
 from ._torch_ops import _options as _op_options
 from ._torch_ops import op_mods
@@ -50,11 +50,11 @@ def varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                       causal: bool, scale: float, backend: str, mods: int,
                       arrays: list[Tensor]) -> tuple[Tensor, Tensor]:
     """``(o, lse)``: o like q, lse float32 ``(Hq, total_q)``."""
-    case = make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=_max(max_seqlen_q),
-                            max_seqlen_k=_max(max_seqlen_k), causal=causal, scale=scale,
-                            need_lse=True, explicit=backend != "auto",
-                            options=_op_options(mods, arrays))
-    o, lse = _dispatch.select(case, backend).forward(q, k, v, case)
+    case, impl = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, backend,
+                             max_seqlen_q=_max(max_seqlen_q), max_seqlen_k=_max(max_seqlen_k),
+                             causal=causal, scale=scale, need_lse=True,
+                             explicit=backend != "auto", options=_op_options(mods, arrays))
+    o, lse = impl.forward(q, k, v, case)
     return o.contiguous(), lse.contiguous()
 
 
@@ -70,12 +70,12 @@ def varlen_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                        max_seqlen_k: int, causal: bool, scale: float, backend: str, mods: int,
                        arrays: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` like q, k, v."""
-    case = make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=_max(max_seqlen_q),
-                            max_seqlen_k=_max(max_seqlen_k), causal=causal, scale=scale,
-                            direction="backward", explicit=backend != "auto",
-                            extra={"do": do, "o": o, "lse": lse},
-                            options=_op_options(mods, arrays))
-    grads = _dispatch.select(case, backend).backward(do, q, k, v, o, lse, case)
+    case, impl = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, backend,
+                             max_seqlen_q=_max(max_seqlen_q), max_seqlen_k=_max(max_seqlen_k),
+                             causal=causal, scale=scale, direction="backward",
+                             explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse},
+                             options=_op_options(mods, arrays))
+    grads = impl.backward(do, q, k, v, o, lse, case)
     return tuple(g.contiguous() for g in grads)
 
 

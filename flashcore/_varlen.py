@@ -7,10 +7,9 @@ own, with every rule of :func:`flashcore.attention`.
 """
 from __future__ import annotations
 
-from . import _dispatch
 from ._api import _framework, _jax_traced, _torch_compiling
 from ._mods import options as _options
-from ._packed_checks import make_varlen_case
+from ._packed_checks import varlen_plan
 
 _DOC = """
     Parameters
@@ -54,10 +53,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_
                                 score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
                                 scale=scale, return_lse=True, backend=backend)
     options = _options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args, None)
-    case = make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
-                            need_lse=True, explicit=backend != "auto", options=options)
-    return _dispatch.select(case, backend).forward(q, k, v, case)
+    case, impl = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, backend,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             causal=causal, scale=scale, need_lse=True,
+                             explicit=backend != "auto", options=options)
+    return impl.forward(q, k, v, case)
 
 
 def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
@@ -86,10 +86,10 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
             q, k, v, cu_seqlens_q, cu_seqlens_k, backend=backend, **kw, **opts), q, k, v)
         return pullback(do)
     options = _options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args, None)
-    case = make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, direction="backward",
-                            explicit=backend != "auto", extra={"do": do, "o": o, "lse": lse},
-                            options=options, **kw)
-    return _dispatch.select(case, backend).backward(do, q, k, v, o, lse, case)
+    case, impl = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, backend,
+                             direction="backward", explicit=backend != "auto",
+                             extra={"do": do, "o": o, "lse": lse}, options=options, **kw)
+    return impl.backward(do, q, k, v, o, lse, case)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,

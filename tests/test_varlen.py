@@ -239,3 +239,44 @@ def test_lse_is_the_log_of_the_softmax_sum():
                                                 np.array([0, 1], np.int32), backend="reference")
     assert math.isclose(float(lse[0, 0]), 2.0 / 2.0, rel_tol=1e-6)
 
+
+
+@pytest.mark.torch
+def test_checked_calls_are_remembered_until_the_offsets_change(monkeypatch):
+    """A varlen call on torch GPU offsets is checked once and looked up after, until the
+    offsets are written (the version counter moves), replaced by another tensor, or the
+    kind of call changes. GPU offsets stand in here as CPU tensors (the memo keys only
+    tensors whose writes it sees: on the GPU, torch's version counter; a CPU tensor can
+    also be written through a NumPy view, which moves no counter)."""
+    torch = pytest.importorskip("torch")
+    from flashcore import _packed_checks
+
+    monkeypatch.setattr(_packed_checks, "_offsets_key", lambda x: (
+        id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype))
+    checks = []
+    real = _packed_checks.make_varlen_case
+    monkeypatch.setattr(_packed_checks, "make_varlen_case",
+                        lambda *a, **kw: checks.append(kw.get("direction")) or real(*a, **kw))
+    _packed_checks._VARLEN_PLANS.clear()
+    rng = np.random.default_rng(11)
+    q, k, v, cq, ck = (torch.tensor(x) for x in packed(rng, LENS_Q, LENS_K))
+    ref = oracle_varlen(*(x.numpy() for x in (q, k, v, cq, ck)), causal=True)
+
+    def call(cq, ck, **kw):
+        return flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=True,
+                                                  backend="numba_cpu", **kw)
+
+    for _ in range(3):
+        o, lse = call(cq, ck)
+        _check_forward(o.numpy(), lse.numpy(), ref[0], ref[1], "float64")
+    assert len(checks) == 1
+    call(cq.clone(), ck)  # another tensor, the same values: checked again
+    call(cq, ck, max_seqlen_k=100)  # another kind of call
+    assert len(checks) == 3
+    grads = flashcore.attention_varlen_backward(torch.ones_like(q), q, k, v, o, lse, cq, ck,
+                                                causal=True, backend="numba_cpu")
+    assert len(checks) == 4 and checks[-1] == "backward" and len(grads) == 3
+    cq[2] = cq[1] - 1  # written in place: checked again, and rejected
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        call(cq, ck)
+    assert len(checks) == 5

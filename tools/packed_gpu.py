@@ -53,7 +53,11 @@ def kernel_times(fn, label):
                                                 for k, t, n in rows[:6]))
 
 
-def timed(fn, reps=20, warm=3):
+def timed(fn, reps=20, warm=3, inner=1):
+    """Median seconds per call. ``inner`` 1: one call between the events, the GPU idle
+    while the host prepares it (its host time counted); more: that many calls back to
+    back per sample, the host preparing the next while the GPU runs one (as in a model's
+    step), the time divided by ``inner``."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
@@ -61,10 +65,11 @@ def timed(fn, reps=20, warm=3):
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
+        out.append(a.elapsed_time(b) / 1e3 / inner)
     return statistics.median(out)
 
 
@@ -209,6 +214,13 @@ def varlen(rows):
 
         res["varlen_fwdbwd"] = timed(vl_fb, reps=10)
         res["padded_fwdbwd"] = timed(pad_fb, reps=10)
+        res["varlen_fwd_b2b"] = timed(lambda: flashcore.attention_varlen(
+            q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal),
+            reps=10, inner=10)
+        res["padded_fwd_b2b"] = timed(lambda: flashcore.attention(
+            qp, kp, vp, causal=causal, layout="bnhd"), reps=10, inner=10)
+        res["varlen_fwdbwd_b2b"] = timed(vl_fb, reps=5, inner=5)
+        res["padded_fwdbwd_b2b"] = timed(pad_fb, reps=5, inner=5)
         offs = [0] + list(torch.tensor(lens).cumsum(0).tolist())
 
         def per_seq():
@@ -241,6 +253,12 @@ def main():
               f"{r['varlen_fwd'] * 1e3:>9.2f}ms {pf * 1e3:>8.2f}ms {r['varlen_fwd'] / pf:>6.2f} "
               f"{r['sdpa_per_seq_fwd'] * 1e3:>7.2f}ms {r['varlen_fwdbwd'] * 1e3:>9.2f}ms "
               f"{pb * 1e3:>8.2f}ms {r['varlen_fwdbwd'] / pb:>6.2f}")
+        b2b = [r["varlen_fwd_b2b"], r["padded_fwd_b2b"] * r["share"],
+               r["varlen_fwdbwd_b2b"], r["padded_fwdbwd_b2b"] * r["share"]]
+        print(f"       calls back to back (host work under the GPU's): forward "
+              f"{b2b[0] * 1e3:.2f}ms ÷ {b2b[1] * 1e3:.2f}ms = {b2b[0] / b2b[1]:.2f}; "
+              f"forward+backward {b2b[2] * 1e3:.2f}ms ÷ {b2b[3] * 1e3:.2f}ms = "
+              f"{b2b[2] / b2b[3]:.2f}")
         print(f"       forward, the backend alone on a case made once (no host checks): "
               f"{r['varlen_fwd_backend'] * 1e3:.2f}ms, {r['varlen_fwd_backend'] / pf:.2f}x "
               "pad*share")
