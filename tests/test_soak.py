@@ -34,7 +34,7 @@ def _numba_layer_or_skip():
     from flashcore.backends.numba_cpu.backward_kernels import attn_backward_preprocess
 
     x = np.ones((1, 1, 1, 1), np.float32)
-    attn_backward_preprocess(x, x, np.zeros((1, 1, 1), np.float32), np.float32)
+    attn_backward_preprocess(x, x, np.zeros((1, 1, 1), np.float32), np.dtype(np.float32))
     if numba.threading_layer() == "workqueue":
         pytest.skip("numba's workqueue threading layer is not thread-safe (concurrent calls "
                     "abort the process); install tbb or use OpenMP")

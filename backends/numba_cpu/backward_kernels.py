@@ -21,7 +21,7 @@ from .softmax import FASTMATH, dscores_tile, probabilities, probabilities_tile, 
 def attn_backward_preprocess(do, o, delta, work_dtype):
     """delta[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d] (in the compute dtype)."""
     B, H, N, D = o.shape
-    zero = work_dtype(0.0)
+    zero = work_dtype.type(0.0)
     for bh in prange(B * H):
         b, h = bh // H, bh % H
         for i in range(N):
@@ -61,8 +61,8 @@ def attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal, bl
     group = Hq // Hkv
     offset = Nk - Nq
     n_kt = (Nk + block_k - 1) // block_k
-    one = work_dtype(1.0)
-    q_mult = work_dtype(scale * LOG2E)
+    one = work_dtype.type(1.0)
+    q_mult = work_dtype.type(scale * LOG2E)
     for job in prange(B * Hkv * splits):
         b = job // (Hkv * splits)
         hk = (job // splits) % Hkv
@@ -108,7 +108,7 @@ def attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal, bl
                     product(dp, 0, 1, block_k, qt, dk_acc, block_k, d_pad, block_q, True)
                     # dQ += dS K, rows past nq land in the part's padding rows
                     product_into(dp, 0, block_k, 1, kt, dq_h, i0, block_q, d_pad, block_k)
-            dk_mult = work_dtype(1.0 / LOG2E)
+            dk_mult = work_dtype.type(1.0 / LOG2E)
             for r in range(nk):
                 for d in range(D):
                     dk[b, hk, j0 + r, d] = store(dk_acc[r, d] * dk_mult, dk[0, 0, 0, 0])
@@ -159,4 +159,4 @@ def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block
         attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal, block_q,
                          block_k, d_pad, work_dtype)
     if dq.size:
-        attn_backward_dq_sum(dq_part, dq, work_dtype(scale))
+        attn_backward_dq_sum(dq_part, dq, work_dtype.type(scale))

@@ -75,7 +75,7 @@ def make_decode(scores):
                 for d in range(D):
                     row[d] = load(kr[d])
                 for r in range(R):
-                    x = work_dtype(0.0)
+                    x = work_dtype.type(0.0)
                     for d in range(D):
                         x += qt[r, d] * row[d]
                     s[r, c] = x
@@ -116,7 +116,7 @@ def make_decode(scores):
         table, page_size = pages
         Hkv = k.shape[1]
         group = q.shape[1] // Hkv
-        q_mult = work_dtype(scale * LOG2E)
+        q_mult = work_dtype.type(scale * LOG2E)
         n_out = o.shape[0] // n_splits
         for job in prange(B * Hkv * n_splits):
             split = job % n_splits

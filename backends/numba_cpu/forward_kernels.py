@@ -89,8 +89,8 @@ def attn_forward(q, k, v, o, lse, scale, causal, block_q, block_k, q_tiles_per_j
     offset = Nk - Nq
     rows_per_job = block_q * q_tiles_per_job
     n_jobs = (Nq + rows_per_job - 1) // rows_per_job
-    q_mult = work_dtype(scale * LOG2E)  # scores in log2 units: exp2 instead of exp
-    one = work_dtype(1.0)
+    q_mult = work_dtype.type(scale * LOG2E)  # scores in log2 units: exp2 instead of exp
+    one = work_dtype.type(1.0)
     for job in prange(B * Hq * n_jobs):
         b = job // (Hq * n_jobs)
         h = (job // n_jobs) % Hq

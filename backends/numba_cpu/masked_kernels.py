@@ -180,7 +180,7 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
         causal, left, right = opts[0], opts[1], opts[2]
         D = q.shape[3]
         rows_per_job = (rows + block_q - 1) // block_q * block_q
-        one = work_dtype(1.0)
+        one = work_dtype.type(1.0)
         g = np.empty((1, 1), work_dtype)
         d_pad, bkp = padded(g, D, block_k)
         qt = np.zeros((rows_per_job, d_pad), work_dtype)
@@ -245,7 +245,7 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
         group = Hq // k.shape[1]
         rows_per_job = block_q * q_tiles_per_job
         n_jobs = (Nq + rows_per_job - 1) // rows_per_job
-        q_mult = work_dtype(scale * LOG2E)
+        q_mult = work_dtype.type(scale * LOG2E)
         n_out = o.shape[0] // n_splits
         for job in prange(B * Hq * n_jobs * n_splits):
             split = job % n_splits
@@ -281,8 +281,8 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
         causal, left, right, softcap, has_alibi = opts
         want_g = softcap > 0 or has_score_mod
         n_kt = (Nk + block_k - 1) // block_k
-        one = work_dtype(1.0)
-        q_mult = work_dtype(scale * LOG2E)
+        one = work_dtype.type(1.0)
+        q_mult = work_dtype.type(scale * LOG2E)
         for job in prange(B * Hkv * n_kt):
             b = job // (Hkv * n_kt)
             hk = (job // n_kt) % Hkv
@@ -328,7 +328,7 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                     zero_tail(dp, nq, nk)
                     # dK += dS^T Q (qt carries scale*log2e)
                     product(dp, 0, 1, bkp, qt, dk_acc, bkp, d_pad, block_q, True)
-            dk_mult = work_dtype(1.0 / LOG2E)
+            dk_mult = work_dtype.type(1.0 / LOG2E)
             for r in range(nk):
                 for d in range(D):
                     dk[kb, hk, k_base + j0 + r, d] = store(dk_acc[r, d] * dk_mult,
@@ -346,8 +346,8 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
         causal, left, right, softcap, has_alibi = opts
         want_g = softcap > 0 or has_score_mod
         n_qt = (Nq + block_q - 1) // block_q
-        one = work_dtype(1.0)
-        q_mult = work_dtype(scale * LOG2E)
+        one = work_dtype.type(1.0)
+        q_mult = work_dtype.type(scale * LOG2E)
         for job in prange(B * Hq * n_qt):
             b = job // (Hq * n_qt)
             h = (job // n_qt) % Hq
@@ -391,7 +391,7 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                     chain(dp, g, nq, nk)
                 zero_tail(dp, nq, nk)
                 product(dp, 0, bkp, 1, kt, dq_acc, block_q, d_pad, bkp, True)  # dQ += dS K
-            dq_mult = work_dtype(scale)
+            dq_mult = work_dtype.type(scale)
             for r in range(nq):
                 for d in range(D):
                     dq_out[qb, h, q_base + i0 + r, d] = store(dq_acc[r, d] * dq_mult,
