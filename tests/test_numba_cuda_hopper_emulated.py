@@ -59,7 +59,8 @@ if not SIM:
         # windowed backward's, about 50 s)
         pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
                      f"not slow) or barrier or (fused_backward and not slow) or "
-                     f"(window_backward and not slow)", id="ci"),
+                     f"(window_backward and not slow) or (persistent_forward and not slow)",
+                     id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only, request):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
@@ -276,6 +277,32 @@ else:
         ro, rl = oracle_forward(q, k, v, **opts)
         assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
         assert rel_err(lse, rl) < 1e-5
+
+    #: The persistent ping-pong forward (g2n128op3s): the simulator's 4 blocks walk more
+    #: query tiles than there are blocks (a block's rings run on from one tile to the
+    #: next), with tiles that see no key (causal, Nq > Nk), GQA, key tails, both layouts.
+    PERSISTENT = dataclasses.replace(PINGPONG, persistent=True)
+    PS_RUNS = [(1, 2, 1, 300, 400, 64, "bfloat16", True, "bhnd"),
+               pytest.param((1, 2, 2, 300, 100, 64, "float16", True, "bnhd"),
+                            marks=pytest.mark.slow),
+               pytest.param((1, 3, 1, 200, 300, 128, "bfloat16", False, "bnhd"),
+                            marks=pytest.mark.slow)]
+
+    @pytest.mark.parametrize("c", PS_RUNS, ids=_id)
+    def test_persistent_forward(emulated, monkeypatch, c):
+        """The persistent forward against the oracle, through the front end."""
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), PERSISTENT)
+        q, k, v, _ = _inputs(c)
+        opts = dict(causal=causal, layout=layout)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+        assert len(emulated.tags) == 1 and f"_d{D}_{PERSISTENT.tag}_" in emulated.tags[0], \
+            emulated.tags
+        ro, rl = oracle_forward(q, k, v, **opts)
+        assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
+        finite = np.isfinite(rl)
+        assert np.array_equal(np.isfinite(lse), finite)
+        assert rel_err(lse[finite], rl[finite]) < 1e-5
 
     # --- device/sim_pipeline.py's barriers, on their own --------------------------------
 

@@ -28,6 +28,7 @@ import numpy as np
 #: (name, emulation) pairs are made by :func:`_emulations`; these modules get them
 MODULES = ("flashcore.backends.numba_cuda.hopper.forward",
            "flashcore.backends.numba_cuda.hopper.pingpong",
+           "flashcore.backends.numba_cuda.hopper.persistent",
            "flashcore.backends.numba_cuda.hopper.backward",
            "flashcore.backends.numba_cuda.hopper.dq_atomic")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 
 from numba.cuda import types
 
@@ -23,10 +24,16 @@ from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
 from .hopper import backward as _hop_bwd
 from .hopper import forward as _hop_fwd
+from .hopper import persistent as _hop_ps
 from .hopper import pingpong as _hop_pp
 from .launch_args import (  # noqa: F401 (re-exported: launch.no_slopes, ...)
+    _grid,
     bhnd,
     host_flat,
+    launch_dkdv,
+    launch_dq,
+    launch_forward,
+    launch_preprocess,
     no_classes,
     no_mod_args,
     no_packed,
@@ -75,7 +82,9 @@ FACTORIES = {
     ("tensor_core", "forward"): _tc_fwd.make_attn_forward_tc,
     ("tensor_core", "dkdv"): _tc_bwd.make_attn_backward_dkdv_tc,
     ("tensor_core", "dq"): _tc_bwd.make_attn_backward_dq_tc,
-    ("hopper", "forward"): lambda var: (_hop_pp.make_attn_forward_wgmma_pingpong
+    ("hopper", "forward"): lambda var: (_hop_ps.make_attn_forward_wgmma_persistent
+                                        if var.tiles.persistent
+                                        else _hop_pp.make_attn_forward_wgmma_pingpong
                                         if var.tiles.pingpong
                                         else _hop_fwd.make_attn_forward_wgmma)(var),
     ("hopper", "dkdv"): _hop_bwd.make_attn_backward_dkdv_wgmma,
@@ -248,6 +257,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                               user is not None and user.mask_mod is not None, bool(softcap))
     if t is None:
         return None
+    if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
+        t = replace(t, persistent=False)
     if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap), bool(window), head_dim)
@@ -352,7 +363,11 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
                                    packed=mask["packed"]) if k_ else
                     Variant("dqconvert", "simt", d, dt, False, 256) for k_ in pair])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
-        plan = _PLANS[key] = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
+        plan = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
+        if direction == "forward":  # and the blocks of a persistent kernel (0: the grid's)
+            persistent = fam[0].family == "hopper" and fam[0].tiles.persistent
+            plan += (driver.sm_count(device) if persistent else 0,)
+        _PLANS[key] = plan
     return plan
 
 
@@ -402,67 +417,6 @@ def forget_plans():
     tilings.forget_tuned()
 
 
-def _grid(bm, case, keys=False):
-    """``(tiles, batch x heads)`` of a launch over the call's query rows (or its key rows,
-    by the key heads, where ``keys``) in tiles of ``bm``. Varlen: every sequence's tiles on
-    the first axis (``device/seams.packed_tile`` finds a tile's sequence), ``total // bm +
-    batch`` of them (at least their number, with no block past a sequence's end but for at
-    most ``batch``), by heads."""
-    heads = case.heads_kv if keys else case.heads_q
-    if case.varlen is None:
-        rows = case.seqlen_k if keys else case.seqlen_q
-        return (rows + bm - 1) // bm, case.batch * heads
-    total = case.varlen.total_k if keys else case.varlen.total_q
-    return total // bm + case.batch, heads
-
-
-def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
-                   classes, packed=None, splits=1):
-    """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
-    tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
-    lse is a handle of a contiguous float32 (B, Hq, Nq) buffer; slopes a (handle, (batch
-    stride, head stride)) pair (:func:`no_slopes` without ALiBi); margs the MAX_ARGS
-    pointers and MAX_ARGS * MAX_DIMS extents of the mod_args (:func:`no_mod_args`);
-    classes the mask_mod's tile classes, ``(handle, batch stride, head stride, query-block
-    stride)`` (:func:`no_classes`); packed the packed-rows arguments (:func:`packed_args`;
-    None for a dense batch); ``splits`` key ranges per (query tile, head), on grid z."""
-    kern((*_grid(bm, case), splits), stream,
-         (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
-          case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
-          *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes,
-          *(packed or no_packed(lse))))
-
-
-def launch_preprocess(pre, rows, case, stream, o, do, delta):
-    """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``rows`` per block,
-    tilings.RowTiles) over the call's rows: (B, Hq, Nq), or for varlen the packed rows as
-    one batch entry."""
-    B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
-    if case.varlen is not None:
-        B, Nq = 1, case.varlen.total_q
-    pre(((Nq + rows - 1) // rows, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
-
-
-def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
-                classes, packed=None):
-    """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
-    Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    kern(_grid(bm, case, keys=True), stream,
-         (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
-          Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
-          slopes[0], *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
-
-
-def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs,
-              classes, packed=None):
-    """One dQ launch (``bm`` queries per block)."""
-    Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    kern(_grid(bm, case), stream,
-         (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
-          *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
-          *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
-
-
 def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
                 margs=None, classes=None, packed=None, split=None, tc_ok=True):
     """Launch the forward: the tensor-core kernel where :func:`tc_serves`, else the SIMT
@@ -474,11 +428,12 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     out the 16-byte copies."""
     tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v)
     hop = tc and split is None and hopper_serves(case, device)
-    kern, bm = _plan("forward", case, device, tiles,
-                     tc_ok and _fp32_rows_aligned(case, q, k, v), tc, split is not None, hop)
+    kern, bm, ctas = _plan("forward", case, device, tiles,
+                           tc_ok and _fp32_rows_aligned(case, q, k, v), tc, split is not None,
+                           hop)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                    margs or no_mod_args(lse), classes or no_classes(lse), packed,
-                   1 if split is None else split[0])
+                   1 if split is None else split[0], ctas if packed is None else 0)
 
 
 def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:

@@ -1,6 +1,7 @@
 """The arguments every kernel launch takes for what a call does not use (no ALiBi slopes,
 no mod_args, dense rows, no tile classes) or builds from its arrays (packed rows, mod_args,
-strides in (B, H, N, D) order, flat host views for the simulator); ``launch`` re-exports
+strides in (B, H, N, D) order, flat host views for the simulator), and the launches of
+the attention kernels with them (their grids, their argument lists); ``launch`` re-exports
 them."""
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ def no_mod_args(buffer):
     return (no_slopes(buffer)[0],) * MAX_ARGS + (0,) * (MAX_ARGS * MAX_DIMS)
 
 
-def no_packed(buffer):
-    """The packed-rows arguments of a dense call (never read)."""
+def no_packed(buffer, batch=0):
+    """The packed-rows arguments of a dense call (never read; but ``nseq``, the batch, by a
+    persistent kernel)."""
     h = no_slopes(buffer)[0]
-    return (h, h, h, h, 0, 1, 0, 0, 0, 0, 0, 0)
+    return (h, h, h, h, 0, 1, 0, 0, 0, 0, 0, batch)
 
 
 def packed_args(cu_q=None, cu_k=None, seqk=None, table=None, tsb=0, page=1, psp=0,
@@ -79,3 +81,72 @@ def host_flat(x: np.ndarray):
     extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, strides)) if x.size else 0
     flat = np.lib.stride_tricks.as_strided(x, shape=(extent,), strides=(item,))
     return flat, strides
+
+
+# --- the launches ---------------------------------------------------------------------------
+
+
+def _grid(bm, case, keys=False):
+    """``(tiles, batch x heads)`` of a launch over the call's query rows (or its key rows,
+    by the key heads, where ``keys``) in tiles of ``bm``. Varlen: every sequence's tiles on
+    the first axis (``device/seams.packed_tile`` finds a tile's sequence), ``total // bm +
+    batch`` of them (at least their number, with no block past a sequence's end but for at
+    most ``batch``), by heads."""
+    heads = case.heads_kv if keys else case.heads_q
+    if case.varlen is None:
+        rows = case.seqlen_k if keys else case.seqlen_q
+        return (rows + bm - 1) // bm, case.batch * heads
+    total = case.varlen.total_k if keys else case.varlen.total_q
+    return total // bm + case.batch, heads
+
+
+def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
+                   classes, packed=None, splits=1, ctas=0):
+    """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
+    tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
+    lse is a handle of a contiguous float32 (B, Hq, Nq) buffer; slopes a (handle, (batch
+    stride, head stride)) pair (:func:`no_slopes` without ALiBi); margs the MAX_ARGS
+    pointers and MAX_ARGS * MAX_DIMS extents of the mod_args (:func:`no_mod_args`);
+    classes the mask_mod's tile classes, ``(handle, batch stride, head stride, query-block
+    stride)`` (:func:`no_classes`); packed the packed-rows arguments (:func:`packed_args`;
+    None for a dense batch); ``splits`` key ranges per (query tile, head), on grid z.
+    ``ctas``: a persistent kernel's blocks (a dense batch: they walk the grid's tiles, and
+    take the batch as ``nseq``), 0 for one block per tile."""
+    grid = _grid(bm, case)
+    if ctas:
+        grid, packed = (min(ctas, grid[0] * grid[1]), 1), no_packed(lse, case.batch)
+    kern((*grid, splits), stream,
+         (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
+          case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
+          *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes,
+          *(packed or no_packed(lse))))
+
+
+def launch_preprocess(pre, rows, case, stream, o, do, delta):
+    """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``rows`` per block,
+    tilings.RowTiles) over the call's rows: (B, Hq, Nq), or for varlen the packed rows as
+    one batch entry."""
+    B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
+    if case.varlen is not None:
+        B, Nq = 1, case.varlen.total_q
+    pre(((Nq + rows - 1) // rows, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+
+
+def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
+                classes, packed=None):
+    """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
+    Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
+    kern(_grid(bm, case, keys=True), stream,
+         (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
+          Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
+          slopes[0], *slopes[1], *margs, *classes, *(packed or no_packed(delta))))
+
+
+def launch_dq(kern, bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs,
+              classes, packed=None):
+    """One dQ launch (``bm`` queries per block)."""
+    Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
+    kern(_grid(bm, case), stream,
+         (q[0], k[0], v[0], do[0], lse[0], delta, dq[0], Nq, Nk, Hq, Hq // Hkv, Nk - Nq,
+          *q[1], *k[1], *v[1], *do[1], *dq[1], *lse[1], float(case.scale), slopes[0],
+          *slopes[1], *margs, *classes, *(packed or no_packed(delta))))

@@ -104,10 +104,17 @@ PATTERN = 8 * LINE
 
 @device_function
 def load_tile(smem, e0, src, base, n0, nvalid, sn, ROWS, CH, tid, NT):
+    """A whole ``ROWS``-line tile: :func:`load_rows` with column blocks of ``ROWS`` lines."""
+    load_rows(smem, e0, src, base, n0, nvalid, sn, ROWS, ROWS, CH, tid, NT)
+
+
+@device_function
+def load_rows(smem, e0, src, base, n0, nvalid, sn, ROWS, BLOCK, CH, tid, NT):
     """Rows ``n0 .. n0 + ROWS - 1`` of ``src`` (row ``r`` at ``base + r * sn``, ``8 * CH``
     contiguous elements) into the 128B-swizzled tile at element ``e0`` of ``smem`` (a
-    ``ROWS x 8 CH`` tile of ``device/wgmma``: blocks of 64 columns, ``ROWS`` lines of 128
-    bytes each, 16-byte chunk ``c`` of line ``r`` at chunk ``c ^ (r % 8)``), by 16-byte
+    ``ROWS x 8 CH`` tile of ``device/wgmma``: blocks of 64 columns, ``BLOCK`` lines of 128
+    bytes each, 16-byte chunk ``c`` of line ``r`` at chunk ``c ^ (r % 8)``; ``BLOCK`` >
+    ``ROWS``: the rows are part of a taller tile, ``e0`` their first line), by 16-byte
     ``cp.async`` copies; rows at or past ``nvalid`` are zero-filled. Thread ``tid`` copies
     chunk ``tid % CH`` of every ``NT // CH``-th row (consecutive threads read consecutive
     16 bytes of a row; the 8 chunks of a line land on distinct banks).
@@ -121,7 +128,7 @@ def load_tile(smem, e0, src, base, n0, nvalid, sn, ROWS, CH, tid, NT):
     RS = NT // CH  # rows per pass
     c = tid % CH
     r = tid // CH
-    col = (c >> 3) * (ROWS * 64) + (c & 7) * 8  # element offset of the chunk's unswizzled spot
+    col = (c >> 3) * (BLOCK * 64) + (c & 7) * 8  # element offset of the chunk's unswizzled spot
     g = base + (n0 + r) * sn + 8 * c  # this thread's first row, then a pass further each time
     step = RS * sn
     if RS % 8 == 0:

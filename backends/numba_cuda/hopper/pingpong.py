@@ -124,12 +124,21 @@ def produce(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full, emp
     stage is free, and arrive on its "full" barrier when the copies land (nothing past the
     last tile)."""
     if t < n_tiles:
-        s = stage_of(t, STAGES)
-        if t >= STAGES:
-            mbarrier_wait(smem, empty + BAR * s, empty_parity(t, STAGES))
-        load_tile(smem, el + (off + s * STAGE) // 2, src, base, n_begin + t * BN, nvalid, sn,
-                  BN, CH, wtid, WG_THREADS)
-        cp_async_arrive(smem, full + BAR * s)
+        produce_at(smem, el, off, src, base, t, t, n_begin, nvalid, sn, full, empty, STAGES,
+                   STAGE, BN, CH, wtid)
+
+
+@device_function
+def produce_at(smem, el, off, src, base, t, r, n_begin, nvalid, sn, full, empty, STAGES,
+               STAGE, BN, CH, wtid):
+    """:func:`produce`'s copy of tile ``t`` into the ring's ``r``-th tile (its stage and
+    phases: ``r`` counts on across a persistent block's query tiles)."""
+    s = stage_of(r, STAGES)
+    if r >= STAGES:
+        mbarrier_wait(smem, empty + BAR * s, empty_parity(r, STAGES))
+    load_tile(smem, el + (off + s * STAGE) // 2, src, base, n_begin + t * BN, nvalid, sn,
+              BN, CH, wtid, WG_THREADS)
+    cp_async_arrive(smem, full + BAR * s)
 
 
 @device_function

@@ -32,7 +32,12 @@ class HopperTiles:
     them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers).
     ``poly``: every ``poly``-th 8-key n-tile of the softmax takes its exp2 from the FMA
     pipe (``intrinsics.exp2_fma``) instead of the MUFU unit (0: none), for a softcap, whose
-    tanh is a second MUFU operation per score."""
+    tanh is a second MUFU operation per score. ``persistent`` (ping-pong, no producer;
+    dense rows without masks): one block per multiprocessor walks the query tiles (the
+    launch's grid in its order, heaviest first where causal), its K/V rings running on from
+    one tile to the next, so the next tile's first K/V tiles and Q rows load under the
+    current one's last products and stores (a block's fixed cost was 2.4-4.7 key tiles:
+    notes/fixed_cost_varlen_cpu_2026-11-26.md)."""
 
     warpgroups: int
     block_n: int
@@ -42,6 +47,7 @@ class HopperTiles:
     stages: int = 2
     producer: bool = False
     poly: int = 0
+    persistent: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -54,6 +60,9 @@ class HopperTiles:
             raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
         if self.poly not in (0, 2, 3, 4):
             raise ValueError(f"poly must be 0, 2, 3 or 4: {self}")
+        if self.persistent and (not self.pingpong or self.producer):
+            raise ValueError(f"a persistent block takes the ping-pong schedule without a "
+                             f"producer warpgroup: {self}")
         if self.producer and (not self.pingpong or self.min_blocks != 1):
             raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
                              f"per SM: {self}")
@@ -62,12 +71,13 @@ class HopperTiles:
     def tag(self) -> str:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
         (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
-        (every second n-tile's exp2 on the FMA pipe): names the tiling in kernel names and
-        timings."""
+        (every second n-tile's exp2 on the FMA pipe), ``g2n128op3s`` (persistent): names
+        the tiling in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
                 + ("w" if self.producer else "")
                 + (f"x{self.poly}" if self.poly else "")
+                + ("s" if self.persistent else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
@@ -120,7 +130,8 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     _POLY2, _PP2)
+                     _POLY2, _PP2, HopperTiles(2, 128, True, pingpong=True, stages=3,
+                                               persistent=True))
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
