@@ -1,6 +1,7 @@
 """The persistent ping-pong forward (``HopperTiles.persistent``): one block per
-multiprocessor walks the query tiles of a dense call, ``blockIdx.x, blockIdx.x + gridDim.x,
-...`` in the grid's order (``device/prologue.block_tile``: heaviest first where causal).
+multiprocessor walks the query tiles of a dense call, in passes over the grid's order
+(``device/prologue.block_tile``: heaviest first where causal), each pass in the other
+direction (:func:`walk`).
 
 A block that ends makes the next wait for its whole start: the Q tile and the first K and
 V tiles loaded before the first product, the warpgroups' first turns, and at its end the
@@ -74,6 +75,14 @@ def query_tile(item, GX, GY, Hq, group, BM, CAUSAL):
 
 
 @device_function
+def walk(p, c, G):
+    """The tile block ``c`` of ``G`` takes on its pass ``p``: ``c`` on even passes, ``G - 1 -
+    c`` on odd ones (a snake), so that where tiles come heaviest first (causal) no block
+    takes the heaviest of every pass."""
+    return p * G + (c if p % 2 == 0 else G - 1 - c)
+
+
+@device_function
 def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq):
     """``(n_tiles, n_full)``: the key tiles query rows ``q0 ..`` visit (dense, no masks:
     from key 0) and the keys below which every row sees whole tiles."""
@@ -144,7 +153,8 @@ def make_attn_forward_wgmma_persistent(var):
         GX = (Nq + BM - 1) // BM
         GY = nseq * Hq  # (the launch passes the batch as nseq)
         n_items = GX * GY
-        step = cuda.gridDim.x
+        G = cuda.gridDim.x
+        c = cuda.blockIdx.x
 
         raw = int64(smem_address(smem, 0))
         pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
@@ -173,7 +183,8 @@ def make_attn_forward_wgmma_persistent(var):
         oa = cuda.local.array(NO, float32)
         pf = cuda.local.array(NP, uint32)
 
-        item = cuda.blockIdx.x
+        p = 0  # this block's pass over the grid's tiles (walk)
+        item = c
         R = 0  # ring index of this query tile's key tile 0 (it counts on across tiles)
         if item < n_items:  # the first query tile: its Q rows and first key tiles
             start_tile(smem, el, item, R, GX, GY, Hq, group, Nq, Nk, causal_offset, cls, csq,
@@ -253,7 +264,8 @@ def make_attn_forward_wgmma_persistent(var):
                 acc = wgmma_wait_group_acc(0, acc)
                 release(smem, empty_v, last, STAGES, lane)
             R += n_tiles
-            nxt = item + step
+            p += 1
+            nxt = walk(p, c, G)
             if nxt < n_items:  # the next query tile's Q rows and first key tiles, under
                 # this one's stores (its Q Kᵀ and P V are done with the stages they reuse)
                 start_tile(smem, el, nxt, R, GX, GY, Hq, group, Nq, Nk, causal_offset, cls,
