@@ -179,7 +179,7 @@ _dispatch.load("numba_cpu")
 from flashcore.backends.numba_cpu.backward_kernels import attn_backward_preprocess as f
 x = np.ones((1, 2, 8, 4), np.float32)
 delta = np.zeros((1, 2, 8), np.float32)
-f(x, x, delta, np.float32)
+f(x, x, delta, np.dtype(np.float32))
 assert (delta == 4).all()
 print(json.dumps({"hits": sum(f.stats.cache_hits.values()),
                   "misses": sum(f.stats.cache_misses.values()),
