@@ -71,8 +71,9 @@ def _variant(d, dtype, causal, t=None):
 # --- host side ----------------------------------------------------------------------------
 
 def _tile_image(monkeypatch, rows, D, nvalid, nt, e0, n0=0):
-    """Run ``load_tile`` on the host for every thread of a block of ``nt`` (rows ``n0 ..``
-    of a source whose rows below ``nvalid`` exist): returns the elements it places,
+    """Run ``load_tile`` (``load_rows`` of a whole tile) on the host for every thread of a
+    block of ``nt`` (rows ``n0 ..`` of a source whose rows below ``nvalid`` exist): returns
+    the elements it places,
     ``{smem element index: (tile row, column)}``, and the zero-filled ones."""
     placed, zeros = {}, set()
 
@@ -88,7 +89,7 @@ def _tile_image(monkeypatch, rows, D, nvalid, nt, e0, n0=0):
 
     monkeypatch.setattr(hf, "cp_async16", fake_copy)
     for tid in range(nt):
-        hf.load_tile.py_func(None, e0, None, 0, n0, nvalid, 1000, rows, D // 8, tid, nt)
+        hf.load_rows.py_func(None, e0, None, 0, n0, nvalid, 1000, rows, rows, D // 8, tid, nt)
     return placed, zeros
 
 

@@ -120,6 +120,11 @@ HOPPER_ALIGN = 1024
 _POLY2 = HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)
 #: The 2-stage ping-pong, for D=256 (three stages do not fit its shared memory).
 _PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
+#: The persistent ping-pong forward (``hopper/persistent.py``): correct on an H100, and
+#: slower there than g2n128op3 (B=4 H=16 N=4096 bf16, TFLOP/s: D=128 486 against 553,
+#: causal 292 against 476; N=16384 479 against 600: notes/fixed_cost_varlen_cpu_2026-11-26.md),
+#: kept for the tool as the base of a dynamic tile scheduler.
+_PERSISTENT = HopperTiles(2, 128, True, pingpong=True, stages=3, persistent=True)
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
 #: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
@@ -130,8 +135,7 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     _POLY2, _PP2, HopperTiles(2, 128, True, pingpong=True, stages=3,
-                                               persistent=True))
+                     _POLY2, _PP2, _PERSISTENT)
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
