@@ -121,9 +121,12 @@ _POLY2 = HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)
 #: The 2-stage ping-pong, for D=256 (three stages do not fit its shared memory).
 _PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
 #: The persistent ping-pong forward (``hopper/persistent.py``): correct on an H100, and
-#: slower there than g2n128op3 (B=4 H=16 N=4096 bf16, TFLOP/s: D=128 486 against 553,
-#: causal 292 against 476; N=16384 479 against 600: notes/fixed_cost_varlen_cpu_2026-11-26.md),
-#: kept for the tool as the base of a dynamic tile scheduler.
+#: slower there than g2n128op3 (D=128 bf16, B=4 H=16 N=4096: 492 against 516 TFLOP/s,
+#: causal 295 against 454): its tile's code costs 6% more than g2n128op3's, walking the
+#: tiles gains 2% non-causal, and the static walk loses 30% causal, where the hardware's
+#: block scheduler balances the heaviest-first tiles
+#: (notes/fixed_cost_varlen_cpu_2026-11-26.md). Kept for the tool, as the base of a
+#: dynamic tile scheduler.
 _PERSISTENT = HopperTiles(2, 128, True, pingpong=True, stages=3, persistent=True)
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
 #: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
