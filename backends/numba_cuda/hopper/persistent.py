@@ -130,6 +130,7 @@ def make_attn_forward_wgmma_persistent(var):
         b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
         load_rows(smem, el + Q_OFF // 2 + wg * QROWS * 64, q, b * qsb + h * qsh,
                   q0 + wg * QROWS, Nq, qsn, QROWS, BM, CH, wtid, WG_THREADS)
+        cp_async_commit()  # (Q's group apart: the tile waits for it alone, K/V by mbarriers)
         n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq)
         for tt in range(AHEAD):
             if tt < n_tiles:
@@ -194,7 +195,7 @@ def make_attn_forward_wgmma_persistent(var):
             b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
             n_tiles, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq)
             base = b * hsb + hk * hsh  # this warpgroup's ring's source rows
-            cp_async_wait(0)  # this thread's Q rows (and the rings' copies so far)
+            cp_async_wait(1)  # this thread's Q rows (the first K/V tiles may still fly)
             fence_proxy_async()
             if wg == 0:  # the warpgroup's Q rows, for its wgmmas (barrier ids: literals)
                 named_sync(3, WG_THREADS)
