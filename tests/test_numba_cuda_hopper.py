@@ -51,13 +51,14 @@ CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
       (128, "bfloat16", True)}
 #: The tilings the tool times (v1's schedule first, the table's), and per overlapped one the
 #: case CI compiles: those the launch picks (the table's, and the overlapped one masks take
-#: at D=128) and the producer warpgroup's (setmaxnreg); the other candidates, which lost on
-#: the H100, are left to ``nox -s tests-cuda-compile`` (slow).
+#: at D=128), the producer warpgroup's (setmaxnreg) and the persistent one's (a kernel of
+#: its own, hopper/persistent.py); the other candidates, which lost on the H100, are left
+#: to ``nox -s tests-cuda-compile`` (slow).
 TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
 CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
               "g2n64o": {(64, "float16", True), (256, "bfloat16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
-              "g2n64op2": {(256, "float16", False)}}
+              "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)}}
 
 
 def _in_ci(t, case):
