@@ -157,22 +157,20 @@ def varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, backend, **kw):
     keywords): checked and selected once per kind of call and pair of offsets arrays, then
     looked up; the checks and the selection cost more host time than the kernel of a
     small call. Kept only where a write to the offsets changes the key: torch GPU tensors,
-    keyed as :func:`host_ints` keys them (object, address, version counter), and found
-    only while the case holds those very objects. Other calls are checked every time. The
-    option arrays (ALiBi slopes, mod_args) join the case per call."""
+    keyed as :func:`host_ints` keys them (object, address, version counter); the kept case
+    holds those tensors, so no other object takes their ids while it is kept. Other calls
+    are checked every time. The option arrays (ALiBi slopes, mod_args) join the case per
+    call."""
     key = _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, backend, kw)
-    hit = _VARLEN_PLANS.get(key) if key is not None else None
-    if (hit is not None and hit[0].varlen.cu_seqlens_q is cu_seqlens_q
-            and hit[0].varlen.cu_seqlens_k is cu_seqlens_k):
-        options = kw.get("options")
-        return (hit[0] if options is None else with_arrays(hit[0], options)), hit[1]
+    case, impl = _VARLEN_PLANS.get_or_build(key, _varlen_build, q, k, v, cu_seqlens_q,
+                                            cu_seqlens_k, backend, kw)
+    options = kw.get("options")
+    return (case if options is None else with_arrays(case, options)), impl
+
+
+def _varlen_build(q, k, v, cu_seqlens_q, cu_seqlens_k, backend, kw):
     case = make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
-    impl = _dispatch.select(case, backend)
-    if key is not None:
-        if len(_VARLEN_PLANS) >= _VARLEN_PLANS.max_size:
-            _VARLEN_PLANS.clear()
-        _VARLEN_PLANS[key] = (case, impl)
-    return case, impl
+    return case, _dispatch.select(case, backend)
 
 
 def _offsets_key(x):
@@ -184,16 +182,15 @@ def _offsets_key(x):
 
 
 def _varlen_key(q, k, v, cu_q, cu_k, backend, kw):
-    """The memo key of a varlen call, or None where one part cannot key it."""
+    """The memo key of a varlen call, or None where one part cannot key it (an unhashable
+    part makes the memo build every time too)."""
     try:
         extra = kw.get("extra") or {}
         arrays = tuple((n, type(x), tuple(x.shape), x.dtype, x.device) for n, x in
                        (("q", q), ("k", k), ("v", v), *sorted(extra.items())))
         rest = tuple((n, kw[n]) for n in sorted(kw) if n not in ("extra", "options"))
-        key = (arrays, _offsets_key(cu_q), _offsets_key(cu_k), backend, rest,
-               options_key(kw.get("options")))
-        hash(key)
-        return key
+        return (arrays, _offsets_key(cu_q), _offsets_key(cu_k), backend, rest,
+                options_key(kw.get("options")))
     except (AttributeError, TypeError):
         return None
 

@@ -433,7 +433,7 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
                            hop)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                    margs or no_mod_args(lse), classes or no_classes(lse), packed,
-                   1 if split is None else split[0], ctas if packed is None else 0)
+                   1 if split is None else split[0], ctas)
 
 
 def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:
