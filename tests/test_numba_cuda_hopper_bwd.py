@@ -52,10 +52,11 @@ if HAVE:
 KERNELS = ("dkdv", "dq")
 #: Every (kernel, head dim, dtype, causal) of the table; CI compiles one per kernel, head
 #: dim and causal mode (both dtypes among them), the others are marked slow.
-ALL = [(n, d, t, c) for n in KERNELS for d in (64, 128) for t in ("bfloat16", "float16")
+ALL = [(n, d, t, c) for n in KERNELS for d in (64, 128, 256) for t in ("bfloat16", "float16")
        for c in (False, True)] if HAVE else []
 CI = {("dkdv", 64, "bfloat16", True), ("dkdv", 128, "float16", False),
-      ("dq", 64, "float16", False), ("dq", 128, "bfloat16", True)}
+      ("dq", 64, "float16", False), ("dq", 128, "bfloat16", True),
+      ("dkdv", 256, "float16", True)}
 
 
 def _variant(kernel, d, dtype, causal, t=None):
@@ -301,8 +302,11 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     monkeypatch.delenv(launch.HOPPER_ENV)
     assert not launch.hopper_bwd_serves(_case(D=32), 0)
     assert launch.hopper_bwd_serves(_case(window=(8, 0)), 0)  # (a window: the wgmma kernels)
+    assert launch.hopper_bwd_serves(_case(D=256), 0)  # (two dK/dV blocks per key tile)
     monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")  # the non-deterministic mode: no window
     assert launch.fused_backward(case, 0) and not launch.fused_backward(_case(window=(8, 0)), 0)
+    assert not launch.fused_backward(_case(D=256), 0)  # (no two-pass dkdvq kernel)
+    assert launch.hopper_variant(256, "bfloat16", False, "dkdvq") is None
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
     # the softcap and ALiBi: the wgmma kernels, deterministic; a user mod: mma.sync
     assert launch.hopper_bwd_serves(_case(softcap=20.0), 0)
@@ -375,6 +379,8 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     # two score products (SS, N = block_n, k over D) and one (dQ) or two (dV, dK) RS
     # products (N = D, k over block_n), loops written out
     n_ss, n_rs = 2 * head_dim // 16, (1 if kernel == "dq" else 2) * bn // 16
+    # (dK/dV at D=256: each of two blocks makes half of dK's and dV's columns)
+    n_out = head_dim if kernel == "dq" else head_dim // tilings.dkdv_passes(head_dim)
     if kernel == "dkdvq":  # dQᵀ = Kᵀ dSᵀ: 4 k-steps per 64 head dims, K read M-major
         n_ss += 4 * head_dim // 64
         assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
@@ -385,7 +391,7 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     rs = [ln for ln in mma if ln.count("{") == 3]
     assert len(ss) == n_ss and len(rs) == n_rs
     assert all(f"m64n{bn}k16.f32.{kind}.{kind}" in ln for ln in ss)
-    assert all(f"m64n{head_dim}k16.f32.{kind}.{kind}" in ln for ln in rs)
+    assert all(f"m64n{n_out}k16.f32.{kind}.{kind}" in ln for ln in rs)
     if v.tiles.overlap:  # P computed while dP runs
         assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "fence.proxy.async.shared::cta;" in ptx
@@ -403,7 +409,9 @@ MOD_PTX = [("dkdv", 64, "bfloat16", True, 30.0, True, ()),
            ("dkdv", 128, "bfloat16", True, 20.0, True, (100, 0)),
            ("dkdv", 64, "float16", False, 0.0, True, ()),
            ("dkdv", 128, "float16", False, 5.0, False, ()),
-           ("dq", 64, "bfloat16", True, 2.5, False, (64, 32))]
+           ("dq", 64, "bfloat16", True, 2.5, False, (64, 32)),
+           ("dkdv", 256, "bfloat16", True, 30.0, True, ()),
+           ("dq", 256, "float16", False, 5.0, True, (64, 32))]
 
 
 @pytest.mark.parametrize("kernel,head_dim,dtype,causal,softcap,alibi,window", [
@@ -455,7 +463,8 @@ def _gpu():
 
 
 #: (D, dtype, causal) of the table's tilings
-TABLE = [(d, t, c) for d in (64, 128) for t in ("bfloat16", "float16") for c in (False, True)]
+TABLE = [(d, t, c) for d in (64, 128, 256) for t in ("bfloat16", "float16")
+         for c in (False, True)]
 #: (dK/dV tiles, dQ tiles, shape, D, dtype, causal): the table's pair (the first candidate)
 #: on every shape, dtype, head dim and causal mode; the other candidate pairs in bf16 on the
 #: first three shapes.
@@ -535,7 +544,7 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
 #: (D, dtype, causal, shape) of the non-deterministic mode's GPU test: the table's tilings,
 #: both dtypes, every shape at one of each head dim and causal mode
 FUSED_CASES = [(d, t, c, shape) for d, t, c in TABLE for shape in SHAPES
-               if (t == "bfloat16") == c or shape is SHAPES[0]] if HAVE else []
+               if d <= 128 and ((t == "bfloat16") == c or shape is SHAPES[0])] if HAVE else []
 
 
 @pytest.mark.gpu
@@ -571,7 +580,8 @@ def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, cau
 WINDOW_CASES = [(64, "bfloat16", True, (50, None), SHAPES[1]),
                 (128, "bfloat16", False, (100, 30), SHAPES[0]),
                 (128, "float16", True, (256, 0), SHAPES[3]),
-                (64, "float16", False, (2000, None), SHAPES[2])] if HAVE else []
+                (64, "float16", False, (2000, None), SHAPES[2]),
+                (256, "bfloat16", True, (100, None), SHAPES[1])] if HAVE else []
 
 
 @pytest.mark.gpu
@@ -607,13 +617,15 @@ def test_window_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, ca
 
 #: (D, dtype, causal, softcap, ALiBi slopes' shape, window, shape) of the wgmma backward's
 #: softcap and ALiBi GPU test: each alone and together, with a window, on tails, GQA and
-#: Nq != Nk, both head dims, dtypes and causal modes
+#: Nq != Nk, every head dim, both dtypes and causal modes
 MOD_CASES = [(64, "bfloat16", True, 30.0, None, None, SHAPES[1]),
              (128, "float16", False, 5.0, None, None, SHAPES[0]),
              (128, "bfloat16", True, None, "bh", None, SHAPES[0]),
              (64, "float16", False, None, "h", None, SHAPES[2]),
              (128, "bfloat16", True, 20.0, "h", (100, 0), SHAPES[3]),
-             (64, "bfloat16", False, 2.5, "bh", (64, 32), SHAPES[0])] if HAVE else []
+             (64, "bfloat16", False, 2.5, "bh", (64, 32), SHAPES[0]),
+             (256, "float16", True, 20.0, "h", (100, 0), SHAPES[1]),
+             (256, "bfloat16", False, 30.0, "bh", None, SHAPES[0])] if HAVE else []
 
 
 @pytest.mark.gpu
@@ -660,17 +672,16 @@ def test_softcap_and_alibi_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,causal", [("bfloat16", True), ("float16", False)])
-def test_head_dim_256_takes_the_wgmma_forward_and_the_mma_sync_backward(monkeypatch, dtype,
-                                                                         causal):
-    """At D=256 the wgmma forward serves and the backward stays on mma.sync (dK and dV of
-    64 keys would take every register of a wgmma thread: tilings.HOPPER_BWD_HEAD_DIMS);
-    torch autograd through both, GQA, against the float64 oracle."""
+def test_head_dim_256_autograd_takes_the_wgmma_kernels(monkeypatch, dtype, causal):
+    """At D=256 the wgmma forward and the wgmma backward serve (dK/dV in two blocks per key
+    tile, each half of the columns: tilings.dkdv_passes); torch autograd through them, GQA,
+    against the float64 oracle."""
     torch = _gpu()
     from helpers import TOL_FWD, oracle_forward, rel_err
 
     import flashcore
 
-    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV, launch.DETERMINISTIC_ENV):
         monkeypatch.delenv(name, raising=False)
     ran = spy_launches(monkeypatch, ("launch_forward", "launch_dkdv", "launch_dq"))
     shape = SHAPES[0]
@@ -679,7 +690,8 @@ def test_head_dim_256_takes_the_wgmma_forward_and_the_mma_sync_backward(monkeypa
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     o = flashcore.attention(*leaves, causal=causal, layout=layout, backend="numba_cuda")
     o.backward(do)
-    assert ran == ["attn_forward_wgmma", "attn_backward_dkdv_tc", "attn_backward_dq_tc"], ran
+    assert ran == ["attn_forward_wgmma", "attn_backward_dkdv_wgmma",
+                   "attn_backward_dq_wgmma"], ran
     ref_o, _ = oracle_forward(*(x.float().cpu().numpy() for x in (q, k, v)), causal=causal,
                               layout=layout)
     assert rel_err(o.detach().float().cpu().numpy(), ref_o) < TOL_FWD[dtype]

@@ -41,6 +41,9 @@ CASES = [
     (1, 2, 2, 150, 77, 64, "float16", True, "bnhd"),
     (1, 1, 1, 130, 100, 128, "float16", False, "bnhd"),
     (1, 2, 1, 40, 140, 128, "bfloat16", True, "bhnd"),
+    # head dim 256: the dK/dV kernel's two blocks per key tile (grid z), each half the
+    # columns of dK and dV
+    (1, 2, 1, 70, 100, 256, "float16", True, "bnhd"),
 ]
 
 

@@ -2,7 +2,7 @@
 against the mma.sync backward, then forward+backward timed beside SDPA's FlashAttention-2
 and cuDNN backends.
 
-Cases: bf16, B=4 H=16 N=4096 and B=1 H=16 N=16384, head dims 64 and 128, causal or not
+Cases: bf16, B=4 H=16 N=4096 and B=1 H=16 N=16384, head dims 64, 128 and 256, causal or not
 (``--quick``: N=4096 only). First the kernels are compiled in parallel processes (numba's
 disk cache). Per case, o and lse come from flashcore's forward (the wgmma forward, the
 default on cc 9.0); then a check: the wgmma backward in each candidate pair of dK/dV and dQ
@@ -21,7 +21,7 @@ it cannot run.
 kernel, dQ by atomics; the table's dK/dV tiling), checked and timed as "wgmma fused".
 
 Usage: python tools/hopper_backward.py [--quick] [--table-only] [--fused] [--repeat 20]
-           [--json FILE]
+           [--json FILE] [--head-dims 64,128,256]
 """
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ from hopper_forward import environment, timer  # (tools/ is the script's directo
 HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
 DETERMINISTIC_ENV = "FLASHCORE_DETERMINISTIC"
 CASES = [(4, 16, 4096), (1, 16, 16384)]
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 #: Norm-wise relative difference allowed between the two bf16 backwards (each within ~1e-2
 #: of the exact gradients: bf16's rounding of P, dS and the outputs).
 TOL = 2e-2
 
 
-def variants(launch, tilings, pairs=None, fused=False):
+def variants(launch, tilings, pairs=None, fused=False, head_dims=HEAD_DIMS):
     """The kernels the run needs, per (D, causal): the wgmma forward, the wgmma dK/dV and dQ
     of every candidate pair (the first ``pairs`` only, if given), the mma.sync dK/dV and
     dQ, and the preprocess."""
@@ -50,7 +50,7 @@ def variants(launch, tilings, pairs=None, fused=False):
     from flashcore.backends.numba_cuda.driver import device_cc
 
     out = set()
-    for d in HEAD_DIMS:
+    for d in head_dims:
         for c in (False, True):
             out.add(launch.hopper_variant(d, "bfloat16", c))
             for kt, qt in tilings.HOPPER_BWD_CANDIDATES[d, c][:pairs]:
@@ -61,7 +61,7 @@ def variants(launch, tilings, pairs=None, fused=False):
                     if v.kernel in ("dkdv", "dq")}
             kt = tilings.choose_simt(d, "bfloat16", c, device_cc(0))
             out.add(launch.simt_variants(d, "bfloat16", c, kt)[1])
-            if fused:
+            if fused and d <= 128:  # (no dkdvq kernel at D=256)
                 from flashcore.backends.numba_cuda.variant import Variant
 
                 out.add(launch.hopper_variant(d, "bfloat16", c, "dkdvq"))
@@ -115,7 +115,10 @@ def run(argv=None) -> int:
     ap.add_argument("--fused", action="store_true",
                     help="also the non-deterministic mode (dQ by atomics)")
     ap.add_argument("--json", default=os.environ.get("HOPPER_BWD_JSON"))
+    ap.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
+                    help="comma-separated head dims (default: %(default)s)")
     args = ap.parse_args(argv)
+    head_dims = tuple(int(x) for x in args.head_dims.split(","))
     torch, flashcore, launch = environment()
     import torch.nn.functional as F
     from flashcore.backends.numba_cuda import tilings
@@ -125,7 +128,7 @@ def run(argv=None) -> int:
 
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
     for tag, s in compile_variants(variants(launch, tilings, 1 if args.table_only else None,
-                                            args.fused), 0):
+                                            args.fused, head_dims), 0):
         print(f"compiled {tag}: {s:.1f} s", flush=True)
     saved = (dict(tilings.HOPPER_DKDV), dict(tilings.HOPPER_DQ))
 
@@ -174,7 +177,7 @@ def run(argv=None) -> int:
     rows, failed = [], False
     cases = CASES[:1] if args.quick else CASES
     for B, H, N in cases:
-        for D in HEAD_DIMS:
+        for D in head_dims:
             for causal in (False, True):
                 pairs = tilings.HOPPER_BWD_CANDIDATES[D, causal][:1 if args.table_only else None]
                 name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
@@ -203,7 +206,8 @@ def run(argv=None) -> int:
                     ok &= kinds == (("attn_backward_dkdv_tc", "attn_backward_dq_tc")
                                     + ("attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma")
                                     * (2 * len(pairs)))
-                    if args.fused:  # the table's dK/dV tiling, dQ by atomics
+                    fused = args.fused and D <= 128  # (no dkdvq kernel at D=256)
+                    if fused:  # the table's dK/dV tiling, dQ by atomics
                         use_pair(launch, tilings, D, causal, pairs[0])
                         got = nondeterministic(
                             lambda: backward(do, q, k, v, o, lse, causal, True))()
@@ -234,7 +238,7 @@ def run(argv=None) -> int:
                         bwd_ms[lb] = timer(
                             torch, lambda: backward(do, q, k, v, o, lse, causal, True),
                             args.repeat)
-                if args.fused and checks[-1][1]:
+                if args.fused and D <= 128 and checks[-1][1]:
                     use_pair(launch, tilings, D, causal, pairs[0])
                     ms["wgmma fused"] = timer(torch, nondeterministic(
                         lambda: both(q, k, v, do, causal, True)), args.repeat)

@@ -232,12 +232,13 @@ def hopper_bwd_serves(case, device) -> bool:
 
 def fused_backward(case, device) -> bool:
     """Whether a backward takes the non-deterministic mode (:data:`DETERMINISTIC_ENV`): the
-    wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows, no window (the
+    wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows, head dims up to 128
+    (the dkdvq kernel has no two-pass form), no window (the
     window's dkdvq kernel has not run on a GPU), no ALiBi (its slopes' arguments carry the
     dQ accumulator there) and no softcap (not run on a GPU in that kernel either)."""
     m = mask_options(case)
     return (os.environ.get(DETERMINISTIC_ENV, "1") == "0" and not case.packed
-            and hopper_bwd_serves(case, device) and m["window"] == ()
+            and case.head_dim <= 128 and hopper_bwd_serves(case, device) and m["window"] == ()
             and m["softcap"] == 0.0 and not m["alibi"])
 
 
@@ -251,7 +252,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
             or (kernel != "forward" and user is not None)  # (the backward takes no user mods)
-            or (kernel == "dkdvq" and (alibi or softcap))):
+            or (kernel == "dkdvq" and (alibi or softcap or head_dim > 128))):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None, bool(softcap))
@@ -532,7 +533,7 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
     margs = margs or no_mod_args(delta)
     classes = classes or no_classes(delta)
     launch_dkdv(dkdv, dkdv_bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
-                classes, packed)
+                classes, packed, tilings.dkdv_passes(case.head_dim) if hop else 1)
     launch_dq(dqk, dq_bm, case, stream, q, k, v, do, lse, delta, dq, slopes, margs, classes,
               packed)
 

@@ -133,10 +133,12 @@ def launch_preprocess(pre, rows, case, stream, o, do, delta):
 
 
 def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,
-                classes, packed=None):
-    """One dK/dV launch (``bm`` keys per block); lse has three strides, delta is a handle."""
+                classes, packed=None, passes=1):
+    """One dK/dV launch (``bm`` keys per block; ``passes`` blocks per key tile on grid z,
+    each making its share of dK's and dV's columns: tilings.dkdv_passes); lse has three
+    strides, delta is a handle."""
     Hq, Hkv, Nq, Nk = case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k
-    kern(_grid(bm, case, keys=True), stream,
+    kern((*_grid(bm, case, keys=True), passes), stream,
          (q[0], k[0], v[0], do[0], lse[0], delta, dk[0], dv[0], Nq, Nk, Hq, Hkv, Hq // Hkv,
           Nk - Nq, *q[1], *k[1], *v[1], *do[1], *dk[1], *dv[1], *lse[1], float(case.scale),
           slopes[0], *slopes[1], *margs, *classes, *(packed or no_packed(delta))))

@@ -491,6 +491,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     WINDOW_TILES,
     HopperTiles,
     choose_hopper,
+    dkdv_passes,
     hopper_candidates,
     hopper_smem_bytes,
     masked_tiles,

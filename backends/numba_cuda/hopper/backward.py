@@ -13,8 +13,12 @@ results in registers as the A fragments of the second, the dK/dV kernel computes
 transposed quantities (keys as rows):
 
 - dK/dV: one block per (key tile of ``64 * warpgroups`` keys, batch * key/value head);
-  warpgroup ``wg`` owns 64 keys. Per query step of ``block_n`` queries (under GQA, for
-  every query head of the group in turn; Q and dO double-buffered):
+  warpgroup ``wg`` owns 64 keys. At D=256 their dK and dV would hold 256 fp32 accumulators
+  per thread, all a thread has: two blocks (grid z, ``tilings.dkdv_passes``) each make 128
+  of the head dim's columns of dK and dV, each computing Sᵀ and dPᵀ over the whole head
+  dim (the mma.sync backward makes two passes over its query tiles at D=256 likewise).
+  Per query step of ``block_n`` queries (under GQA, for every query head of the group in
+  turn; Q and dO double-buffered):
   ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (SS: K, V rows as A, the Q, dO tiles as Bᵀ);
   ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse · log2 e)`` with lse per query column (a row that
   sees no key has lse −inf, read as +inf: P = 0; queries past Nq too);
@@ -66,7 +70,7 @@ from ..device.wgmma import (
     zero_accumulators,
 )
 from ..tensor_core.fragments import store_frags
-from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
+from ..tilings import HOPPER_ALIGN, HOPPER_ROWS, dkdv_passes
 from .backward_scores import (
     column_reads,
     grads_row,
@@ -151,12 +155,19 @@ def make_attn_backward_dkdv_wgmma(var):
     Q_OFF = 2 * BM * D * 2
     DO_OFF = Q_OFF + 2 * TILE
     B_LBO = BN * LINE  # MN-major Q, dO: the next 64 columns (a block of BN lines)
-    NS, NO = BN // 2, D // 2  # accumulators per thread: Sᵀ (and dPᵀ), dK (and dV)
+    # At D=256 two blocks per key tile, each for DP of dK's and dV's columns (dK and dV of
+    # the whole head dim would hold 256 accumulators per thread)
+    PASSES = dkdv_passes(D)
+    DP = D // PASSES
+    HALF = (DP // 64) * BN * LINE  # the MN-major Q, dO tiles' next DP columns, in bytes
+    NS, NO = BN // 2, DP // 2  # accumulators per thread: Sᵀ (and dPᵀ), dK (and dV)
     # lse and delta of a step's columns read a step ahead, into registers, where they fit
     # (without it, within the step: fewer registers held). At D=128 dK and dV hold 128 of
     # them: steps of 32 queries fit (223 registers), steps of 64 spill (124 bytes)
     PRELOAD = NO + NS <= 80
     DQ = var.kernel == "dkdvq"  # (compile-time) dQ's part of each step too
+    if DQ and PASSES > 1:
+        raise ValueError(f"the dkdvq kernel takes head dims up to 128: {var.tag}")
     DS_OFF = DO_OFF + 2 * TILE  # (DQ) each warpgroup's dSᵀ tile: BN lines of 64 keys
     HALVES = D // 64
     STAGE = BN * D * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
@@ -184,6 +195,8 @@ def make_attn_backward_dkdv_wgmma(var):
         b, kt = packed_tile(b, kt, cu_k, nseq, BM, cuda.threadIdx.x & 31,
                             True, PACKED)
         k0 = kt * BM
+        # (D=256) the columns of dK and dV this block makes: grid z (tilings.dkdv_passes)
+        half = cuda.blockIdx.z if PASSES > 1 else 0
         # this batch entry's rows (varlen: its sequence's)
         q_row0, k_row0, Nq, Nk, causal_offset, sb0, sstep = sequence_rows(
             b, 0, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
@@ -233,8 +246,8 @@ def make_attn_backward_dkdv_wgmma(var):
         dla = cuda.local.array(NP, float32)
         pf = cuda.local.array(NP, uint32)  # Pᵀ, packed: 4 per k-step of dV += Pᵀ dO
         dsf = cuda.local.array(NP, uint32)  # dSᵀ, packed
-        dka = zero_accumulators(D)
-        dva = zero_accumulators(D)
+        dka = zero_accumulators(DP)
+        dva = zero_accumulators(DP)
 
         # step it: query head hk * group + gi, rows mq.. (a head's steps, then the next
         # head's); kept by counting, not by dividing it by per_head at run time
@@ -263,6 +276,7 @@ def make_attn_backward_dkdv_wgmma(var):
             cp_async_commit()
             qb = at + Q_OFF + buf
             gb = at + DO_OFF + buf
+            hb = half * HALF  # (the block's columns of Q and dO, as dK's and dV's B)
 
             # (K's and V's descriptors made here, not hoisted out of the loop: opaque)
             sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(ka), qb,
@@ -296,13 +310,13 @@ def make_attn_backward_dkdv_wgmma(var):
                             tq, mods, CAP, ALIBI)
                 pack_p(BF16, pf, s, NP)
                 # dV's wgmmas run while dSᵀ is computed
-                dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
+                dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb + hb, PSTEPS, B_LBO)
                 pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)
                 acc_to_local(pacc, dp)
                 grads_t(s, gc, dp, dl, lse, delta, lbase, lsn, dbase, Nq, mq, PRELOAD,
                         NTILES, tq, CAP)
                 pack_p(BF16, dsf, dp, NP)
-                dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
+                dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
                     qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
                                        tq, BM, BN, NTILES, HALVES)
@@ -319,8 +333,8 @@ def make_attn_backward_dkdv_wgmma(var):
                     probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
                                   Nq, mq, j0, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
                                   PRELOAD, NTILES, tq, mods, CAP, ALIBI)
-                dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
-                dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
+                dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb + hb, PSTEPS, B_LBO)
+                dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
                     qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
                                        tq, BM, BN, NTILES, HALVES)
@@ -349,11 +363,11 @@ def make_attn_backward_dkdv_wgmma(var):
         sc = float32(scale)
         one = float32(1.0)
         acc_to_local(dka, out)
-        store_frags(dk, b * dksb + hk * dksh + k_row0 * dksn, j0, Nk, dksn, dksd, out, 0, sc,
-                    sc, DTILES, tq)
+        store_frags(dk, b * dksb + hk * dksh + k_row0 * dksn + half * DP * dksd, j0, Nk, dksn,
+                    dksd, out, 0, sc, sc, DP // 8, tq)
         acc_to_local(dva, out)
-        store_frags(dv, b * dvsb + hk * dvsh + k_row0 * dvsn, j0, Nk, dvsn, dvsd, out, 0, one,
-                    one, DTILES, tq)
+        store_frags(dv, b * dvsb + hk * dvsh + k_row0 * dvsn + half * DP * dvsd, j0, Nk, dvsn,
+                    dvsd, out, 0, one, one, DP // 8, tq)
 
     attn_backward_dkdv_wgmma.__qualname__ = var.tag
     return attn_backward_dkdv_wgmma

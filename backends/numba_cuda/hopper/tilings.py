@@ -7,10 +7,18 @@ from dataclasses import dataclass, replace
 
 #: Head dims the wgmma forward (``hopper/forward.py``) is built for.
 HOPPER_HEAD_DIMS = (64, 128, 256)
-#: Head dims the wgmma backward (``hopper/backward.py``) is built for: at 256, dK and dV of
+#: Head dims the wgmma backward (``hopper/backward.py``) is built for. At 256, dK and dV of
 #: a warpgroup's 64 keys would hold 256 fp32 accumulator registers per thread, all there
-#: are, so D=256 keeps the mma.sync backward.
-HOPPER_BWD_HEAD_DIMS = (64, 128)
+#: are: the dK/dV kernel makes two passes, each for half of the columns.
+HOPPER_BWD_HEAD_DIMS = (64, 128, 256)
+
+
+def dkdv_passes(head_dim: int) -> int:
+    """Blocks per key tile of the wgmma dK/dV kernel, on grid z: at head dims past 128, two,
+    each making half of dK's and dV's columns and computing Sᵀ and dPᵀ over the whole head
+    dim (the two make 1.5x the products one block would, which would need 256 accumulator
+    registers per thread)."""
+    return 2 if head_dim > 128 else 1
 #: Row layouts (``Variant.packed``) the wgmma kernels take: a dense batch and varlen
 #: sequences (a KV cache and split-KV stay on mma.sync).
 HOPPER_ROWS = ("", "varlen")
@@ -164,10 +172,16 @@ def hopper_candidates(head_dim: int) -> tuple:
 #: notes/hopper_2026-11-25.md). At D=128 dK and dV hold 128 accumulator registers per
 #: thread: query steps of 64 fit only without the overlap and without the causal mask's
 #: code (g1n64, g2n64: 254-255 registers; causal, they spill).
+#: At D=256 only steps of 32 fit the shared memory beside two warpgroups' resident tiles
+#: (dK/dV: K and V of 128 keys, 128 KiB, and Q and dO double-buffered, 64 KiB; dQ: Q and
+#: dO of 128 rows, K and V double-buffered), and with one warpgroup (129 KiB) one block
+#: would hold an SM: g2n32o for both kernels.
 HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True),
-               (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
+               (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True),
+               (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
-             (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True)}
+             (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
+             (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills. Not yet timed: the pairs
 #: without the overlap and those with query steps of 64 at D=128.
@@ -182,6 +196,10 @@ HOPPER_BWD_CANDIDATES = {
     (128, True): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 128, True))),
+    (256, False): ((HopperTiles(2, 32, True), HopperTiles(2, 32, True)),
+                   (HopperTiles(2, 32), HopperTiles(2, 32))),
+    (256, True): ((HopperTiles(2, 32, True), HopperTiles(2, 32, True)),
+                  (HopperTiles(2, 32), HopperTiles(2, 32))),
 }
 _HOPPER_TABLES = {"forward": HOPPER_FORWARD, "dkdv": HOPPER_DKDV, "dq": HOPPER_DQ,
                   "dkdvq": HOPPER_DKDV}
