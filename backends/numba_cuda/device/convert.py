@@ -8,7 +8,7 @@ rounds an fp32 value to the stored dtype (bf16: round to nearest even) and write
 On the GPU these are typed ``@overload``s (the pointer type picks the conversion at
 compile time); under ``NUMBA_ENABLE_CUDASIM=1`` they are plain Python on NumPy arrays.
 The same holds for the few other helpers every kernel family (SIMT and tensor-core) uses:
-``device_function``, ``smem_pointer`` and ``ld4``.
+``device_function``, ``smem_pointer``, ``ld4`` and ``copy16``.
 Import this module only after that choice is fixed (it imports numba.cuda).
 """
 from __future__ import annotations
@@ -35,6 +35,13 @@ if SIMULATOR:
         16-byte aligned: checked here, as the GPU would fault)."""
         assert i % 4 == 0, f"ld4 at word {i}: not 16-byte aligned"
         return p[i], p[i + 1], p[i + 2], p[i + 3]
+
+    def copy16(dst, di, src, si):
+        """Eight 16-bit elements ``src[si:si+8]`` to ``dst[di:di+8]`` (one 16-byte load and
+        one 16-byte store on the GPU; both ends 16-byte aligned: checked here, as the GPU
+        would fault)."""
+        assert di % 8 == 0 and si % 8 == 0, f"copy16 {si} -> {di}: not 16-byte aligned"
+        dst[di:di + 8] = np.asarray(src[si:si + 8]).view(dst.dtype)  # (the bits, as on a GPU)
 
     def load_f32(x):
         if x.dtype == np.uint16:
@@ -91,6 +98,25 @@ else:
             vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), n))
                     for n in range(4)]
             return context.make_tuple(builder, rt, vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def copy16(typingctx, dst, di, src, si):
+        """``dst[di:di+8] = src[si:si+8]`` for 16-bit element pointers as one 16-byte vector
+        load and one 16-byte vector store (``ld.shared.v4`` from a shared pointer,
+        ``st.global.v4`` to a kernel's array); both ends must be 16-byte aligned."""
+        if not (isinstance(dst, types.CPointer) and isinstance(src, types.CPointer)
+                and dst.dtype.bitwidth == 16 and src.dtype.bitwidth == 16):
+            return None
+        sig = types.void(dst, di, src, si)
+
+        def codegen(context, builder, signature, args):
+            d, i, s_, j = args
+            vty = ir.VectorType(ir.IntType(32), 4).as_pointer()
+            v = builder.load(builder.bitcast(builder.gep(s_, [j]), vty), align=16)
+            builder.store(v, builder.bitcast(builder.gep(d, [i]), vty), align=16)
+            return context.get_dummy_value()
 
         return sig, codegen
 

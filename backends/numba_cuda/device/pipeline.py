@@ -18,7 +18,8 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   (a literal multiple of 32) taking part: ``bar.arrive`` counts without waiting, so two
   warpgroups can take turns (one waits on its barrier, the other arrives on it).
 - ``st_shared_f32(smem, idx, value)``: one ``st.shared.f32`` at 16-bit element ``idx``
-  (even) of ``smem``.
+  (even) of ``smem``; ``st_shared_u32(smem, idx, bits)`` likewise for a 32-bit word (two
+  packed 16-bit elements, ``idx`` low).
 - ``bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes)``:
   ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: ``nbytes`` (a multiple
   of 16) of fp32 from shared element ``sidx`` added, element by element and atomically,
@@ -72,6 +73,7 @@ __all__ = [
     "setmaxnreg_dec",
     "setmaxnreg_inc",
     "st_shared_f32",
+    "st_shared_u32",
     "stage_of",
 ]
 
@@ -116,6 +118,7 @@ if SIMULATOR:
         setmaxnreg_dec,
         setmaxnreg_inc,
         st_shared_f32,
+        st_shared_u32,
     )
 
 else:
@@ -232,6 +235,19 @@ else:
             return context.get_dummy_value()
 
         return types.void(), codegen
+
+    @intrinsic
+    def st_shared_u32(typingctx, smem, idx, value):
+        """``st.shared.b32`` at 16-bit element ``idx`` of ``smem``."""
+        if not isinstance(smem, types.CPointer) or value != types.uint32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, [_shared_u32(builder, args[0], args[1]), args[2]],
+                 "st.shared.b32 [$0], $1;", "r,r,~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(smem, idx, value), codegen
 
     @intrinsic
     def st_shared_f32(typingctx, smem, idx, value):

@@ -275,6 +275,11 @@ def st_shared_f32(smem, idx, value):
     smem[i:i + 2] = np.array([value], np.float32).view(np.uint16)
 
 
+def st_shared_u32(smem, idx, value):
+    i = int(idx)
+    smem[i:i + 2] = np.array([value], np.uint32).view(np.uint16)
+
+
 def bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes):
     n, s, d = int(nbytes) // 4, int(sidx), int(didx)
     assert int(nbytes) % 16 == 0 and s % 8 == 0, "bulk copies move aligned 16-byte units"

@@ -93,8 +93,9 @@ from ..tensor_core.forward import (
     softmax_row,
     user_row,
 )
-from ..tensor_core.fragments import pack, store_frags
+from ..tensor_core.fragments import pack
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
+from .epilogue import store_o
 
 #: Bytes of one swizzled line (64 elements of 16 bits) and of the 8-line pattern (a
 #: K-major descriptor's SBO, an MN-major one's "next 8 k").
@@ -565,7 +566,8 @@ def make_attn_forward_wgmma(var):
         lrow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
         inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
         inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
-        store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
+        store_o(BF16, smem, el + Q_OFF // 2, o, obase, q0 + 64 * wg, i, Nq, osn, osd, oa,
+                inv0, inv1, D, BM, wg, warp, g, tq, tid & 127)
 
     attn_forward_wgmma.__qualname__ = var.tag
     return attn_forward_wgmma

@@ -60,8 +60,8 @@ from ..device.wgmma import (
     zero_accumulators,
 )
 from ..tensor_core.forward import finish_row
-from ..tensor_core.fragments import store_frags
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
+from .epilogue import store_o
 from .forward import (
     LINE,
     issue_pv,
@@ -408,7 +408,8 @@ def make_attn_forward_wgmma_pingpong(var):
             lrow, _ = stat_rows(b, h, Hq, Nq, q_row0, TQ, PACKED)
             inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
             inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
-            store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
+            store_o(BF16, smem, el + Q_OFF // 2, o, obase, q0 + 64 * wg, i, Nq, osn, osd,
+                    oa, inv0, inv1, D, BM, wg, warp, g, tq, wtid)
 
     attn_forward_wgmma.__qualname__ = var.tag
     return attn_forward_wgmma
