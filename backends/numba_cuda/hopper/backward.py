@@ -69,7 +69,6 @@ from ..device.wgmma import (
     wgmma_wait_group_acc,
     zero_accumulators,
 )
-from ..tensor_core.fragments import store_frags
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS, dkdv_passes
 from .backward_scores import (
     column_reads,
@@ -82,6 +81,7 @@ from .backward_scores import (
     stats_of_reads,
 )
 from .dq_atomic import issue_dqt, reduce_dq, stage_dq, store_ds
+from .epilogue import store_o
 from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p, publish
 
 
@@ -359,15 +359,18 @@ def make_attn_backward_dkdv_wgmma(var):
         if DQ and warp == 0 and lane == 0:  # (compile-time first) the reductions done
             bulk_wait(0)
 
+        # (through this warpgroup's lines of the K and V tiles: hopper/epilogue.py)
         out = cuda.local.array(NO, float32)
         sc = float32(scale)
         one = float32(1.0)
         acc_to_local(dka, out)
-        store_frags(dk, b * dksb + hk * dksh + k_row0 * dksn + half * DP * dksd, j0, Nk, dksn,
-                    dksd, out, 0, sc, sc, DP // 8, tq)
+        store_o(BF16, smem, el + K_OFF // 2, dk,
+                b * dksb + hk * dksh + k_row0 * dksn + half * DP * dksd, k0 + 64 * wg, j0, Nk,
+                dksn, dksd, out, sc, sc, DP, BM, wg, warp, g, tq, tid & 127)
         acc_to_local(dva, out)
-        store_frags(dv, b * dvsb + hk * dvsh + k_row0 * dvsn + half * DP * dvsd, j0, Nk, dvsn,
-                    dvsd, out, 0, one, one, DP // 8, tq)
+        store_o(BF16, smem, el + V_OFF // 2, dv,
+                b * dvsb + hk * dvsh + k_row0 * dvsn + half * DP * dvsd, k0 + 64 * wg, j0, Nk,
+                dvsn, dvsd, out, one, one, DP, BM, wg, warp, g, tq, tid & 127)
 
     attn_backward_dkdv_wgmma.__qualname__ = var.tag
     return attn_backward_dkdv_wgmma
@@ -500,8 +503,9 @@ def make_attn_backward_dq_wgmma(var):
         out = cuda.local.array(NO, float32)
         acc_to_local(dqa, out)
         sc = float32(scale)
-        store_frags(dq, b * dqsb + h * dqsh + q_row0 * dqsn, i0, Nq, dqsn, dqsd, out, 0, sc,
-                    sc, DTILES, tq)
+        store_o(BF16, smem, el + Q_OFF // 2, dq, b * dqsb + h * dqsh + q_row0 * dqsn,
+                q0 + 64 * wg, i0, Nq, dqsn, dqsd, out, sc, sc, D, BM, wg, warp, g, tq,
+                tid & 127)
 
     attn_backward_dq_wgmma.__qualname__ = var.tag
     return attn_backward_dq_wgmma

@@ -1,5 +1,6 @@
-"""The wgmma forwards' epilogue: a warpgroup's 64 rows of O through its own lines of the Q
-tile in shared memory, then to global memory in 16-byte stores.
+"""The wgmma kernels' epilogue: a warpgroup's 64 rows of an output (O; dK, dV; dQ) through
+its own lines of a resident tile in shared memory (Q; K, V; Q), then to global memory in
+16-byte stores.
 
 Written from the accumulators straight to global memory (``store_frags``), each thread
 rounds and stores its fragment elements one by one: 2-byte stores, each warp instruction
@@ -13,8 +14,9 @@ each thread copies whole 16-byte chunks of rows (consecutive lanes along a row, 
 sectors). Outputs are bit for bit the same as ``store_frags``'s (round to nearest even;
 NaN stays NaN).
 
-It needs O's rows contiguous and 16-byte aligned: the adapters allocate O themselves
-(contiguous, from the array library's allocator), and other strides take ``store_frags``.
+It needs the output's rows contiguous and 16-byte aligned: the adapters allocate the
+outputs themselves (contiguous, from the array library's allocator), and other strides take
+``store_frags``.
 """
 from __future__ import annotations
 
@@ -36,11 +38,11 @@ def wg_barrier(wg):
 @device_function
 def store_o(BF16, smem, e0, o, obase, w_row, i, Nq, osn, osd, oa, inv0, inv1, D, BM, wg,
             warp, g, tq, wtid):
-    """O of this warpgroup's rows ``w_row .. w_row + 63`` (this thread's: ``i``, ``i + 8``,
-    scaled by ``inv0``, ``inv1``; ``oa`` in wgmma's accumulator order) to ``o[obase + row *
-    osn + col * osd]``, rows at or past ``Nq`` skipped, through lines ``64 wg ..`` of the
-    ``BM``-line Q tile at element ``e0`` of ``smem`` (every wgmma of this warpgroup waited
-    for)."""
+    """``D`` columns of this warpgroup's rows ``w_row .. w_row + 63`` of an output (this
+    thread's: ``i``, ``i + 8``, scaled by ``inv0``, ``inv1``; ``oa`` in wgmma's accumulator
+    order) to ``o[obase + row * osn + col * osd]``, rows at or past ``Nq`` skipped, through
+    lines ``64 wg ..`` of the ``BM``-line tile at element ``e0`` of ``smem``, which only
+    this warpgroup's wgmmas read (every one waited for)."""
     DT = D // 8
     if osd != 1 or (osn & 7) != 0 or (obase & 7) != 0:  # (rows not 16-byte aligned)
         store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DT, tq)
