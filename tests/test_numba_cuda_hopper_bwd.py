@@ -77,10 +77,18 @@ def _candidates():
 
 # --- host side ----------------------------------------------------------------------------
 
+def _host_st_f32(smem, i, value):
+    smem[int(i):int(i) + 2] = np.array([value], np.float32).view(np.uint16)
+
+
+def _host_cp_async4(smem, i, src, j, nbytes):
+    assert nbytes == 4
+    _host_st_f32(smem, i, src[int(j)])
+
+
 @pytest.fixture
 def on_host(monkeypatch):
     """The helpers the elementwise step calls, as plain Python."""
-    monkeypatch.setattr(hb, "query_stats", prologue.query_stats.py_func)
     monkeypatch.setattr(hb, "lse_log2", prologue.lse_log2.py_func)
     monkeypatch.setattr(prologue, "lse_log2", prologue.lse_log2.py_func)
     monkeypatch.setattr(hb, "hides", seams.hides.py_func)
@@ -92,6 +100,11 @@ def on_host(monkeypatch):
     monkeypatch.setattr(hb, "alibi", seams.alibi.py_func)
     # the one-pass form packs P and dS to 16 bits as it goes (not what these tests check)
     monkeypatch.setattr(hb, "pack", lambda bf16, a, b: np.uint32(0))
+    # the step's lse and delta through shared memory (a uint16 array, fp32 in pairs)
+    monkeypatch.setattr(hb, "cp_async4", _host_cp_async4)
+    monkeypatch.setattr(hb, "st_shared_f32", _host_st_f32)
+    monkeypatch.setattr(hb, "ld_shared_f32",
+                        lambda smem, i: smem[int(i):int(i) + 2].view(np.float32)[0])
     # the softcap's tanh.approx.f32 has no host form: math.tanh in its place
     monkeypatch.setattr(hb, "softcap", lambda x, cap, inv, approx: (
         np.float32(cap * math.tanh(x * inv)), np.float32(1.0 - math.tanh(x * inv) ** 2)))
@@ -131,15 +144,15 @@ def _reference(s, lse, dp, delta, scale, seen):
 
 
 @pytest.mark.parametrize("mods", list(HOST_MODS))
-@pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("BN", [32, 64])
 @pytest.mark.parametrize("step", ["inner", "diagonal", "tail"])
-def test_dkdv_step_on_the_host(on_host, preload, BN, step, mods):
+def test_dkdv_step_on_the_host(on_host, BN, step, mods):
     """Sᵀ and dPᵀ in wgmma's accumulator layout (one warpgroup's 64 keys x ``BN`` queries)
     become Pᵀ and dSᵀ as the rule says: per query column its lse and delta (strided lse, a
-    row that sees no key has lse -inf), the causal mask on a diagonal step, P = 0 past Nq;
-    the softcap and ALiBi (with the derivative in dS), both in the overlapped form
-    (``probs_t`` then ``grads_t``) and in the one-pass form (``probs_grads_t``)."""
+    row that sees no key has lse -inf; staged in shared memory by the block's threads and
+    read back per column), the causal mask on a diagonal step, P = 0 past Nq; the softcap
+    and ALiBi (with the derivative in dS), both in the overlapped form (``probs_t`` then
+    ``grads_t``) and in the one-pass form (``probs_grads_t``)."""
     rng = np.random.default_rng(BN)
     scale = 0.125
     k0 = 64  # the warpgroup's keys k0 .. k0 + 63
@@ -163,6 +176,10 @@ def test_dkdv_step_on_the_host(on_host, preload, BN, step, mods):
     one_p, one_ds = np.full((64, BN), np.nan), np.full((64, BN), np.nan)
     NT = BN // 8
     marr, CAP, ALIBI = _host_mods(mods, scale)
+    e0 = 6  # (the stats' first element in the shared array)
+    smem = np.full(e0 + 4 * BN, 0x7FC0, np.uint16)  # (NaN until written)
+    for t in range(128):
+        hb.stage_stats.py_func(smem, e0, lse_buf, delta_buf, lbase, lsn, dbase, m, Nq, BN, t)
     for t in range(128):
         coords = w.acc_coords(t, BN)
         sv = np.array([s[r, c] for r, c in coords], np.float32)
@@ -171,21 +188,16 @@ def test_dkdv_step_on_the_host(on_host, preload, BN, step, mods):
         j0 = k0 + 16 * warp + g
         ls = np.zeros(BN // 4, np.float32)
         dl = np.zeros(BN // 4, np.float32)
-        if preload:  # (the kernel reads a step ahead, then converts)
-            la, da = np.empty_like(ls), np.empty_like(dl)
-            hb.column_reads.py_func(la, da, lse_buf, delta_buf, lbase, lsn, dbase, m, Nq, NT, tq)
-            hb.stats_of_reads.py_func(ls, dl, la, da, BN // 4)
+        hb.read_stats.py_func(ls, dl, smem, e0, BN, NT, tq)
         s1, d1 = sv.copy(), dv.copy()
         gc = np.full(len(sv), np.nan, np.float32)
-        hb.probs_t.py_func(sv, gc, ls, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m, j0,
-                           causal_offset, sl2, mask, True, -1, -1, preload, NT, tq, marr, CAP,
-                           ALIBI)
-        hb.grads_t.py_func(sv, gc, dv, dl, lse_buf, delta_buf, lbase, lsn, dbase, Nq, m,
-                           preload, NT, tq, CAP)
+        hb.probs_t.py_func(sv, gc, ls, m, j0, causal_offset, sl2, mask, True, -1, -1, NT, tq,
+                           marr, CAP, ALIBI)
+        hb.grads_t.py_func(sv, gc, dv, dl, NT, CAP)
         packed = np.zeros(BN // 4, np.uint32)
-        hb.probs_grads_t.py_func(None, s1, d1, packed, packed.copy(), ls, dl, lse_buf,
-                                 delta_buf, lbase, lsn, dbase, Nq, m, j0, causal_offset, sl2,
-                                 mask, True, -1, -1, preload, NT, tq, marr, CAP, ALIBI)
+        hb.probs_grads_t.py_func(None, s1, d1, packed, packed.copy(), ls, dl, m, j0,
+                                 causal_offset, sl2, mask, True, -1, -1, NT, tq, marr, CAP,
+                                 ALIBI)
         for x, (r, c) in enumerate(coords):
             out_p[r, c], out_ds[r, c] = sv[x], dv[x]
             one_p[r, c], one_ds[r, c] = s1[x], d1[x]
@@ -259,8 +271,9 @@ def test_tilings_and_variants():
     for n, d, t, c in ALL:
         v = _variant(n, d, t, c)
         assert v.threads == 128 * v.tiles.warpgroups and v.block_m == 64 * v.tiles.warpgroups
+        stats = 16 * v.tiles.block_n if n == "dkdv" else 0  # (the steps' lse and delta)
         assert v.smem_words * 4 == tilings.HOPPER_ALIGN + (2 * v.block_m
-                                                           + 4 * v.tiles.block_n) * d * 2
+                                                           + 4 * v.tiles.block_n) * d * 2 + stats
         assert v.smem_words * 4 <= tilings.SMEM_LIMIT[(9, 0)]
         assert v.tag.startswith(f"attn_backward_{n}_wgmma_d{d}_")
         assert launch.hopper_variant(d, t, c, n) == v

@@ -28,7 +28,9 @@ fragments. Loading a row-major A tile with lanes pointing at row ``l % 16``, col
 ``cp_async16(smem, i, src, j, nbytes)`` copies 16 bytes global -> shared without going
 through registers (``cp.async.cg``; the first ``nbytes`` copied, the rest zero-filled:
 rows past the end, a row's last partial chunk; the tensor-core kernels' b16 tiles and the
-SIMT kernels' fp32 rows); ``cp_async_commit()`` closes a group and
+SIMT kernels' fp32 rows); ``cp_async4(smem, i, src, j, nbytes)`` copies one fp32 element
+``src[j]`` (``nbytes`` 4, or 0: zero) to 16-bit element ``i`` (even) of ``smem``
+(``cp.async.ca``, 4 bytes); ``cp_async_commit()`` closes a group and
 ``cp_async_wait(n)`` (``n`` a literal) waits until at most ``n`` groups are in flight. A
 ``syncthreads`` must follow before other threads read the copied data. Under the simulator
 the copy is immediate.
@@ -49,6 +51,7 @@ from .convert import SIMULATOR
 __all__ = [
     "SIMULATOR",
     "cp_async16",
+    "cp_async4",
     "cp_async_commit",
     "cp_async_wait",
     "ldmatrix_x4",
@@ -295,6 +298,14 @@ if SIMULATOR:
             gidx = int(gidx)
             smem[sidx:sidx + m] = src[gidx:gidx + m].view(smem.dtype)
 
+    def cp_async4(smem, sidx, src, gidx, nbytes):
+        """One fp32 element ``src[gidx]`` (``nbytes`` 4; 0: zero) to 16-bit elements
+        ``smem[sidx:sidx + 2]`` (``sidx`` even)."""
+        sidx = int(sidx)
+        assert sidx % 2 == 0, f"cp.async 4 to element {sidx}: not 4-byte aligned"
+        v = np.float32(src[int(gidx)]) if int(nbytes) else np.float32(0.0)
+        smem[sidx:sidx + 2] = np.array([v], np.float32).view(np.uint16)
+
     def cp_async_commit():
         """Close the current group of cp.async copies (a no-op in the simulator)."""
 
@@ -463,6 +474,7 @@ else:
         return cp_async
 
     cp_async16 = _cp_async_intrinsic(16, "cg")
+    cp_async4 = _cp_async_intrinsic(4, "ca")
 
     @intrinsic
     def cp_async_commit(typingctx):

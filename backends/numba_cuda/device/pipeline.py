@@ -19,7 +19,7 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   warpgroups can take turns (one waits on its barrier, the other arrives on it).
 - ``st_shared_f32(smem, idx, value)``: one ``st.shared.f32`` at 16-bit element ``idx``
   (even) of ``smem``; ``st_shared_u32(smem, idx, bits)`` likewise for a 32-bit word (two
-  packed 16-bit elements, ``idx`` low).
+  packed 16-bit elements, ``idx`` low); ``ld_shared_f32(smem, idx)`` reads an fp32 there.
 - ``bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes)``:
   ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: ``nbytes`` (a multiple
   of 16) of fp32 from shared element ``sidx`` added, element by element and atomically,
@@ -64,6 +64,7 @@ __all__ = [
     "bulk_wait_read",
     "cp_async_arrive",
     "empty_parity",
+    "ld_shared_f32",
     "full_parity",
     "mbarrier_arrive",
     "mbarrier_init",
@@ -110,6 +111,7 @@ if SIMULATOR:
         bulk_wait,
         bulk_wait_read,
         cp_async_arrive,
+        ld_shared_f32,
         mbarrier_arrive,
         mbarrier_init,
         mbarrier_wait,
@@ -235,6 +237,18 @@ else:
             return context.get_dummy_value()
 
         return types.void(), codegen
+
+    @intrinsic
+    def ld_shared_f32(typingctx, smem, idx):
+        """The fp32 at 16-bit element ``idx`` (even) of ``smem`` (``ld.shared.f32``)."""
+        if not isinstance(smem, types.CPointer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            p = builder.bitcast(builder.gep(args[0], [args[1]]), ir.FloatType().as_pointer())
+            return builder.load(p, align=4)
+
+        return types.float32(smem, idx), codegen
 
     @intrinsic
     def st_shared_u32(typingctx, smem, idx, value):

@@ -275,6 +275,11 @@ def st_shared_f32(smem, idx, value):
     smem[i:i + 2] = np.array([value], np.float32).view(np.uint16)
 
 
+def ld_shared_f32(smem, idx):
+    i = int(idx)
+    return np.array(smem[i:i + 2]).view(np.float32)[0]
+
+
 def st_shared_u32(smem, idx, value):
     i = int(idx)
     smem[i:i + 2] = np.array([value], np.uint32).view(np.uint16)

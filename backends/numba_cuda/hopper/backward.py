@@ -71,14 +71,14 @@ from ..device.wgmma import (
 )
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS, dkdv_passes
 from .backward_scores import (
-    column_reads,
     grads_row,
     grads_t,
     probs_grads_t,
     probs_row,
     probs_t,
+    read_stats,
     score_mods,
-    stats_of_reads,
+    stage_stats,
 )
 from .dq_atomic import issue_dqt, reduce_dq, stage_dq, store_ds
 from .epilogue import store_o
@@ -161,10 +161,6 @@ def make_attn_backward_dkdv_wgmma(var):
     DP = D // PASSES
     HALF = (DP // 64) * BN * LINE  # the MN-major Q, dO tiles' next DP columns, in bytes
     NS, NO = BN // 2, DP // 2  # accumulators per thread: Sᵀ (and dPᵀ), dK (and dV)
-    # lse and delta of a step's columns read a step ahead, into registers, where they fit
-    # (without it, within the step: fewer registers held). At D=128 dK and dV hold 128 of
-    # them: steps of 32 queries fit (223 registers), steps of 64 spill (124 bytes)
-    PRELOAD = NO + NS <= 80
     DQ = var.kernel == "dkdvq"  # (compile-time) dQ's part of each step too
     if DQ and PASSES > 1:
         raise ValueError(f"the dkdvq kernel takes head dims up to 128: {var.tag}")
@@ -172,6 +168,10 @@ def make_attn_backward_dkdv_wgmma(var):
     HALVES = D // 64
     STAGE = BN * D * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
     DQ_OFF = DS_OFF + (BM // 64) * BN * LINE
+    # lse and delta of a step's query columns, copied with its Q and dO tiles (two buffers
+    # of BN lse then BN delta, fp32: backward_scores.stage_stats), after everything else
+    STATS_OFF = ((DQ_OFF + 2 * (BM // 64) * STAGE) if DQ else DS_OFF)
+    STATS = 2 * BN * 4  # bytes of one buffer
 
     def attn_backward_dkdv_wgmma(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
                                  causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -231,6 +231,8 @@ def make_attn_backward_dkdv_wgmma(var):
                       NT)
             load_tile(smem, el + DO_OFF // 2, do, gb0 + h * gsh, m_begin, Nq, gsn, BN, CH,
                       tid, NT)
+            stage_stats(smem, el + STATS_OFF // 2, lse, delta, lb0 + h * lsh, lsn,
+                        sb0 + h * sstep, m_begin, Nq, BN, tid)
         cp_async_commit()
 
         ka = at + K_OFF + 64 * wg * LINE  # this warpgroup's 64 keys of K and of V
@@ -242,8 +244,6 @@ def make_attn_backward_dkdv_wgmma(var):
         mods = cuda.local.array(3, float32)  # (CAP, ALIBI) score_mods
         ls = cuda.local.array(NP, float32)
         dl = cuda.local.array(NP, float32)
-        lsa = cuda.local.array(NP, float32)  # (PRELOAD: the next step's, read ahead)
-        dla = cuda.local.array(NP, float32)
         pf = cuda.local.array(NP, uint32)  # Pᵀ, packed: 4 per k-step of dV += Pᵀ dO
         dsf = cuda.local.array(NP, uint32)  # dSᵀ, packed
         dka = zero_accumulators(DP)
@@ -253,9 +253,6 @@ def make_attn_backward_dkdv_wgmma(var):
         # head's); kept by counting, not by dividing it by per_head at run time
         gi = 0
         mq = m_begin
-        if PRELOAD and n_steps > 0:  # step 0's column statistics (later: a step ahead)
-            column_reads(lsa, dla, lse, delta, lb0 + hk * group * lsh, lsn,
-                         sb0 + hk * group * sstep, m_begin, Nq, NTILES, tq)
         for it in range(n_steps):
             h = hk * group + gi
             gn, mn = gi, mq + BN  # the next step's head and rows
@@ -273,6 +270,8 @@ def make_attn_backward_dkdv_wgmma(var):
                           tid, NT)
                 load_tile(smem, el + DO_OFF // 2 + nb, do, gb0 + hn * gsh, mn, Nq, gsn, BN,
                           CH, tid, NT)
+                stage_stats(smem, el + (STATS_OFF + ((it + 1) & 1) * STATS) // 2, lse, delta,
+                            lb0 + hn * lsh, lsn, sb0 + hn * sstep, mn, Nq, BN, tid)
             cp_async_commit()
             qb = at + Q_OFF + buf
             gb = at + DO_OFF + buf
@@ -283,17 +282,10 @@ def make_attn_backward_dkdv_wgmma(var):
                             KSTEPS, BM, BN)
             pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(va), gb,
                             KSTEPS, BM, BN)
-            lbase = lb0 + h * lsh
-            dbase = sb0 + h * sstep
             if CAP or ALIBI:  # (compile-time) this query head's modifiers
                 score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI)
-            if PRELOAD:  # (compile-time) this step's statistics, read a step ago; the
-                # next step's read now, a whole step before they are used (at D=128 the
-                # reads within the step left 23% of the warps' samples on their latency)
-                stats_of_reads(ls, dl, lsa, dla, NP)
-                if it + 1 < n_steps:
-                    column_reads(lsa, dla, lse, delta, lb0 + hn * lsh, lsn, sb0 + hn * sstep,
-                                 mn, Nq, NTILES, tq)
+            # this step's column statistics, copied with its tiles
+            read_stats(ls, dl, smem, el + (STATS_OFF + (it & 1) * STATS) // 2, BN, NTILES, tq)
             # a step across the diagonal, or (a window) across one of its edges
             mask = (CAUSAL and mq < m_full) or (WINDOW and (mq < m_full
                                                            or mq + BN - 1 > m_last))
@@ -301,20 +293,17 @@ def make_attn_backward_dkdv_wgmma(var):
                 sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
                 acc_to_local(sacc, s)
                 if mask:
-                    probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0,
-                            causal_offset, sl2, True, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES, tq,
-                            mods, CAP, ALIBI)
+                    probs_t(s, gc, ls, mq, j0, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
+                            NTILES, tq, mods, CAP, ALIBI)
                 else:
-                    probs_t(s, gc, ls, lse, delta, lbase, lsn, dbase, Nq, mq, j0,
-                            causal_offset, sl2, False, CAUSAL, LEFT, RIGHT, PRELOAD, NTILES,
-                            tq, mods, CAP, ALIBI)
+                    probs_t(s, gc, ls, mq, j0, causal_offset, sl2, False, CAUSAL, LEFT,
+                            RIGHT, NTILES, tq, mods, CAP, ALIBI)
                 pack_p(BF16, pf, s, NP)
                 # dV's wgmmas run while dSᵀ is computed
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb + hb, PSTEPS, B_LBO)
                 pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)
                 acc_to_local(pacc, dp)
-                grads_t(s, gc, dp, dl, lse, delta, lbase, lsn, dbase, Nq, mq, PRELOAD,
-                        NTILES, tq, CAP)
+                grads_t(s, gc, dp, dl, NTILES, CAP)
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
@@ -326,13 +315,11 @@ def make_attn_backward_dkdv_wgmma(var):
                 acc_to_local(sacc, s)
                 acc_to_local(pacc, dp)
                 if mask:
-                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
-                                  Nq, mq, j0, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
-                                  PRELOAD, NTILES, tq, mods, CAP, ALIBI)
+                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, mq, j0, causal_offset, sl2,
+                                  True, CAUSAL, LEFT, RIGHT, NTILES, tq, mods, CAP, ALIBI)
                 else:
-                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, lse, delta, lbase, lsn, dbase,
-                                  Nq, mq, j0, causal_offset, sl2, False, CAUSAL, LEFT, RIGHT,
-                                  PRELOAD, NTILES, tq, mods, CAP, ALIBI)
+                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, mq, j0, causal_offset, sl2,
+                                  False, CAUSAL, LEFT, RIGHT, NTILES, tq, mods, CAP, ALIBI)
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb + hb, PSTEPS, B_LBO)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)

@@ -211,14 +211,16 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     and K and V in ``stages`` buffers each (``block_n`` rows; the ping-pong schedule adds
     its rings' 8-byte mbarriers: 4 a stage, 1 for Q with a producer); dK/dV, K and V
     (``block_m``) and Q and dO double-buffered (dkdvq: and per warpgroup a dSᵀ tile of
-    ``block_n`` lines of 64 keys and two buffers of dQ rows); dQ, Q and dO and K and V
-    double-buffered."""
+    ``block_n`` lines of 64 keys and two buffers of dQ rows), then two buffers of the query
+    steps' lse and delta (fp32); dQ, Q and dO and K and V double-buffered."""
     if kernel == "forward":
         return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
                 + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
     ds = t.warpgroups * t.block_n * (128 + 8 * head_dim) if kernel == "dkdvq" else 0
-    return HOPPER_ALIGN + (2 * t.block_m + 4 * t.block_n) * head_dim * 2 + ds
+    # dK/dV: and two buffers of the query steps' lse and delta (fp32)
+    stats = 16 * t.block_n if kernel in ("dkdv", "dkdvq") else 0
+    return HOPPER_ALIGN + (2 * t.block_m + 4 * t.block_n) * head_dim * 2 + ds + stats
 
 
 #: The wgmma forward's tiling for variants with a mask_mod: a schedule without the overlap
