@@ -115,8 +115,9 @@ def test_candidate_launch_arguments(tuner, kernel, monkeypatch):
                                    reps=2) == 1.0
     grid, stream, args = calls[0]
     assert all(c == calls[0] for c in calls) and len(calls) == 5 and stream == 0
-    # (the forward's grid has a z axis: the splits of split-KV, 1 here)
-    assert grid == ((N + 31) // 32, B * H) + ((1,) if kernel == "forward" else ())
+    # (the forward's grid has a z axis: the splits of split-KV, 1 here; the dK/dV one's: the
+    # blocks per key tile, tilings.dkdv_passes, 1 but for the wgmma kernel at D=256)
+    assert grid == ((N + 31) // 32, B * H) + ((1,) if kernel in ("forward", "dkdv") else ())
     q, k, v, do, o, dq, dk, dv, lse, delta = (1000 * (i + 1) for i in range(10))
     st = (N * D * H, N * D, D, 1)
     lst = (N * H, N, 1)

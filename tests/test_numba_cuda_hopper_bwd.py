@@ -423,6 +423,8 @@ MOD_PTX = [("dkdv", 64, "bfloat16", True, 30.0, True, ()),
            ("dkdv", 64, "float16", False, 0.0, True, ()),
            ("dkdv", 128, "float16", False, 5.0, False, ()),
            ("dq", 64, "bfloat16", True, 2.5, False, (64, 32)),
+           ("dkdv", 128, "float16", False, 0.0, True, ()),
+           ("dkdv", 128, "bfloat16", False, 20.0, True, (100, 30)),
            ("dkdv", 256, "bfloat16", True, 30.0, True, ()),
            ("dq", 256, "float16", False, 5.0, True, (64, 32))]
 
@@ -434,16 +436,16 @@ MOD_PTX = [("dkdv", 64, "bfloat16", True, 30.0, True, ()),
 def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal, softcap,
                                           alibi, window):
     """The wgmma backward with the softcap and ALiBi compiles for sm_90a in the tiling the
-    launch picks (at D=64 a softcap's own: tilings.HOPPER_BWD_SOFTCAP), the softcap's tanh
+    launch picks (at D=64 a softcap's own: tilings.HOPPER_BWD_SOFTCAP; at D=128 dK/dV's
+    32-query steps: tilings.HOPPER_BWD_MASKED), the softcap's tanh
     approximate, with no local memory, no spills and no serialized wgmmas."""
     from test_numba_cuda_wgmma import _assembles_clean
 
     v = launch.hopper_variant(head_dim, dtype, causal, kernel, window=window, softcap=softcap,
                               alibi=alibi)
     assert v.softcap == softcap and v.alibi == alibi
-    assert v.tiles == tilings.HOPPER_BWD_SOFTCAP.get((kernel, head_dim) if softcap else (),
-                                                     tilings.choose_hopper(head_dim, causal,
-                                                                           kernel)), v.tag
+    assert v.tiles == tilings.choose_hopper(head_dim, causal, kernel, softcap=bool(softcap),
+                                            masked=True), v.tag
     assert launch.hopper_variant(head_dim, dtype, causal, "dkdvq", softcap=softcap,
                                  alibi=alibi) is None  # (the deterministic kernels only)
     sig = launch.signature(v.entry, dtype)

@@ -255,7 +255,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
             or (kernel == "dkdvq" and (alibi or softcap or head_dim > 128))):
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
-                              user is not None and user.mask_mod is not None, bool(softcap))
+                              user is not None and user.mask_mod is not None, bool(softcap),
+                              masked)
     if t is None:
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)

@@ -177,7 +177,7 @@ def hopper_candidates(head_dim: int) -> tuple:
 #: dO of 128 rows, K and V double-buffered), and with one warpgroup (129 KiB) one block
 #: would hold an SM: g2n32o for both kernels.
 HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True),
-               (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True),
+               (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 32, True),
                (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
              (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
@@ -190,10 +190,10 @@ _D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
 HOPPER_BWD_CANDIDATES = {
     (64, False): _D64, (64, True): _D64,
-    (128, False): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
+    (128, False): ((HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
+                   (HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                    (HopperTiles(1, 64), HopperTiles(1, 64, True)),
-                   (HopperTiles(2, 64), HopperTiles(2, 64, True)),
-                   (HopperTiles(1, 64, True), HopperTiles(1, 64, True))),
+                   (HopperTiles(2, 64), HopperTiles(2, 64, True))),
     (128, True): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 128, True)),
@@ -237,16 +237,26 @@ HOPPER_MASK_MOD = HopperTiles(2, 64)
 #: pass) g1n64 takes 246-254 registers. dQ at D=64: 128-key steps (g1n128o) spill 24 bytes
 #: with a causal window; 64-key steps (g1n64o) take 158-167 registers.
 HOPPER_BWD_SOFTCAP = {("dkdv", 64): HopperTiles(1, 64), ("dq", 64): HopperTiles(1, 64, True)}
+#: The wgmma backward's tilings with any mask or modifier (a window, the softcap, ALiBi:
+#: their per-score work holds more registers), per (kernel, head dim) where the table's do
+#: not take them: the dK/dV kernel at D=128 non-causal steps 64 queries (g1n64o, 255
+#: registers), which spills 12-152 bytes with them (ptxas 13.0); they keep the 32-query
+#: steps (g1n32o), as causal calls do.
+HOPPER_BWD_MASKED = {("dkdv", 128): HopperTiles(1, 32, True)}
 
 
 def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
-                  mask_mod: bool = False, softcap: bool = False) -> HopperTiles | None:
+                  mask_mod: bool = False, softcap: bool = False,
+                  masked: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
-    (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one), or
-    None where it has none."""
+    (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one;
+    ``masked``: of a backward kernel with a window, the softcap or ALiBi), or None where it
+    has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
     if t is not None and softcap and kernel != "forward":
-        return HOPPER_BWD_SOFTCAP.get((kernel, head_dim), t)
+        t = HOPPER_BWD_SOFTCAP.get((kernel, head_dim), t)
+    if t is not None and (masked or softcap) and kernel != "forward":
+        t = HOPPER_BWD_MASKED.get((kernel, head_dim), t)
     return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
 
 
