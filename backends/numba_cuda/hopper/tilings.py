@@ -231,12 +231,12 @@ HOPPER_MASK_MOD = HopperTiles(2, 64)
 
 
 #: The wgmma backward's tilings with a softcap, per (kernel, head dim) where the table's
-#: do not take one (ptxas 13.0). dK/dV at D=64: the overlapped g1n64o would hold the
-#: softcap's derivatives through the step too (32 more registers) and ptxas serializes its
-#: wgmmas (C7519, 246-250 registers); without the overlap (P, dS and the derivative in one
-#: pass) g1n64 takes 246-254 registers. dQ at D=64: 128-key steps (g1n128o) spill 24 bytes
-#: with a causal window; 64-key steps (g1n64o) take 158-167 registers.
-HOPPER_BWD_SOFTCAP = {("dkdv", 64): HopperTiles(1, 64), ("dq", 64): HopperTiles(1, 64, True)}
+#: do not take one (ptxas 13.0). dQ at D=64: 128-key steps (g1n128o) spill 24-32 bytes
+#: with a causal window; 64-key steps (g1n64o) take 158-167 registers. (dK/dV at D=64 took
+#: g1n64 until the step's statistics moved to shared memory: the overlapped g1n64o held
+#: the softcap's derivatives through the step too and ptxas serialized its wgmmas, C7519,
+#: at 246-250 registers; now 247-252, not serialized.)
+HOPPER_BWD_SOFTCAP = {("dq", 64): HopperTiles(1, 64, True)}
 #: The wgmma backward's tilings with any mask or modifier (a window, the softcap, ALiBi:
 #: their per-score work holds more registers), per (kernel, head dim) where the table's do
 #: not take them: the dK/dV kernel at D=128 non-causal steps 64 queries (g1n64o, 255
