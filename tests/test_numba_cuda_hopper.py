@@ -154,6 +154,103 @@ def test_p_registers_are_the_a_fragments():
                 assert (hi[0], hi[1] - 16 * kk) == frag[2 * r + 1]
 
 
+@pytest.mark.parametrize("D,BM,wg,nvalid", [(64, 128, 0, 128), (128, 128, 1, 100),
+                                            (256, 64, 0, 37), (128, 64, 0, 64)])
+def test_epilogue_rows_through_shared_memory(monkeypatch, D, BM, wg, nvalid):
+    """``epilogue.store_o``, its 128 threads run as Python threads (its two barriers real):
+    every row below ``nvalid`` lands in place, scaled per row and rounded as ``pack``
+    rounds (bit for bit ``store_frags``'s rounding), rows past it untouched; the staging
+    stores of each warp instruction hit 32 distinct banks, and each quarter-warp's 16-byte
+    reads 8 distinct 16-byte slots (no bank conflicts), within this warpgroup's lines of
+    the ``BM``-line tile."""
+    import threading
+
+    from flashcore.backends.numba_cuda.hopper import epilogue as ep
+
+    rng = np.random.default_rng(D + BM + wg)
+    sn, w_row = D + 24, 5  # (rows of the output: a stride past D; the warpgroup's first)
+    rows = 64 * (wg + 1) + w_row + 8
+    acc = rng.standard_normal((64, D)).astype(np.float32)  # the warpgroup's rows
+    inv = rng.uniform(0.5, 2.0, 64).astype(np.float32)
+    obase = 8 * 3  # (16-byte aligned)
+    out = np.full(obase + rows * sn, 0xDEAD, np.uint16)
+    e0 = 64  # the tile's first element in shared memory
+    smem = np.zeros(e0 + BM * D, np.uint16)
+    bar = threading.Barrier(128)
+    stores, loads = [], []
+
+    def pack(bf16, lo, hi):
+        from flashcore.backends.numba_cuda.device.intrinsics import float_to_bits
+
+        return np.uint32(float_to_bits(lo, "bf16") | (float_to_bits(hi, "bf16") << 16))
+
+    def st_u32(sm, i, bits):
+        stores.append((threading.get_ident(), int(i)))
+        sm[int(i):int(i) + 2] = np.array([bits], np.uint32).view(np.uint16)
+
+    def copy16(dst, di, src, si):
+        assert di % 8 == 0 and si % 8 == 0
+        loads.append((threading.get_ident(), int(si)))
+        dst[di:di + 8] = src[si:si + 8]
+
+    monkeypatch.setattr(ep, "pack", pack)
+    monkeypatch.setattr(ep, "st_shared_u32", st_u32)
+    monkeypatch.setattr(ep, "copy16", copy16)
+    monkeypatch.setattr(ep, "wg_barrier", lambda g: bar.wait())
+    errors = []
+
+    def thread(t):
+        try:
+            coords = w.acc_coords(t, D)  # (row, column) of oa[x] in the warpgroup's rows
+            oa = np.array([acc[r, c] for r, c in coords], np.float32)
+            warp, g, tq = t // 32, (t % 32) // 4, t % 4
+            i = w_row + 64 * wg + 16 * warp + g
+            ep.store_o.py_func(True, smem, e0, out, obase, w_row + 64 * wg, i, nvalid, sn, 1,
+                               oa, inv[16 * warp + g], inv[16 * warp + g + 8], D, BM, wg,
+                               warp, g, tq, t)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+            bar.abort()
+
+    threads = [threading.Thread(target=thread, args=(t,)) for t in range(128)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+    got = out[obase:obase + rows * sn].reshape(rows, sn)
+    from flashcore.backends.numba_cuda.device.intrinsics import float_to_bits
+
+    for r in range(64):
+        row = w_row + 64 * wg + r
+        if row < nvalid:
+            want = [float_to_bits(np.float32(acc[r, c] * inv[r]), "bf16") for c in range(D)]
+            assert list(got[row, :D]) == want, row
+        else:
+            assert (got[row] == 0xDEAD).all(), row
+        assert (got[row, D:] == 0xDEAD).all()  # (nothing past the row's D columns)
+    # the staging stores, by warp instruction (the threads' stores in order, 32 lanes a
+    # warp): 32 distinct banks, in the warpgroup's lines (64 wg .. 64 wg + 63 of each
+    # 64-column block)
+    by_thread = {}
+    for ident, i in stores:
+        by_thread.setdefault(ident, []).append(i)
+    idents = [th.ident for th in threads]
+    n = len(by_thread[idents[0]])
+    for warp in range(4):
+        for k in range(n):
+            idx = [by_thread[idents[32 * warp + lane]][k] for lane in range(32)]
+            assert len({(i // 2) % 32 for i in idx}) == 32, (warp, k)
+            assert all(64 * wg <= (i - e0) % (BM * 64) // 64 < 64 * wg + 64 for i in idx)
+    by_thread = {}
+    for ident, i in loads:
+        by_thread.setdefault(ident, []).append(i)
+    for q in range(16):  # quarter-warps: 8 lanes, 16 bytes each
+        lanes = [idents[8 * q + x] for x in range(8)]
+        for k in range(min(len(by_thread.get(x, [])) for x in lanes)):
+            assert len({by_thread[x][k] // 8 % 8 for x in lanes}) == 8, (q, k)
+
+
 def test_exp2_on_the_fma_pipe():
     """``exp2_fma`` (every ``poly``-th n-tile's exponentials, off the MUFU unit), as the
     host model computes it operation by operation in float32: within 3e-7 of 2^x from
