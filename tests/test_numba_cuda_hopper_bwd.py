@@ -320,6 +320,9 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     assert launch.fused_backward(case, 0) and not launch.fused_backward(_case(window=(8, 0)), 0)
     assert not launch.fused_backward(_case(D=256), 0)  # (no two-pass dkdvq kernel)
     assert launch.hopper_variant(256, "bfloat16", False, "dkdvq") is None
+    # (the dkdvq kernel's dQ accumulators beside 64-query steps spill: 32-query steps)
+    assert (launch.hopper_variant(128, "bfloat16", False, "dkdvq").tiles
+            == tilings.HopperTiles(1, 32, True))
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
     # the softcap and ALiBi: the wgmma kernels, deterministic; a user mod: mma.sync
     assert launch.hopper_bwd_serves(_case(softcap=20.0), 0)
@@ -371,7 +374,8 @@ def _ptx_cases():
     out += [pytest.param("dkdvq", None, d, t, c, "",
                          id=f"dkdvq-D{d}-{t}-{'causal' if c else 'full'}",
                          marks=() if d == 128 else pytest.mark.slow)
-            for d, t, c in ((128, "bfloat16", True), (64, "float16", False))]
+            for d, t, c in ((128, "bfloat16", True), (64, "float16", False),
+                            (128, "float16", False))]
     return out
 
 
@@ -444,8 +448,10 @@ def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal,
     v = launch.hopper_variant(head_dim, dtype, causal, kernel, window=window, softcap=softcap,
                               alibi=alibi)
     assert v.softcap == softcap and v.alibi == alibi
-    assert v.tiles == tilings.choose_hopper(head_dim, causal, kernel, softcap=bool(softcap),
-                                            masked=True), v.tag
+    table = (tilings.HOPPER_DKDV if kernel == "dkdv" else tilings.HOPPER_DQ)[head_dim, causal]
+    want = {("dkdv", 128): tilings.HopperTiles(1, 32, True),  # (64-query steps spill here)
+            ("dq", 64): tilings.HopperTiles(1, 64, True) if softcap else table}
+    assert v.tiles == want.get((kernel, head_dim), table), v.tag
     assert launch.hopper_variant(head_dim, dtype, causal, "dkdvq", softcap=softcap,
                                  alibi=alibi) is None  # (the deterministic kernels only)
     sig = launch.signature(v.entry, dtype)

@@ -32,7 +32,7 @@ Both score products of a step are issued at once. With the tiling's ``overlap`` 
 elementwise work starts under the wgmmas still running: P is computed while ``dP`` (``dPᵀ``)
 runs, and the dK/dV kernel issues ``dV += Pᵀ dO`` before it computes ``dSᵀ``; without it,
 both products are waited for, P and dS computed and packed, and the two RS products issued
-together (fewer registers held: at D=128 the dK/dV kernel's query steps of 64 fit only so).
+together (fewer registers held).
 Every group is waited for before the step ends (the next step's copies overwrite the
 buffers it read). The causal mask and a sliding window apply through the seams (``hides``,
 ``visible``) on steps that cross the diagonal or a window's edge only; a window also cuts the
@@ -124,6 +124,9 @@ def _sizes(var, kernel):
                          f"(not in the dkdvq kernel, whose dQ accumulator takes the slopes' "
                          f"arguments), no user mods, and dense or varlen rows: {var.tag}")
     CH = D // 8  # 16-byte chunks per row
+    if kernel == "dkdv" and 2 * t.block_n > t.threads:  # (backward_scores.stage_stats)
+        raise ValueError(f"dkdv: a step's lse and delta take 2 x {t.block_n} copying threads, "
+                         f"more than the block's {t.threads}: {t}")
     if t.block_n % (t.threads // CH) or t.block_m % (t.threads // CH):
         raise ValueError(f"{kernel}: tiles of {t.block_m} and {t.block_n} rows must be "
                          f"whole passes of the copies ({t.threads // CH} rows): {t}")
@@ -343,6 +346,8 @@ def make_attn_backward_dkdv_wgmma(var):
                               Nq - mq, BN)
             gi, mq = gn, mn
         cp_async_wait(0)
+        if n_steps == 0:  # (uniform) the K, V copies of other warpgroups' threads land in
+            cuda.syncthreads()  # this one's lines too: all landed before they take dK, dV
         if DQ and warp == 0 and lane == 0:  # (compile-time first) the reductions done
             bulk_wait(0)
 
@@ -486,6 +491,8 @@ def make_attn_backward_dq_wgmma(var):
             dqa = issue_pv(BF16, wgmma_fence_acc(dqa), dsf, kb, PSTEPS, B_LBO)
             dqa = wgmma_wait_group_acc(0, dqa)
         cp_async_wait(0)
+        if n_tiles == 0:  # (uniform) other warpgroups' threads copied some of this one's Q
+            cuda.syncthreads()  # lines: all landed before they take dQ (hopper/epilogue.py)
 
         out = cuda.local.array(NO, float32)
         acc_to_local(dqa, out)

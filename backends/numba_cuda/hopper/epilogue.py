@@ -14,6 +14,11 @@ each thread copies whole 16-byte chunks of rows (consecutive lanes along a row, 
 sectors). Outputs are bit for bit the same as ``store_frags``'s (round to nearest even;
 NaN stays NaN).
 
+The tile's lines were copied by all of the block's threads: a kernel whose loop ran no
+step (a block that sees no key, or no query) makes a block-wide barrier after its last
+``cp.async`` wait before it calls this (the loops' barriers do it otherwise); the
+warpgroup's own barrier here does not wait for the other warpgroup's copies.
+
 It needs the output's rows contiguous and 16-byte aligned: the adapters allocate the
 outputs themselves (contiguous, from the array library's allocator), and other strides take
 ``store_frags``.

@@ -560,6 +560,8 @@ def make_attn_forward_wgmma(var):
                                at + V_OFF + ((n_tiles - 1) & 1) * KV_BYTES, PSTEPS, V_LBO)
                 acc = wgmma_wait_group_acc(0, acc)
         cp_async_wait(0)
+        if n_tiles == 0:  # (uniform) other warpgroups' threads copied some of this one's Q
+            cuda.syncthreads()  # lines: all landed before they take O (hopper/epilogue.py)
 
         acc_to_local(acc, oa)
         obase = b * osb + h * osh + q_row0 * osn

@@ -164,14 +164,15 @@ def hopper_candidates(head_dim: int) -> tuple:
 
 
 #: The wgmma backward's tilings (``hopper/backward.py``), per (head dim, causal): one
-#: warpgroup per block (64 keys in dK/dV, 64 queries in dQ; at about 200-230 registers two
-#: such blocks share an SM and interleave) with query steps of 64 (D=64) or 32 (D=128) and
-#: key steps of 128 (D=64) or 64 (D=128), and the overlap (the elementwise work of a step
-#: under its later wgmmas): the fastest pairs on an H100 at 535f43e (bf16, B=4 H=16
-#: N=4096, forward+backward 183-257 TFLOP/s, 2-7% ahead of the two-warpgroup pairs;
-#: notes/hopper_2026-11-25.md). At D=128 dK and dV hold 128 accumulator registers per
-#: thread: query steps of 64 fit only without the overlap and without the causal mask's
-#: code (g1n64, g2n64: 254-255 registers; causal, they spill).
+#: warpgroup per block (64 keys in dK/dV, 64 queries in dQ; at about 200-255 registers two
+#: such blocks share an SM and interleave) with query steps of 64 (D=64, D=128 non-causal)
+#: or 32 (D=128 causal) and key steps of 128 (D=64) or 64 (D=128), and the overlap (the
+#: elementwise work of a step under its later wgmmas): the fastest pairs on an H100 (bf16,
+#: B=4 H=16 N=4096; notes/hopper_2026-11-25.md, notes/hopper_d256_bwd_2026-11-26.md). At
+#: D=128 dK and dV hold 128 accumulator registers per thread: since the step's statistics
+#: are read from shared memory (d6bb8d3) query steps of 64 fit with the overlap non-causal
+#: (g1n64o, 255 registers: 475 against 427 TFLOP/s for g1n32o, 7f38800), not causal (12
+#: bytes spilled), nor with a window or modifiers (:data:`HOPPER_BWD_MASKED`).
 #: At D=256 only steps of 32 fit the shared memory beside two warpgroups' resident tiles
 #: (dK/dV: K and V of 128 keys, 128 KiB, and Q and dO double-buffered, 64 KiB; dQ: Q and
 #: dO of 128 rows, K and V double-buffered), and with one warpgroup (129 KiB) one block
@@ -182,9 +183,12 @@ HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1,
 HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
              (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
+#: The non-deterministic mode's dkdvq kernel (hopper/dq_atomic.py): the dK/dV table but at
+#: D=128 non-causal, where its dQ accumulators beside 64-query steps spill (40 bytes at
+#: g1n64o, ptxas 13.0): 32-query steps.
+HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True)}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
-#: each other (the table's first); all compile without spills. Not yet timed: the pairs
-#: without the overlap and those with query steps of 64 at D=128.
+#: each other (the table's first); all compile without spills.
 _D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
         (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
@@ -204,7 +208,7 @@ HOPPER_BWD_CANDIDATES = {
                   (HopperTiles(2, 32), HopperTiles(2, 32))),
 }
 _HOPPER_TABLES = {"forward": HOPPER_FORWARD, "dkdv": HOPPER_DKDV, "dq": HOPPER_DQ,
-                  "dkdvq": HOPPER_DKDV}
+                  "dkdvq": HOPPER_DKDVQ}
 
 
 def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") -> int:
