@@ -250,31 +250,27 @@ else:
 
         return types.float32(smem, idx), codegen
 
-    @intrinsic
-    def st_shared_u32(typingctx, smem, idx, value):
-        """``st.shared.b32`` at 16-bit element ``idx`` of ``smem``."""
-        if not isinstance(smem, types.CPointer) or value != types.uint32:
-            return None
+    def _st_shared(ty, kind, reg):
+        """An intrinsic ``fn(smem, idx, value)``: ``st.shared.{kind}`` of a ``ty`` at 16-bit
+        element ``idx`` of ``smem`` (``reg``: the value's inline-asm constraint)."""
+        text = f"st.shared.{kind} [$0], $1;"
 
-        def codegen(context, builder, sig, args):
-            _asm(builder, [_shared_u32(builder, args[0], args[1]), args[2]],
-                 "st.shared.b32 [$0], $1;", "r,r,~{memory}")
-            return context.get_dummy_value()
+        @intrinsic
+        def fn(typingctx, smem, idx, value):
+            if not isinstance(smem, types.CPointer) or value != ty:
+                return None
 
-        return types.void(smem, idx, value), codegen
+            def codegen(context, builder, sig, args):
+                _asm(builder, [_shared_u32(builder, args[0], args[1]), args[2]], text,
+                     f"r,{reg},~{{memory}}")
+                return context.get_dummy_value()
 
-    @intrinsic
-    def st_shared_f32(typingctx, smem, idx, value):
-        """``st.shared.f32`` at 16-bit element ``idx`` of ``smem``."""
-        if not isinstance(smem, types.CPointer) or value != types.float32:
-            return None
+            return types.void(smem, idx, value), codegen
 
-        def codegen(context, builder, sig, args):
-            _asm(builder, [_shared_u32(builder, args[0], args[1]), args[2]],
-                 "st.shared.f32 [$0], $1;", "r,f,~{memory}")
-            return context.get_dummy_value()
+        return fn
 
-        return types.void(smem, idx, value), codegen
+    st_shared_u32 = _st_shared(types.uint32, "b32", "r")
+    st_shared_f32 = _st_shared(types.float32, "f32", "f")
 
     @intrinsic
     def bulk_reduce_add_f32(typingctx, dst, didx, smem, sidx, nbytes):

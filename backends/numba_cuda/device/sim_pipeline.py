@@ -270,19 +270,21 @@ def setmaxnreg_dec(n):
 _red_lock = threading.Lock()
 
 
-def st_shared_f32(smem, idx, value):
-    i = int(idx)
-    smem[i:i + 2] = np.array([value], np.float32).view(np.uint16)
+def _st_shared(dtype):
+    def st_shared(smem, idx, value):
+        i = int(idx)
+        smem[i:i + 2] = np.array([value], dtype).view(np.uint16)
+
+    return st_shared
+
+
+st_shared_f32 = _st_shared(np.float32)
+st_shared_u32 = _st_shared(np.uint32)
 
 
 def ld_shared_f32(smem, idx):
     i = int(idx)
     return np.array(smem[i:i + 2]).view(np.float32)[0]
-
-
-def st_shared_u32(smem, idx, value):
-    i = int(idx)
-    smem[i:i + 2] = np.array([value], np.uint32).view(np.uint16)
 
 
 def bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes):

@@ -131,7 +131,7 @@ def _sizes(var, kernel):
         raise ValueError(f"{kernel}: tiles of {t.block_m} and {t.block_n} rows must be "
                          f"whole passes of the copies ({t.threads // CH} rows): {t}")
     return (D, t.block_m, t.block_n, t.threads, CH, D // 16, t.block_n // 16,
-            t.block_n // 8, D // 8, t.block_n // 4, bool(var.causal),
+            t.block_n // 8, t.block_n // 4, bool(var.causal),
             var.dtype == "bfloat16", t.overlap, PACKING[var.packed], bool(var.softcap),
             float32(var.softcap or 1.0), bool(var.alibi))
 
@@ -145,9 +145,9 @@ def make_attn_backward_dkdv_wgmma(var):
     the accumulator and its batch and head strides; rows of ``D`` elements): the wgmma
     backward serves no ALiBi."""
     # (head dim, keys per block, queries per step, threads, 16-byte chunks per row,
-    # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles, output n-tiles,
+    # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles,
     # packed registers of Pᵀ)
-    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
+    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dkdv")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)
@@ -371,7 +371,7 @@ def make_attn_backward_dkdv_wgmma(var):
 def make_attn_backward_dq_wgmma(var):
     """dQ of variant ``var`` (family "hopper", kernel "dq"): a query tile of
     ``64 * warpgroups`` rows per block, key steps of ``block_n``."""
-    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, DTILES, NP, CAUSAL, BF16, OVERLAP,
+    (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dq")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)

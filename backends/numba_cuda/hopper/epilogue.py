@@ -48,13 +48,13 @@ def store_o(BF16, smem, e0, o, obase, w_row, i, Nq, osn, osd, oa, inv0, inv1, D,
     order) to ``o[obase + row * osn + col * osd]``, rows at or past ``Nq`` skipped, through
     lines ``64 wg ..`` of the ``BM``-line tile at element ``e0`` of ``smem``, which only
     this warpgroup's wgmmas read (every one waited for)."""
-    DT = D // 8
+    CH = D // 8  # 8-column n-tiles of the accumulators, 16-byte chunks of a row
     if osd != 1 or (osn & 7) != 0 or (obase & 7) != 0:  # (rows not 16-byte aligned)
-        store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DT, tq)
+        store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, CH, tq)
         return
     lb = e0 + wg * (64 * 64)  # the warpgroup's first line (64 elements a line)
     wg_barrier(wg)  # (every warp's wgmmas have read its Q rows)
-    for dn in range(DT):
+    for dn in range(CH):
         blk = lb + (dn >> 3) * (BM * 64)  # the 64-column block of this n-tile
         for r in range(2):
             line = 16 * warp + g + 8 * r
@@ -63,7 +63,6 @@ def store_o(BF16, smem, e0, o, obase, w_row, i, Nq, osn, osd, oa, inv0, inv1, D,
             st_shared_u32(smem, blk + line * 64 + (((dn & 7) ^ (line & 7)) << 3) + 2 * tq,
                           bits)
     wg_barrier(wg)
-    CH = D // 8  # 16-byte chunks a row
     RS = 128 // CH  # rows a pass of the warpgroup
     c = wtid % CH
     blk = lb + (c >> 3) * (BM * 64)
