@@ -56,7 +56,8 @@ CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
 #: to ``nox -s tests-cuda-compile`` (slow).
 TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
 CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
-              "g2n64o": {(64, "float16", True), (256, "bfloat16", True)},
+              "g2n64o": {(64, "bfloat16", False), (256, "bfloat16", True)},
+              "g1n64ob2": {(64, "float16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
               "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)}}
 
