@@ -308,6 +308,36 @@ else:
         assert np.array_equal(np.isfinite(lse), finite)
         assert rel_err(lse[finite], rl[finite]) < 1e-5
 
+    #: The softcap in the forward, its factor folded into the log2 factor (``mask_flags``'
+    #: FOLD: nothing after it needs the capped score in its own units), in the overlapped
+    #: schedule and (D=64 causal, rows that see no key) on one warpgroup, scores large
+    #: enough (q x 4) that the cap bends them. (B, Hq, Hkv, Nq, Nk, D, dtype, causal,
+    #: layout), options. (ALiBi with the softcap, not folded, takes ``cuda.fma``, which the
+    #: simulator lacks: the GPU tests cover it.)
+    CAP_RUNS = [((1, 2, 1, 70, 150, 64, "bfloat16", False, "bhnd"), dict(softcap=5.0)),
+                pytest.param((1, 1, 1, 100, 90, 64, "float16", True, "bnhd"),
+                             dict(softcap=5.0, window=(40, None)), marks=pytest.mark.slow)]
+
+    @pytest.mark.parametrize("c,mods", CAP_RUNS, ids=lambda x: (
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) else "+".join(x)))
+    def test_softcap_forward(emulated, c, mods):
+        """The wgmma forward with a softcap against the float64 reference, lse too."""
+        from helpers import to64
+
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        q, k, v, _ = _inputs(c)
+        q = (q.astype(np.float32) * 4).astype(q.dtype)
+        opts = dict(causal=causal, layout=layout, **mods)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+        assert emulated == ["attn_forward_wgmma"]
+        assert "_sc5" in emulated.tags[0], emulated.tags
+        ro, rl = flashcore.attention_forward(*(to64(x) for x in (q, k, v)),
+                                             backend="reference", **opts)
+        assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
+        finite = np.isfinite(rl)
+        assert np.array_equal(np.isfinite(lse), finite)
+        assert rel_err(lse[finite], rl[finite]) < 1e-5
+
     # --- device/sim_pipeline.py's barriers, on their own --------------------------------
 
     import time

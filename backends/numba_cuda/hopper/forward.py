@@ -300,27 +300,37 @@ def sequence_bases(b, h, hk, Nq, Nk, causal_offset, cu_q, cu_k, seqk, qsb, qsh, 
 
 def mask_flags(var, SMOD):
     """The compile-time mask options of a wgmma forward variant: ``(LEFT, RIGHT, WINDOW,
-    CAP, CAP_C, ALIBI, LINEAR)``, the window's bounds (-1: unbounded side) and whether it
-    has one, the softcap and its cap, ALiBi (slopes in raw-score units here: slope / scale)
-    and whether its per-row part leaves the scores for the softmax (``alibi_row``), as it
-    does unless a score_mod (``SMOD``) must see the biased score."""
+    CAP, CAP_C, ALIBI, LINEAR, FOLD)``, the window's bounds (-1: unbounded side) and whether
+    it has one, the softcap and its cap, ALiBi (slopes in raw-score units here: slope /
+    scale) and whether its per-row part leaves the scores for the softmax (``alibi_row``),
+    as it does unless a score_mod (``SMOD``) must see the biased score; and whether the
+    softcap's outer factor folds into the log2 factor (:func:`score_constants`: a softcap
+    with neither ALiBi nor a score_mod after it, which would need the capped score in its
+    own units)."""
     LEFT, RIGHT = var.bounds
     CAP = bool(var.softcap)
     CAP_C = float32(var.softcap) if CAP else float32(1.0)
     ALIBI = var.alibi
-    return LEFT, RIGHT, bool(var.window), CAP, CAP_C, ALIBI, ALIBI and not SMOD
+    return (LEFT, RIGHT, bool(var.window), CAP, CAP_C, ALIBI, ALIBI and not SMOD,
+            CAP and not ALIBI and not SMOD)
 
 
 @device_function
-def score_constants(scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI):
+def score_constants(scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI, FOLD):
     """Per block, what the second seam needs for head ``(b, h)``: ``(sl2, capr, rcapr,
     slope, unit, sc)``, the factor to the log2 domain (kept a normal fp32 number: -inf *
     sl2 stays -inf), the cap in raw-score units and its inverse (used where CAP), ALiBi's
     slope in raw-score units, the factor from natural scores to raw ones and the scale (a
-    score_mod's)."""
+    score_mod's). ``FOLD`` (compile-time, :func:`mask_flags`): the softmax takes a capped
+    score as ``tanh(s / capr)`` alone, its factor ``capr`` moved into the log2 factor (the
+    cap times log2 e: the same exponentials, lse and normalization, one multiply a score
+    fewer)."""
     sl2 = float32(max(scale * LOG2E, FLT_MIN))
     capr = CAP_C / float32(scale)
     rcapr = float32(scale) / CAP_C
+    if FOLD:
+        sl2 = float32(CAP_C * LOG2E)
+        capr = float32(1.0)
     unit = float32(1.0) / float32(scale)
     slope = slope_of(slopes, b, h, ssb, ssh, unit, ALIBI)
     return sl2, capr, rcapr, slope, unit, float32(scale)
@@ -384,7 +394,7 @@ def make_attn_forward_wgmma(var):
     OVERLAP = t.overlap  # the softmax of tile j under the P V wgmmas of tile j - 1
     PACKED = PACKING[var.packed]  # dense or varlen rows (device/seams.sequence)
     POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
-    LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR = mask_flags(var, SMOD)
+    LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR, FOLD = mask_flags(var, SMOD)
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -412,7 +422,7 @@ def make_attn_forward_wgmma(var):
         if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
             return
         sl2, capr, rcapr, slope, unit, sc = score_constants(scale, slopes, b, h, ssb, ssh,
-                                                            CAP_C, ALIBI)
+                                                            CAP_C, ALIBI, FOLD)
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
         cbase = b * csb + h * csh  # (MMOD) this head's tile classes

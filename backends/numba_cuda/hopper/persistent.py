@@ -178,7 +178,8 @@ def make_attn_forward_wgmma_persistent(var):
             src, sn, off, full, empty, hsb, hsh = k, ksn, K_OFF, full_k, empty_k, ksb, ksh
         else:
             src, sn, off, full, empty, hsb, hsh = v, vsn, V_OFF, full_v, empty_v, vsb, vsh
-        sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0), False)
+        sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0), False,
+                                             False)
         qa = at + Q_OFF + 64 * wg * LINE
         s = cuda.local.array(NS, float32)
         oa = cuda.local.array(NO, float32)

@@ -208,7 +208,7 @@ def make_attn_forward_wgmma_pingpong(var):
     if not t.pingpong or t.warpgroups != 2:
         raise ValueError(f"not a ping-pong tiling: {t}")
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
-    LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR = mask_flags(var, SMOD)
+    LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR, FOLD = mask_flags(var, SMOD)
     MODS = WINDOW or CAP or ALIBI or SMOD  # (else: forward.softmax_tile, the plain steps)
     if MMOD or (MODS and t.producer):
         raise ValueError(f"the ping-pong schedule takes no mask_mod (its empty tiles are "
@@ -317,7 +317,7 @@ def make_attn_forward_wgmma_pingpong(var):
                 setmaxnreg_inc(CONSUMER_REGS)
                 mbarrier_wait(smem, q_full, 0)
             sl2, capr, rcapr, slope, unit, sc = score_constants(scale, slopes, b, h, ssb,
-                                                                ssh, CAP_C, ALIBI)
+                                                                ssh, CAP_C, ALIBI, FOLD)
             margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                            e12, e13, e14, e15))
             qa = at + Q_OFF + 64 * wg * LINE
