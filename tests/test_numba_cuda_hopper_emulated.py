@@ -59,10 +59,10 @@ if not SIM:
         # which the varlen GPU tests and PTX checks cover there; and the ping-pong forward
         # at D=64, about 10-40 s on a loaded 2-core host, and the barriers' own tests,
         # about 5 s; the non-deterministic backward's first case, about 50 s; the
-        # windowed backward's, about 50 s)
+        # windowed backward's, about 50 s; the softcap forward's first case, about 20 s)
         pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
                      f"not slow) or barrier or (fused_backward and not slow) or "
-                     f"(window_backward and not slow)", id="ci"),
+                     f"(window_backward and not slow) or (softcap_forward and not slow)", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only, request):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
