@@ -261,7 +261,8 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
     on tiles that need them; each compile-time flag off leaves that step out, so a plain
     variant compiles to :func:`softmax_tile`'s code. ``POLY``: the tiling's share of
     exponentials on the FMA pipe (``HopperTiles.poly``, ``softmax_row``)."""
-    if CAP:  # (compile-time) raw scores s -> (c / scale) tanh(s scale / c)
+    if CAP:  # (compile-time) raw scores s -> (c / scale) tanh(s scale / c); where
+        # score_constants folds the factor (capr 1), tanh(s scale / c) alone
         for e in range(4 * NTILES):
             s[e], _ = softcap(s[e], capr, rcapr, True)
     ra = rb = float32(0.0)

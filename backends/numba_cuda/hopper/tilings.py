@@ -115,12 +115,12 @@ class HopperTiles:
 #: warpgroups with the intra-warpgroup overlap on 64-key tiles, g2n64o, 329-391 TFLOP/s
 #: (192-key ping-pong with a producer 267-353, g1n64ob2 311-342). D=128: the ping-pong
 #: schedule on 128-key tiles in 3-stage rings, g2n128op3, 362-447 (g2n128o 329-426; its
-#: producer-warpgroup form 317-382). D=64 causal since 2026-11-26 (second session): one
+#: producer-warpgroup form 317-382). D=64 causal since 4481bc2 (2026-11-26): one
 #: warpgroup of 64 rows, two blocks per SM, g1n64ob2, as the sliding window takes: causal
 #: blocks visit half the key tiles on average, so a block's start and end weigh more, and
 #: the other block's work runs under them. H100, two runs at 183c3d1, TFLOP/s g1n64ob2 /
 #: g2n64o: B=4 H=16 N=4096 388-394 / 376-384, B=1 H=16 N=16384 431-440 / 410-413 (non-causal
-#: it loses: 375-397 / 410-423).
+#: it loses: 375-397 / 410-423; notes/forward_experiments_2026-11-26.md).
 HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles(1, 64, True, 2),
                   (128, False): HopperTiles(2, 128, True, pingpong=True, stages=3),
                   (128, True): HopperTiles(2, 128, True, pingpong=True, stages=3),
