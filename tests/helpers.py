@@ -63,6 +63,10 @@ def oracle_backward(do, q, k, v, **opts):
 def _case64(q, k, v, opts):
     from flashcore._checks import make_case
 
+    other = sorted(set(opts) - {"causal", "scale", "layout"})
+    if other:  # (a mask or score modifier would be left out of the oracle without a word)
+        raise TypeError(f"the oracle helpers take causal, scale and layout, not {other}: "
+                        f"call the public API with backend='reference' for those")
     q64, k64, v64 = (to64(x) for x in (q, k, v))
     case = make_case(q64, k64, v64, causal=opts.get("causal", False), scale=opts.get("scale"),
                      layout=opts.get("layout", "bhnd"), explicit=True)
