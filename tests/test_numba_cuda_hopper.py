@@ -59,7 +59,8 @@ CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
               "g2n64o": {(64, "bfloat16", False), (256, "bfloat16", True)},
               "g1n64ob2": {(64, "float16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
-              "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)}}
+              "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)},
+              "g2n128op3t": {(128, "float16", False)}}
 
 
 def _in_ci(t, case):
@@ -321,7 +322,7 @@ def test_pingpong_tilings_and_rings():
             assert tilings.hopper_smem_bytes(t, d) <= tilings.SMEM_LIMIT[(9, 0)], t
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
             tilings.hopper_candidates(128)] == ["g2n64op3", "g2n64op3w", "g2n192op3",
-                                                "g2n192op3w", "g2n64op2"]
+                                                "g2n192op3w", "g2n64op2", "g2n64op3t"]
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
             tilings.hopper_candidates(64)] == ["g2n128op3x2", "g2n64op2"]
     # D=256: 64-key tiles, the overlapped schedule and the 2-stage ping-pong
@@ -539,9 +540,21 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     if tiles.pingpong:  # turns on named barriers 1 and 2, rings on mbarriers
         for op in ("bar.sync 1, 256;", "bar.sync 2, 256;", "bar.arrive 1, 256;",
                    "bar.arrive 2, 256;", "mbarrier.try_wait.parity.shared::cta.b64",
-                   "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
                    "mbarrier.arrive.shared::cta.b64"):
             assert op in ptx, op
+        # the rings' copies: bulk tensor copies of 64 columns each (a K or V tile per
+        # warpgroup: AHEAD ones in the prologue, one in the first step, one in the loop),
+        # completing their bytes on "full"; or cp.async copies arriving there
+        bulk = ("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx"
+                "::bytes")
+        if tiles.tma:
+            assert ptx.count(bulk) == (tiles.stages + 1) * head_dim // 64
+            assert "mbarrier.arrive.expect_tx.shared::cta.b64" in ptx
+            assert "fence.proxy.tensormap::generic.acquire.gpu" in ptx
+            assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" not in ptx
+        else:
+            assert bulk not in ptx
+            assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
         assert len(re.findall(r"mbarrier\.init", ptx)) == 4 * tiles.stages + tiles.producer
     if tiles.producer:  # registers handed over, under the cap setmaxnreg needs at entry
         assert "setmaxnreg.dec.sync.aligned.u32 24;" in ptx

@@ -269,16 +269,20 @@ else:
                pytest.param((1, 1, 1, 200, 400, 64, "float16", False, "bnhd"), False,
                             marks=pytest.mark.slow),
                pytest.param(_PP_D128, False, marks=pytest.mark.slow),
+               pytest.param(_PP_GQA, "tma", marks=pytest.mark.slow),
+               pytest.param(_PP_D128, "tma", marks=pytest.mark.slow),
                pytest.param(_PP_GQA, True, marks=_PRODUCER),
                pytest.param(_PP_D128, True, marks=_PRODUCER)]
 
     @pytest.mark.parametrize("c,producer", PP_RUNS, ids=lambda x: (
-        "x".join(map(str, x[:6])) if isinstance(x, tuple) else "producer" if x else
-        "consumers"))
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) else x if isinstance(x, str)
+        else "producer" if x else "consumers"))
     def test_pingpong_forward(emulated, monkeypatch, c, producer):
-        """The ping-pong schedule (device/sim_pipeline.py's barriers) against the oracle."""
+        """The ping-pong schedule (device/sim_pipeline.py's barriers) against the oracle;
+        its copies by a producer warpgroup, or by bulk tensor copies ("tma": the
+        simulator's tensor maps, swizzle and byte counts on the "full" barriers)."""
         B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
-        t = dataclasses.replace(PINGPONG, producer=producer)
+        t = dataclasses.replace(PINGPONG, producer=producer is True, tma=producer == "tma")
         assert t.pingpong and t.stages < -(-Nk // t.block_n)
         monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), t)
         q, k, v, _ = _inputs(c)

@@ -54,7 +54,7 @@ def main(argv=None):
     lse = torch.empty(1, 1, 16, device="cuda")
     views = [(x.data_ptr(), x.stride()) for x in (q, k, v, o)]
     # the plan run_forward looks up for this call (the SIMT kernel: fp32)
-    kern, bm, _ = launch._plan("forward", case, 0, None,
+    kern, bm, _, _ = launch._plan("forward", case, 0, None,
                             launch._fp32_rows_aligned(case, *views[:3]),
                             launch.tc_serves(case, 0, *views[:3]))
     stream = torch._C._cuda_getCurrentRawStream(0)

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from numba.cuda import types
 
-from . import driver, tilings
+from . import driver, tensor_maps, tilings
 from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
@@ -261,6 +261,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
         t = replace(t, persistent=False)
+    if t.tma and packed:  # (the tensor maps describe a dense batch)
+        t = replace(t, tma=False)
     if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap), bool(window), head_dim)
@@ -366,9 +368,11 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
                     Variant("dqconvert", "simt", d, dt, False, 256) for k_ in pair])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))
-        if direction == "forward":  # and the blocks of a persistent kernel (0: the grid's)
-            persistent = fam[0].family == "hopper" and fam[0].tiles.persistent
-            plan += (driver.sm_count(device) if persistent else 0,)
+        if direction == "forward":  # and the blocks of a persistent kernel (0: the grid's),
+            # and the key tile of bulk tensor copies (0: none)
+            hop = fam[0].family == "hopper"
+            plan += (driver.sm_count(device) if hop and fam[0].tiles.persistent else 0,
+                     fam[0].tiles.block_n if hop and fam[0].tiles.tma else 0)
         _PLANS[key] = plan
     return plan
 
@@ -430,9 +434,12 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     out the 16-byte copies."""
     tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v)
     hop = tc and split is None and hopper_serves(case, device)
-    kern, bm, ctas = _plan("forward", case, device, tiles,
-                           tc_ok and _fp32_rows_aligned(case, q, k, v), tc, split is not None,
-                           hop)
+    kern, bm, ctas, tma = _plan("forward", case, device, tiles,
+                                tc_ok and _fp32_rows_aligned(case, q, k, v), tc,
+                                split is not None, hop)
+    if tma:  # (dense rows: the tensor maps where the block table goes)
+        packed = list(no_packed(lse))
+        packed[3] = tensor_maps.tensor_maps(case, device, q, k, v, tma)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                    margs or no_mod_args(lse), classes or no_classes(lse), packed,
                    1 if split is None else split[0], ctas)

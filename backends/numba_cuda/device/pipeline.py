@@ -29,6 +29,20 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   thread's bulk group; ``bulk_wait_read(n)`` (a literal) waits until at most ``n`` of its
   groups still read their source (the buffer may be written again); ``bulk_wait(n)``:
   until they are done.
+- ``mbarrier_expect_tx(smem, idx, nbytes)``: ``mbarrier.arrive.expect_tx``: one arrival,
+  and ``nbytes`` more bytes the phase waits for (the phase completes once its arrivals are
+  in and its bulk tensor copies have landed that many bytes).
+- ``tma_load_4d(smem, sidx, maps, which, src, c0, c1, c2, c3, bar)``:
+  ``cp.async.bulk.tensor.4d`` (the Tensor Memory Accelerator): the box of tensor map
+  ``which`` (128-byte maps in global memory from ``maps``, an int32 pointer, on: launch's
+  ``tensor_maps``) at coordinates ``(c0, c1, c2, c3)`` (innermost first: column, row, head,
+  batch) copied into shared memory at 16-bit element ``sidx`` of ``smem``, in the map's
+  swizzle (128 bytes: the layout of ``device/wgmma``'s tiles), rows past the tensor's
+  extent zero-filled, completing ``nbytes`` on the mbarrier at element ``bar`` (one
+  thread issues it). ``src`` is the tensor's own pointer: unused on the GPU, read by the
+  simulator's copy. ``fence_tensormap(maps, which)``: ``fence.proxy.tensormap::generic
+  .acquire.gpu``, once per block in the issuing thread before its first copy through a map
+  the host wrote.
 - ``setmaxnreg_inc(n)`` / ``setmaxnreg_dec(n)``: ``setmaxnreg.{inc,dec}.sync.aligned.u32``
   (sm_90a; ``n`` a literal multiple of 8 in 24..256), the warpgroup's registers per thread
   raised or lowered; ptxas honours it only in kernels compiled with a register cap
@@ -66,7 +80,9 @@ __all__ = [
     "empty_parity",
     "ld_shared_f32",
     "full_parity",
+    "fence_tensormap",
     "mbarrier_arrive",
+    "mbarrier_expect_tx",
     "mbarrier_init",
     "mbarrier_wait",
     "named_arrive",
@@ -76,7 +92,11 @@ __all__ = [
     "st_shared_f32",
     "st_shared_u32",
     "stage_of",
+    "tma_load_4d",
 ]
+
+#: Bytes of one tensor map (CUtensorMap), 64-byte aligned in global memory.
+TENSOR_MAP_BYTES = 128
 
 #: Bytes of one mbarrier (8-byte aligned).
 MBARRIER_BYTES = 8
@@ -111,8 +131,10 @@ if SIMULATOR:
         bulk_wait,
         bulk_wait_read,
         cp_async_arrive,
+        fence_tensormap,
         ld_shared_f32,
         mbarrier_arrive,
+        mbarrier_expect_tx,
         mbarrier_init,
         mbarrier_wait,
         named_arrive,
@@ -121,6 +143,7 @@ if SIMULATOR:
         setmaxnreg_inc,
         st_shared_f32,
         st_shared_u32,
+        tma_load_4d,
     )
 
 else:
@@ -181,6 +204,9 @@ else:
                                 "Initialize the mbarrier for ``value`` arrivals a phase.")
     mbarrier_arrive = _barrier_op("mbarrier.arrive.shared::cta.b64 _, [$0];", 2,
                                   "One arrival on the mbarrier.")
+    mbarrier_expect_tx = _barrier_op(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", 3,
+        "One arrival, and ``value`` bytes of bulk copies the phase waits for.")
     cp_async_arrive = _barrier_op("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 2,
                                   "One arrival once this thread's cp.async copies landed.")
     # (the labels are local to the braces: every inlined copy has its own)
@@ -289,3 +315,45 @@ else:
             return context.get_dummy_value()
 
         return types.void(dst, didx, smem, sidx, nbytes), codegen
+
+    def _map_address(context, builder, sig, maps, which, i_maps, i_which):
+        """The 64-bit generic address of tensor map ``which`` of the array at ``maps``."""
+        base = builder.ptrtoint(maps, ir.IntType(64))
+        w = context.cast(builder, which, sig.args[i_which], types.int64)
+        return builder.add(base, builder.mul(w, ir.Constant(ir.IntType(64),
+                                                             TENSOR_MAP_BYTES)))
+
+    @intrinsic
+    def tma_load_4d(typingctx, smem, sidx, maps, which, src, c0, c1, c2, c3, bar):
+        """Tensor map ``which``'s box at (c0, c1, c2, c3) into ``smem[sidx:]`` (async;
+        completes bytes on the mbarrier at ``smem[bar]``)."""
+        if not (isinstance(smem, types.CPointer) and isinstance(maps, types.CPointer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            sm, si, mp, wh, _, x0, x1, x2, x3, bi = args
+            addr = _map_address(context, builder, sig, mp, wh, 2, 3)
+            xs = [context.cast(builder, x, sig.args[5 + n], types.int32)
+                  for n, x in enumerate((x0, x1, x2, x3))]
+            _asm(builder, [_shared_u32(builder, sm, si), addr, *xs,
+                           _shared_u32(builder, sm, bi)],
+                 "cp.async.bulk.tensor.4d.shared::cluster.global.tile"
+                 ".mbarrier::complete_tx::bytes [$0], [$1, {$2, $3, $4, $5}], [$6];",
+                 "r,l,r,r,r,r,r,~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(smem, sidx, maps, which, src, c0, c1, c2, c3, bar), codegen
+
+    @intrinsic
+    def fence_tensormap(typingctx, maps, which):
+        """Acquire tensor map ``which`` (written by the host) for this thread's copies."""
+        if not isinstance(maps, types.CPointer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            addr = _map_address(context, builder, sig, args[0], args[1], 0, 1)
+            _asm(builder, [addr], "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;",
+                 "l,~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(maps, which), codegen

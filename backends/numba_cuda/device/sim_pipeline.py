@@ -58,6 +58,15 @@ class _Block:
 class _MBarrier:
     def __init__(self, count):
         self.count, self.pending, self.phase = count, count, 0
+        self.tx = 0  # bytes of bulk copies the phase still waits for
+
+    def settle(self):
+        """Complete the phase if its arrivals are in and its bytes landed (True then)."""
+        if self.pending or self.tx:
+            return False
+        self.phase += 1
+        self.pending = self.count
+        return True
 
     def signature(self):
         return np.array([_MAGIC, self.phase & 0xFFFF, self.pending & 0xFFFF,
@@ -181,12 +190,100 @@ def mbarrier_arrive(smem, idx):
     with _cond:
         bar, words = _mbarrier(me, smem, idx)
         bar.pending -= 1
-        done = bar.pending == 0
-        if done:
-            bar.phase += 1
-            bar.pending = bar.count
+        if bar.pending < 0:
+            raise RuntimeError(f"{_where(me)}: more arrivals than the mbarrier at shared "
+                               f"element {int(idx)} expects ({bar.count})")
+        done = bar.settle()
         words[:] = bar.signature()
         _progress(_block(me), done)
+
+
+def mbarrier_expect_tx(smem, idx, nbytes):
+    """``mbarrier.arrive.expect_tx``: ``nbytes`` more bytes the phase waits for, then one
+    arrival."""
+    me = _me()
+    with _cond:
+        bar, _ = _mbarrier(me, smem, idx)
+        bar.tx += int(nbytes)
+    mbarrier_arrive(smem, idx)
+
+
+def _complete_tx(smem, idx, nbytes):
+    """A bulk copy's ``complete_tx``: ``nbytes`` landed."""
+    me = _me()
+    with _cond:
+        bar, words = _mbarrier(me, smem, idx)
+        bar.tx -= int(nbytes)
+        done = bar.settle()
+        words[:] = bar.signature()
+        _progress(_block(me), done)
+
+
+# --- bulk tensor copies: the simulator's "tensor map" is the copy's geometry in 16 int64
+# words, [D, N, H, B, row stride, head stride, batch stride (elements), box columns, box
+# rows, source, 0...] (tensor_maps.tensor_maps writes them; source: the key of the host
+# array the map describes, as a map holds its tensor's address: a copy through the wrong
+# map reads the wrong tensor here too); the copy is made at once, in the 128-byte swizzle,
+# rows past N zero
+
+#: int64 words of one simulated tensor map.
+SIM_MAP_WORDS = 16
+#: The host arrays simulated maps read, by key (the latest few launches' maps).
+_sources: dict = {}
+_next_source = [0]
+
+
+def sim_tensor_map(flat, dims, strides, box) -> np.ndarray:
+    """The simulator's tensor map of the flat host array ``flat`` seen as (B, H, N, D) with
+    element ``strides`` (batch, head, row; unit along D), ``dims`` (D, N, H, B), ``box``
+    (columns, rows)."""
+    with _cond:
+        key = _next_source[0] = _next_source[0] + 1
+        _sources[key] = flat
+        for old in [k for k in _sources if k < key - 64]:
+            del _sources[old]
+    m = np.zeros(SIM_MAP_WORDS, np.int64)
+    m[:4] = dims
+    m[4:7] = strides
+    m[7:9] = box
+    m[9] = key
+    return m
+
+
+def fence_tensormap(maps, which):
+    """Nothing to order here; the map is checked."""
+    m = maps[SIM_MAP_WORDS * int(which):SIM_MAP_WORDS * (int(which) + 1)]
+    if m[7] * 2 != 128 or m[0] <= 0:
+        raise ValueError(f"tensor map {int(which)}: not a 128-byte-swizzled box: {m}")
+
+
+def tma_load_4d(smem, sidx, maps, which, src, c0, c1, c2, c3, bar):
+    """The box of map ``which`` at (c0, c1, c2, c3) into ``smem[sidx:]`` in the 128-byte
+    swizzle (16-byte chunk ``c`` of line ``r`` at chunk ``c ^ (r % 8)``, lines counted from
+    a 1024-byte boundary: the destination must start on one, the shared memory counted
+    from address 0 as tests/wgmma_emulator.py's), rows at or past N zero; then its bytes
+    complete on ``bar``."""
+    w = int(which)
+    D, N, H, B, sn, sh, sb, bc, br, key = (int(x) for x in
+                                           maps[SIM_MAP_WORDS * w:SIM_MAP_WORDS * w + 10])
+    src = _sources[key]  # (the map's tensor, not the kernel's argument)
+    sidx, c0, c1, c2, c3 = int(sidx), int(c0), int(c1), int(c2), int(c3)
+    if bc * smem.itemsize != 128:
+        raise ValueError(f"tensor map {w}: boxes of {bc} columns (128-byte swizzle)")
+    if sidx * smem.itemsize % 1024:  # (shared memory starts at address 0 here)
+        raise RuntimeError(f"bulk tensor copy to shared element {sidx}: not 1024-byte "
+                           "aligned (the 128-byte swizzle's period)")
+    if not (0 <= c0 and c0 + bc <= D and 0 <= c2 < H and 0 <= c3 < B):
+        raise IndexError(f"bulk tensor copy at ({c0}, {c1}, {c2}, {c3}) outside ({D}, {N}, "
+                         f"{H}, {B})")
+    lines = smem[sidx:sidx + br * bc].reshape(br, 8, bc // 8)
+    for r in range(br):
+        n = c1 + r
+        row = (src[c3 * sb + c2 * sh + n * sn + c0:][:bc].view(smem.dtype)
+               if 0 <= n < N else np.zeros(bc, smem.dtype))
+        for c in range(8):
+            lines[r, c ^ (r % 8)] = row[8 * c:8 * c + 8]
+    _complete_tx(smem, bar, br * bc * smem.itemsize)
 
 
 def cp_async_arrive(smem, idx):

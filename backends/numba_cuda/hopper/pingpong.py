@@ -25,6 +25,13 @@ tile ``j - 1``: for K, freed by both warpgroups' step ``j - 1`` (the second warp
 half a step behind the first); for V, by their step ``j`` (the copier of V is the one
 behind). A copier waits on "empty" only for what the other has not released yet.
 
+With ``tma`` (``HopperTiles.tma``) one thread of the copying warpgroup moves each K or V
+tile instead: it waits for the stage, announces the tile's bytes on its "full" barrier
+(``mbarrier.arrive.expect_tx``: count 1) and issues one bulk tensor copy per 64 columns
+(tensor maps 1 and 2 of the launch's ``maps``: K and V as (D, N, H, B) with 128-byte
+swizzled boxes of 64 columns and ``block_n`` rows, rows past N zero); the copies land
+through the async proxy and complete the phase.
+
 Q is copied by every thread and published by the one block-wide barrier of the prologue.
 """
 from __future__ import annotations
@@ -37,8 +44,10 @@ from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp
 from ..device.pipeline import (
     cp_async_arrive,
     empty_parity,
+    fence_tensormap,
     full_parity,
     mbarrier_arrive,
+    mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_wait,
     named_arrive,
@@ -46,6 +55,7 @@ from ..device.pipeline import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     stage_of,
+    tma_load_4d,
 )
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import packed_tile, stat_rows, visited_keys
@@ -142,6 +152,36 @@ def produce_at(smem, el, off, src, base, t, r, n_begin, nvalid, sn, full, empty,
 
 
 @device_function
+def produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, n_begin, full, empty,
+                STAGES, STAGE, BN, PANELS, wtid):
+    """:func:`produce` by the Tensor Memory Accelerator: thread 0 of the warpgroup waits
+    for the stage, expects its ``STAGE`` bytes on the "full" barrier and issues one bulk
+    tensor copy of map ``which`` per 64 columns (at head ``c2`` of batch ``c3``)."""
+    if t < n_tiles and wtid == 0:
+        s = stage_of(t, STAGES)
+        if t >= STAGES:
+            mbarrier_wait(smem, empty + BAR * s, empty_parity(t, STAGES))
+        e = el + (off + s * STAGE) // 2
+        mbarrier_expect_tx(smem, full + BAR * s, STAGE)
+        for p in range(PANELS):
+            tma_load_4d(smem, e + p * (BN * 64), maps, which, src, 64 * p, n_begin + t * BN,
+                        c2, c3, full + BAR * s)
+
+
+@device_function
+def produce_next(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full, empty,
+                 STAGES, STAGE, BN, CH, wtid, TMA, maps, which, c2, c3):
+    """Tile ``t`` of this warpgroup's ring: :func:`produce_tma` where ``TMA`` (compile-time),
+    else :func:`produce`."""
+    if TMA:
+        produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, n_begin, full, empty,
+                    STAGES, STAGE, BN, CH // 8, wtid)
+    else:
+        produce(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full, empty,
+                STAGES, STAGE, BN, CH, wtid)
+
+
+@device_function
 def copy_rows(smem, so, src, g0, row0, r, nvalid, sn, passes, RS):
     """One thread's share of a tile copy in the producer (``forward.load_tile``'s copies,
     in few registers): ``passes`` 16-byte copies of rows ``row0 + p RS`` to shared element
@@ -234,6 +274,10 @@ def make_attn_forward_wgmma_pingpong(var):
     BF16 = var.dtype == "bfloat16"
     AHEAD = STAGES - 1  # tiles each ring runs ahead of the step that copies (no producer)
     PRODUCER_REGS, CONSUMER_REGS = 24, 240
+    TMA = t.tma  # (compile-time) K and V by bulk tensor copies, one thread each
+    if TMA and PACKED != DENSE:
+        raise ValueError(f"bulk tensor copies take dense rows: {var.tag}")
+    FULL = 1 if TMA else FULL_COUNT
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -280,8 +324,8 @@ def make_attn_forward_wgmma_pingpong(var):
 
         if tid == 0:
             for st in range(STAGES):
-                mbarrier_init(smem, full_k + BAR * st, FULL_COUNT)
-                mbarrier_init(smem, full_v + BAR * st, FULL_COUNT)
+                mbarrier_init(smem, full_k + BAR * st, FULL)
+                mbarrier_init(smem, full_v + BAR * st, FULL)
                 mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
                 mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
             if PRODUCER:
@@ -294,12 +338,15 @@ def make_attn_forward_wgmma_pingpong(var):
                 src, base, sn, off, full, empty = k, kbase, ksn, K_OFF, full_k, empty_k
             else:
                 src, base, sn, off, full, empty = v, vbase, vsn, V_OFF, full_v, empty_v
+            which = 1 + wg  # (the tensor maps of K and V)
             load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
             cp_async_commit()
             cuda.syncthreads()  # the barriers initialized before any arrival
+            if TMA and wtid == 0:
+                fence_tensormap(table, which)
             for tt in range(AHEAD):
-                produce(smem, el, off, src, base, tt, n_tiles, n_begin, Nk, sn, full, empty,
-                        STAGES, STAGE, BN, CH, wtid)
+                produce_next(smem, el, off, src, base, tt, n_tiles, n_begin, Nk, sn, full,
+                             empty, STAGES, STAGE, BN, CH, wtid, TMA, table, which, hk, b)
             cp_async_commit()
             cp_async_wait(1)  # Q (the rings' copies may still be in flight)
             fence_proxy_async()
@@ -354,8 +401,9 @@ def make_attn_forward_wgmma_pingpong(var):
                                                             ma, mb, la, lb, sl2)
                 pack_p(BF16, pf, s, NP)
                 if not PRODUCER:
-                    produce(smem, el, off, src, base, AHEAD, n_tiles, n_begin, Nk, sn, full,
-                            empty, STAGES, STAGE, BN, CH, wtid)
+                    produce_next(smem, el, off, src, base, AHEAD, n_tiles, n_begin, Nk, sn,
+                                 full, empty, STAGES, STAGE, BN, CH, wtid, TMA, table, which,
+                                 hk, b)
             for it in range(1, n_tiles):
                 n0 = n_begin + it * BN
                 wait_full(smem, full_k, it, STAGES)
@@ -387,8 +435,9 @@ def make_attn_forward_wgmma_pingpong(var):
                 acc = acc_from_local(oa, D)
                 pack_p(BF16, pf, s, NP)
                 if not PRODUCER:
-                    produce(smem, el, off, src, base, it + AHEAD, n_tiles, n_begin, Nk, sn,
-                            full, empty, STAGES, STAGE, BN, CH, wtid)
+                    produce_next(smem, el, off, src, base, it + AHEAD, n_tiles, n_begin, Nk,
+                                 sn, full, empty, STAGES, STAGE, BN, CH, wtid, TMA, table,
+                                 which, hk, b)
             if n_tiles > 0:
                 last = n_tiles - 1
                 wait_full(smem, full_v, last, STAGES)

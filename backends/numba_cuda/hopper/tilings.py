@@ -45,7 +45,10 @@ class HopperTiles:
     launch's grid in its order, heaviest first where causal), its K/V rings running on from
     one tile to the next, so the next tile's first K/V tiles and Q rows load under the
     current one's last products and stores (a block's fixed cost was 2.4-4.7 key tiles:
-    notes/fixed_cost_varlen_cpu_2026-11-26.md)."""
+    notes/fixed_cost_varlen_cpu_2026-11-26.md). ``tma`` (ping-pong, no producer warpgroup,
+    not persistent): one thread of each copying warpgroup moves a K or V tile with the
+    Tensor Memory Accelerator (``cp.async.bulk.tensor`` through tensor maps the launch
+    makes: ``launch.tensor_maps``) instead of its 128 threads' ``cp.async`` copies."""
 
     warpgroups: int
     block_n: int
@@ -56,6 +59,7 @@ class HopperTiles:
     producer: bool = False
     poly: int = 0
     persistent: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -71,6 +75,9 @@ class HopperTiles:
         if self.persistent and (not self.pingpong or self.producer):
             raise ValueError(f"a persistent block takes the ping-pong schedule without a "
                              f"producer warpgroup: {self}")
+        if self.tma and (not self.pingpong or self.producer or self.persistent):
+            raise ValueError(f"bulk tensor copies serve the ping-pong schedule without a "
+                             f"producer warpgroup, not persistent: {self}")
         if self.producer and (not self.pingpong or self.min_blocks != 1):
             raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
                              f"per SM: {self}")
@@ -79,11 +86,13 @@ class HopperTiles:
     def tag(self) -> str:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
         (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
-        (every second n-tile's exp2 on the FMA pipe), ``g2n128op3s`` (persistent): names
+        (every second n-tile's exp2 on the FMA pipe), ``g2n128op3s`` (persistent),
+        ``g2n128op3t`` (K and V by bulk tensor copies): names
         the tiling in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
                 + ("w" if self.producer else "")
+                + ("t" if self.tma else "")
                 + (f"x{self.poly}" if self.poly else "")
                 + ("s" if self.persistent else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
@@ -151,7 +160,9 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     _POLY2, _PP2, _PERSISTENT)
+                     _POLY2, _PP2, _PERSISTENT,
+                     HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
+                     HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True))
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
