@@ -383,6 +383,47 @@ else:
         assert (out[:32] == sum(range(33, 65))).all(), out
 
     @cuda.jit
+    def _bulk_copy(maps, src, out, row0):
+        """Thread 0 announces two boxes' bytes on the mbarrier (count 1) and copies them
+        (16 rows of 64 columns each, head 1, through map 1), late; every thread waits for
+        the phase, then reads the tile back."""
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            pl.mbarrier_init(smem, 0, 1)
+        cuda.syncthreads()
+        if tid == 0:
+            pl.fence_tensormap(maps, 1)
+            time.sleep(0.02)  # (late: a wait that passed early would read zeros)
+            pl.mbarrier_expect_tx(smem, 0, 2 * 16 * 128)
+            for p in range(2):
+                pl.tma_load_4d(smem, 512 + p * 16 * 64, maps, 1, src, 64 * p, row0, 1, 0, 0)
+        pl.mbarrier_wait(smem, 0, 0)
+        for i in range(tid, 2 * 16 * 64, 32):
+            out[i] = smem[512 + i]
+
+    def test_bulk_tensor_copy_swizzles_and_completes_the_barrier():
+        """The simulator's bulk tensor copy: the map's own tensor (map 0 is another), the
+        128-byte swizzle (16-byte chunk c of line r at c ^ (r % 8)), rows past N zero, and
+        the phase completing only once the announced bytes landed."""
+        from flashcore.backends.numba_cuda.device.sim_pipeline import sim_tensor_map
+
+        rng = np.random.default_rng(5)
+        x = rng.integers(1, 60000, size=(1, 2, 20, 128)).astype(np.uint16)  # (B, H, N, D)
+        other = np.zeros_like(x)
+        geo = ((128, 20, 2, 1), (128, 20 * 128, 2 * 20 * 128), (64, 16))
+        maps = np.concatenate([sim_tensor_map(other.reshape(-1), *geo),
+                               sim_tensor_map(x.reshape(-1), *geo)])
+        out = np.zeros(2 * 16 * 64, np.uint16)
+        _bulk_copy[1, 32, 0, 1024 + 4096](maps, other.reshape(-1), out, 8)
+        want = np.zeros((2, 16, 8, 8), np.uint16)  # (panel, line, chunk, element)
+        for p in range(2):
+            for r in range(12):  # rows 8..19 exist; 20..23 are zero
+                for c in range(8):
+                    want[p, r, c ^ (r % 8)] = x[0, 1, 8 + r, 64 * p + 8 * c:64 * p + 8 * c + 8]
+        assert np.array_equal(out.reshape(2, 16, 8, 8), want)
+
+    @cuda.jit
     def _turns(data, out, ROUNDS):
         """Two groups of 128 threads taking turns as the ping-pong's warpgroups: group 1
         writes, then ``bar.arrive 1, 256``; group 0 ``bar.sync 1, 256``, reads, then

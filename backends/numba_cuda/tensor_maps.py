@@ -4,11 +4,16 @@ unit stride along D), boxes of 64 columns (128 bytes: the 128-byte swizzle, the 
 ``device/wgmma``'s tiles) and ``block_n`` rows, rows past N zero-filled. The driver encodes
 each (``cuTensorMapEncodeTiled``); the kernel reads them from global memory (three 128-byte
 maps, 64-byte aligned) through the block-table argument, which the wgmma kernels do not
-otherwise read.
+otherwise read. The strides are multiples of 16 bytes wherever the tensor-core kernels
+serve (``launch.rows_aligned``), as the driver requires.
 
-Maps are kept per (device, addresses, shapes, strides, box) in device memory (a call on
-the same arrays reuses them; :data:`MAX_MAPS` sets of them, the oldest dropped). The
-simulator takes ``device/sim_pipeline.sim_tensor_map``'s description instead.
+Maps are kept per (addresses, shapes, strides, box) in each device's memory (a call on the
+same arrays reuses them; :data:`MAX_MAPS` sets a device). Dropping the oldest set waits
+for the device first (a kernel still in flight may read it): the candidates that take these
+maps (``g2n128op3t``, ``g2n64op3t``) are slower than the table's tilings on the H100/H200
+(notes/tma_2026-11-26.md), so only the tools and tests reach this, and a serving loop with
+new arrays every call would want the maps passed by value instead. The simulator takes
+``device/sim_pipeline.sim_tensor_map``'s description.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ BOX_COLUMNS = 64
 #: Sets of maps kept on each device.
 MAX_MAPS = 256
 
-_kept: OrderedDict = OrderedDict()
+_kept: dict = {}  # device -> OrderedDict of map sets
 _encode = None
 
 
@@ -73,16 +78,6 @@ def _encode_map(out, dtype, address, dims, strides, rows):
                            f"box=({BOX_COLUMNS}, {rows})) failed: {error_text(err)}")
 
 
-def serves(case, q, k, v) -> bool:
-    """Whether the arrays can be tensor maps: every stride a multiple of 16 bytes (the
-    driver's rule; rows are 16-byte aligned already where the tensor-core kernels serve)."""
-    for view, dims in _views(case, q, k, v):
-        _, _, strides = _geometry(view, dims)
-        if any(s % 16 or s <= 0 for s in strides):
-            return False
-    return True
-
-
 def _views(case, q, k, v):
     B, D = case.batch, case.head_dim
     return ((q, (B, case.heads_q, case.seqlen_q, D)), (k, (B, case.heads_kv, case.seqlen_k, D)),
@@ -103,10 +98,11 @@ def tensor_maps(case, device, q, k, v, block_n):
                                        (BOX_COLUMNS, block_n)))
         return np.concatenate(maps)
     geo = tuple(_geometry(view, dims) for view, dims in _views(case, q, k, v))
-    key = (device, case.dtype, block_n, geo)
-    arr = _kept.get(key)
+    key = (case.dtype, block_n, geo)
+    kept = _kept.setdefault(device, OrderedDict())
+    arr = kept.get(key)
     if arr is not None:
-        _kept.move_to_end(key)
+        kept.move_to_end(key)
         return arr.device_ctypes_pointer.value
     host = (ctypes.c_uint8 * (3 * 128 + 64))()
     at = -ctypes.addressof(host) % 64  # (the struct is 64-byte aligned in C)
@@ -118,7 +114,8 @@ def tensor_maps(case, device, q, k, v, block_n):
     data = np.frombuffer(host, np.uint8)[at:at + 3 * 128].copy()
     with cuda.gpus[device]:
         arr = cuda.to_device(data)
-    _kept[key] = arr
-    if len(_kept) > MAX_MAPS:
-        _kept.popitem(last=False)
+        if len(kept) >= MAX_MAPS:
+            cuda.synchronize()  # (no kernel in flight reads the set dropped)
+            kept.popitem(last=False)
+    kept[key] = arr
     return arr.device_ctypes_pointer.value

@@ -262,7 +262,8 @@ def tma_load_4d(smem, sidx, maps, which, src, c0, c1, c2, c3, bar):
     swizzle (16-byte chunk ``c`` of line ``r`` at chunk ``c ^ (r % 8)``, lines counted from
     a 1024-byte boundary: the destination must start on one, the shared memory counted
     from address 0 as tests/wgmma_emulator.py's), rows at or past N zero; then its bytes
-    complete on ``bar``."""
+    complete on ``bar``. ``src`` (the kernel's own pointer) is not read: the map says which
+    tensor, so a copy through the wrong map reads the wrong one, as on the GPU."""
     w = int(which)
     D, N, H, B, sn, sh, sb, bc, br, key = (int(x) for x in
                                            maps[SIM_MAP_WORDS * w:SIM_MAP_WORDS * w + 10])
