@@ -333,13 +333,17 @@ else:
         def codegen(context, builder, sig, args):
             sm, si, mp, wh, _, x0, x1, x2, x3, bi = args
             addr = _map_address(context, builder, sig, mp, wh, 2, 3)
-            xs = [context.cast(builder, x, sig.args[5 + n], types.int32)
+            # (the coordinates are 32-bit operands: cut inside the asm, so that no 32-bit
+            # copy of a 64-bit index is left where address arithmetic could pick it up)
+            xs = [context.cast(builder, x, sig.args[5 + n], types.int64)
                   for n, x in enumerate((x0, x1, x2, x3))]
             _asm(builder, [_shared_u32(builder, sm, si), addr, *xs,
                            _shared_u32(builder, sm, bi)],
+                 "{ .reg .b32 c<4>; cvt.u32.u64 c0, $2; cvt.u32.u64 c1, $3; "
+                 "cvt.u32.u64 c2, $4; cvt.u32.u64 c3, $5; "
                  "cp.async.bulk.tensor.4d.shared::cluster.global.tile"
-                 ".mbarrier::complete_tx::bytes [$0], [$1, {$2, $3, $4, $5}], [$6];",
-                 "r,l,r,r,r,r,r,~{memory}")
+                 ".mbarrier::complete_tx::bytes [$0], [$1, {c0, c1, c2, c3}], [$6]; }",
+                 "r,l,l,l,l,l,r,~{memory}")
             return context.get_dummy_value()
 
         return types.void(smem, sidx, maps, which, src, c0, c1, c2, c3, bar), codegen

@@ -30,7 +30,9 @@ tile instead: it waits for the stage, announces the tile's bytes on its "full" b
 (``mbarrier.arrive.expect_tx``: count 1) and issues one bulk tensor copy per 64 columns
 (tensor maps 1 and 2 of the launch's ``maps``: K and V as (D, N, H, B) with 128-byte
 swizzled boxes of 64 columns and ``block_n`` rows, rows past N zero); the copies land
-through the async proxy and complete the phase.
+through the async proxy and complete the phase. With a producer warpgroup too, its first
+thread moves every K and V tile, each as soon as its stage is free (FlashAttention 3's
+producer).
 
 Q is copied by every thread and published by the one block-wide barrier of the prologue.
 """
@@ -232,6 +234,25 @@ def produce_all(smem, el, q, qbase, q0, Nq, qsn, k, kbase, ksn, v, vbase, vsn, N
         cp_async_arrive(smem, full_v + BAR * st)
 
 
+@device_function
+def produce_all_tma(smem, el, q, qbase, q0, Nq, qsn, maps, k, v, c2, c3, n_tiles, n_begin,
+                    full_k, full_v, empty_k, empty_v, q_full, STAGES, STAGE, K_OFF, V_OFF, BM,
+                    BN, CH, wtid):
+    """:func:`produce_all` by bulk tensor copies: the producer warpgroup's threads copy Q
+    (``cp.async``, arriving on ``q_full``), then its first thread alone moves K and V tile
+    by tile (:func:`produce_tma`, maps 1 and 2), each as soon as its stage is free."""
+    load_tile(smem, el, q, qbase, q0, Nq, qsn, BM, CH, wtid, WG_THREADS)
+    cp_async_arrive(smem, q_full)
+    if wtid == 0:
+        fence_tensormap(maps, 1)
+        fence_tensormap(maps, 2)
+        for t in range(n_tiles):
+            produce_tma(smem, el, K_OFF, maps, 1, k, c2, c3, t, n_tiles, n_begin, full_k,
+                        empty_k, STAGES, STAGE, BN, CH // 8, 0)
+            produce_tma(smem, el, V_OFF, maps, 2, v, c2, c3, t, n_tiles, n_begin, full_v,
+                        empty_v, STAGES, STAGE, BN, CH // 8, 0)
+
+
 def make_attn_forward_wgmma_pingpong(var):
     """The forward kernel of variant ``var`` (family "hopper", ``var.tiles.pingpong``):
     head dim 64 or 128, causal or not, fp16 or bf16; the same launch arguments and results
@@ -354,9 +375,14 @@ def make_attn_forward_wgmma_pingpong(var):
 
         if PRODUCER and wg < 0:
             setmaxnreg_dec(PRODUCER_REGS)
-            produce_all(smem, el, q, qbase, q0, Nq, qsn, k, kbase, ksn, v, vbase, vsn, Nk,
-                        n_tiles, full_k, full_v, empty_k, empty_v, q_full, STAGES, STAGE,
-                        K_OFF, V_OFF, BM, BN, CH, wtid)
+            if TMA:
+                produce_all_tma(smem, el, q, qbase, q0, Nq, qsn, table, k, v, hk, b, n_tiles,
+                                n_begin, full_k, full_v, empty_k, empty_v, q_full, STAGES,
+                                STAGE, K_OFF, V_OFF, BM, BN, CH, wtid)
+            else:
+                produce_all(smem, el, q, qbase, q0, Nq, qsn, k, kbase, ksn, v, vbase, vsn,
+                            Nk, n_tiles, full_k, full_v, empty_k, empty_v, q_full, STAGES,
+                            STAGE, K_OFF, V_OFF, BM, BN, CH, wtid)
             cp_async_commit()
             cp_async_wait(0)
         else:

@@ -45,10 +45,10 @@ class HopperTiles:
     launch's grid in its order, heaviest first where causal), its K/V rings running on from
     one tile to the next, so the next tile's first K/V tiles and Q rows load under the
     current one's last products and stores (a block's fixed cost was 2.4-4.7 key tiles:
-    notes/fixed_cost_varlen_cpu_2026-11-26.md). ``tma`` (ping-pong, no producer warpgroup,
-    not persistent): one thread of each copying warpgroup moves a K or V tile with the
-    Tensor Memory Accelerator (``cp.async.bulk.tensor`` through tensor maps the launch
-    makes: ``launch.tensor_maps``) instead of its 128 threads' ``cp.async`` copies."""
+    notes/fixed_cost_varlen_cpu_2026-11-26.md). ``tma`` (ping-pong, not persistent): one
+    thread of each copying warpgroup (or of the producer warpgroup) moves a K or V tile with
+    the Tensor Memory Accelerator (``cp.async.bulk.tensor`` through tensor maps the launch
+    makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies."""
 
     warpgroups: int
     block_n: int
@@ -75,9 +75,9 @@ class HopperTiles:
         if self.persistent and (not self.pingpong or self.producer):
             raise ValueError(f"a persistent block takes the ping-pong schedule without a "
                              f"producer warpgroup: {self}")
-        if self.tma and (not self.pingpong or self.producer or self.persistent):
-            raise ValueError(f"bulk tensor copies serve the ping-pong schedule without a "
-                             f"producer warpgroup, not persistent: {self}")
+        if self.tma and (not self.pingpong or self.persistent):
+            raise ValueError(f"bulk tensor copies serve the ping-pong schedule, not "
+                             f"persistent: {self}")
         if self.producer and (not self.pingpong or self.min_blocks != 1):
             raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
                              f"per SM: {self}")
@@ -162,7 +162,9 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
                      _POLY2, _PP2, _PERSISTENT,
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True))
+                     HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True),
+                     HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True,
+                                 tma=True))
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
