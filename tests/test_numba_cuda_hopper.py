@@ -50,9 +50,11 @@ ALL = [(d, t, c) for d in tilings.HOPPER_HEAD_DIMS for t in ("bfloat16", "float1
 CI = {(64, "bfloat16", False), (64, "float16", True), (128, "float16", False),
       (128, "bfloat16", True)}
 #: The tilings the tool times (v1's schedule first, the table's), and per overlapped one the
-#: case CI compiles: those the launch picks (the table's, and the overlapped one masks take
-#: at D=128), the producer warpgroup's (setmaxnreg) and the persistent one's (a kernel of
-#: its own, hopper/persistent.py); the other candidates, which lost on the H100, are left
+#: case CI compiles: those the launch picks (the table's: at D=128 and D=64 non-causal the
+#: producer warpgroup with bulk tensor copies, g2n128op3wt; the ping-pong one the softcap
+#: takes, g2n128op3; the overlapped ones other masks take), the producer warpgroup's with
+#: cp.async copies (setmaxnreg) and the persistent one's (a kernel of its own,
+#: hopper/persistent.py); the other candidates, which lost on the H100 or H200, are left
 #: to ``nox -s tests-cuda-compile`` (slow).
 TILINGS = tilings.HOPPER_CANDIDATES if ALL else ()
 CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
@@ -60,7 +62,7 @@ CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
               "g1n64ob2": {(64, "float16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
               "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)},
-              "g2n128op3t": {(128, "float16", False)}}
+              "g2n128op3wt": {(128, "bfloat16", False)}}
 
 
 def _in_ci(t, case):
@@ -282,7 +284,8 @@ def test_exp2_on_the_fma_pipe():
 def test_tilings_and_variants():
     for d, t, c in ALL:
         v = _variant(d, t, c)
-        assert v.threads == 128 * v.tiles.warpgroups and v.block_m == 64 * v.tiles.warpgroups
+        assert (v.threads == 128 * (v.tiles.warpgroups + v.tiles.producer)
+                and v.block_m == 64 * v.tiles.warpgroups)
         assert v.smem_words * 4 <= tilings.SMEM_LIMIT[(9, 0)]
         assert v.tag.startswith(f"attn_forward_wgmma_d{d}_")
     with pytest.raises(ValueError):
@@ -708,6 +711,42 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
                                         backend="numba_cuda")
     assert ran[-1] == "attn_forward_tc", ran
     assert rel_err(o2.float().cpu().numpy(), ref_o) < TOL_FWD[dtype]
+
+
+@pytest.mark.gpu
+def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
+    """The bulk tensor copies' maps (tensor_maps.py) through a ring of 4 slots: 24 calls on
+    two streams, six sets of arrays in turn, queued behind a long GPU sleep on each
+    stream, so the ring wraps while the launches that read its slots still wait; each
+    output is bit for bit its arrays' alone (no launch read another's maps, no map was
+    rewritten under a waiting launch)."""
+    torch = hopper_gpu
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    import flashcore
+
+    t = tilings.HOPPER_FORWARD[(128, False)]
+    assert t.tma and t.producer
+    monkeypatch.setattr(tensor_maps, "SLOTS", 4)
+    monkeypatch.setattr(tensor_maps, "_rings", {})
+    monkeypatch.setattr(launch, "_PLANS", {})
+    sets = [gpu_inputs(torch, (2, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", 11 + n)[:3]
+            for n in range(6)]
+    alone = []
+    for q, k, v in sets:
+        alone.append(flashcore.attention(q, k, v, backend="numba_cuda"))
+        torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # (tens of milliseconds: the calls queue up)
+    for n in range(24):
+        with torch.cuda.stream(streams[n % 2]):
+            outs.append(flashcore.attention(*sets[n % 6], backend="numba_cuda"))
+    torch.cuda.synchronize()
+    for n, o in enumerate(outs):
+        assert torch.equal(o, alone[n % 6]), n
 
 
 @pytest.mark.gpu

@@ -101,8 +101,8 @@ class _OnDevice:
 
     __slots__ = ("ctx", "pushed")
 
-    def __init__(self, device):
-        self.ctx = _primary_context(device)
+    def __init__(self, device, ctx=None):
+        self.ctx = ctx or _primary_context(device)  # (``ctx``: the primary context, known)
         self.pushed = False
 
     def __enter__(self):

@@ -261,8 +261,9 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
         t = replace(t, persistent=False)
-    if t.tma and packed:  # (the tensor maps describe a dense batch)
-        t = replace(t, tma=False)
+    if t.tma and packed:  # (the tensor maps describe a dense batch; the producer
+        # warpgroup's cp.async copies lost without them: notes/tma_2026-11-26.md)
+        t = replace(t, tma=False, producer=False)
     if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap), bool(window), head_dim)
@@ -437,12 +438,15 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     kern, bm, ctas, tma = _plan("forward", case, device, tiles,
                                 tc_ok and _fp32_rows_aligned(case, q, k, v), tc,
                                 split is not None, hop)
+    slot = None
     if tma:  # (dense rows: the tensor maps where the block table goes)
         packed = list(no_packed(lse))
-        packed[3] = tensor_maps.tensor_maps(case, device, q, k, v, tma)
+        packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                    margs or no_mod_args(lse), classes or no_classes(lse), packed,
                    1 if split is None else split[0], ctas)
+    if tma:
+        tensor_maps.used(device, stream, slot)
 
 
 def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:

@@ -130,9 +130,9 @@ class HopperTiles:
 #: the other block's work runs under them. H100, two runs at 183c3d1, TFLOP/s g1n64ob2 /
 #: g2n64o: B=4 H=16 N=4096 388-394 / 376-384, B=1 H=16 N=16384 431-440 / 410-413 (non-causal
 #: it loses: 375-397 / 410-423; notes/forward_experiments_2026-11-26.md).
-HOPPER_FORWARD = {(64, False): HopperTiles(2, 64, True), (64, True): HopperTiles(1, 64, True, 2),
-                  (128, False): HopperTiles(2, 128, True, pingpong=True, stages=3),
-                  (128, True): HopperTiles(2, 128, True, pingpong=True, stages=3),
+_PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=True)
+HOPPER_FORWARD = {(64, False): _PP_TMA, (64, True): HopperTiles(1, 64, True, 2),
+                  (128, False): _PP_TMA, (128, True): _PP_TMA,
                   (256, False): HopperTiles(2, 64, True), (256, True): HopperTiles(2, 64, True)}
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
@@ -162,9 +162,7 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
                      _POLY2, _PP2, _PERSISTENT,
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True),
-                     HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True,
-                                 tma=True))
+                     HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA)
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
@@ -304,7 +302,7 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
                  window: bool = False, head_dim: int = 0) -> HopperTiles:
     """The tiling a forward with masks or score modifiers (but a mask_mod: :func:`choose_hopper`)
     takes instead of ``t``, without a producer warpgroup (whose consumers have no mask
-    steps). Ping-pong serves a ``softcap`` (its tanh, a second MUFU operation per score,
+    steps) nor bulk tensor copies (which without it lost: notes/tma_2026-11-26.md). Ping-pong serves a ``softcap`` (its tanh, a second MUFU operation per score,
     runs under the other warpgroup's products), unless a ``score_mod`` comes with it; the
     other masks take the overlapped schedule of the same block shape. On an H100 (B=4 H=16
     N=8192 D=128 bf16, time over the same tiling's without a mask, non-causal / causal):
@@ -316,7 +314,8 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
     :data:`HOPPER_MASK_MOD`'s schedule)."""
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
-    t = replace(t, producer=False, poly=t.poly or (SOFTCAP_POLY if softcap else 0))
+    t = replace(t, producer=False, tma=False,
+                poly=t.poly or (SOFTCAP_POLY if softcap else 0))
     if t.pingpong and (score_mod or not softcap):
         return replace(t, pingpong=False, stages=2)
     return t
