@@ -330,8 +330,9 @@ else:
         _check_forward(o, lse, ro, rl, dtype)
 
     #: The softcap in the forward, its factor folded into the log2 factor (``mask_flags``'
-    #: FOLD: nothing after it needs the capped score in its own units), in the overlapped
-    #: schedule and (D=64 causal, rows that see no key) on one warpgroup, scores large
+    #: FOLD: nothing after it needs the capped score in its own units), in the ping-pong
+    #: schedule with bulk tensor copies (D=64 non-causal: the table's, its producer left
+    #: out here) and (D=64 causal, rows that see no key) on one warpgroup, scores large
     #: enough (q x 4) that the cap bends them. (B, Hq, Hkv, Nq, Nk, D, dtype, causal,
     #: layout), options. (ALiBi with the softcap, not folded, takes ``cuda.fma``, which the
     #: simulator lacks: the GPU tests cover it.)

@@ -488,6 +488,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_HEAD_DIMS,
     HOPPER_MASK_MOD,
     HOPPER_ROWS,
+    MASKED_OVERLAP,
     SOFTCAP_POLY,
     WINDOW_TILES,
     HopperTiles,

@@ -259,7 +259,8 @@ def make_attn_forward_wgmma_pingpong(var):
     as ``forward.make_attn_forward_wgmma``, with the masks and score modifiers but a
     mask_mod (the window's range and edge tiles, the softcap, ALiBi, a score_mod:
     ``forward.softmax_tile_mods``). With ``var.tiles.producer`` the block's first warpgroup
-    copies everything (:func:`produce_all`) and the consumers none (no masks there)."""
+    copies everything (:func:`produce_all`, no masks there; or :func:`produce_all_tma`,
+    masks too) and the consumers none."""
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
@@ -271,10 +272,11 @@ def make_attn_forward_wgmma_pingpong(var):
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
     LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR, FOLD = mask_flags(var, SMOD)
     MODS = WINDOW or CAP or ALIBI or SMOD  # (else: forward.softmax_tile, the plain steps)
-    if MMOD or (MODS and t.producer):
+    if MMOD or (MODS and t.producer and not t.tma):
         raise ValueError(f"the ping-pong schedule takes no mask_mod (its empty tiles are "
                          f"skipped in the schedule without the overlap), and with a "
-                         f"producer warpgroup no masks: {var.tag}")
+                         f"producer warpgroup of cp.async copies (whose tiles start at "
+                         f"key 0) no masks: {var.tag}")
     BN, BM, NT, STAGES = t.block_n, t.block_m, t.threads, t.stages
     PRODUCER = t.producer  # (compile-time: a producer warpgroup, 0, before the consumers)
     POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)

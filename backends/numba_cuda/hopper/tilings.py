@@ -298,24 +298,32 @@ SOFTCAP_POLY = 0
 WINDOW_TILES = {64: HopperTiles(1, 64, True, 2), 128: HopperTiles(1, 64, True, 2)}
 
 
+#: Per head dim, the overlapped tiling that masks other than the softcap take where the
+#: table's is a ping-pong one (the table's overlapped tilings before the bulk tensor copies:
+#: at D=64 64-key tiles, g2n64o, at D=128 g2n128o).
+MASKED_OVERLAP = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True)}
+
+
 def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
                  window: bool = False, head_dim: int = 0) -> HopperTiles:
     """The tiling a forward with masks or score modifiers (but a mask_mod: :func:`choose_hopper`)
-    takes instead of ``t``, without a producer warpgroup (whose consumers have no mask
-    steps) nor bulk tensor copies (which without it lost: notes/tma_2026-11-26.md). Ping-pong serves a ``softcap`` (its tanh, a second MUFU operation per score,
+    takes instead of ``t`` (without a producer warpgroup of cp.async copies, whose tiles
+    start at key 0; a producer of bulk tensor copies stays). Ping-pong serves a ``softcap`` (its tanh, a second MUFU operation per score,
     runs under the other warpgroup's products), unless a ``score_mod`` comes with it; the
     other masks take the overlapped schedule of the same block shape. On an H100 (B=4 H=16
     N=8192 D=128 bf16, time over the same tiling's without a mask, non-causal / causal):
-    softcap 1.16 / 1.11 in ping-pong, 1.22 / 1.21 overlapped; ALiBi 1.10 / 1.01 in
+    softcap 1.16 / 1.11 in ping-pong, 1.22 / 1.21 overlapped (the softcap keeps the table's
+    ping-pong tiling, its producer of bulk tensor copies too); ALiBi 1.10 / 1.01 in
     ping-pong, 1.01 / 1.00 overlapped; a window of 1024 0.197 / 0.264 in ping-pong, 0.189 /
     0.256 overlapped; and a score_mod spills in ping-pong (the relative-bias one 392 bytes at
-    D=128, ptxas 13.0; 304 overlapped). A ``window`` takes :data:`WINDOW_TILES` where it
-    has one for ``head_dim`` (but with a mask_mod, whose empty tiles are skipped in
+    D=128, ptxas 13.0; 304 overlapped); they take :data:`MASKED_OVERLAP`. A ``window``
+    takes :data:`WINDOW_TILES` where it has one for ``head_dim`` (but with a mask_mod, whose empty tiles are skipped in
     :data:`HOPPER_MASK_MOD`'s schedule)."""
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
-    t = replace(t, producer=False, tma=False,
-                poly=t.poly or (SOFTCAP_POLY if softcap else 0))
     if t.pingpong and (score_mod or not softcap):
-        return replace(t, pingpong=False, stages=2)
-    return t
+        return MASKED_OVERLAP.get(head_dim, replace(t, pingpong=False, stages=2,
+                                                    producer=False, tma=False))
+    if t.producer and not t.tma:  # (a producer of cp.async copies has no mask steps)
+        t = replace(t, producer=False)
+    return replace(t, poly=t.poly or (SOFTCAP_POLY if softcap else 0))
