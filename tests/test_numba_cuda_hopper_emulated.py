@@ -405,7 +405,6 @@ else:
             pl.mbarrier_init(smem, 0, 1)
         cuda.syncthreads()
         if tid == 0:
-            pl.fence_tensormap(maps, 1)
             time.sleep(0.02)  # (late: a wait that passed early would read zeros)
             pl.mbarrier_expect_tx(smem, 0, 2 * 16 * 128)
             for p in range(2):

@@ -150,9 +150,10 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
 
 def kernel(v: Variant, device: int) -> Prepared:
     """Variant ``v`` compiled and loaded on GPU ``device`` (once per process)."""
+    tail = tensor_maps.MAPS_BYTES if getattr(v.tiles, "tma", False) else 0
     return prepared((v, device), lambda: Prepared(
         build(v), signature(v.entry, v.dtype, v.user.args if v.user else (), v.split), v.threads,
-        v.smem_words, device, v.launch_bounds, cache_key=cache_key(v)))
+        v.smem_words, device, v.launch_bounds, cache_key=cache_key(v), tail_bytes=tail))
 
 
 def cache_key(v: Variant) -> str | None:
@@ -261,9 +262,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
         t = replace(t, persistent=False)
-    if t.tma and packed:  # (the tensor maps describe a dense batch; the producer
-        # warpgroup's cp.async copies lost without them: notes/tma_2026-11-26.md)
-        t = replace(t, tma=False, producer=False)
+    if t.tma and packed:  # (the tensor maps describe a dense batch)
+        t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False))
     if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap), bool(window), head_dim)
@@ -438,15 +438,16 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     kern, bm, ctas, tma = _plan("forward", case, device, tiles,
                                 tc_ok and _fp32_rows_aligned(case, q, k, v), tc,
                                 split is not None, hop)
-    slot = None
-    if tma:  # (dense rows: the tensor maps where the block table goes)
-        packed = list(no_packed(lse))
-        packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
+    tail = None
+    if tma:  # (dense rows) the tensor maps: the kernel's by-value last parameter (under
+        # the simulator, where the block table goes)
+        tail = tensor_maps.maps(case, q, k, v, tma)
+        if SIMULATOR:
+            packed, tail = list(no_packed(lse)), None
+            packed[3] = tensor_maps.maps(case, q, k, v, tma)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                    margs or no_mod_args(lse), classes or no_classes(lse), packed,
-                   1 if split is None else split[0], ctas)
-    if tma:
-        tensor_maps.used(device, stream, slot)
+                   1 if split is None else split[0], ctas, tail)
 
 
 def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:

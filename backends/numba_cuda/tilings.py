@@ -489,6 +489,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_MASK_MOD,
     HOPPER_ROWS,
     MASKED_OVERLAP,
+    NO_TMA,
     SOFTCAP_POLY,
     WINDOW_TILES,
     HopperTiles,

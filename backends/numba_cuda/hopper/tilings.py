@@ -134,6 +134,10 @@ _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=
 HOPPER_FORWARD = {(64, False): _PP_TMA, (64, True): HopperTiles(1, 64, True, 2),
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
                   (256, False): HopperTiles(2, 64, True), (256, True): HopperTiles(2, 64, True)}
+#: Per head dim, the table's tilings before the bulk tensor copies, for rows the tensor maps
+#: do not describe (varlen: a sequence's rows end inside the tensor): the overlapped g2n64o
+#: at D=64, the ping-pong g2n128op3 (its consumers' cp.async copies) at D=128.
+NO_TMA = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True, pingpong=True, stages=3)}
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
