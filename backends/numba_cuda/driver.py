@@ -178,8 +178,11 @@ class Prepared:
         self._cur = ctypes.c_void_p()
         self._cur_ref = ctypes.byref(self._cur)
         # on disk where the caller gives a key (:class:`VariantCache`), else in memory only
+        # (a tail parameter is added to the kernel's PTX: no link-time optimization, whose
+        # linker would compile the PTX again from numba's IR, without it)
         self._dispatcher = cuda.jit(pyfunc, cache=cache_key is not None, fastmath=FASTMATH,
-                                    **jit_options(launch_bounds))
+                                    **jit_options(launch_bounds),
+                                    **({"lto": False} if tail_bytes else {}))
         if cache_key is not None:
             self._dispatcher._cache = variant_cache(pyfunc, cache_key)
         with cuda.gpus[device], compile_notice(self.name, device):
@@ -261,7 +264,8 @@ def _compile_with_tail(dispatcher, sig, nbytes):
     """``dispatcher.compile(sig)`` for a kernel whose PTX takes :func:`with_tail_param`'s
     parameter: numba's steps written out, so that the PTX is amended after codegen and
     before it is assembled (numba assembles it at once, to cache the cubin), and the disk
-    cache keeps the amended PTX and its cubin."""
+    cache keeps the amended PTX and its cubin. (The dispatcher is made without link-time
+    optimization, which would assemble PTX made again from the IR.)"""
     from numba.core import sigutils
     from numba.cuda.dispatcher import _Kernel
 
