@@ -93,7 +93,7 @@ def gpu_inputs(torch, shape, head_dim, dtype, seed):
 
 def compile_sm90a(v, sig):
     """The PTX of kernel variant ``v`` for sm_90a with the launch's options (fastmath,
-    launch bounds) and parameters, or the test skipped where the CUDA toolkit's NVVM is not importable."""
+    launch bounds), or the test skipped where the CUDA toolkit's NVVM is not importable."""
     from flashcore.backends.numba_cuda import driver, launch
     from numba import cuda
 
@@ -105,6 +105,4 @@ def compile_sm90a(v, sig):
         if "NVVM" in str(e) or "libnvvm" in str(e).lower():
             pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
         raise
-    # (a kernel of bulk tensor copies takes its tensor maps as one more parameter, which
-    # the launch adds to its PTX: driver.with_tail_param)
-    return driver.with_tail_param(ptx, launch.tensor_maps.MAPS_BYTES)
+    return ptx

@@ -292,6 +292,22 @@ def test_tilings_and_variants():
         Variant("preprocess", "hopper", 64, "bfloat16", False, tilings.HopperTiles(2, 128))
 
 
+def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
+    """Below tilings.TMA_MIN_WORK (and for varlen rows) a forward whose table tiling has
+    bulk tensor copies takes NO_TMA's tiling; from it, the table's."""
+    for d in (64, 128):
+        t = tilings.HOPPER_FORWARD[(d, False)]
+        assert t.tma
+        assert launch.hopper_variant(d, "bfloat16", False).tiles == t
+        assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
+            tilings.NO_TMA[d]
+        assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == \
+            tilings.NO_TMA[d]
+        assert not tilings.NO_TMA[d].tma
+    # the size: B Hq Nq Nk D against the bound (B=4 H=16 N=4096 D=64 is 2^36)
+    assert 4 * 16 * 4096 * 4096 * 64 >= tilings.TMA_MIN_WORK > 1 * 8 * 1024 * 1024 * 128
+
+
 def test_pingpong_tilings_and_rings():
     """The ping-pong option's checks, tags and shared memory (its rings and 4 mbarriers a
     stage); the ring's stage and phase parities over several laps."""
@@ -556,10 +572,7 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
             assert (n % (2 * head_dim // 64) == 0 < n if tiles.producer
                     else n == (tiles.stages + 1) * head_dim // 64), n
             assert "mbarrier.arrive.expect_tx.shared::cta.b64" in ptx
-            # the maps: a by-value parameter of 384 bytes, 64-byte aligned, which the
-            # copies address through its generic address
-            assert re.search(r"\.param \.align 64 \.b8 \w+_param_tail\[384\]", ptx)
-            assert re.search(r"cvta\.param\.u64 tm, \w+_param_tail;", ptx)
+            assert "fence.proxy.tensormap::generic.acquire.gpu" in ptx
             assert (("cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx)
                     == tiles.producer)
         else:
@@ -575,7 +588,7 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
 
     assert narrowed_addresses(ptx) == []  # 64-bit addresses: tensors past 2^31 elements
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
-    assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig) + tiles.tma
+    assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
     res = _ptxas(ptx, "sm_90a")
     if res is None:
         return
@@ -636,7 +649,7 @@ def test_ptx_sm90a_with_mods(sm90, which):
     assert "wgmma.mma_async" in ptx
     assert ".local" not in ptx, "register tiles went to local memory"
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
-    assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig) + v.tiles.tma
+    assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
     res = _ptxas(ptx, "sm_90a")
     if res is None:
         return
@@ -688,6 +701,7 @@ GPU_CASES = [(tt, shape, d, t, c) for tt in TILINGS for shape in SHAPES for d, t
 def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, dtype,
                                causal):
     torch = hopper_gpu
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (small calls: the table's copies)
     from helpers import TOL_FWD, oracle_forward, rel_err
 
     import flashcore
@@ -717,16 +731,22 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
 
 
 @pytest.mark.gpu
-def test_tensor_maps_by_value_across_streams_on_gpu(hopper_gpu, monkeypatch):
-    """The bulk tensor copies' maps (tensor_maps.py), a by-value kernel parameter: 24
-    calls on two streams, six sets of arrays in turn (the maps of one geometry, their
-    addresses written in per call), queued behind a long GPU sleep on each stream; each
-    output is bit for bit its arrays' alone (every launch read its own maps)."""
+def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
+    """The bulk tensor copies' maps (tensor_maps.py) through a ring of 4 slots: 24 calls on
+    two streams, six sets of arrays in turn, queued behind a long GPU sleep on each
+    stream, so the ring wraps while the launches that read its slots still wait; each
+    output is bit for bit its arrays' alone (no launch read another's maps, no map was
+    rewritten under a waiting launch)."""
     torch = hopper_gpu
+    from flashcore.backends.numba_cuda import tensor_maps
+
     import flashcore
 
     t = tilings.HOPPER_FORWARD[(128, False)]
     assert t.tma and t.producer
+    monkeypatch.setattr(tensor_maps, "SLOTS", 4)
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(tensor_maps, "_rings", {})
     monkeypatch.setattr(launch, "_PLANS", {})
     sets = [gpu_inputs(torch, (2, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", 11 + n)[:3]
             for n in range(6)]
@@ -824,6 +844,8 @@ def test_hopper_forward_with_mods_on_gpu(monkeypatch, c):
     import flashcore
 
     monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (small calls: the softcap's copies)
+    monkeypatch.setattr(launch, "_PLANS", {})
     ran = []
     real = launch.launch_forward
 

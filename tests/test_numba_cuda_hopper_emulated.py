@@ -99,6 +99,7 @@ else:
 
         wgmma_emulator.install(monkeypatch)
         monkeypatch.setattr(launch, "hopper_serves", lambda case, device: True)
+        monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (the tests' calls are small)
         for key, t in list(tilings.HOPPER_FORWARD.items()):  # (see PP_RUNS: the table's
             if t.producer:  # producer forms as their consumers' copies, bulk ones kept)
                 monkeypatch.setitem(tilings.HOPPER_FORWARD, key,
@@ -405,6 +406,7 @@ else:
             pl.mbarrier_init(smem, 0, 1)
         cuda.syncthreads()
         if tid == 0:
+            pl.fence_tensormap(maps, 1)
             time.sleep(0.02)  # (late: a wait that passed early would read zeros)
             pl.mbarrier_expect_tx(smem, 0, 2 * 16 * 128)
             for p in range(2):

@@ -15,7 +15,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import re
 import struct
 import threading
 
@@ -130,8 +129,6 @@ class Prepared:
 
     __slots__ = (
         "_buf",
-        "_tail",
-        "_tail_at",
         "_ctx",
         "_cur",
         "_cur_ref",
@@ -149,7 +146,7 @@ class Prepared:
     )
 
     def __init__(self, pyfunc, sig, threads, smem_words, device, launch_bounds=None,
-                 cache_key=None, tail_bytes=0):
+                 cache_key=None):
         self.name = pyfunc.__name__
         self.threads = threads
         self.smem = 4 * smem_words
@@ -158,36 +155,24 @@ class Prepared:
             self._dispatcher = cuda.jit(pyfunc)
             self.kernel = self.handle = None
             return
-        # every parameter is an 8-byte word: pointers and int64 as "q", the scale as "d";
-        # then, with ``tail_bytes``, one by-value parameter of that many bytes, 64-byte
-        # aligned (with_tail_param), filled per launch
+        # every parameter is an 8-byte word: pointers and int64 as "q", the scale as "d"
         self._fmt = "<" + "".join("d" if t == _F64 else "q" for t in sig)
         n = len(sig)
         self._buf = (ctypes.c_int64 * n)()
         base = ctypes.addressof(self._buf)
-        words = list(range(base, base + 8 * n, 8))
-        self._tail = self._tail_at = None
-        if tail_bytes:
-            self._tail = (ctypes.c_uint8 * (tail_bytes + 64))()
-            self._tail_at = ctypes.addressof(self._tail) + (-ctypes.addressof(self._tail) % 64)
-            words.append(self._tail_at)
-        self._ptrs = (ctypes.c_void_p * len(words))(*words)
+        self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
         self._params = ctypes.addressof(self._ptrs)  # (the bindings take the address)
         self._lock = threading.Lock()
         self._ctx = _primary_context(device)
         self._cur = ctypes.c_void_p()
         self._cur_ref = ctypes.byref(self._cur)
         # on disk where the caller gives a key (:class:`VariantCache`), else in memory only
-        # (a tail parameter is added to the kernel's PTX: no link-time optimization, whose
-        # linker would compile the PTX again from numba's IR, without it)
         self._dispatcher = cuda.jit(pyfunc, cache=cache_key is not None, fastmath=FASTMATH,
-                                    **jit_options(launch_bounds),
-                                    **({"lto": False} if tail_bytes else {}))
+                                    **jit_options(launch_bounds))
         if cache_key is not None:
             self._dispatcher._cache = variant_cache(pyfunc, cache_key)
         with cuda.gpus[device], compile_notice(self.name, device):
-            self.kernel = (_compile_with_tail(self._dispatcher, sig, tail_bytes) if tail_bytes
-                           else self._dispatcher.compile(sig))
+            self.kernel = self._dispatcher.compile(sig)
             cufunc = self.kernel._codelibrary.get_cufunc()
             from numba.cuda.cudadrv.driver import binding, driver
 
@@ -203,11 +188,10 @@ class Prepared:
                     cufunc.handle, device)
             self.handle = int(cufunc.handle)
 
-    def __call__(self, grid, stream, args, tail=None):
+    def __call__(self, grid, stream, args):
         """Launch on ``grid`` (x, y) or (x, y, z) on raw stream handle ``stream`` (of this
         kernel's device); ``args`` are ints (addresses, sizes, strides) and, last, the float
-        scale where the kernel takes one; ``tail`` the bytes of the by-value parameter of a
-        kernel with ``tail_bytes``."""
+        scale where the kernel takes one."""
         gz = grid[2] if len(grid) > 2 else 1
         if grid[0] == 0 or grid[1] == 0 or gz == 0:
             return
@@ -227,8 +211,6 @@ class Prepared:
                     raise RuntimeError(f"cuCtxPushCurrent failed: {error_text(err)}")
             try:
                 struct.pack_into(self._fmt, self._buf, 0, *args)
-                if tail is not None:
-                    ctypes.memmove(self._tail_at, tail, len(tail))
                 if _BINDINGS_LAUNCH is not None:
                     err = _BINDINGS_LAUNCH(self.handle, grid[0], grid[1], gz, self.threads, 1,
                                            1, self.smem, stream, self._params, 0)[0]
@@ -240,49 +222,6 @@ class Prepared:
                     lib.cuCtxPopCurrent_v2(self._cur_ref)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed: {error_text(err)}")
-
-
-def with_tail_param(ptx: str, nbytes: int) -> str:
-    """``ptx`` with one more kernel parameter, ``.param .align 64 .b8 <entry>_param_tail
-    [nbytes]``, named where the kernel's code names ``pipeline.TAIL_PARAM`` (the bulk
-    tensor copies' tensor maps: a by-value parameter, FlashAttention 3's
-    ``__grid_constant__``, which Numba cannot declare); ``ptx`` itself where it does not
-    name it."""
-    from .device.pipeline import TAIL_PARAM
-
-    if TAIL_PARAM not in ptx:
-        return ptx
-    m = re.search(r"\.entry\s+([\w$]+)\s*\(", ptx)
-    close = ptx.index(")", m.end())
-    param = f"{m.group(1)}_param_tail"
-    ptx = (ptx[:close].rstrip() + f",\n\t.param .align 64 .b8 {param}[{nbytes}]\n"
-           + ptx[close:])
-    return ptx.replace(TAIL_PARAM, param)
-
-
-def _compile_with_tail(dispatcher, sig, nbytes):
-    """``dispatcher.compile(sig)`` for a kernel whose PTX takes :func:`with_tail_param`'s
-    parameter: numba's steps written out, so that the PTX is amended after codegen and
-    before it is assembled (numba assembles it at once, to cache the cubin), and the disk
-    cache keeps the amended PTX and its cubin. (The dispatcher is made without link-time
-    optimization, which would assemble PTX made again from the IR.)"""
-    from numba.core import sigutils
-    from numba.cuda.dispatcher import _Kernel
-
-    argtypes, _ = sigutils.normalize_signature(sig)
-    kernel = dispatcher.overloads.get(argtypes)
-    if kernel is not None:
-        return kernel
-    kernel = dispatcher._cache.load_overload(sig, dispatcher.targetctx)
-    if kernel is None:
-        kernel = _Kernel(dispatcher.py_func, argtypes, **dispatcher.targetoptions)
-        lib = kernel._codelibrary
-        for cc, ptxes in list(lib._ptx_cache.items()):
-            lib._ptx_cache[cc] = [with_tail_param(p, nbytes) for p in ptxes]
-        kernel.bind()
-        dispatcher._cache.save_overload(sig, kernel)
-    dispatcher.add_overload(kernel, argtypes)
-    return kernel
 
 
 @functools.cache

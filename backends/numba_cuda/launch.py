@@ -150,10 +150,9 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
 
 def kernel(v: Variant, device: int) -> Prepared:
     """Variant ``v`` compiled and loaded on GPU ``device`` (once per process)."""
-    tail = tensor_maps.MAPS_BYTES if getattr(v.tiles, "tma", False) else 0
     return prepared((v, device), lambda: Prepared(
         build(v), signature(v.entry, v.dtype, v.user.args if v.user else (), v.split), v.threads,
-        v.smem_words, device, v.launch_bounds, cache_key=cache_key(v), tail_bytes=tail))
+        v.smem_words, device, v.launch_bounds, cache_key=cache_key(v)))
 
 
 def cache_key(v: Variant) -> str | None:
@@ -244,11 +243,13 @@ def fused_backward(case, device) -> bool:
 
 
 def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
-                   alibi=False, user=None, packed="", split=False):
+                   alibi=False, user=None, packed="", split=False, tma_ok=True):
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
     cache and split-KV; the backward varlen rows, a window, the softcap and ALiBi, no user
-    mods, and the dkdvq kernel neither softcap nor ALiBi), or None where it has no tiling."""
+    mods, and the dkdvq kernel neither softcap nor ALiBi), or None where it has no tiling.
+    ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
+    copies is replaced by ``tilings.NO_TMA``'s."""
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
@@ -262,7 +263,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
         t = replace(t, persistent=False)
-    if t.tma and packed:  # (the tensor maps describe a dense batch)
+    if t.tma and (packed or not tma_ok):  # (the tensor maps describe a dense batch; a
+        # small call would pay more host time for them than they save: TMA_MIN_WORK)
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False))
     if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
@@ -346,8 +348,10 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
     if split:
         mask["split"] = True
     decode = decodes(case)
+    tma_ok = (case.batch * case.heads_q * case.seqlen_q * case.seqlen_k * case.head_dim
+              >= tilings.TMA_MIN_WORK)
     key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
-           decode, hopper, *mask.values())
+           decode, hopper, tma_ok, *mask.values())
     plan = _PLANS.get(key)
     if plan is None:
         d, dt, c = case.head_dim, case.dtype, case.causal
@@ -362,7 +366,8 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
             fam = [simt[0], simt[2], simt[3]]
         if hopper:
             pair = ("dkdvq", None) if direction == "fused" else ("dkdv", "dq")
-            fam = ([hopper_variant(d, dt, c, **mask)] if direction == "forward" else
+            fam = ([hopper_variant(d, dt, c, **mask, tma_ok=tma_ok)]
+                   if direction == "forward" else
                    [hopper_variant(d, dt, c, k_, window=mask["window"],
                                    softcap=mask["softcap"], alibi=mask["alibi"],
                                    packed=mask["packed"]) if k_ else
@@ -438,16 +443,15 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     kern, bm, ctas, tma = _plan("forward", case, device, tiles,
                                 tc_ok and _fp32_rows_aligned(case, q, k, v), tc,
                                 split is not None, hop)
-    tail = None
-    if tma:  # (dense rows) the tensor maps: the kernel's by-value last parameter (under
-        # the simulator, where the block table goes)
-        tail = tensor_maps.maps(case, q, k, v, tma)
-        if SIMULATOR:
-            packed, tail = list(no_packed(lse)), None
-            packed[3] = tensor_maps.maps(case, q, k, v, tma)
+    slot = None
+    if tma:  # (dense rows: the tensor maps where the block table goes)
+        packed = list(no_packed(lse))
+        packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
     launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                    margs or no_mod_args(lse), classes or no_classes(lse), packed,
-                   1 if split is None else split[0], ctas, tail)
+                   1 if split is None else split[0], ctas)
+    if tma:
+        tensor_maps.used(device, stream, slot)
 
 
 def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:

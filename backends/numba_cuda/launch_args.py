@@ -101,7 +101,7 @@ def _grid(bm, case, keys=False):
 
 
 def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
-                   classes, packed=None, splits=1, ctas=0, tail=None):
+                   classes, packed=None, splits=1, ctas=0):
     """One forward launch of ``kern`` (``bm`` query rows per block; the SIMT and the
     tensor-core forwards take the same arguments). q, k, v, o are (handle, strides4) pairs;
     lse is a handle of a contiguous float32 (B, Hq, Nq) buffer; slopes a (handle, (batch
@@ -111,8 +111,7 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
     stride)`` (:func:`no_classes`); packed the packed-rows arguments (:func:`packed_args`;
     None for a dense batch); ``splits`` key ranges per (query tile, head), on grid z.
     ``ctas``: a persistent kernel's blocks (a dense batch: they walk the grid's tiles, and
-    take the batch as ``nseq``), 0 for one block per tile. ``tail``: the bytes of a
-    kernel's by-value last parameter (the bulk tensor copies' maps), or None."""
+    take the batch as ``nseq``), 0 for one block per tile."""
     grid = _grid(bm, case)
     if ctas:
         grid, packed = (min(ctas, grid[0] * grid[1]), 1), no_packed(lse, case.batch)
@@ -120,7 +119,7 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],
           *o[1], float(case.scale), slopes[0], *slopes[1], *margs, *classes,
-          *(packed or no_packed(lse))), tail)
+          *(packed or no_packed(lse))))
 
 
 def launch_preprocess(pre, rows, case, stream, o, do, delta):

@@ -1,23 +1,24 @@
 """Tensor maps of the bulk tensor copies (``HopperTiles.tma``): Q, K and V of a dense
 launch as 4-D tensors (D, N, H, B) (innermost first; row, head and batch strides in bytes,
 unit stride along D), boxes of 64 columns (128 bytes: the 128-byte swizzle, the layout of
-``device/wgmma``'s tiles) and ``block_n`` rows, rows past N zero-filled. The strides are
-multiples of 16 bytes wherever the tensor-core kernels serve (``launch.rows_aligned``), as
-the driver requires.
+``device/wgmma``'s tiles) and ``block_n`` rows, rows past N zero-filled. The driver encodes
+each (``cuTensorMapEncodeTiled``; the encoded bytes are kept per arrays, :data:`MAX_KEPT`
+sets, so a call on the same arrays encodes nothing). The strides are multiples of 16 bytes
+wherever the tensor-core kernels serve (``launch.rows_aligned``), as the driver requires.
 
-The three maps (384 bytes) are the kernel's last parameter, by value (``driver.Prepared``'s
-``tail_bytes``): nothing is allocated, copied or synchronized per call. The driver encodes
-a map (``cuTensorMapEncodeTiled``, about 8 µs); a call keeps, per geometry (dtype, box,
-shapes, strides: :data:`MAX_KEPT` of them), the encoded maps and writes its own addresses
-into them: a map holds its tensor's address as its first 8 bytes, little-endian, which is
-checked once per geometry (a second encoding at another address must differ there and only
-there), else every call encodes its maps. The simulator takes
-``device/sim_pipeline.sim_tensor_map``'s descriptions instead, in the block table's place.
+The kernel reads the three 128-byte maps from global memory, through the block-table
+argument (which the wgmma kernels do not otherwise read). Each launch takes the next slot
+of a ring of :data:`SLOTS` per device: the maps are written into the slot's pinned host
+buffer and copied to its device buffer on the launch's stream (``cuMemcpyHtoDAsync``,
+ordered before the kernel), and an event recorded after the launch marks the slot in use;
+a slot is written again only once that event has completed (a host wait that a ring of
+1024 slots never makes in practice: the driver's queue of launches is shorter). Nothing is
+allocated or synchronized per call. The simulator takes
+``device/sim_pipeline.sim_tensor_map``'s description instead.
 """
 from __future__ import annotations
 
 import ctypes
-import struct
 import threading
 from collections import OrderedDict
 
@@ -31,14 +32,19 @@ _SWIZZLE_128B = 3
 _L2_256B = 3
 #: Columns of one box: 128 bytes of 16-bit elements (the 128-byte swizzle's width).
 BOX_COLUMNS = 64
-#: Bytes of the kernel parameter: Q's, K's and V's maps.
-MAPS_BYTES = 3 * 128
-#: Geometries whose encoded maps are kept.
+#: Sets of encoded maps kept (host bytes, per arrays).
 MAX_KEPT = 256
+#: Slots of each device's ring (3 maps, 384 bytes, a slot).
+SLOTS = 1024
+_SET = 3 * 128
+#: CUevent flag: no timing (cheaper to record).
+_EVENT_DISABLE_TIMING = 2
 
-_kept: OrderedDict = OrderedDict()  # (dtype, block_n, shapes and strides) -> (bytes, ok)
-_kept_lock = threading.Lock()
+_kept: OrderedDict = OrderedDict()  # (dtype, block_n, geometry) -> 384 bytes
 _encode = None
+_rings: dict = {}
+_rings_lock = threading.Lock()
+_kept_lock = threading.Lock()
 
 
 def _encoder():
@@ -88,61 +94,122 @@ def _views(case, q, k, v):
             (v, (B, case.heads_kv, case.seqlen_k, D)))
 
 
-def _encode_set(dtype, geo, block_n) -> bytes:
-    host = (ctypes.c_uint8 * (MAPS_BYTES + 64))()
+def _check(err, what):
+    if err:
+        from .driver import error_text
+
+        raise RuntimeError(f"{what} failed: {error_text(err)}")
+
+
+class _Ring:
+    """One device's slots: pinned host buffers, device buffers, and per slot the event
+    recorded after the launch that last read it."""
+
+    def __init__(self, device):
+        from .driver import _libcuda, _primary_context
+
+        lib = self.lib = _libcuda()
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        for name, args in [("cuMemAlloc_v2", [ctypes.POINTER(ctypes.c_uint64), sz]),
+                           ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ctypes.c_uint]),
+                           ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, vp, sz, vp]),
+                           ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+                           ("cuEventRecord", [vp, vp]),
+                           ("cuEventSynchronize", [vp])]:
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = ctypes.c_int
+        self.ctx = _primary_context(device)
+        self.lock = threading.Lock()
+        self.events = [None] * SLOTS
+        self.next = 0
+        dev, host = ctypes.c_uint64(), ctypes.c_void_p()
+        with self.current():
+            _check(lib.cuMemAlloc_v2(ctypes.byref(dev), SLOTS * _SET), "cuMemAlloc")
+            _check(lib.cuMemHostAlloc(ctypes.byref(host), SLOTS * _SET, 0), "cuMemHostAlloc")
+        self.dev, self.host = dev.value, host.value  # (256-byte aligned: slots are 64)
+
+    def current(self):
+        from .driver import _OnDevice
+
+        return _OnDevice(None, self.ctx)
+
+    def put(self, data: bytes, stream) -> tuple:
+        """The device address of a slot holding ``data`` (copied on ``stream``), and the
+        slot (:meth:`used` after the launch)."""
+        lib = self.lib
+        with self.lock, self.current():
+            i = self.next
+            self.next = (i + 1) % SLOTS
+            ev = self.events[i]
+            if ev is not None:  # (the launch that last read slot i is done)
+                _check(lib.cuEventSynchronize(ev), "cuEventSynchronize")
+            ctypes.memmove(self.host + i * _SET, data, _SET)
+            _check(lib.cuMemcpyHtoDAsync_v2(self.dev + i * _SET, self.host + i * _SET, _SET,
+                                            stream), "cuMemcpyHtoDAsync")
+        return self.dev + i * _SET, i
+
+    def used(self, i, stream):
+        """Slot ``i`` is read by the launch just queued on ``stream``."""
+        lib = self.lib
+        with self.lock, self.current():
+            ev = self.events[i]
+            if ev is None:
+                e = ctypes.c_void_p()
+                _check(lib.cuEventCreate(ctypes.byref(e), _EVENT_DISABLE_TIMING),
+                       "cuEventCreate")
+                ev = self.events[i] = e.value
+            _check(lib.cuEventRecord(ev, stream), "cuEventRecord")
+
+
+def _ring(device) -> _Ring:
+    ring = _rings.get(device)
+    if ring is None:
+        with _rings_lock:
+            ring = _rings.get(device)
+            if ring is None:
+                ring = _rings[device] = _Ring(device)
+    return ring
+
+
+def _encoded(case, q, k, v, block_n) -> bytes:
+    geo = tuple(_geometry(view, dims) for view, dims in _views(case, q, k, v))
+    key = (case.dtype, block_n, geo)
+    with _kept_lock:
+        data = _kept.get(key)
+        if data is not None:
+            _kept.move_to_end(key)
+            return data
+    host = (ctypes.c_uint8 * (_SET + 64))()
     at = -ctypes.addressof(host) % 64  # (the struct is 64-byte aligned in C)
     for n, (address, dims, strides) in enumerate(geo):
-        _encode_map(ctypes.addressof(host) + at + 128 * n, dtype, address, dims, strides,
-                    block_n)
-    return bytes(host)[at:at + MAPS_BYTES]
+        _encode_map(ctypes.addressof(host) + at + 128 * n, case.dtype, address, dims,
+                    strides, block_n)
+    data = bytes(host)[at:at + _SET]
+    with _kept_lock:
+        _kept[key] = data
+        if len(_kept) > MAX_KEPT:
+            _kept.popitem(last=False)
+    return data
 
 
-def _addresses_patchable(data: bytes, dtype, geo, block_n) -> bool:
-    """Whether each map of ``data`` (encoded for ``geo``) holds its address as its first 8
-    bytes and nothing else of it: encoded again 64 KiB further on, the maps differ there
-    and only there."""
-    moved = tuple((a + (1 << 16), d, s) for a, d, s in geo)
-    other = _encode_set(dtype, moved, block_n)
-    for n, (a, _, _) in enumerate(geo):
-        one, two = data[128 * n:128 * (n + 1)], other[128 * n:128 * (n + 1)]
-        if (one[8:] != two[8:] or int.from_bytes(one[:8], "little") != a
-                or int.from_bytes(two[:8], "little") != a + (1 << 16)):
-            return False
-    return True
-
-
-def maps(case, q, k, v, block_n):
-    """Q's, K's and V's tensor maps (boxes of ``block_n`` rows) for views ``q``, ``k``,
-    ``v`` ((handle, strides) pairs): :data:`MAPS_BYTES` bytes, the kernel's by-value
-    parameter; under the simulator an int64 array of simulated maps."""
+def put(case, device, stream, q, k, v, block_n):
+    """``(handle, slot)``: Q's, K's and V's tensor maps (boxes of ``block_n`` rows) on
+    ``device``, ordered on ``stream`` before what is queued there next (:func:`used` after
+    the launch); under the simulator an int64 array of simulated maps and None."""
     if SIMULATOR:
         from .device.sim_pipeline import sim_tensor_map
 
-        out = []
+        maps = []
         for view, dims in _views(case, q, k, v):
             flat, (sb, sh, sn, _) = view
             B, H, N, D = dims
-            out.append(sim_tensor_map(flat, (D, N, H, B), (sn, sh, sb),
-                                      (BOX_COLUMNS, block_n)))
-        return np.concatenate(out)
-    geo = tuple(_geometry(view, dims) for view, dims in _views(case, q, k, v))
-    key = (case.dtype, block_n, tuple(g[1:] for g in geo))
-    with _kept_lock:
-        kept = _kept.get(key)
-        if kept is not None:
-            _kept.move_to_end(key)
-    if kept is None:
-        data = _encode_set(case.dtype, geo, block_n)
-        kept = (data, _addresses_patchable(data, case.dtype, geo, block_n))
-        with _kept_lock:
-            _kept[key] = kept
-            if len(_kept) > MAX_KEPT:
-                _kept.popitem(last=False)
-        return data
-    data, ok = kept
-    if not ok:
-        return _encode_set(case.dtype, geo, block_n)
-    out = bytearray(data)
-    for n, g in enumerate(geo):
-        struct.pack_into("<Q", out, 128 * n, g[0])
-    return bytes(out)
+            maps.append(sim_tensor_map(flat, (D, N, H, B), (sn, sh, sb),
+                                       (BOX_COLUMNS, block_n)))
+        return np.concatenate(maps), None
+    return _ring(device).put(_encoded(case, q, k, v, block_n), stream)
+
+
+def used(device, stream, slot):
+    """The launch that reads ``slot`` (of :func:`put`) is queued on ``stream``."""
+    if slot is not None:
+        _ring(device).used(slot, stream)

@@ -491,6 +491,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     MASKED_OVERLAP,
     NO_TMA,
     SOFTCAP_POLY,
+    TMA_MIN_WORK,
     WINDOW_TILES,
     HopperTiles,
     choose_hopper,

@@ -34,16 +34,15 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   in and its bulk tensor copies have landed that many bytes).
 - ``tma_load_4d(smem, sidx, maps, which, src, c0, c1, c2, c3, bar)``:
   ``cp.async.bulk.tensor.4d`` (the Tensor Memory Accelerator): the box of tensor map
-  ``which`` at coordinates ``(c0, c1, c2, c3)`` (innermost first: column, row, head, batch)
-  copied into shared memory at 16-bit element ``sidx`` of ``smem``, in the map's swizzle
-  (128 bytes: the layout of ``device/wgmma``'s tiles), rows past the tensor's extent
-  zero-filled, completing its bytes on the mbarrier at element ``bar`` (one thread issues
-  it). The maps are a by-value kernel parameter of 128 bytes each (FlashAttention 3's
-  ``__grid_constant__``), which Numba cannot declare: the instruction names the symbol
-  :data:`TAIL_PARAM`, and ``driver.with_tail_param`` adds the parameter to the kernel's
-  PTX under that name before it is assembled (``driver.Prepared``'s ``tail_bytes``).
-  ``maps`` and ``src`` are not read on the GPU; the simulator's copy reads its maps from
-  ``maps`` (an array of ``sim_pipeline.sim_tensor_map`` descriptions).
+  ``which`` (128-byte maps in global memory from ``maps``, an int32 pointer, on: launch's
+  ``tensor_maps``) at coordinates ``(c0, c1, c2, c3)`` (innermost first: column, row, head,
+  batch) copied into shared memory at 16-bit element ``sidx`` of ``smem``, in the map's
+  swizzle (128 bytes: the layout of ``device/wgmma``'s tiles), rows past the tensor's
+  extent zero-filled, completing ``nbytes`` on the mbarrier at element ``bar`` (one
+  thread issues it). ``src`` is the tensor's own pointer: unused on the GPU, read by the
+  simulator's copy. ``fence_tensormap(maps, which)``: ``fence.proxy.tensormap::generic
+  .acquire.gpu``, once per block in the issuing thread before its first copy through a map
+  the host wrote.
 - ``setmaxnreg_inc(n)`` / ``setmaxnreg_dec(n)``: ``setmaxnreg.{inc,dec}.sync.aligned.u32``
   (sm_90a; ``n`` a literal multiple of 8 in 24..256), the warpgroup's registers per thread
   raised or lowered; ptxas honours it only in kernels compiled with a register cap
@@ -81,6 +80,7 @@ __all__ = [
     "empty_parity",
     "ld_shared_f32",
     "full_parity",
+    "fence_tensormap",
     "mbarrier_arrive",
     "mbarrier_expect_tx",
     "mbarrier_init",
@@ -95,11 +95,8 @@ __all__ = [
     "tma_load_4d",
 ]
 
-#: Bytes of one tensor map (CUtensorMap), 64-byte aligned.
+#: Bytes of one tensor map (CUtensorMap), 64-byte aligned in global memory.
 TENSOR_MAP_BYTES = 128
-#: The PTX symbol the bulk tensor copies name for the kernel's by-value tensor maps
-#: (``driver.with_tail_param`` declares it).
-TAIL_PARAM = "__FLASHCORE_TAIL_PARAM__"
 
 #: Bytes of one mbarrier (8-byte aligned).
 MBARRIER_BYTES = 8
@@ -134,6 +131,7 @@ if SIMULATOR:
         bulk_wait,
         bulk_wait_read,
         cp_async_arrive,
+        fence_tensormap,
         ld_shared_f32,
         mbarrier_arrive,
         mbarrier_expect_tx,
@@ -318,30 +316,48 @@ else:
 
         return types.void(dst, didx, smem, sidx, nbytes), codegen
 
+    def _map_address(context, builder, sig, maps, which, i_maps, i_which):
+        """The 64-bit generic address of tensor map ``which`` of the array at ``maps``."""
+        base = builder.ptrtoint(maps, ir.IntType(64))
+        w = context.cast(builder, which, sig.args[i_which], types.int64)
+        return builder.add(base, builder.mul(w, ir.Constant(ir.IntType(64),
+                                                             TENSOR_MAP_BYTES)))
+
     @intrinsic
     def tma_load_4d(typingctx, smem, sidx, maps, which, src, c0, c1, c2, c3, bar):
         """Tensor map ``which``'s box at (c0, c1, c2, c3) into ``smem[sidx:]`` (async;
         completes bytes on the mbarrier at ``smem[bar]``)."""
-        if not isinstance(smem, types.CPointer):
+        if not (isinstance(smem, types.CPointer) and isinstance(maps, types.CPointer)):
             return None
 
         def codegen(context, builder, sig, args):
-            sm, si, _, wh, _, x0, x1, x2, x3, bi = args
-            off = builder.mul(context.cast(builder, wh, sig.args[3], types.int64),
-                              ir.Constant(ir.IntType(64), TENSOR_MAP_BYTES))
+            sm, si, mp, wh, _, x0, x1, x2, x3, bi = args
+            addr = _map_address(context, builder, sig, mp, wh, 2, 3)
             # (the coordinates are 32-bit operands: cut inside the asm, so that no 32-bit
             # copy of a 64-bit index is left where address arithmetic could pick it up)
             xs = [context.cast(builder, x, sig.args[5 + n], types.int64)
                   for n, x in enumerate((x0, x1, x2, x3))]
-            _asm(builder, [_shared_u32(builder, sm, si), *xs, _shared_u32(builder, sm, bi),
-                           off],
-                 "{ .reg .b64 tm; .reg .b32 c<4>; "
-                 f"cvta.param.u64 tm, {TAIL_PARAM}; add.s64 tm, tm, $6; "
-                 "cvt.u32.u64 c0, $1; cvt.u32.u64 c1, $2; cvt.u32.u64 c2, $3; "
-                 "cvt.u32.u64 c3, $4; "
+            _asm(builder, [_shared_u32(builder, sm, si), addr, *xs,
+                           _shared_u32(builder, sm, bi)],
+                 "{ .reg .b32 c<4>; cvt.u32.u64 c0, $2; cvt.u32.u64 c1, $3; "
+                 "cvt.u32.u64 c2, $4; cvt.u32.u64 c3, $5; "
                  "cp.async.bulk.tensor.4d.shared::cluster.global.tile"
-                 ".mbarrier::complete_tx::bytes [$0], [tm, {c0, c1, c2, c3}], [$5]; }",
-                 "r,l,l,l,l,r,l,~{memory}")
+                 ".mbarrier::complete_tx::bytes [$0], [$1, {c0, c1, c2, c3}], [$6]; }",
+                 "r,l,l,l,l,l,r,~{memory}")
             return context.get_dummy_value()
 
         return types.void(smem, sidx, maps, which, src, c0, c1, c2, c3, bar), codegen
+
+    @intrinsic
+    def fence_tensormap(typingctx, maps, which):
+        """Acquire tensor map ``which`` (written by the host) for this thread's copies."""
+        if not isinstance(maps, types.CPointer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            addr = _map_address(context, builder, sig, args[0], args[1], 0, 1)
+            _asm(builder, [addr], "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;",
+                 "l,~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(maps, which), codegen

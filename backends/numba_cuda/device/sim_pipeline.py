@@ -250,6 +250,13 @@ def sim_tensor_map(flat, dims, strides, box) -> np.ndarray:
     return m
 
 
+def fence_tensormap(maps, which):
+    """Nothing to order here; the map is checked."""
+    m = maps[SIM_MAP_WORDS * int(which):SIM_MAP_WORDS * (int(which) + 1)]
+    if m[7] * 2 != 128 or m[0] <= 0:
+        raise ValueError(f"tensor map {int(which)}: not a 128-byte-swizzled box: {m}")
+
+
 def tma_load_4d(smem, sidx, maps, which, src, c0, c1, c2, c3, bar):
     """The box of map ``which`` at (c0, c1, c2, c3) into ``smem[sidx:]`` in the 128-byte
     swizzle (16-byte chunk ``c`` of line ``r`` at chunk ``c ^ (r % 8)``, lines counted from

@@ -28,7 +28,7 @@ behind). A copier waits on "empty" only for what the other has not released yet.
 With ``tma`` (``HopperTiles.tma``) one thread of the copying warpgroup moves each K or V
 tile instead: it waits for the stage, announces the tile's bytes on its "full" barrier
 (``mbarrier.arrive.expect_tx``: count 1) and issues one bulk tensor copy per 64 columns
-(tensor maps 1 and 2 of the kernel's by-value maps: K and V as (D, N, H, B) with 128-byte
+(tensor maps 1 and 2 of the launch's ``maps``: K and V as (D, N, H, B) with 128-byte
 swizzled boxes of 64 columns and ``block_n`` rows, rows past N zero); the copies land
 through the async proxy and complete the phase. With a producer warpgroup too, its first
 thread moves every K and V tile, each as soon as its stage is free (FlashAttention 3's
@@ -46,6 +46,7 @@ from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp
 from ..device.pipeline import (
     cp_async_arrive,
     empty_parity,
+    fence_tensormap,
     full_parity,
     mbarrier_arrive,
     mbarrier_expect_tx,
@@ -243,6 +244,8 @@ def produce_all_tma(smem, el, q, qbase, q0, Nq, qsn, maps, k, v, c2, c3, n_tiles
     load_tile(smem, el, q, qbase, q0, Nq, qsn, BM, CH, wtid, WG_THREADS)
     cp_async_arrive(smem, q_full)
     if wtid == 0:
+        fence_tensormap(maps, 1)
+        fence_tensormap(maps, 2)
         for t in range(n_tiles):
             produce_tma(smem, el, K_OFF, maps, 1, k, c2, c3, t, n_tiles, n_begin, full_k,
                         empty_k, STAGES, STAGE, BN, CH // 8, 0)
@@ -362,6 +365,8 @@ def make_attn_forward_wgmma_pingpong(var):
             load_tile(smem, el + Q_OFF // 2, q, qbase, q0, Nq, qsn, BM, CH, tid, NT)
             cp_async_commit()
             cuda.syncthreads()  # the barriers initialized before any arrival
+            if TMA and wtid == 0:
+                fence_tensormap(table, which)
             for tt in range(AHEAD):
                 produce_next(smem, el, off, src, base, tt, n_tiles, n_begin, Nk, sn, full,
                              empty, STAGES, STAGE, BN, CH, wtid, TMA, table, which, hk, b)

@@ -134,10 +134,16 @@ _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=
 HOPPER_FORWARD = {(64, False): _PP_TMA, (64, True): HopperTiles(1, 64, True, 2),
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
                   (256, False): HopperTiles(2, 64, True), (256, True): HopperTiles(2, 64, True)}
-#: Per head dim, the table's tilings before the bulk tensor copies, for rows the tensor maps
-#: do not describe (varlen: a sequence's rows end inside the tensor): the overlapped g2n64o
-#: at D=64, the ping-pong g2n128op3 (its consumers' cp.async copies) at D=128.
+#: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
+#: take them (:data:`TMA_MIN_WORK`; varlen rows, which the tensor maps do not describe):
+#: the overlapped g2n64o at D=64, the ping-pong g2n128op3 (its consumers' cp.async copies)
+#: at D=128.
 NO_TMA = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True, pingpong=True, stages=3)}
+#: The least work, B x Hq x Nq x Nk x D, of a forward that takes the table's bulk tensor
+#: copies: a call pays 20-35 µs more host time for its tensor maps (75 µs with new arrays;
+#: ring of device slots, tensor_maps.py; H200 host), which a forward of this size (about
+#: 0.4 ms and more at D=128) hides; smaller calls take :data:`NO_TMA`.
+TMA_MIN_WORK = 1 << 36
 #: Alignment of the shared tiles: a 128-byte swizzle pattern spans 1024 bytes, and a
 #: descriptor's base offset stays 0 only for tiles that start on it.
 HOPPER_ALIGN = 1024
