@@ -13,7 +13,10 @@ buffer and copied to its device buffer on the launch's stream (``cuMemcpyHtoDAsy
 ordered before the kernel), and an event recorded after the launch marks the slot in use;
 a slot is written again only once that event has completed (a host wait that a ring of
 1024 slots never makes in practice: the driver's queue of launches is shorter). Nothing is
-allocated or synchronized per call. The simulator takes
+allocated or synchronized per call, but a call pays 20-35 µs more host time (75 µs with new
+arrays: encoding three maps takes 23 µs), hence ``tilings.TMA_MIN_WORK``. A by-value
+kernel parameter (FlashAttention 3's ``__grid_constant__``) cut that to 10 µs but its
+kernel ran 30% slower (notes/tma_2026-11-26.md). The simulator takes
 ``device/sim_pipeline.sim_tensor_map``'s description instead.
 """
 from __future__ import annotations

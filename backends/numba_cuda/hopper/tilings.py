@@ -129,7 +129,13 @@ class HopperTiles:
 #: blocks visit half the key tiles on average, so a block's start and end weigh more, and
 #: the other block's work runs under them. H100, two runs at 183c3d1, TFLOP/s g1n64ob2 /
 #: g2n64o: B=4 H=16 N=4096 388-394 / 376-384, B=1 H=16 N=16384 431-440 / 410-413 (non-causal
-#: it loses: 375-397 / 410-423; notes/forward_experiments_2026-11-26.md).
+#: it loses: 375-397 / 410-423; notes/forward_experiments_2026-11-26.md). D=128 and D=64
+#: non-causal since 4133bcd (2026-11-26): the ping-pong schedule with a producer warpgroup
+#: whose first thread moves K and V by bulk tensor copies, g2n128op3wt (for calls of at
+#: least TMA_MIN_WORK; NO_TMA's below). H200, two runs, TFLOP/s g2n128op3wt / the table's
+#: before: D=128 630-652 / 599-600, causal 570-574 / 536-539, N=16384 622-627 / 566-632,
+#: causal 613-667 / 568-571; D=64 424-425 / 414, N=16384 453 / 409-421
+#: (notes/tma_2026-11-26.md). D=64 causal keeps g1n64ob2 (376-379 / 391 at N=4096).
 _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=True)
 HOPPER_FORWARD = {(64, False): _PP_TMA, (64, True): HopperTiles(1, 64, True, 2),
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
