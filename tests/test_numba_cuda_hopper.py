@@ -304,8 +304,23 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
         assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == \
             tilings.NO_TMA[d]
         assert not tilings.NO_TMA[d].tma
-    # the size: B Hq Nq Nk D against the bound (B=4 H=16 N=4096 D=64 is 2^36)
-    assert 4 * 16 * 4096 * 4096 * 64 >= tilings.TMA_MIN_WORK > 1 * 8 * 1024 * 1024 * 128
+    # which calls may: the work B Hq Nq Nk D (B=4 H=16 N=4096 D=64 is 2^36), views that
+    # can be tensor maps (no zero stride: a broadcast), a stream not being captured
+    def case(B, H, N, D):
+        return pytypes.SimpleNamespace(batch=B, heads_q=H, heads_kv=H, seqlen_q=N,
+                                       seqlen_k=N, head_dim=D)
+
+    def view(B, H, N, D, sh=None):
+        return (0, (H * N * D, N * D if sh is None else sh, D, 1))
+
+    capturing = []
+    monkeypatch.setattr(launch.driver, "stream_capturing", lambda stream: bool(capturing))
+    big, small = (4, 16, 4096, 64), (1, 8, 1024, 128)
+    assert launch.bulk_copies_ok(case(*big), 0, *(view(*big),) * 3)
+    assert not launch.bulk_copies_ok(case(*small), 0, *(view(*small),) * 3)
+    assert not launch.bulk_copies_ok(case(*big), 0, view(*big), view(*big, sh=0), view(*big))
+    capturing.append(True)
+    assert not launch.bulk_copies_ok(case(*big), 0, *(view(*big),) * 3)
 
 
 def test_pingpong_tilings_and_rings():
@@ -732,7 +747,7 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
 
 @pytest.mark.gpu
 def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
-    """The bulk tensor copies' maps (tensor_maps.py) through a ring of 4 slots: 24 calls on
+    """The bulk tensor copies' maps (tensor_maps.py) through a ring of 3 slots: 24 calls on
     two streams, six sets of arrays in turn, queued behind a long GPU sleep on each
     stream, so the ring wraps while the launches that read its slots still wait; each
     output is bit for bit its arrays' alone (no launch read another's maps, no map was
@@ -744,7 +759,7 @@ def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
 
     t = tilings.HOPPER_FORWARD[(128, False)]
     assert t.tma and t.producer
-    monkeypatch.setattr(tensor_maps, "SLOTS", 4)
+    monkeypatch.setattr(tensor_maps, "SLOTS", 3)  # (a slot's uses alternate the streams)
     monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
     monkeypatch.setattr(tensor_maps, "_rings", {})
     monkeypatch.setattr(launch, "_PLANS", {})
@@ -765,6 +780,50 @@ def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
     torch.cuda.synchronize()
     for n, o in enumerate(outs):
         assert torch.equal(o, alone[n % 6]), n
+
+
+@pytest.mark.gpu
+def test_captured_forward_skips_the_tensor_maps_on_gpu(hopper_gpu, monkeypatch):
+    """A forward captured into a CUDA graph takes the tilings without bulk tensor copies
+    (their ring of map slots is rewritten call by call and waits on events, which a graph
+    cannot replay); its replays, after the ring went round twice with eager calls that do
+    take them, give the eager result bit for bit."""
+    torch = hopper_gpu
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    import flashcore
+
+    monkeypatch.setattr(tensor_maps, "SLOTS", 3)
+    monkeypatch.setattr(tensor_maps, "_rings", {})
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    tags = spy_launches(monkeypatch, ("launch_forward",),
+                        name=lambda kern: kern._dispatcher.py_func.__qualname__)
+    q, k, v, _ = gpu_inputs(torch, (1, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", 5)
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 1 << 62)  # (the copies' kernel, eager)
+    plain = flashcore.attention(q, k, v, backend="numba_cuda")
+    assert "op3wt" not in tags[-1], tags
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
+    eager = flashcore.attention(q, k, v, backend="numba_cuda")
+    assert "op3wt" in tags[-1], tags
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashcore.attention(q, k, v, backend="numba_cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashcore.attention(q, k, v, backend="numba_cuda")
+    assert "op3wt" not in tags[-1], tags
+    for _ in range(7):  # (the ring goes round twice)
+        again = flashcore.attention(q, k, v, backend="numba_cuda")
+    assert "op3wt" in tags[-1], tags
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain), "replay"
+    assert torch.equal(again, eager)
 
 
 @pytest.mark.gpu

@@ -337,6 +337,23 @@ def copy_to_host(dst: int, src: int, nbytes: int, stream: int, device: int):
         raise RuntimeError(f"copying {nbytes} bytes to the host failed: {error_text(err)}")
 
 
+def stream_capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph (``cuStreamIsCapturing``);
+    True too where the driver cannot say (an implicit capture of the legacy stream, no
+    context): the caller then takes the path that is safe under capture."""
+    lib = _LIBCUDA or _libcuda()
+    fn = lib.cuStreamIsCapturing
+    if fn.argtypes is None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        fn.restype = ctypes.c_int
+    status = ctypes.c_int(-1)
+    try:
+        err = fn(stream, ctypes.byref(status))
+    except Exception:  # noqa: BLE001  (the safe answer)
+        return True
+    return err != _CUDA_SUCCESS or status.value != 0
+
+
 def synchronize(stream: int, device: int = 0):
     """Wait for ``stream`` of GPU ``device`` (0: that device's legacy default stream)."""
     if not SIMULATOR:

@@ -340,16 +340,28 @@ def case_variants(head_dim, dtype, causal, cc, aligned=True, **mask):
 _PLANS: dict = {}
 
 
-def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False):
+def bulk_copies_ok(case, stream, q, k, v) -> bool:
+    """Whether a forward may take a table tiling of bulk tensor copies (its tensor maps
+    cost host time: tensor_maps.py): work B Hq Nq Nk D of at least
+    ``tilings.TMA_MIN_WORK``, views that can be tensor maps, and (on a GPU) a stream not
+    being captured into a CUDA graph (the maps' ring of slots is rewritten call by call,
+    and waits on events, which a captured graph cannot take)."""
+    return (case.batch * case.heads_q * case.seqlen_q * case.seqlen_k * case.head_dim
+            >= tilings.TMA_MIN_WORK and tensor_maps.serves(case, q, k, v)
+            and (SIMULATOR or not driver.stream_capturing(stream)))
+
+
+def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False,
+          tma_ok=False):
     """``(forward kernel, block_m)`` or ``(preprocess, threads, dkdv, block_m, dq,
     block_m)`` for one kind of call (``split``: the split-KV forward; ``hopper``: the
-    wgmma kernels, :func:`hopper_serves` / :func:`hopper_bwd_serves`)."""
+    wgmma kernels, :func:`hopper_serves` / :func:`hopper_bwd_serves`; ``tma_ok``:
+    :func:`bulk_copies_ok`)."""
     mask = mask_options(case)
     if split:
         mask["split"] = True
     decode = decodes(case)
-    tma_ok = (case.batch * case.heads_q * case.seqlen_q * case.seqlen_k * case.head_dim
-              >= tilings.TMA_MIN_WORK)
+    tma_ok = bool(tma_ok and hopper and direction == "forward")
     key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
            decode, hopper, tma_ok, *mask.values())
     plan = _PLANS.get(key)
@@ -442,15 +454,22 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     hop = tc and split is None and hopper_serves(case, device)
     kern, bm, ctas, tma = _plan("forward", case, device, tiles,
                                 tc_ok and _fp32_rows_aligned(case, q, k, v), tc,
-                                split is not None, hop)
-    slot = None
-    if tma:  # (dense rows: the tensor maps where the block table goes)
-        packed = list(no_packed(lse))
-        packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
-    launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
-                   margs or no_mod_args(lse), classes or no_classes(lse), packed,
-                   1 if split is None else split[0], ctas)
-    if tma:
+                                split is not None, hop,
+                                hop and packed is None and bulk_copies_ok(case, stream, q, k,
+                                                                          v))
+    if not tma:
+        launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
+                       margs or no_mod_args(lse), classes or no_classes(lse), packed,
+                       1 if split is None else split[0], ctas)
+        return
+    # (dense rows: the tensor maps where the block table goes; the slot is marked read by
+    # this launch whether or not it was queued)
+    packed = list(no_packed(lse))
+    packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
+    try:
+        launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
+                       margs or no_mod_args(lse), classes or no_classes(lse), packed, 1, ctas)
+    finally:
         tensor_maps.used(device, stream, slot)
 
 

@@ -91,6 +91,16 @@ def _encode_map(out, dtype, address, dims, strides, rows):
                            f"box=({BOX_COLUMNS}, {rows})) failed: {error_text(err)}")
 
 
+def serves(case, q, k, v) -> bool:
+    """Whether views ``q``, ``k``, ``v`` can be tensor maps: every stride of a dim of more
+    than one element positive (a broadcast view, ``expand``, has zeros, which the driver
+    refuses). (Multiples of 16 bytes they are wherever the tensor-core kernels serve.)"""
+    for (_, (sb, sh, sn, _)), (B, H, N, _) in _views(case, q, k, v):
+        if (B > 1 and sb <= 0) or (H > 1 and sh <= 0) or (N > 1 and sn <= 0):
+            return False
+    return True
+
+
 def _views(case, q, k, v):
     B, D = case.batch, case.head_dim
     return ((q, (B, case.heads_q, case.seqlen_q, D)), (k, (B, case.heads_kv, case.seqlen_k, D)),
