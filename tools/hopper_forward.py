@@ -111,9 +111,12 @@ def variants(launch, tilings, candidates, head_dims, masks):
 
 
 def use_tiling(launch, tilings, t):
-    """Make the plans pick tiling ``t`` for the wgmma forward (plans do not key on it)."""
+    """Make the plans pick tiling ``t`` for the wgmma forward (plans do not key on it), at
+    any size (a tiling of bulk tensor copies is otherwise replaced below
+    ``tilings.TMA_MIN_WORK``: the times would carry the wrong name)."""
     for key in list(tilings.HOPPER_FORWARD):
         tilings.HOPPER_FORWARD[key] = t
+    tilings.TMA_MIN_WORK = 0
     launch._PLANS.clear()
 
 
