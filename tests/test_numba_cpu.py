@@ -29,7 +29,13 @@ def check(rng, dtype="float32", layout="bhnd", causal=False, backward=True, **sh
     assert lse.dtype == (np.float64 if dtype == "float64" else np.float32)
     assert lse.shape == rlse.shape
     assert rel_err(o, ro) <= TOL_FWD[dtype], rel_err(o, ro)
-    assert rel_err(lse, rlse) <= (1e-12 if dtype == "float64" else 1e-6), rel_err(lse, rlse)
+    # lse = (row max score) + log(row sum): its rounding error follows the scores' size,
+    # O(1) for these standard-normal inputs (scale 1/sqrt(D)), not lse's own, which can
+    # cancel to near 0 (Nk=1: lse is one score, e.g. -0.11, whose fp32 dot product of 40
+    # terms is off by 1e-7, "1.02e-6" relative; hypothesis found it): a floor of 1 a row
+    lse_floor = np.sqrt(np.isfinite(rlse).sum())
+    assert rel_err(lse, rlse, lse_floor) <= (1e-12 if dtype == "float64" else 1e-6), \
+        rel_err(lse, rlse, lse_floor)
     if not backward:
         return
     do = rand(rng, q.shape if layout == "bhnd" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3]),
