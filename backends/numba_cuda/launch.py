@@ -266,7 +266,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     if t.tma and (packed or not tma_ok):  # (the tensor maps describe a dense batch; a
         # small call would pay more host time for them than they save: TMA_MIN_WORK)
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False))
-    if masked and kernel == "forward":  # (a producer warpgroup's schedule has no masks)
+    if masked and kernel == "forward":  # (a producer of cp.async copies takes no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap), bool(window), head_dim)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,

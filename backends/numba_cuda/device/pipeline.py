@@ -34,8 +34,8 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   in and its bulk tensor copies have landed that many bytes).
 - ``tma_load_4d(smem, sidx, maps, which, src, c0, c1, c2, c3, bar)``:
   ``cp.async.bulk.tensor.4d`` (the Tensor Memory Accelerator): the box of tensor map
-  ``which`` (128-byte maps in global memory from ``maps``, an int32 pointer, on: launch's
-  ``tensor_maps``) at coordinates ``(c0, c1, c2, c3)`` (innermost first: column, row, head,
+  ``which`` (128-byte maps in global memory from ``maps``, an int32 pointer, on:
+  ``tensor_maps.put``) at coordinates ``(c0, c1, c2, c3)`` (innermost first: column, row, head,
   batch) copied into shared memory at 16-bit element ``sidx`` of ``smem``, in the map's
   swizzle (128 bytes: the layout of ``device/wgmma``'s tiles), rows past the tensor's
   extent zero-filled, completing ``nbytes`` on the mbarrier at element ``bar`` (one

@@ -221,7 +221,7 @@ def _complete_tx(smem, idx, nbytes):
 
 # --- bulk tensor copies: the simulator's "tensor map" is the copy's geometry in 16 int64
 # words, [D, N, H, B, row stride, head stride, batch stride (elements), box columns, box
-# rows, source, 0...] (tensor_maps.tensor_maps writes them; source: the key of the host
+# rows, source, 0...] (tensor_maps.put writes them; source: the key of the host
 # array the map describes, as a map holds its tensor's address: a copy through the wrong
 # map reads the wrong tensor here too); the copy is made at once, in the 128-byte swizzle,
 # rows past N zero
