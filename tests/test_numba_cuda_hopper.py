@@ -795,12 +795,11 @@ def test_captured_forward_skips_the_tensor_maps_on_gpu(hopper_gpu, monkeypatch):
 
     monkeypatch.setattr(tensor_maps, "SLOTS", 3)
     monkeypatch.setattr(tensor_maps, "_rings", {})
-    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
     monkeypatch.setattr(launch, "_PLANS", {})
     tags = spy_launches(monkeypatch, ("launch_forward",),
                         name=lambda kern: kern._dispatcher.py_func.__qualname__)
     q, k, v, _ = gpu_inputs(torch, (1, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", 5)
-    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 1 << 62)  # (the copies' kernel, eager)
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 1 << 62)  # (eager, without the copies)
     plain = flashcore.attention(q, k, v, backend="numba_cuda")
     assert "op3wt" not in tags[-1], tags
     monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
