@@ -293,22 +293,24 @@ def test_tilings_and_variants():
 
 
 def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
-    """Below tilings.TMA_MIN_WORK (and for varlen rows) a forward whose table tiling has
-    bulk tensor copies takes NO_TMA's tiling; from it, the table's."""
+    """Below tilings.TMA_MIN_WORK a forward whose table tiling has bulk tensor copies takes
+    NO_TMA's tiling; from it, the table's (varlen rows too: one tensor map over every
+    packed row)."""
     for d in (64, 128):
         t = tilings.HOPPER_FORWARD[(d, False)]
         assert t.tma
         assert launch.hopper_variant(d, "bfloat16", False).tiles == t
         assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
             tilings.NO_TMA[d]
-        assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == \
-            tilings.NO_TMA[d]
+        assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
+        assert launch.hopper_variant(d, "bfloat16", False, packed="varlen",
+                                     tma_ok=False).tiles == tilings.NO_TMA[d]
         assert not tilings.NO_TMA[d].tma
     # which calls may: the work B Hq Nq Nk D (B=4 H=16 N=4096 D=64 is 2^36), views that
     # can be tensor maps (no zero stride: a broadcast), a stream not being captured
-    def case(B, H, N, D):
+    def case(B, H, N, D, varlen=None):
         return pytypes.SimpleNamespace(batch=B, heads_q=H, heads_kv=H, seqlen_q=N,
-                                       seqlen_k=N, head_dim=D)
+                                       seqlen_k=N, head_dim=D, varlen=varlen)
 
     def view(B, H, N, D, sh=None):
         return (0, (H * N * D, N * D if sh is None else sh, D, 1))
@@ -319,6 +321,14 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     assert launch.bulk_copies_ok(case(*big), 0, *(view(*big),) * 3)
     assert not launch.bulk_copies_ok(case(*small), 0, *(view(*small),) * 3)
     assert not launch.bulk_copies_ok(case(*big), 0, view(*big), view(*big, sh=0), view(*big))
+    # varlen: the packed query rows times the longest key sequence (4 heads, D=64, 16
+    # sequences of at most 4096 keys: 2^36 with 2^16 query rows, 2^35 with 2^15)
+    def packed(total):
+        return case(16, 4, 4096, 64, pytypes.SimpleNamespace(total_q=total, total_k=total))
+
+    rows = (0, (0, 64, 16 * 64, 1))
+    assert launch.bulk_copies_ok(packed(1 << 16), 0, *(rows,) * 3)
+    assert not launch.bulk_copies_ok(packed(1 << 15), 0, *(rows,) * 3)
     capturing.append(True)
     assert not launch.bulk_copies_ok(case(*big), 0, *(view(*big),) * 3)
 

@@ -61,7 +61,8 @@ if not SIM:
         # about 5 s; the non-deterministic backward's first case, about 50 s; the
         # windowed backward's, about 50 s; the softcap forward's first case, about 20 s)
         pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
-                     f"not slow) or barrier or (fused_backward and not slow) or "
+                     f"not slow) or (varlen_pingpong_bulk_copies and not producer) or "
+                     f"barrier or (fused_backward and not slow) or "
                      f"(window_backward and not slow) or (softcap_forward and not slow)", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only, request):
@@ -304,6 +305,33 @@ else:
         ro, rl = oracle_forward(q, k, v, **opts)
         assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
         assert rel_err(lse, rl) < 1e-5
+
+    @pytest.mark.parametrize("producer", [False, pytest.param(True, marks=_PRODUCER)],
+                             ids=["tma", "producer+tma"])
+    def test_varlen_pingpong_bulk_copies(emulated, monkeypatch, producer):
+        """Varlen rows by bulk tensor copies: one map over every packed row, a sequence's
+        key tiles from its offset (more tiles than stages, GQA, causal with Nq < Nk). The
+        first sequence's last key tile brings the second's first rows; an inf in one of
+        their values must reach only the second sequence's outputs (the tile's rows past
+        its sequence are zeroed: without that, 0 x inf made that column NaN in the first
+        sequence's rows)."""
+        from packed_helpers import oracle_varlen, packed
+
+        t = dataclasses.replace(PINGPONG, tma=True, producer=producer)
+        monkeypatch.setitem(tilings.HOPPER_FORWARD, (64, True), t)
+        rng = np.random.default_rng(11)
+        q, k, v, cq, ck = packed(rng, [100, 60], [420, 150], Hq=2, Hkv=1, D=64,
+                                 dtype="bfloat16")
+        v[ck[1], 0, 5] = np.inf  # (row 36 of the first sequence's last 128-key tile)
+        o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=True,
+                                                    backend="numba_cuda")
+        assert len(emulated.tags) == 1 and f"_d64_{t.tag}_" in emulated.tags[0], emulated.tags
+        ro, rl = oracle_varlen(q, k, v, cq, ck, causal=True)
+        fin = np.isfinite(ro)
+        assert not fin[cq[1]:, :, 5].any() and fin[:cq[1]].all() and fin[:, :, :5].all()
+        assert np.array_equal(np.isfinite(o), fin)
+        assert rel_err(np.where(fin, o, 0), np.where(fin, ro, 0)) < TOL_FWD["bfloat16"]
+        assert np.abs(lse - rl).max() < 1e-4
 
     #: The persistent ping-pong forward (g2n128op3s): the simulator's 4 blocks walk more
     #: query tiles than there are blocks (a block's rings run on from one tile to the

@@ -302,6 +302,51 @@ def test_packed_varlen_many_sequences_on_gpu(dtype, D, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D, causal", [(128, False), (128, True), (64, False)])
+def test_packed_varlen_bulk_copies_on_gpu(D, causal, monkeypatch):
+    """The wgmma forward's bulk tensor copies on varlen rows (``TMA_MIN_WORK`` 0: the
+    table's tiling with them at any size; one tensor map over every packed row, each
+    sequence's key tiles from its offset): the sequences of the tests above, forward and
+    backward against the oracle; then an inf in one value of a sequence's first key,
+    which the previous sequence's last key tile also brings (its rows past that sequence
+    are zeroed), reaching that sequence's outputs alone."""
+    torch = _cuda_torch()
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    from flashcore.backends.numba_cuda import launch, tilings
+
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
+    tags = []
+    real = launch.launch_forward
+    monkeypatch.setattr(launch, "launch_forward", lambda kern, *a, **kw: tags.append(
+        kern._dispatcher.py_func.__qualname__) or real(kern, *a, **kw))
+    t = launch.hopper_variant(D, "bfloat16", causal, packed="varlen").tiles
+    assert t.tma, t
+    rng = np.random.default_rng(D + causal)
+    lq, lk = [0, 300, 129, 1000, 64], [17, 200, 129, 1100, 70]
+    _varlen_on_gpu(torch, rng, lq, lk, 8, 2, D, "bfloat16", causal)
+    assert f"_{t.tag}_" in tags[0], tags
+    q, k, v, cq, ck = packed(rng, lq, lk, Hq=8, Hkv=2, D=D, dtype="bfloat16")
+    v[ck[3], 1, 7] = np.inf  # (the 4th sequence's first key: row 1 of the 3rd's last tile)
+    dev = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to(  # noqa: E731
+        "cuda", torch.bfloat16)
+    tq, tk, tv = dev(q), dev(k), dev(v)
+    o, lse = flashcore.attention_varlen_forward(tq, tk, tv, torch.from_numpy(cq).cuda(),
+                                                torch.from_numpy(ck).cuda(), causal=causal,
+                                                backend="numba_cuda")
+    assert f"_{t.tag}_" in tags[-1], tags
+    host = lambda x: x.float().cpu().numpy()  # noqa: E731
+    o = host(o)
+    ro, rl = oracle_varlen(host(tq), host(tk), host(tv), cq, ck, causal=causal)
+    fin = np.isfinite(ro)
+    assert not fin[cq[3]:cq[4], 4:, 7].any() and fin[:cq[3]].all(), "the inf's rows"
+    assert np.array_equal(np.isfinite(o), fin)
+    _check("bfloat16", np.where(fin, o, 0), host(lse), np.where(fin, ro, 0), rl)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page, nq, splits, dtype", [
     (16, 1, 0, "bfloat16"), (None, 1, 0, "bfloat16"), (256, 4, 3, "float16"),
     (None, 2, 1, "float32"), (16, 1, 5, "float32"), (256, 1, 0, "float32")])

@@ -263,8 +263,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
         t = replace(t, persistent=False)
-    if t.tma and (packed or not tma_ok):  # (the tensor maps describe a dense batch; a
-        # small call would pay more host time for them than they save: TMA_MIN_WORK)
+    if t.tma and not tma_ok:  # (a small call would pay more host time for the tensor maps
+        # than they save: TMA_MIN_WORK)
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False))
     if masked and kernel == "forward":  # (a producer of cp.async copies takes no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
@@ -343,11 +343,12 @@ _PLANS: dict = {}
 def bulk_copies_ok(case, stream, q, k, v) -> bool:
     """Whether a forward may take a table tiling of bulk tensor copies (its tensor maps
     cost host time: tensor_maps.py): work B Hq Nq Nk D of at least
-    ``tilings.TMA_MIN_WORK``, views that can be tensor maps, and (on a GPU) a stream not
+    ``tilings.TMA_MIN_WORK`` (varlen: total_q Hq max_seqlen_k D), views that can be tensor maps, and (on a GPU) a stream not
     being captured into a CUDA graph (the maps' ring of slots is rewritten call by call,
     and waits on events, which a captured graph cannot take)."""
-    return (case.batch * case.heads_q * case.seqlen_q * case.seqlen_k * case.head_dim
-            >= tilings.TMA_MIN_WORK and tensor_maps.serves(case, q, k, v)
+    rows = case.batch * case.seqlen_q if case.varlen is None else case.varlen.total_q
+    return (rows * case.heads_q * case.seqlen_k * case.head_dim >= tilings.TMA_MIN_WORK
+            and tensor_maps.serves(case, q, k, v)
             and (SIMULATOR or not driver.stream_capturing(stream)))
 
 
@@ -455,20 +456,21 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     kern, bm, ctas, tma = _plan("forward", case, device, tiles,
                                 tc_ok and _fp32_rows_aligned(case, q, k, v), tc,
                                 split is not None, hop,
-                                hop and packed is None and bulk_copies_ok(case, stream, q, k,
-                                                                          v))
+                                hop and case.kvcache is None
+                                and bulk_copies_ok(case, stream, q, k, v))
     if not tma:
         launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                        margs or no_mod_args(lse), classes or no_classes(lse), packed,
                        1 if split is None else split[0], ctas)
         return
-    # (dense rows: the tensor maps where the block table goes; the slot is marked read by
-    # this launch whether or not it was queued)
-    packed = list(no_packed(lse))
+    # (dense or varlen rows: the tensor maps where the block table goes; the slot is marked
+    # read by this launch whether or not it was queued)
+    packed = list(no_packed(lse) if packed is None else packed)
     packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
     try:
         launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
-                       margs or no_mod_args(lse), classes or no_classes(lse), packed, 1, ctas)
+                       margs or no_mod_args(lse), classes or no_classes(lse), tuple(packed), 1,
+                       ctas)
     finally:
         tensor_maps.used(device, stream, slot)
 

@@ -1,6 +1,6 @@
 """Tensor maps of the bulk tensor copies (``HopperTiles.tma``): Q, K and V of a dense
 launch as 4-D tensors (D, N, H, B) (innermost first; row, head and batch strides in bytes,
-unit stride along D), boxes of 64 columns (128 bytes: the 128-byte swizzle, the layout of
+unit stride along D; varlen rows as (D, total, H, 1)), boxes of 64 columns (128 bytes: the 128-byte swizzle, the layout of
 ``device/wgmma``'s tiles) and ``block_n`` rows, rows past N zero-filled. The driver encodes
 each (``cuTensorMapEncodeTiled``; the encoded bytes are kept per arrays, :data:`MAX_KEPT`
 sets, so a call on the same arrays encodes nothing). The strides are multiples of 16 bytes
@@ -102,9 +102,16 @@ def serves(case, q, k, v) -> bool:
 
 
 def _views(case, q, k, v):
-    B, D = case.batch, case.head_dim
-    return ((q, (B, case.heads_q, case.seqlen_q, D)), (k, (B, case.heads_kv, case.seqlen_k, D)),
-            (v, (B, case.heads_kv, case.seqlen_k, D)))
+    """Q's, K's and V's views with their (B, H, N, D) sizes: a dense batch's, or varlen rows
+    as one batch entry of every packed row (the kernel finds a sequence's first row from
+    the offsets: ``hopper/pingpong.map_origin``)."""
+    D, vl = case.head_dim, case.varlen
+    if vl is None:
+        B, nq, nk = case.batch, case.seqlen_q, case.seqlen_k
+    else:
+        B, nq, nk = 1, vl.total_q, vl.total_k
+    return ((q, (B, case.heads_q, nq, D)), (k, (B, case.heads_kv, nk, D)),
+            (v, (B, case.heads_kv, nk, D)))
 
 
 def _check(err, what):

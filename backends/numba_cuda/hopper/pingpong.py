@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN
+from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN, VARLEN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp_uniform
 from ..device.pipeline import (
@@ -56,6 +56,7 @@ from ..device.pipeline import (
     named_sync,
     setmaxnreg_dec,
     setmaxnreg_inc,
+    st_shared_u32,
     stage_of,
     tma_load_4d,
 )
@@ -158,7 +159,8 @@ def produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, n_begin, fu
                 STAGES, STAGE, BN, PANELS, wtid):
     """:func:`produce` by the Tensor Memory Accelerator: thread 0 of the warpgroup waits
     for the stage, expects its ``STAGE`` bytes on the "full" barrier and issues one bulk
-    tensor copy of map ``which`` per 64 columns (at head ``c2`` of batch ``c3``)."""
+    tensor copy of map ``which`` per 64 columns (at head ``c2`` of batch ``c3``; ``n_begin``
+    is the first key's row in the map: a varlen sequence's rows start at its offset)."""
     if t < n_tiles and wtid == 0:
         s = stage_of(t, STAGES)
         if t >= STAGES:
@@ -172,15 +174,42 @@ def produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, n_begin, fu
 
 @device_function
 def produce_next(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full, empty,
-                 STAGES, STAGE, BN, CH, wtid, TMA, maps, which, c2, c3):
-    """Tile ``t`` of this warpgroup's ring: :func:`produce_tma` where ``TMA`` (compile-time),
-    else :func:`produce`."""
+                 STAGES, STAGE, BN, CH, wtid, TMA, maps, which, c2, c3, trow):
+    """Tile ``t`` of this warpgroup's ring: :func:`produce_tma` where ``TMA`` (compile-time;
+    the sequence's keys from row ``trow`` of the maps: :func:`map_origin`), else
+    :func:`produce`."""
     if TMA:
-        produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, n_begin, full, empty,
+        produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, trow + n_begin, full,
+                    empty,
                     STAGES, STAGE, BN, CH // 8, wtid)
     else:
         produce(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full, empty,
                 STAGES, STAGE, BN, CH, wtid)
+
+
+@device_function
+def map_origin(b, cu_k, PACKED):
+    """``(row, batch)`` of a sequence's first key in the tensor maps (``PACKED``
+    compile-time): row 0 of batch ``b`` for a dense batch; for varlen rows, whose maps
+    describe every packed row as one batch entry, the sequence's offset."""
+    if PACKED == VARLEN:
+        return int64(cu_k[b]), int64(0)
+    return int64(0), int64(b)
+
+
+@device_function
+def clear_rows(smem, e, r0, BN, PANELS, wtid):
+    """Zero rows ``r0 ..`` of the ``BN``-row tile at shared element ``e`` in each of its
+    ``PANELS`` 64-column panels (the 128-byte swizzle keeps a row's 128 bytes on its own
+    line), 32 bits per thread of a warpgroup and pass. The bulk copy of a varlen
+    sequence's last tile brings the next sequence's first rows: their keys' scores are
+    masked, but a value row holding inf or NaN would still reach the output through
+    ``0 x inf``."""
+    n = (BN - r0) * 32
+    for p in range(PANELS):
+        base = e + p * (BN * 64) + r0 * 64
+        for w in range(wtid, n, WG_THREADS):
+            st_shared_u32(smem, base + 2 * w, uint32(0))
 
 
 @device_function
@@ -298,8 +327,8 @@ def make_attn_forward_wgmma_pingpong(var):
     AHEAD = STAGES - 1  # tiles each ring runs ahead of the step that copies (no producer)
     PRODUCER_REGS, CONSUMER_REGS = 24, 240
     TMA = t.tma  # (compile-time) K and V by bulk tensor copies, one thread each
-    if TMA and PACKED != DENSE:
-        raise ValueError(f"bulk tensor copies take dense rows: {var.tag}")
+    if TMA and PACKED not in (DENSE, VARLEN):
+        raise ValueError(f"bulk tensor copies take dense or varlen rows: {var.tag}")
     FULL = 1 if TMA else FULL_COUNT
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -328,6 +357,7 @@ def make_attn_forward_wgmma_pingpong(var):
             vsb, vsh, vsn, PACKED)
         if PACKED != DENSE and q0 >= Nq:  # (compile-time test first) past the sequence
             return
+        trow, tb = map_origin(b, cu_k, PACKED)  # (the sequence's keys in the tensor maps)
 
         raw = int64(smem_address(smem, 0))
         pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
@@ -369,7 +399,7 @@ def make_attn_forward_wgmma_pingpong(var):
                 fence_tensormap(table, which)
             for tt in range(AHEAD):
                 produce_next(smem, el, off, src, base, tt, n_tiles, n_begin, Nk, sn, full,
-                             empty, STAGES, STAGE, BN, CH, wtid, TMA, table, which, hk, b)
+                             empty, STAGES, STAGE, BN, CH, wtid, TMA, table, which, hk, tb, trow)
             cp_async_commit()
             cp_async_wait(1)  # Q (the rings' copies may still be in flight)
             fence_proxy_async()
@@ -378,8 +408,8 @@ def make_attn_forward_wgmma_pingpong(var):
         if PRODUCER and wg < 0:
             setmaxnreg_dec(PRODUCER_REGS)
             if TMA:
-                produce_all_tma(smem, el, q, qbase, q0, Nq, qsn, table, k, v, hk, b, n_tiles,
-                                n_begin, full_k, full_v, empty_k, empty_v, q_full, STAGES,
+                produce_all_tma(smem, el, q, qbase, q0, Nq, qsn, table, k, v, hk, tb, n_tiles,
+                                trow + n_begin, full_k, full_v, empty_k, empty_v, q_full, STAGES,
                                 STAGE, K_OFF, V_OFF, BM, BN, CH, wtid)
             else:
                 produce_all(smem, el, q, qbase, q0, Nq, qsn, k, kbase, ksn, v, vbase, vsn,
@@ -431,7 +461,7 @@ def make_attn_forward_wgmma_pingpong(var):
                 if not PRODUCER:
                     produce_next(smem, el, off, src, base, AHEAD, n_tiles, n_begin, Nk, sn,
                                  full, empty, STAGES, STAGE, BN, CH, wtid, TMA, table, which,
-                                 hk, b)
+                                 hk, tb, trow)
             for it in range(1, n_tiles):
                 n0 = n_begin + it * BN
                 wait_full(smem, full_k, it, STAGES)
@@ -465,10 +495,17 @@ def make_attn_forward_wgmma_pingpong(var):
                 if not PRODUCER:
                     produce_next(smem, el, off, src, base, it + AHEAD, n_tiles, n_begin, Nk,
                                  sn, full, empty, STAGES, STAGE, BN, CH, wtid, TMA, table,
-                                 which, hk, b)
+                                 which, hk, tb, trow)
             if n_tiles > 0:
                 last = n_tiles - 1
                 wait_full(smem, full_v, last, STAGES)
+                if TMA and PACKED == VARLEN:  # (compile-time) the rows past the sequence
+                    # (the next one's, by the bulk copy) zeroed: each warpgroup writes the
+                    # same zeros, before the fence and its turn's barrier
+                    nl = n_begin + last * BN
+                    if nl + BN > Nk:
+                        clear_rows(smem, el + (V_OFF + stage_of(last, STAGES) * STAGE) // 2,
+                                   Nk - nl, BN, CH // 8, wtid)
                 fence_proxy_async()
                 take_turn(wg)
                 acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
