@@ -416,7 +416,13 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     assert narrowed_addresses(ptx) == []  # 64-bit addresses: tensors past 2^31 elements
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
     assert len(re.findall(r"\.param\s+\.\w+", entry.group(1))) == len(sig)
-    _assembles_clean(ptx)
+    _assembles_clean(ptx, SPILLS.get((kernel, head_dim, causal, v.tiles.tag), 0))
+
+
+#: Bytes of stack and of spills ptxas may take, per (kernel, D, causal, tiling): the dK/dV
+#: kernel's 64-query steps at D=128 causal, a 16-byte frame, 12 bytes stored and 28 loaded
+#: (ptxas 13.0), faster than the 32-query steps without any (tilings.HOPPER_DKDV).
+SPILLS = {("dkdv", 128, True, "g1n64o"): 28}
 
 
 #: (kernel, D, dtype, causal, softcap, ALiBi, window) of the mods' PTX test; the first two

@@ -203,22 +203,26 @@ def hopper_candidates(head_dim: int) -> tuple:
 #: B=4 H=16 N=4096; notes/hopper_2026-11-25.md, notes/hopper_d256_bwd_2026-11-26.md). At
 #: D=128 dK and dV hold 128 accumulator registers per thread: since the step's statistics
 #: are read from shared memory (d6bb8d3) query steps of 64 fit with the overlap non-causal
-#: (g1n64o, 255 registers: 475 against 427 TFLOP/s for g1n32o, 7f38800), not causal (12
-#: bytes spilled), nor with a window or modifiers (:data:`HOPPER_BWD_MASKED`).
+#: (g1n64o, 255 registers: 475 against 427 TFLOP/s for g1n32o, 7f38800), and causal since
+#: 2026-11-26 although ptxas 13.0 spills 12 bytes there (H200, bf16, two runs, backward
+#: alone g1n64o / g1n32o: B=4 H=16 N=4096 1.902 / 2.000 and 1.891 / 2.023 ms, B=1 H=16
+#: N=16384 6.961 / 7.378 and 7.210 / 7.418 ms; notes/varlen_tma_bwd_2026-11-26.md); not
+#: with a window or modifiers (:data:`HOPPER_BWD_MASKED`).
 #: At D=256 only steps of 32 fit the shared memory beside two warpgroups' resident tiles
 #: (dK/dV: K and V of 128 keys, 128 KiB, and Q and dO double-buffered, 64 KiB; dQ: Q and
 #: dO of 128 rows, K and V double-buffered), and with one warpgroup (129 KiB) one block
 #: would hold an SM: g2n32o for both kernels.
 HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True),
-               (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 32, True),
+               (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
                (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
              (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 #: The non-deterministic mode's dkdvq kernel (hopper/dq_atomic.py): the dK/dV table but at
-#: D=128 non-causal, where its dQ accumulators beside 64-query steps spill (40 bytes at
-#: g1n64o, ptxas 13.0): 32-query steps.
-HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True)}
+#: D=128, where its dQ accumulators beside 64-query steps spill (40 bytes at g1n64o
+#: non-causal, ptxas 13.0): 32-query steps.
+HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
+                (128, True): HopperTiles(1, 32, True)}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills.
 _D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
@@ -230,7 +234,8 @@ HOPPER_BWD_CANDIDATES = {
                    (HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                    (HopperTiles(1, 64), HopperTiles(1, 64, True)),
                    (HopperTiles(2, 64), HopperTiles(2, 64, True))),
-    (128, True): ((HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
+    (128, True): ((HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
+                  (HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 128, True)),
                   (HopperTiles(1, 64), HopperTiles(1, 64, True))),
