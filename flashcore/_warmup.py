@@ -90,11 +90,12 @@ def variants(head_dim, dtype, causal, device=0) -> list:
                 launch.HOPPER_BWD_ENV) != "0" else ())
             out += [x for x in (launch.hopper_variant(head_dim, dtype, causal, n)
                                 for n in names) if x is not None]
-            # and the forward of calls that do not take the bulk tensor copies (small ones,
-            # varlen ones: tilings.NO_TMA)
-            small = launch.hopper_variant(head_dim, dtype, causal, tma_ok=False)
-            if small is not None and small not in out:
-                out.append(small)
+            # and the forwards of calls that do not take the bulk tensor copies (small ones:
+            # tilings.NO_TMA) and of long key sequences (tilings.LONG_KEYS)
+            for extra in (launch.hopper_variant(head_dim, dtype, causal, tma_ok=False),
+                          launch.hopper_variant(head_dim, dtype, causal, long_keys=True)):
+                if extra is not None and extra not in out:
+                    out.append(extra)
     return out
 
 

@@ -125,9 +125,10 @@ def test_strided_views():
         _check(q, k, v, do, "float32", True, "bhnd")
         # (direction, D, dtype, causal, device, tiles, aligned, tensor cores, decode, the
         # wgmma forward, bulk tensor copies allowed (the call's size: tilings.TMA_MIN_WORK),
-        # then the Variant's mask and layout fields: window, softcap, alibi, user, packed)
+        # long keys (tilings.LONG_KEYS_MIN, with the copies), then the Variant's mask and
+        # layout fields: window, softcap, alibi, user, packed)
         assert ("forward", D, "float32", True, 0, None, aligned, False, False, False, False,
-                (), 0.0, False, None, "") in launch._PLANS
+                False, (), 0.0, False, None, "") in launch._PLANS
     # aligned rows of 16 words holding a head dim of 13: a partial 16-byte chunk per row
     q, k, v, do = (_t((B, H, N, 16), "float32")[..., :13] for _ in range(4))
     _check(q, k, v, do, "float32", True, "bhnd")

@@ -62,7 +62,7 @@ CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
               "g1n64ob2": {(64, "float16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
               "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)},
-              "g2n128op3wt": {(128, "bfloat16", False)}}
+              "g2n128op3wt": {(128, "bfloat16", False)}, "g2n192op3wt": {(64, "bfloat16", False)}}
 
 
 def _in_ci(t, case):
@@ -306,6 +306,12 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
         assert launch.hopper_variant(d, "bfloat16", False, packed="varlen",
                                      tma_ok=False).tiles == tilings.NO_TMA[d]
         assert not tilings.NO_TMA[d].tma
+    # long key sequences (with the copies): LONG_KEYS' tiling where it has one
+    for (d, c), t in tilings.LONG_KEYS.items():
+        assert launch.hopper_variant(d, "bfloat16", c, long_keys=True).tiles == t
+        assert launch.hopper_variant(d, "bfloat16", c).tiles == tilings.HOPPER_FORWARD[d, c]
+        assert launch.hopper_variant(d, "bfloat16", c, long_keys=True, tma_ok=False) == \
+            launch.hopper_variant(d, "bfloat16", c, tma_ok=False)
     # which calls may: the work B Hq Nq Nk D (B=4 H=16 N=4096 D=64 is 2^36), views that
     # can be tensor maps (no zero stride: a broadcast), a stream not being captured
     def case(B, H, N, D, varlen=None):
@@ -793,6 +799,35 @@ def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,causal", list(tilings.LONG_KEYS) if ALL else [])
+def test_long_keys_take_their_tiling_on_gpu(hopper_gpu, monkeypatch, d, causal):
+    """A forward of tilings.LONG_KEYS_MIN keys or more takes tilings.LONG_KEYS' tiling
+    (GQA, a key count past a whole tile, few query rows aligned bottom-right), against the
+    float64 oracle; one key fewer, the table's."""
+    torch = hopper_gpu
+    from helpers import TOL_FWD, oracle_forward, rel_err
+
+    import flashcore
+
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (a small call: the copies anyway)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    tags = spy_launches(monkeypatch, ("launch_forward",),
+                        name=lambda kern: kern._dispatcher.py_func.__qualname__)
+    n = tilings.LONG_KEYS_MIN + 77
+    q, k, v, _ = gpu_inputs(torch, (1, 4, 2, 300, n, "bhnd"), d, "bfloat16", 3)
+    o, lse = flashcore.attention_forward(q, k, v, causal=causal, backend="numba_cuda")
+    assert f"_{tilings.LONG_KEYS[d, causal].tag}_" in tags[-1], tags
+    ref_o, ref_lse = oracle_forward(*(x.float().cpu().numpy() for x in (q, k, v)),
+                                    causal=causal)
+    assert rel_err(o.float().cpu().numpy(), ref_o) < TOL_FWD["bfloat16"]
+    assert rel_err(lse.cpu().numpy(), ref_lse) < 1e-5
+    m = tilings.LONG_KEYS_MIN - 1
+    flashcore.attention_forward(q, k[:, :, :m], v[:, :, :m], causal=causal,
+                                backend="numba_cuda")
+    assert f"_{tilings.HOPPER_FORWARD[d, causal].tag}_" in tags[-1], tags
+
+
+@pytest.mark.gpu
 def test_captured_forward_skips_the_tensor_maps_on_gpu(hopper_gpu, monkeypatch):
     """A forward captured into a CUDA graph takes the tilings without bulk tensor copies
     (their ring of map slots is rewritten call by call and waits on events, which a graph
@@ -930,3 +965,21 @@ def test_hopper_forward_with_mods_on_gpu(monkeypatch, c):
     hq, hk, hv, hdo = (x.float().cpu().numpy() for x in (q, k, v, do))
     _check(hq, hk, hv, hdo, c, mods, o.float().cpu().numpy(), lse.cpu().numpy(),
            [g.float().cpu().numpy() for g in grads])
+
+
+def test_warmup_compiles_every_forward_the_table_picks(monkeypatch):
+    """``python -m flashcore warmup`` on an sm_90 GPU: the table's wgmma forward, the one of
+    calls without bulk tensor copies (small ones) and the one of long key sequences
+    (tilings.LONG_KEYS), so that no size of call compiles on its first use."""
+    from flashcore.backends.numba_cuda import driver
+
+    from flashcore import _warmup
+
+    monkeypatch.setattr(driver, "device_cc", lambda device: (9, 0))
+    monkeypatch.setattr(launch, "_gpu", lambda device: ((9, 0), "NVIDIA H200"))
+    monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
+    for (d, c), t in tilings.LONG_KEYS.items():
+        tags = {v.tiles.tag for v in _warmup.variants(d, "bfloat16", c)
+                if v.family == "hopper" and v.kernel == "forward"}
+        small = launch.hopper_variant(d, "bfloat16", c, tma_ok=False).tiles
+        assert tags == {tilings.HOPPER_FORWARD[d, c].tag, small.tag, t.tag}, tags

@@ -243,13 +243,16 @@ def fused_backward(case, device) -> bool:
 
 
 def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
-                   alibi=False, user=None, packed="", split=False, tma_ok=True):
+                   alibi=False, user=None, packed="", split=False, tma_ok=True,
+                   long_keys=False):
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
     cache and split-KV; the backward varlen rows, a window, the softcap and ALiBi, no user
     mods, and the dkdvq kernel neither softcap nor ALiBi), or None where it has no tiling.
     ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
-    copies is replaced by ``tilings.NO_TMA``'s."""
+    copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
+    ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``): ``tilings.LONG_KEYS``' tiling
+    where it has one."""
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
@@ -258,7 +261,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None, bool(softcap),
-                              masked)
+                              masked, long_keys and tma_ok)
     if t is None:
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
@@ -357,14 +360,16 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
     """``(forward kernel, block_m)`` or ``(preprocess, threads, dkdv, block_m, dq,
     block_m)`` for one kind of call (``split``: the split-KV forward; ``hopper``: the
     wgmma kernels, :func:`hopper_serves` / :func:`hopper_bwd_serves`; ``tma_ok``:
-    :func:`bulk_copies_ok`)."""
+    :func:`bulk_copies_ok`, and then ``tilings.LONG_KEYS``' tiling for calls of
+    ``tilings.LONG_KEYS_MIN`` keys or more)."""
     mask = mask_options(case)
     if split:
         mask["split"] = True
     decode = decodes(case)
     tma_ok = bool(tma_ok and hopper and direction == "forward")
+    long_keys = tma_ok and case.seqlen_k >= tilings.LONG_KEYS_MIN
     key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
-           decode, hopper, tma_ok, *mask.values())
+           decode, hopper, tma_ok, long_keys, *mask.values())
     plan = _PLANS.get(key)
     if plan is None:
         d, dt, c = case.head_dim, case.dtype, case.causal
@@ -379,7 +384,7 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
             fam = [simt[0], simt[2], simt[3]]
         if hopper:
             pair = ("dkdvq", None) if direction == "fused" else ("dkdv", "dq")
-            fam = ([hopper_variant(d, dt, c, **mask, tma_ok=tma_ok)]
+            fam = ([hopper_variant(d, dt, c, **mask, tma_ok=tma_ok, long_keys=long_keys)]
                    if direction == "forward" else
                    [hopper_variant(d, dt, c, k_, window=mask["window"],
                                    softcap=mask["softcap"], alibi=mask["alibi"],

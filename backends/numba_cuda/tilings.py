@@ -488,6 +488,8 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_HEAD_DIMS,
     HOPPER_MASK_MOD,
     HOPPER_ROWS,
+    LONG_KEYS,
+    LONG_KEYS_MIN,
     MASKED_OVERLAP,
     NO_TMA,
     SOFTCAP_POLY,

@@ -135,11 +135,22 @@ class HopperTiles:
 #: least TMA_MIN_WORK; NO_TMA's below). H200, two runs, TFLOP/s g2n128op3wt / the table's
 #: before: D=128 630-652 / 599-600, causal 570-574 / 536-539, N=16384 622-627 / 566-632,
 #: causal 613-667 / 568-571; D=64 424-425 / 414, N=16384 453 / 409-421
-#: (notes/tma_2026-11-26.md). D=64 causal keeps g1n64ob2 (376-379 / 391 at N=4096).
+#: (notes/tma_2026-11-26.md). D=64 causal keeps g1n64ob2 (376-379 / 391 at N=4096). D=64
+#: non-causal since 2026-11-26 (second session): the same on 192-key tiles, g2n192op3wt;
+#: H200, two runs, TFLOP/s against g2n128op3wt: N=4096 434, 431 / 426, 421; N=16384 471,
+#: 468 / 450, 453 (notes/varlen_tma_bwd_2026-11-26.md).
 _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=True)
-HOPPER_FORWARD = {(64, False): _PP_TMA, (64, True): HopperTiles(1, 64, True, 2),
+_PP_TMA192 = HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True, tma=True)
+HOPPER_FORWARD = {(64, False): _PP_TMA192, (64, True): HopperTiles(1, 64, True, 2),
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
                   (256, False): HopperTiles(2, 64, True), (256, True): HopperTiles(2, 64, True)}
+#: Per (head dim, causal), the forward's tiling for calls of at least :data:`LONG_KEYS_MIN`
+#: keys (and of bulk tensor copies: TMA_MIN_WORK) where it is not the table's: at D=64
+#: causal a block's fixed costs weigh less against 16384 keys than 4096, and 192-key
+#: ping-pong wins there. H200, two runs, TFLOP/s g2n192op3wt / g1n64ob2: B=1 H=16 N=16384
+#: 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 / 394, 391.
+LONG_KEYS = {(64, True): _PP_TMA192}
+LONG_KEYS_MIN = 8192
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
 #: take them (:data:`TMA_MIN_WORK`; varlen rows, which the tensor maps do not describe):
 #: the overlapped g2n64o at D=64, the ping-pong g2n128op3 (its consumers' cp.async copies)
@@ -178,7 +189,8 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
                      _POLY2, _PP2, _PERSISTENT,
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
-                     HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA)
+                     HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA,
+                     _PP_TMA192)
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
@@ -288,12 +300,14 @@ HOPPER_BWD_MASKED = {("dkdv", 128): HopperTiles(1, 32, True)}
 
 def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   mask_mod: bool = False, softcap: bool = False,
-                  masked: bool = False) -> HopperTiles | None:
+                  masked: bool = False, long_keys: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
     (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one;
-    ``masked``: of a backward kernel with a window, the softcap or ALiBi), or None where it
-    has none."""
+    ``masked``: of a backward kernel with a window, the softcap or ALiBi; ``long_keys``: of
+    a forward of :data:`LONG_KEYS_MIN` keys or more), or None where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
+    if long_keys and kernel == "forward":
+        t = LONG_KEYS.get((head_dim, bool(causal)), t)
     if t is not None and softcap and kernel != "forward":
         t = HOPPER_BWD_SOFTCAP.get((kernel, head_dim), t)
     if t is not None and (masked or softcap) and kernel != "forward":
