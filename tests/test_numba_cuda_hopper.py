@@ -306,6 +306,12 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
         assert launch.hopper_variant(d, "bfloat16", False, packed="varlen",
                                      tma_ok=False).tiles == tilings.NO_TMA[d]
         assert not tilings.NO_TMA[d].tma
+    # a softcap keeps the ping-pong tilings, on tiles of at most SOFTCAP_KEYS keys (the
+    # D=64 table's 192-key ones lose with it)
+    for d in (64, 128):
+        for c, long_keys in ((False, False), (True, True)):
+            t = launch.hopper_variant(d, "bfloat16", c, softcap=30.0, long_keys=long_keys).tiles
+            assert t.pingpong and t.block_n <= tilings.SOFTCAP_KEYS, t
     # long key sequences (with the copies): LONG_KEYS' tiling where it has one
     for (d, c), t in tilings.LONG_KEYS.items():
         assert launch.hopper_variant(d, "bfloat16", c, long_keys=True).tiles == t

@@ -492,6 +492,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     LONG_KEYS_MIN,
     MASKED_OVERLAP,
     NO_TMA,
+    SOFTCAP_KEYS,
     SOFTCAP_POLY,
     TMA_MIN_WORK,
     WINDOW_TILES,

@@ -321,6 +321,10 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
 #: ALiBi 1.22-1.29x (against 1.01): the FP32 pipe, not the MUFU unit, is what the softmax
 #: fills there.
 SOFTCAP_POLY = 0
+#: The most keys a tile of a ping-pong forward with a softcap takes: the D=64 table's
+#: 192-key tiles lose with one (H200, B=4 H=16 N=8192 D=64 bf16, softcap 30, TFLOP/s
+#: g2n192op3wt / g2n128op3wt: 311 / 330, causal 302 / 317; without it 473 / 446).
+SOFTCAP_KEYS = 128
 
 
 #: Per head dim, the wgmma forward's tiling for a sliding window: one warpgroup of 64 query
@@ -348,7 +352,8 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
     other masks take the overlapped schedule of the same block shape. On an H100 (B=4 H=16
     N=8192 D=128 bf16, time over the same tiling's without a mask, non-causal / causal):
     softcap 1.16 / 1.11 in ping-pong, 1.22 / 1.21 overlapped (the softcap keeps the table's
-    ping-pong tiling, its producer of bulk tensor copies too); ALiBi 1.10 / 1.01 in
+    ping-pong tiling, its producer of bulk tensor copies too, on tiles of at most
+    :data:`SOFTCAP_KEYS` keys); ALiBi 1.10 / 1.01 in
     ping-pong, 1.01 / 1.00 overlapped; a window of 1024 0.197 / 0.264 in ping-pong, 0.189 /
     0.256 overlapped; and a score_mod spills in ping-pong (the relative-bias one 392 bytes at
     D=128, ptxas 13.0; 304 overlapped); they take :data:`MASKED_OVERLAP`. A ``window``
@@ -361,4 +366,6 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
                                                     producer=False, tma=False))
     if t.producer and not t.tma:  # (a producer of cp.async copies has no mask steps)
         t = replace(t, producer=False)
+    if softcap and t.block_n > SOFTCAP_KEYS:
+        t = replace(t, block_n=SOFTCAP_KEYS)
     return replace(t, poly=t.poly or (SOFTCAP_POLY if softcap else 0))
