@@ -378,7 +378,8 @@ def test_pingpong_tilings_and_rings():
             assert tilings.hopper_smem_bytes(t, d) <= tilings.SMEM_LIMIT[(9, 0)], t
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
             tilings.hopper_candidates(128)] == ["g2n64op3", "g2n64op3w", "g2n192op3",
-                                                "g2n192op3w", "g2n64op2", "g2n64op3t"]
+                                                "g2n192op3w", "g2n64op2", "g2n64op3t",
+                                                "g2n192op3wt"]
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
             tilings.hopper_candidates(64)] == ["g2n128op3x2", "g2n64op2"]
     # D=256: 64-key tiles, the overlapped schedule and the 2-stage ping-pong
