@@ -308,13 +308,15 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
         assert not tilings.NO_TMA[d].tma
     # a softcap keeps the ping-pong tilings, on tiles of at most SOFTCAP_KEYS keys (the
     # D=64 table's 192-key ones lose with it)
-    for d in (64, 128):
-        for c, long_keys in ((False, False), (True, True)):
-            t = launch.hopper_variant(d, "bfloat16", c, softcap=30.0, long_keys=long_keys).tiles
-            assert t.pingpong and t.block_n <= tilings.SOFTCAP_KEYS, t
-    # long key sequences (with the copies): LONG_KEYS' tiling where it has one
+    for d, c in ((64, False), (128, False), (128, True)):
+        t = launch.hopper_variant(d, "bfloat16", c, softcap=30.0).tiles
+        assert t.pingpong and t.block_n <= tilings.SOFTCAP_KEYS, t
+    # long key sequences (with the copies, no masks): LONG_KEYS' tiling where it has one
     for (d, c), t in tilings.LONG_KEYS.items():
         assert launch.hopper_variant(d, "bfloat16", c, long_keys=True).tiles == t
+        for mask in ({"softcap": 30.0}, {"alibi": True}, {"window": (100, 0)}):
+            assert launch.hopper_variant(d, "bfloat16", c, long_keys=True, **mask) == \
+                launch.hopper_variant(d, "bfloat16", c, **mask), mask
         assert launch.hopper_variant(d, "bfloat16", c).tiles == tilings.HOPPER_FORWARD[d, c]
         assert launch.hopper_variant(d, "bfloat16", c, long_keys=True, tma_ok=False) == \
             launch.hopper_variant(d, "bfloat16", c, tma_ok=False)
@@ -642,7 +644,7 @@ def _mod_variants():
     """Variants with masks and score modifiers (at D=128 the softcap's tiling is ping-pong,
     a score_mod's, the window's and ALiBi's the overlapped schedule, a mask_mod's one without
     the overlap; at D=256 the overlapped 64-key tiles), one per kind, each on another head dim, dtype and causal mode; varlen rows
-    (packed sequences) too."""
+    (packed sequences) too, at D=64 on the table's 192-key bulk copies."""
     from flashcore.backends.numba_cuda.variant import UserMods
     from test_numba_cuda_mods import _takes_all, prefix_lm, rel_bias
 
@@ -660,14 +662,15 @@ def _mod_variants():
             ("user", dict(user=user), 64, "bfloat16", False),
             ("user+window", dict(user=user, window=(64, 0)), 128, "float16", True),
             ("window256+cap", dict(window=(200, 100), softcap=30.0), 256, "bfloat16", True),
-            ("varlen256+user", dict(packed="varlen", user=user), 256, "float16", False)]
+            ("varlen256+user", dict(packed="varlen", user=user), 256, "float16", False),
+            ("varlen64", dict(packed="varlen"), 64, "bfloat16", False)]
 
 
 @pytest.mark.parametrize("which", [
     pytest.param(i, id=name, marks=() if i < 4 or name == "window256+cap" else pytest.mark.slow)
     for i, name in enumerate(["window", "softcap", "alibi", "varlen", "varlen64+window",
                               "softcap64", "score_mod", "alibi+cap", "user", "user+window",
-                              "window256+cap", "varlen256+user"])])
+                              "window256+cap", "varlen256+user", "varlen64"])])
 def test_ptx_sm90a_with_mods(sm90, which):
     """The wgmma forward with masks and score modifiers compiles for sm_90a with the
     launch's parameters, no local memory and (ptxas) no spills nor serialized wgmmas; a

@@ -329,7 +329,7 @@ def test_packed_varlen_bulk_copies_on_gpu(D, causal, monkeypatch):
     _varlen_on_gpu(torch, rng, lq, lk, 8, 2, D, "bfloat16", causal)
     assert f"_{t.tag}_" in tags[0], tags
     q, k, v, cq, ck = packed(rng, lq, lk, Hq=8, Hkv=2, D=D, dtype="bfloat16")
-    v[ck[3], 1, 7] = np.inf  # (the 4th sequence's first key: row 1 of the 3rd's last tile)
+    v[ck[3], 1, 7] = np.inf  # (the 4th sequence's first key: in the 3rd's last key tile)
     dev = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to(  # noqa: E731
         "cuda", torch.bfloat16)
     tq, tk, tv = dev(q), dev(k), dev(v)

@@ -277,9 +277,9 @@ def _assembles_clean(ptx, spill=0):
         return
     rc, report = res
     assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
-    used = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
-                     r"loads", report)
-    assert used and max(map(int, used.groups())) <= spill, report
+    used = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                      r"loads", report)
+    assert used and max(int(x) for line in used for x in line) <= spill, report
     assert "C7519" not in report and "serialized" not in report, report
 
 

@@ -186,6 +186,9 @@ def run(argv=None) -> int:
 
     candidates = list(tilings.HOPPER_CANDIDATES)
     tilings.WINDOW_TILES.clear()  # (windows run on each candidate, not on the table's choice)
+    from flashcore.backends.numba_cuda.hopper import tilings as hopper_tilings
+
+    hopper_tilings.SOFTCAP_KEYS = 256  # (a softcap runs on each candidate's own key tiles)
     if args.tilings:
         known = {t.tag: t for t in candidates}
         try:

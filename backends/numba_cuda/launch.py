@@ -251,8 +251,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     mods, and the dkdvq kernel neither softcap nor ALiBi), or None where it has no tiling.
     ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
     copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
-    ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``): ``tilings.LONG_KEYS``' tiling
-    where it has one."""
+    ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``, no masks): ``tilings.LONG_KEYS``'
+    tiling where it has one."""
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
@@ -261,7 +261,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None, bool(softcap),
-                              masked, long_keys and tma_ok)
+                              masked, long_keys and tma_ok and not masked)
     if t is None:
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
@@ -367,7 +367,8 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
         mask["split"] = True
     decode = decodes(case)
     tma_ok = bool(tma_ok and hopper and direction == "forward")
-    long_keys = tma_ok and case.seqlen_k >= tilings.LONG_KEYS_MIN
+    # (dense calls only: a varlen call's longest sequence says little of its others)
+    long_keys = tma_ok and case.varlen is None and case.seqlen_k >= tilings.LONG_KEYS_MIN
     key = (direction, case.head_dim, case.dtype, case.causal, device, tiles, aligned, tc,
            decode, hopper, tma_ok, long_keys, *mask.values())
     plan = _PLANS.get(key)

@@ -28,8 +28,9 @@ behind). A copier waits on "empty" only for what the other has not released yet.
 With ``tma`` (``HopperTiles.tma``) one thread of the copying warpgroup moves each K or V
 tile instead: it waits for the stage, announces the tile's bytes on its "full" barrier
 (``mbarrier.arrive.expect_tx``: count 1) and issues one bulk tensor copy per 64 columns
-(tensor maps 1 and 2 of the launch's ``maps``: K and V as (D, N, H, B) with 128-byte
-swizzled boxes of 64 columns and ``block_n`` rows, rows past N zero); the copies land
+(tensor maps 1 and 2 of the launch's ``maps``: K and V as (D, N, H, B), varlen rows as
+(D, total, H, 1) read from a sequence's offset, with 128-byte swizzled boxes of 64 columns
+and ``block_n`` rows, rows past the end zero); the copies land
 through the async proxy and complete the phase. With a producer warpgroup too, its first
 thread moves every K and V tile, each as soon as its stage is free (FlashAttention 3's
 producer).

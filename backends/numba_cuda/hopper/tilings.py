@@ -144,15 +144,17 @@ _PP_TMA192 = HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True, t
 HOPPER_FORWARD = {(64, False): _PP_TMA192, (64, True): HopperTiles(1, 64, True, 2),
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
                   (256, False): HopperTiles(2, 64, True), (256, True): HopperTiles(2, 64, True)}
-#: Per (head dim, causal), the forward's tiling for calls of at least :data:`LONG_KEYS_MIN`
-#: keys (and of bulk tensor copies: TMA_MIN_WORK) where it is not the table's: at D=64
+#: Per (head dim, causal), the forward's tiling for dense calls of at least
+#: :data:`LONG_KEYS_MIN` keys without masks or modifiers (and of bulk tensor copies:
+#: TMA_MIN_WORK) where it is not the table's (varlen calls keep the table's: their longest
+#: sequence says little of the others; masked ones too: not timed): at D=64
 #: causal a block's fixed costs weigh less against 16384 keys than 4096, and 192-key
 #: ping-pong wins there. H200, two runs, TFLOP/s g2n192op3wt / g1n64ob2: B=1 H=16 N=16384
 #: 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 / 394, 391.
 LONG_KEYS = {(64, True): _PP_TMA192}
 LONG_KEYS_MIN = 8192
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
-#: take them (:data:`TMA_MIN_WORK`; varlen rows, which the tensor maps do not describe):
+#: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture):
 #: the overlapped g2n64o at D=64, the ping-pong g2n128op3 (its consumers' cp.async copies)
 #: at D=128.
 NO_TMA = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True, pingpong=True, stages=3)}
@@ -236,7 +238,8 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
 HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
                 (128, True): HopperTiles(1, 32, True)}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
-#: each other (the table's first); all compile without spills.
+#: each other (the table's first); all compile without spills but the table's D=128 causal
+#: dK/dV (12 bytes, its budget in the PTX test).
 _D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
         (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
@@ -293,8 +296,8 @@ HOPPER_BWD_SOFTCAP = {("dq", 64): HopperTiles(1, 64, True)}
 #: The wgmma backward's tilings with any mask or modifier (a window, the softcap, ALiBi:
 #: their per-score work holds more registers), per (kernel, head dim) where the table's do
 #: not take them: the dK/dV kernel at D=128 non-causal steps 64 queries (g1n64o, 255
-#: registers), which spills 12-152 bytes with them (ptxas 13.0); they keep the 32-query
-#: steps (g1n32o), as causal calls do.
+#: registers), which spills 12-152 bytes with them (ptxas 13.0), and so does causal (its
+#: 12 bytes without them); they keep the 32-query steps (g1n32o).
 HOPPER_BWD_MASKED = {("dkdv", 128): HopperTiles(1, 32, True)}
 
 
