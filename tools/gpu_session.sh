@@ -6,7 +6,10 @@
 #           tree (flashcore/backends linked to ../backends for the run, standing in for the
 #           editable install's package-dir mapping); environment facts in session.log
 #   tests   parallel precompile (tools/gpu_precompile.py: fills numba's disk cache), then
-#           pytest -m gpu and the main job (python -m flashcore)
+#           pytest -m gpu and the main job (python -m flashcore). The whole suite no longer
+#           fits one 600 s device call on an H200 (about 575 s of pytest at 15 workers,
+#           2026-11-26): run it as two, PYTEST_K=hopper TEST_TIMEOUT=500 (about 325 s)
+#           and PYTEST_K="not hopper" TEST_TIMEOUT=500 (about 250 s)
 #   bench   the side-by-side table: python -m flashcore bench $BENCH_ARGS, then the long
 #           sequence table ($BENCH_LONG_ARGS; set it empty to skip)
 #   tune    the tensor-core autotuner ($TUNE_DIMS); the tuned tilings stay in
