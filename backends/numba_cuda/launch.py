@@ -346,8 +346,8 @@ _PLANS: dict = {}
 def bulk_copies_ok(case, stream, q, k, v) -> bool:
     """Whether a forward may take a table tiling of bulk tensor copies (its tensor maps
     cost host time: tensor_maps.py): work B Hq Nq Nk D of at least
-    ``tilings.TMA_MIN_WORK`` (varlen: total_q Hq max_seqlen_k D), views that can be tensor maps, and (on a GPU) a stream not
-    being captured into a CUDA graph (the maps' ring of slots is rewritten call by call,
+    ``tilings.TMA_MIN_WORK`` (varlen: total_q Hq max_seqlen_k D), views that can be tensor
+    maps, and (on a GPU) a stream not being captured into a CUDA graph (the maps' ring of slots is rewritten call by call,
     and waits on events, which a captured graph cannot take)."""
     rows = case.batch * case.seqlen_q if case.varlen is None else case.varlen.total_q
     return (rows * case.heads_q * case.seqlen_k * case.head_dim >= tilings.TMA_MIN_WORK
@@ -464,20 +464,15 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
                                 split is not None, hop,
                                 hop and case.kvcache is None
                                 and bulk_copies_ok(case, stream, q, k, v))
-    if not tma:
+    slot = None
+    if tma:  # (dense or varlen rows: the tensor maps where the block table goes)
+        packed = list(no_packed(lse) if packed is None else packed)
+        packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
+    try:
         launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
                        margs or no_mod_args(lse), classes or no_classes(lse), packed,
                        1 if split is None else split[0], ctas)
-        return
-    # (dense or varlen rows: the tensor maps where the block table goes; the slot is marked
-    # read by this launch whether or not it was queued)
-    packed = list(no_packed(lse) if packed is None else packed)
-    packed[3], slot = tensor_maps.put(case, device, stream, q, k, v, tma)
-    try:
-        launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes or no_slopes(lse),
-                       margs or no_mod_args(lse), classes or no_classes(lse), tuple(packed), 1,
-                       ctas)
-    finally:
+    finally:  # (a slot is marked read by this launch whether or not it was queued)
         tensor_maps.used(device, stream, slot)
 
 

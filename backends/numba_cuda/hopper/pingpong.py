@@ -181,8 +181,7 @@ def produce_next(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full
     :func:`produce`."""
     if TMA:
         produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, trow + n_begin, full,
-                    empty,
-                    STAGES, STAGE, BN, CH // 8, wtid)
+                    empty, STAGES, STAGE, BN, CH // 8, wtid)
     else:
         produce(smem, el, off, src, base, t, n_tiles, n_begin, nvalid, sn, full, empty,
                 STAGES, STAGE, BN, CH, wtid)
