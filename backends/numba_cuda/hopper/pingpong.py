@@ -500,10 +500,11 @@ def make_attn_forward_wgmma_pingpong(var):
                 last = n_tiles - 1
                 wait_full(smem, full_v, last, STAGES)
                 if TMA and PACKED == VARLEN:  # (compile-time) the rows past the sequence
-                    # (the next one's, by the bulk copy) zeroed: each warpgroup writes the
-                    # same zeros, before the fence and its turn's barrier
+                    # (the next one's, by the bulk copy) zeroed by the first warpgroup,
+                    # before its fence and its turn; the second's last turn is released by
+                    # the first's pass_turn, after them (no store under the other's reads)
                     nl = n_begin + last * BN
-                    if nl + BN > Nk:
+                    if wg == 0 and nl + BN > Nk:
                         clear_rows(smem, el + (V_OFF + stage_of(last, STAGES) * STAGE) // 2,
                                    Nk - nl, BN, CH // 8, wtid)
                 fence_proxy_async()
