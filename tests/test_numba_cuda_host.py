@@ -356,3 +356,68 @@ def test_preprocess_tiling_takes_whole_warps_and_power_of_two_lanes():
         tilings.RowTiles(64, 6)
     with pytest.raises(ValueError, match="lanes=64"):
         tilings.RowTiles(64, 64)
+
+
+class FakeRingLib(FakeLibcuda):
+    """And the calls of the tensor maps' ring (tensor_maps._Ring): a device buffer the
+    copies write from the pinned host buffer's bytes, events by number."""
+
+    def __init__(self, dev_base, size):
+        super().__init__()
+        self.dev_base = dev_base
+        self.device = bytearray(size)
+        self.copies, self.waits, self.records, self.events = [], [], [], 0
+
+    def cuMemcpyHtoDAsync_v2(self, dst, src, n, stream):
+        self.copies.append((dst - self.dev_base, stream))
+        self.device[dst - self.dev_base:dst - self.dev_base + n] = ctypes.string_at(src, n)
+        return 0
+
+    def cuEventCreate(self, ref, flags):
+        self.events += 1
+        ref._obj.value = self.events
+        return 0
+
+    def cuEventRecord(self, ev, stream):
+        self.records.append((ev, stream))
+        return 0
+
+    def cuEventSynchronize(self, ev):
+        self.waits.append(ev)
+        return 0
+
+
+def test_tensor_map_ring_reuses_a_slot_only_on_its_stream(monkeypatch):
+    """The ring of map slots (tensor_maps._Ring) with 3 slots: the same maps again on the
+    stream that copied them read their slot without a copy or a wait; on another stream
+    they are copied to the next slot; a slot is rewritten only after a wait on the event of
+    the launch that last read it, and its old maps are then copied anew; every slot a call
+    is given holds that call's bytes; the context is pushed around the driver calls and
+    popped after them."""
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    monkeypatch.setattr(tensor_maps, "SLOTS", 3)
+    n = tensor_maps._SET
+    lib = FakeRingLib(0x10000, 3 * n)
+    host = ctypes.create_string_buffer(3 * n)
+    ring = tensor_maps._Ring(lib, 2, 0x10000, ctypes.addressof(host))
+    sets = [bytes([m]) * n for m in range(1, 5)]  # A, B, C, D
+
+    def call(data, stream):
+        at, slot = ring.put(data, stream)
+        assert at == 0x10000 + slot * n
+        assert bytes(lib.device[slot * n:(slot + 1) * n]) == data
+        ring.used(slot, stream)
+        return slot
+
+    a = call(sets[0], 7)
+    assert (a, len(lib.copies), lib.waits) == (0, 1, [])
+    assert call(sets[0], 7) == a and len(lib.copies) == 1  # (no copy, no wait)
+    assert call(bytes(bytearray(sets[0])), 7) == a and len(lib.copies) == 1  # (equal bytes)
+    assert call(sets[0], 8) == 1 and len(lib.copies) == 2  # (another stream)
+    assert call(sets[1], 7) == 2 and lib.waits == []
+    assert call(sets[2], 7) == 0 and lib.waits == [1]  # slot 0 after A's last launch
+    assert call(sets[0], 7) == 1 and lib.waits == [1, 2] and len(lib.copies) == 5
+    assert call(sets[1], 7) == 2 and len(lib.copies) == 5  # (still held: no copy)
+    assert [r[0] for r in lib.records] == [1, 1, 1, 2, 3, 1, 2, 3]
+    assert lib.stack == [1]  # (pushed context 2 around each call's driver calls, popped)

@@ -56,8 +56,8 @@ def _run_varlen(c, monkeypatch, family):
     from flashcore.backends.numba_cuda import launch
 
     served = []
-    real = launch.tc_serves
-    monkeypatch.setattr(launch, "tc_serves", lambda *a: served.append(real(*a)) or served[-1])
+    real = launch._serves  # (what each call takes, kept per kind of call or not)
+    monkeypatch.setattr(launch, "_serves", lambda *a: served.append(real(*a)[0]) or real(*a))
     rng = np.random.default_rng(len(c["lq"]) + c["D"])
     q, k, v, cq, ck = packed(rng, c["lq"], c["lk"], Hq=c["Hq"], Hkv=c["Hkv"], D=c["D"],
                              dtype=c["dtype"])
@@ -98,10 +98,11 @@ def _run_cache(c, monkeypatch, family):
     from flashcore.backends.numba_cuda import launch
 
     merged, served = [], []
-    real_merge, real_tc = launch.run_merge, launch.tc_serves
+    real_merge, real_tc = launch.run_merge, launch._serves
     monkeypatch.setattr(launch, "run_merge",
                         lambda *a: merged.append(a[-1]) or real_merge(*a))
-    monkeypatch.setattr(launch, "tc_serves", lambda *a: served.append(real_tc(*a)) or served[-1])
+    monkeypatch.setattr(launch, "_serves",
+                        lambda *a: served.append(real_tc(*a)[0]) or real_tc(*a))
     monkeypatch.setattr(T, "D", c["D"])
     if "page" in c:  # pages of whole key tiles (same capacity)
         monkeypatch.setattr(T, "PAGE", c["page"])

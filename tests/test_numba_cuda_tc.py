@@ -72,16 +72,17 @@ if SIM:
 
     @pytest.fixture
     def tc_calls(monkeypatch):
-        """launch.tc_serves's answers, launch by launch (forward, then backward)."""
+        """launch.tc_serves's answers, launch by launch (forward, then backward), as
+        launch._serves passes them on (kept per kind of call or not)."""
         calls = []
-        real = launch_tc.tc_serves
+        real = launch_tc._serves
 
         def counted(*args):
             out = real(*args)
-            calls.append(out)
+            calls.append(out[0])
             return out
 
-        monkeypatch.setattr(launch_tc, "tc_serves", counted)
+        monkeypatch.setattr(launch_tc, "_serves", counted)
         monkeypatch.setenv(launch_tc.TC_ENV, "1")
         return calls
 
@@ -306,9 +307,9 @@ else:
 
         monkeypatch.setenv(launch.TC_ENV, "1")
         served = []
-        real = launch.tc_serves
-        monkeypatch.setattr(launch, "tc_serves",
-                            lambda *a: served.append(real(*a)) or served[-1])
+        real = launch._serves  # (what each call takes, kept per kind of call or not)
+        monkeypatch.setattr(launch, "_serves",
+                            lambda *a: served.append(real(*a)[0]) or real(*a))
         q, k, v, do = (torch.from_numpy(np.asarray(x, dtype=np.float32)).cuda().to(
             getattr(torch, c["dtype"])) for x in _inputs(c))
         opts = dict(causal=c["causal"], layout=c["layout"], backend="numba_cuda")

@@ -39,9 +39,12 @@ _BINDINGS_LAUNCH = None
 
 @functools.cache
 def _libcuda():
+    """libcuda, with the argument and result types of every entry point the backend calls
+    set here, once (the table below)."""
     global _LIBCUDA, _BINDINGS_LAUNCH
     lib = ctypes.CDLL("libcuda.so.1")
     vp = ctypes.c_void_p
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
     for name, args in [
         ("cuInit", [ctypes.c_uint]),
         ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp] * 3),
@@ -53,8 +56,21 @@ def _libcuda():
         ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
         ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
         ("cuMemcpyDtoHAsync_v2", [vp, ctypes.c_uint64, ctypes.c_size_t, vp]),
+        ("cuStreamIsCapturing", [vp, ctypes.POINTER(ctypes.c_int)]),
+        # the tensor maps (tensor_maps.py): their encoding, and each device's ring of slots
+        ("cuTensorMapEncodeTiled", [vp, ctypes.c_int, ctypes.c_uint32, vp, u64p, u64p, u32p,
+                                    u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_int]),
+        ("cuMemAlloc_v2", [u64p, ctypes.c_size_t]),
+        ("cuMemHostAlloc", [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_uint]),
+        ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, vp, ctypes.c_size_t, vp]),
+        ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+        ("cuEventRecord", [vp, vp]),
+        ("cuEventSynchronize", [vp]),
     ]:
-        f = getattr(lib, name)
+        f = getattr(lib, name, None)
+        if f is None:  # (an older driver: the call that needs it reports its absence)
+            continue
         f.argtypes = args
         f.restype = ctypes.c_int
     lib.cuInit(0)  # (idempotent; a process may reach us before any library initialized CUDA)
@@ -341,14 +357,9 @@ def stream_capturing(stream: int) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph (``cuStreamIsCapturing``);
     True too where the driver cannot say (an implicit capture of the legacy stream, no
     context): the caller then takes the path that is safe under capture."""
-    lib = _LIBCUDA or _libcuda()
-    fn = lib.cuStreamIsCapturing
-    if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-        fn.restype = ctypes.c_int
     status = ctypes.c_int(-1)
     try:
-        err = fn(stream, ctypes.byref(status))
+        err = (_LIBCUDA or _libcuda()).cuStreamIsCapturing(stream, ctypes.byref(status))
     except Exception:  # noqa: BLE001  (the safe answer)
         return True
     return err != _CUDA_SUCCESS or status.value != 0

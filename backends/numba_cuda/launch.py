@@ -16,11 +16,8 @@ import functools
 import os
 from dataclasses import replace
 
-from numba.cuda import types
-
 from . import driver, tensor_maps, tilings
 from .device.convert import SIMULATOR
-from .device.user_mods import MAX_ARGS, MAX_DIMS
 from .driver import Prepared, device_cc, device_name, prepared
 from .hopper import backward as _hop_bwd
 from .hopper import forward as _hop_fwd
@@ -39,6 +36,7 @@ from .launch_args import (  # noqa: F401 (re-exported: launch.no_slopes, ...)
     no_packed,
     no_slopes,
     packed_args,
+    signature,
 )
 from .simt import backward as _simt_bwd
 from .simt import cache as _simt_cache
@@ -47,11 +45,6 @@ from .simt import forward as _simt_fwd
 from .tensor_core import backward as _tc_bwd
 from .tensor_core import forward as _tc_fwd
 from .variant import UserMods, Variant
-
-#: stored dtype name -> numba element type of the kernel's pointers (bf16 as raw bits)
-_ELEM = {"float32": types.float32, "float16": types.float16, "bfloat16": types.uint16}
-_I64 = types.int64
-_F64 = types.float64
 
 #: Environment switch: the tensor-core kernels serve fp16/bf16 by default;
 #: ``FLASHCORE_TENSOR_CORES=0`` selects the SIMT kernels instead.
@@ -101,51 +94,6 @@ def build(v: Variant):
     """The Python kernel function of variant ``v`` (one per variant, so numba compiles
     each once per process)."""
     return FACTORIES[v.family, v.kernel](v)
-
-
-#: mod_args dtype name -> numba element type of its pointer (bool arrays as their bytes)
-_ARG_ELEM = {n: getattr(types, n) for n in (
-    "float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16",
-    "uint32", "uint64")}
-_ARG_ELEM["bool"] = types.uint8
-_I32P = types.CPointer(types.int32)
-#: The packed-rows arguments every attention kernel takes last (device/seams.sequence;
-#: read by varlen and KV-cache variants only, :func:`packed_args`): cu_seqlens_q,
-#: cu_seqlens_k, the keys of each cached sequence, the block table (int32 pointers), then
-#: the table's batch stride, the page size, the page stride, the packed query rows, the
-#: keys per split, the split strides of the partial output and lse, and the number of
-#: varlen sequences (``device/seams.packed_tile``).
-PACKED_SIG = (_I32P,) * 4 + (_I64,) * 8
-
-
-def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False) -> tuple:
-    """Argument types of a kernel entry (variant.ENTRY): pointers (inputs and outputs in the
-    stored dtype, lse and delta float32), then int64 sizes and strides, the float64 scale,
-    then the ALiBi slopes (float32) and their batch and head strides (read only by ALiBi
-    variants; others get any float32 buffer), then the user mods' arrays: MAX_ARGS
-    pointers (typed by ``mod_args``, the variant's ``UserMods.args``; float32 past them)
-    and MAX_ARGS * MAX_DIMS int64 extents, then the mask_mod's tile classes (int8, read by
-    variants with a mask_mod) with their batch, head and query-block strides. Both families
-    take the same arguments, then :data:`PACKED_SIG`. A ``split`` forward writes a float32
-    partial output."""
-    e = types.CPointer(_ELEM[dtype])
-    f32 = types.CPointer(types.float32)
-    o = f32 if split else e
-    kinds = [a[0] for a in mod_args] + ["float32"] * (MAX_ARGS - len(mod_args))
-    mods = (f32, _I64, _I64) + tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (
-        _I64,) * (MAX_ARGS * MAX_DIMS) + (types.CPointer(types.int8), _I64, _I64, _I64)
-    dkdv = (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods + PACKED_SIG
-    return {
-        "attn_forward": (e, e, e, o, f32) + (_I64,) * 21 + (_F64,) + mods + PACKED_SIG,
-        "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
-        "attn_backward_dkdv": dkdv,
-        "attn_backward_dkdvq": dkdv,  # (its dQ accumulator where ALiBi's slopes go)
-        "attn_backward_dq_convert": (f32, e) + (_I64,) * 11 + (_F64,),
-        "attn_backward_dq": ((e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,) + mods
-                             + PACKED_SIG),
-        "attn_merge_splits": (f32, f32, e, f32) + (_I64,) * 8,
-        "cache_append": (e, e, _I32P, _I32P) + (_I64,) * 15,
-    }[kernel]
 
 
 def kernel(v: Variant, device: int) -> Prepared:
@@ -343,16 +291,46 @@ def case_variants(head_dim, dtype, causal, cc, aligned=True, **mask):
 _PLANS: dict = {}
 
 
-def bulk_copies_ok(case, stream, q, k, v) -> bool:
+def bulk_copies_ok(case, stream, q, k, v, maps=None) -> bool:
     """Whether a forward may take a table tiling of bulk tensor copies (its tensor maps
     cost host time: tensor_maps.py): work B Hq Nq Nk D of at least
     ``tilings.TMA_MIN_WORK`` (varlen: total_q Hq max_seqlen_k D), views that can be tensor
-    maps, and (on a GPU) a stream not being captured into a CUDA graph (the maps' ring of slots is rewritten call by call,
-    and waits on events, which a captured graph cannot take)."""
+    maps (``maps``: known already, :func:`_serves`), and (on a GPU) a stream not being
+    captured into a CUDA graph (the maps' ring of slots is rewritten call by call, and
+    waits on events, which a captured graph cannot take)."""
     rows = case.batch * case.seqlen_q if case.varlen is None else case.varlen.total_q
     return (rows * case.heads_q * case.seqlen_k * case.head_dim >= tilings.TMA_MIN_WORK
-            and tensor_maps.serves(case, q, k, v)
+            and (maps if maps is not None else tensor_maps.serves(case, q, k, v))
             and (SIMULATOR or not driver.stream_capturing(stream)))
+
+
+def _serves(direction, case, device, q, k, v, do, tiles, tc_ok) -> tuple:
+    """``(tc, hopper, aligned, maps)`` of a call: :func:`tc_serves` (where ``tiles`` is None
+    and ``tc_ok``), :func:`hopper_serves` (the forward's) or :func:`hopper_bwd_serves`,
+    :func:`_fp32_rows_aligned` (and ``tc_ok``), and whether its views can be tensor maps
+    (``tensor_maps.serves``). They read only the case, the views' strides, their addresses'
+    alignment and two switches, so they are kept per kind of call in :data:`_PLANS` (every
+    call pays host time: on an H200 host, 20-25 µs of a 160 µs forward call before)."""
+    try:  # (a simulator view's handle is an array: no key)
+        key = ("serves", direction, case, device, tiles is None, tc_ok, q[1], k[1], v[1],
+               q[0] & 15, k[0] & 15, v[0] & 15, None if do is None else (do[1], do[0] & 15),
+               os.environ.get(TC_ENV), os.environ.get(HOPPER_ENV),
+               os.environ.get(HOPPER_BWD_ENV))
+        got = _PLANS.get(key)
+    except TypeError:
+        key = got = None
+    if got is None:
+        tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v, do)
+        if direction == "forward":
+            hop = tc and hopper_serves(case, device)
+            aligned = tc_ok and _fp32_rows_aligned(case, q, k, v)
+        else:
+            hop = tc and hopper_bwd_serves(case, device)
+            aligned = _fp32_rows_aligned(case, q, k, v, do)
+        got = (tc, hop, aligned, hop and tensor_maps.serves(case, q, k, v))
+        if key is not None:
+            _PLANS[key] = got
+    return got
 
 
 def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False,
@@ -457,13 +435,12 @@ def run_forward(case, device, stream, q, k, v, o, lse, tiles=None, slopes=None,
     float32 partials, ``packed`` carries their split strides). ``tc_ok`` False: a layout
     the alignment checks of the arrays alone do not see (a paged cache's page stride) rules
     out the 16-byte copies."""
-    tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v)
-    hop = tc and split is None and hopper_serves(case, device)
-    kern, bm, ctas, tma = _plan("forward", case, device, tiles,
-                                tc_ok and _fp32_rows_aligned(case, q, k, v), tc,
+    tc, hop, aligned, maps = _serves("forward", case, device, q, k, v, None, tiles, tc_ok)
+    hop = hop and split is None
+    kern, bm, ctas, tma = _plan("forward", case, device, tiles, aligned, tc,
                                 split is not None, hop,
-                                hop and case.kvcache is None
-                                and bulk_copies_ok(case, stream, q, k, v))
+                                hop and maps and case.kvcache is None
+                                and bulk_copies_ok(case, stream, q, k, v, True))
     slot = None
     if tma:  # (dense or varlen rows: the tensor maps where the block table goes)
         packed = list(no_packed(lse) if packed is None else packed)
@@ -559,14 +536,12 @@ def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, t
     batch entry). ``dq_acc``: the handle of a float32 (B, Hq, Nq, D) buffer where
     :func:`fused_backward` holds: the non-deterministic mode, dK/dV and dQ in one pass
     (:func:`run_fused_backward`)."""
-    tc = tiles is None and tc_serves(case, device, q, k, v, do)
-    hop = tc and hopper_bwd_serves(case, device)
+    tc, hop, aligned, _ = _serves("backward", case, device, q, k, v, do, tiles, True)
     if hop and dq_acc is not None:
         return run_fused_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk,
                                   dv, dq_acc)
-    pre, pre_rows, dkdv, dkdv_bm, dqk, dq_bm = _plan(
-        "backward", case, device, tiles, _fp32_rows_aligned(case, q, k, v, do), tc,
-        hopper=hop)
+    pre, pre_rows, dkdv, dkdv_bm, dqk, dq_bm = _plan("backward", case, device, tiles,
+                                                     aligned, tc, hopper=hop)
     launch_preprocess(pre, pre_rows, case, stream, o, do, delta)
     slopes = slopes or no_slopes(delta)
     margs = margs or no_mod_args(delta)

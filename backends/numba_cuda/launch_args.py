@@ -1,14 +1,65 @@
 """The arguments every kernel launch takes for what a call does not use (no ALiBi slopes,
 no mod_args, dense rows, no tile classes) or builds from its arrays (packed rows, mod_args,
 strides in (B, H, N, D) order, flat host views for the simulator), and the launches of
-the attention kernels with them (their grids, their argument lists); ``launch`` re-exports
-them."""
+the attention kernels with them (their grids, their argument lists), and the argument
+types of every kernel entry (:func:`signature`); ``launch`` re-exports them."""
 from __future__ import annotations
 
 import numpy as np
+from numba.cuda import types
 
 from .device.convert import SIMULATOR
 from .device.user_mods import MAX_ARGS, MAX_DIMS
+
+#: stored dtype name -> numba element type of the kernel's pointers (bf16 as raw bits)
+_ELEM = {"float32": types.float32, "float16": types.float16, "bfloat16": types.uint16}
+_I64 = types.int64
+_F64 = types.float64
+
+
+#: mod_args dtype name -> numba element type of its pointer (bool arrays as their bytes)
+_ARG_ELEM = {n: getattr(types, n) for n in (
+    "float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "uint32", "uint64")}
+_ARG_ELEM["bool"] = types.uint8
+_I32P = types.CPointer(types.int32)
+#: The packed-rows arguments every attention kernel takes last (device/seams.sequence;
+#: read by varlen and KV-cache variants only, :func:`packed_args`): cu_seqlens_q,
+#: cu_seqlens_k, the keys of each cached sequence, the block table (int32 pointers), then
+#: the table's batch stride, the page size, the page stride, the packed query rows, the
+#: keys per split, the split strides of the partial output and lse, and the number of
+#: varlen sequences (``device/seams.packed_tile``).
+PACKED_SIG = (_I32P,) * 4 + (_I64,) * 8
+
+
+def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False) -> tuple:
+    """Argument types of a kernel entry (variant.ENTRY): pointers (inputs and outputs in the
+    stored dtype, lse and delta float32), then int64 sizes and strides, the float64 scale,
+    then the ALiBi slopes (float32) and their batch and head strides (read only by ALiBi
+    variants; others get any float32 buffer), then the user mods' arrays: MAX_ARGS
+    pointers (typed by ``mod_args``, the variant's ``UserMods.args``; float32 past them)
+    and MAX_ARGS * MAX_DIMS int64 extents, then the mask_mod's tile classes (int8, read by
+    variants with a mask_mod) with their batch, head and query-block strides. Both families
+    take the same arguments, then :data:`PACKED_SIG`. A ``split`` forward writes a float32
+    partial output."""
+    e = types.CPointer(_ELEM[dtype])
+    f32 = types.CPointer(types.float32)
+    o = f32 if split else e
+    kinds = [a[0] for a in mod_args] + ["float32"] * (MAX_ARGS - len(mod_args))
+    mods = (f32, _I64, _I64) + tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (
+        _I64,) * (MAX_ARGS * MAX_DIMS) + (types.CPointer(types.int8), _I64, _I64, _I64)
+    dkdv = (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods + PACKED_SIG
+    return {
+        "attn_forward": (e, e, e, o, f32) + (_I64,) * 21 + (_F64,) + mods + PACKED_SIG,
+        "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
+        "attn_backward_dkdv": dkdv,
+        "attn_backward_dkdvq": dkdv,  # (its dQ accumulator where ALiBi's slopes go)
+        "attn_backward_dq_convert": (f32, e) + (_I64,) * 11 + (_F64,),
+        "attn_backward_dq": ((e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,) + mods
+                             + PACKED_SIG),
+        "attn_merge_splits": (f32, f32, e, f32) + (_I64,) * 8,
+        "cache_append": (e, e, _I32P, _I32P) + (_I64,) * 15,
+    }[kernel]
 
 
 def no_slopes(buffer):

@@ -7,14 +7,16 @@ sets, so a call on the same arrays encodes nothing). The strides are multiples o
 wherever the tensor-core kernels serve (``launch.rows_aligned``), as the driver requires.
 
 The kernel reads the three 128-byte maps from global memory, through the block-table
-argument (which the wgmma kernels do not otherwise read). Each launch takes the next slot
-of a ring of :data:`SLOTS` per device: the maps are written into the slot's pinned host
-buffer and copied to its device buffer on the launch's stream (``cuMemcpyHtoDAsync``,
-ordered before the kernel), and an event recorded after the launch marks the slot in use;
-a slot is written again only once that event has completed (a host wait that a ring of
-1024 slots never makes in practice: the driver's queue of launches is shorter). Nothing is
-allocated or synchronized per call, but a call pays 20-35 µs more host time (75 µs with new
-arrays: encoding three maps takes 23 µs), hence ``tilings.TMA_MIN_WORK``. A by-value
+argument (which the wgmma kernels do not otherwise read), from a slot of a ring of
+:data:`SLOTS` per device (:class:`_Ring`): a call on the arrays of an earlier call on the
+same stream reads the slot that call's maps were copied to; other calls take the next
+slot, whose maps are written into its pinned host buffer and copied to its device buffer
+on the launch's stream (``cuMemcpyHtoDAsync``, ordered before the kernel). An event
+recorded after each launch marks its slot in use; a slot is written again only once that
+event has completed (a host wait that a ring of 1024 slots never makes in practice: the
+driver's queue of launches is shorter). Nothing is allocated or synchronized per call, but
+a call pays 20-35 µs more host time (75 µs with new arrays: encoding three maps takes
+23 µs; before the slots were reused), hence ``tilings.TMA_MIN_WORK``. A by-value
 kernel parameter (FlashAttention 3's ``__grid_constant__``) cut that to 10 µs but its
 kernel ran 30% slower (notes/tma_2026-11-26.md). The simulator takes
 ``device/sim_pipeline.sim_tensor_map``'s description instead.
@@ -44,25 +46,15 @@ _SET = 3 * 128
 _EVENT_DISABLE_TIMING = 2
 
 _kept: OrderedDict = OrderedDict()  # (dtype, block_n, geometry) -> 384 bytes
-_encode = None
 _rings: dict = {}
 _rings_lock = threading.Lock()
 _kept_lock = threading.Lock()
 
 
-def _encoder():
-    global _encode
-    if _encode is None:
-        from .driver import _libcuda
+def _lib():
+    from .driver import _LIBCUDA, _libcuda
 
-        fn = _libcuda().cuTensorMapEncodeTiled
-        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
-                       u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _encode = fn
-    return _encode
+    return _LIBCUDA or _libcuda()
 
 
 def _geometry(view, dims):
@@ -82,8 +74,8 @@ def _encode_map(out, dtype, address, dims, strides, rows):
     gs = (ctypes.c_uint64 * 3)(*strides)
     box = (ctypes.c_uint32 * 4)(BOX_COLUMNS, rows, 1, 1)
     es = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
-    err = _encoder()(out, _DTYPE[dtype], 4, address, gd, gs, box, es, 0, _SWIZZLE_128B,
-                     _L2_256B, 0)
+    err = _lib().cuTensorMapEncodeTiled(out, _DTYPE[dtype], 4, address, gd, gs, box, es, 0,
+                                        _SWIZZLE_128B, _L2_256B, 0)
     if err:
         from .driver import error_text
 
@@ -122,63 +114,101 @@ def _check(err, what):
 
 
 class _Ring:
-    """One device's slots: pinned host buffers, device buffers, and per slot the event
-    recorded after the launch that last read it."""
+    """One device's slots: a pinned host buffer and a device buffer of :data:`SLOTS` sets,
+    per slot the event recorded after the launch that last read it, the stream whose copy
+    wrote it and the bytes it holds. A call whose maps a slot already holds, written on its
+    own stream, reads that slot again: no copy, no wait (the same arrays call after call,
+    as in a training loop or a benchmark: the stream's order puts the copy before both
+    launches). Otherwise the next slot of the ring is written once the launch that last
+    read it is done (a host wait that a ring of 1024 slots never makes in practice: the
+    driver's queue of launches is shorter). ``lib``: libcuda (driver._libcuda's types);
+    ``ctx``: the device's primary context, made current around the driver calls where
+    another is."""
 
-    def __init__(self, device):
-        from .driver import _libcuda, _primary_context
-
-        lib = self.lib = _libcuda()
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        for name, args in [("cuMemAlloc_v2", [ctypes.POINTER(ctypes.c_uint64), sz]),
-                           ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ctypes.c_uint]),
-                           ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, vp, sz, vp]),
-                           ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
-                           ("cuEventRecord", [vp, vp]),
-                           ("cuEventSynchronize", [vp])]:
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = ctypes.c_int
-        self.ctx = _primary_context(device)
+    def __init__(self, lib, ctx, dev, host):
+        self.lib, self.ctx, self.dev, self.host = lib, ctx, dev, host
         self.lock = threading.Lock()
         self.events = [None] * SLOTS
+        self.writer = [None] * SLOTS  # the stream whose copy wrote the slot
+        self.held = [None] * SLOTS  # the bytes the slot holds
+        self.slot_of: dict = {}  # bytes -> the slot holding them
         self.next = 0
+        self._cur = ctypes.c_void_p()
+        self._cur_ref = ctypes.byref(self._cur)
+
+    @classmethod
+    def on(cls, device) -> "_Ring":
+        """The ring of GPU ``device``, its buffers allocated (256-byte aligned: slots are
+        64)."""
+        from .driver import _primary_context
+
+        lib, ctx = _lib(), _primary_context(device)
+        ring = cls(lib, ctx, 0, 0)
         dev, host = ctypes.c_uint64(), ctypes.c_void_p()
-        with self.current():
+        pushed = ring._enter()
+        try:
             _check(lib.cuMemAlloc_v2(ctypes.byref(dev), SLOTS * _SET), "cuMemAlloc")
             _check(lib.cuMemHostAlloc(ctypes.byref(host), SLOTS * _SET, 0), "cuMemHostAlloc")
-        self.dev, self.host = dev.value, host.value  # (256-byte aligned: slots are 64)
+        finally:
+            ring._exit(pushed)
+        ring.dev, ring.host = dev.value, host.value
+        return ring
 
-    def current(self):
-        from .driver import _OnDevice
+    def _enter(self) -> bool:
+        """The ring's context made current (True: pushed, for :meth:`_exit`)."""
+        self.lib.cuCtxGetCurrent(self._cur_ref)
+        if self._cur.value == self.ctx:
+            return False
+        _check(self.lib.cuCtxPushCurrent_v2(self.ctx), "cuCtxPushCurrent")
+        return True
 
-        return _OnDevice(None, self.ctx)
+    def _exit(self, pushed):
+        if pushed:
+            self.lib.cuCtxPopCurrent_v2(self._cur_ref)
 
     def put(self, data: bytes, stream) -> tuple:
-        """The device address of a slot holding ``data`` (copied on ``stream``), and the
-        slot (:meth:`used` after the launch)."""
+        """The device address of a slot holding ``data`` (copied on ``stream`` unless a slot
+        written on it holds them already), and the slot (:meth:`used` after the launch)."""
         lib = self.lib
-        with self.lock, self.current():
+        with self.lock:
+            i = self.slot_of.get(data)
+            if i is not None and self.writer[i] == stream:
+                return self.dev + i * _SET, i
             i = self.next
             self.next = (i + 1) % SLOTS
-            ev = self.events[i]
-            if ev is not None:  # (the launch that last read slot i is done)
-                _check(lib.cuEventSynchronize(ev), "cuEventSynchronize")
-            ctypes.memmove(self.host + i * _SET, data, _SET)
-            _check(lib.cuMemcpyHtoDAsync_v2(self.dev + i * _SET, self.host + i * _SET, _SET,
-                                            stream), "cuMemcpyHtoDAsync")
+            pushed = self._enter()
+            try:
+                ev = self.events[i]
+                if ev is not None:  # (the launch that last read slot i is done)
+                    _check(lib.cuEventSynchronize(ev), "cuEventSynchronize")
+                old = self.held[i]
+                if old is not None and self.slot_of.get(old) == i:
+                    del self.slot_of[old]
+                self.held[i] = self.writer[i] = None  # (until the copy is queued)
+                ctypes.memmove(self.host + i * _SET, data, _SET)
+                _check(lib.cuMemcpyHtoDAsync_v2(self.dev + i * _SET, self.host + i * _SET,
+                                                _SET, stream), "cuMemcpyHtoDAsync")
+            finally:
+                self._exit(pushed)
+            self.held[i], self.writer[i] = data, stream
+            self.slot_of[data] = i
         return self.dev + i * _SET, i
 
     def used(self, i, stream):
         """Slot ``i`` is read by the launch just queued on ``stream``."""
         lib = self.lib
-        with self.lock, self.current():
-            ev = self.events[i]
-            if ev is None:
-                e = ctypes.c_void_p()
-                _check(lib.cuEventCreate(ctypes.byref(e), _EVENT_DISABLE_TIMING),
-                       "cuEventCreate")
-                ev = self.events[i] = e.value
-            _check(lib.cuEventRecord(ev, stream), "cuEventRecord")
+        with self.lock:
+            pushed = self._enter()
+            try:
+                ev = self.events[i]
+                if ev is None:
+                    e = ctypes.c_void_p()
+                    _check(lib.cuEventCreate(ctypes.byref(e), _EVENT_DISABLE_TIMING),
+                           "cuEventCreate")
+                    ev = self.events[i] = e.value
+                _check(lib.cuEventRecord(ev, stream), "cuEventRecord")
+            finally:
+                self._exit(pushed)
 
 
 def _ring(device) -> _Ring:
@@ -187,18 +217,24 @@ def _ring(device) -> _Ring:
         with _rings_lock:
             ring = _rings.get(device)
             if ring is None:
-                ring = _rings[device] = _Ring(device)
+                ring = _rings[device] = _Ring.on(device)
     return ring
 
 
 def _encoded(case, q, k, v, block_n) -> bytes:
-    geo = tuple(_geometry(view, dims) for view, dims in _views(case, q, k, v))
-    key = (case.dtype, block_n, geo)
+    """The three maps' bytes, kept per arrays: the key is the views and the sizes that make
+    their geometry, so a kept set costs no geometry (the same bytes object comes back,
+    whose hash Python keeps: the ring finds its slot by it)."""
+    vl = case.varlen
+    key = (case.dtype, block_n, case.head_dim, case.heads_q, case.heads_kv,
+           (case.batch, case.seqlen_q, case.seqlen_k) if vl is None else
+           (vl.total_q, vl.total_k), q, k, v)
     with _kept_lock:
         data = _kept.get(key)
         if data is not None:
             _kept.move_to_end(key)
             return data
+    geo = tuple(_geometry(view, dims) for view, dims in _views(case, q, k, v))
     host = (ctypes.c_uint8 * (_SET + 64))()
     at = -ctypes.addressof(host) % 64  # (the struct is 64-byte aligned in C)
     for n, (address, dims, strides) in enumerate(geo):
