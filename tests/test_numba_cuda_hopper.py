@@ -809,6 +809,45 @@ def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_tensor_map_ring_reuses_slots_on_gpu(hopper_gpu, monkeypatch):
+    """The ring's reuse of a slot that holds a call's maps (tensor_maps._Ring): the same
+    arrays again and again on one stream behind a GPU sleep (no copy: the slot count stays),
+    then on a second stream (a slot of its own), then enough other arrays to wrap the ring
+    of 3 slots, then the first arrays again; each output bit for bit its arrays' alone."""
+    torch = hopper_gpu
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    import flashcore
+
+    monkeypatch.setattr(tensor_maps, "SLOTS", 3)
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(tensor_maps, "_rings", {})
+    monkeypatch.setattr(launch, "_PLANS", {})
+    sets = [gpu_inputs(torch, (2, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", 31 + n)[:3]
+            for n in range(4)]
+    alone = []
+    for q, k, v in sets:
+        alone.append(flashcore.attention(q, k, v, backend="numba_cuda"))
+        torch.cuda.synchronize()
+    main, side = torch.cuda.Stream(), torch.cuda.Stream()
+    order = [(0, main)] * 4 + [(0, side), (1, main), (2, main), (3, main), (0, main),
+                               (0, side), (0, main)]
+    for s in (main, side):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # (the calls queue up behind it)
+    ring = tensor_maps._rings[torch.cuda.current_device()]
+    start, outs = ring.next, []
+    for n, (j, s) in enumerate(order):
+        with torch.cuda.stream(s):
+            outs.append((j, flashcore.attention(*sets[j], backend="numba_cuda")))
+        if n == 3:  # four calls on the same arrays and stream: one slot written
+            assert ring.next == (start + 1) % 3, (start, ring.next)
+    torch.cuda.synchronize()
+    for j, o in outs:
+        assert torch.equal(o, alone[j]), j
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d,causal", list(tilings.LONG_KEYS) if ALL else [])
 def test_long_keys_take_their_tiling_on_gpu(hopper_gpu, monkeypatch, d, causal):
     """A forward of tilings.LONG_KEYS_MIN keys or more takes tilings.LONG_KEYS' tiling

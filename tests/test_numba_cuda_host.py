@@ -421,3 +421,36 @@ def test_tensor_map_ring_reuses_a_slot_only_on_its_stream(monkeypatch):
     assert call(sets[1], 7) == 2 and len(lib.copies) == 5  # (still held: no copy)
     assert [r[0] for r in lib.records] == [1, 1, 1, 2, 3, 1, 2, 3]
     assert lib.stack == [1]  # (pushed context 2 around each call's driver calls, popped)
+
+
+def test_tensor_map_ring_skips_slots_whose_launch_is_not_queued(monkeypatch):
+    """A slot handed out (put) and not yet marked read by its launch (used) is not
+    rewritten by another thread's call in between, hit or miss; the per-thread default
+    stream's handle (2) reuses a slot only on the thread that copied it."""
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    monkeypatch.setattr(tensor_maps, "SLOTS", 3)
+    n = tensor_maps._SET
+    lib = FakeRingLib(0x10000, 3 * n)
+    host = ctypes.create_string_buffer(3 * n)
+    ring = tensor_maps._Ring(lib, 2, 0x10000, ctypes.addressof(host))
+    a, b, c, d = (bytes([m]) * n for m in range(1, 5))
+    for data in (a, b, c):
+        ring.used(ring.put(data, 7)[1], 7)
+    _, held = ring.put(a, 7)  # a hit on slot 0, its launch not queued yet
+    assert held == 0
+    _, other = ring.put(d, 7)  # the next slot would be 0: skipped
+    assert other == 1 and bytes(lib.device[:n]) == a
+    ring.used(held, 7)
+    ring.used(other, 7)
+    assert ring.pending == [0, 0, 0]
+    ring.used(ring.put(b, tensor_maps._PER_THREAD)[1], tensor_maps._PER_THREAD)
+    copies = len(lib.copies)
+    ring.used(ring.put(b, tensor_maps._PER_THREAD)[1], tensor_maps._PER_THREAD)
+    assert len(lib.copies) == copies  # (the same thread: reused)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(ring.put(b, tensor_maps._PER_THREAD)))
+    t.start()
+    t.join()
+    assert len(lib.copies) == copies + 1  # (another thread's stream: copied again)
+    assert lib.copies[-1][1] == tensor_maps._PER_THREAD  # (the handle itself, to the driver)

@@ -16,6 +16,8 @@ import functools
 import os
 from dataclasses import replace
 
+from flashcore._memo import Memo
+
 from . import driver, tensor_maps, tilings
 from .device.convert import SIMULATOR
 from .driver import Prepared, device_cc, device_name, prepared
@@ -289,6 +291,8 @@ def case_variants(head_dim, dtype, causal, cc, aligned=True, **mask):
 
 #: kind of call -> (kernels, block sizes) of its pass; a lookup by a tuple of plain values
 _PLANS: dict = {}
+#: kind of call -> what serves it (:func:`_serves`)
+_SERVES = Memo(1024)
 
 
 def bulk_copies_ok(case, stream, q, k, v, maps=None) -> bool:
@@ -308,29 +312,35 @@ def _serves(direction, case, device, q, k, v, do, tiles, tc_ok) -> tuple:
     """``(tc, hopper, aligned, maps)`` of a call: :func:`tc_serves` (where ``tiles`` is None
     and ``tc_ok``), :func:`hopper_serves` (the forward's) or :func:`hopper_bwd_serves`,
     :func:`_fp32_rows_aligned` (and ``tc_ok``), and whether its views can be tensor maps
-    (``tensor_maps.serves``). They read only the case, the views' strides, their addresses'
-    alignment and two switches, so they are kept per kind of call in :data:`_PLANS` (every
-    call pays host time: on an H200 host, 20-25 µs of a 160 µs forward call before)."""
-    try:  # (a simulator view's handle is an array: no key)
-        key = ("serves", direction, case, device, tiles is None, tc_ok, q[1], k[1], v[1],
-               q[0] & 15, k[0] & 15, v[0] & 15, None if do is None else (do[1], do[0] & 15),
-               os.environ.get(TC_ENV), os.environ.get(HOPPER_ENV),
-               os.environ.get(HOPPER_BWD_ENV))
-        got = _PLANS.get(key)
-    except TypeError:
-        key = got = None
-    if got is None:
-        tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v, do)
-        if direction == "forward":
-            hop = tc and hopper_serves(case, device)
-            aligned = tc_ok and _fp32_rows_aligned(case, q, k, v)
-        else:
-            hop = tc and hopper_bwd_serves(case, device)
-            aligned = _fp32_rows_aligned(case, q, k, v, do)
-        got = (tc, hop, aligned, hop and tensor_maps.serves(case, q, k, v))
-        if key is not None:
-            _PLANS[key] = got
-    return got
+    (``tensor_maps.serves``). Every call pays host time (on an H200 host they were 20-25 µs
+    of a 160 µs forward call), so the answers are kept per kind of call in
+    :data:`_SERVES`, keyed by what those functions read: the case's dtype, head dim,
+    causality, row layout and user mods, which of its sizes exceed 1, the device, the
+    views' strides and addresses mod 16, and the three switches. (Not the case itself: it
+    carries the call's arrays, and new lengths would make new keys.)"""
+    if SIMULATOR:  # (a view's handle is an array there: no key)
+        return _serves_now(direction, case, device, q, k, v, do, tiles, tc_ok)
+    vl, mods = case.varlen, case.mods
+    key = (direction, case.dtype, case.head_dim, case.causal, packing(case),
+           mods is not None and (mods.score_mod is not None or mods.mask_mod is not None),
+           case.batch > 1, case.heads_q > 1, case.heads_kv > 1, case.seqlen_q > 1,
+           case.seqlen_k > 1, vl is None or (vl.total_q > 1, vl.total_k > 1), device,
+           tiles is None, tc_ok, q[1], k[1], v[1], q[0] & 15, k[0] & 15, v[0] & 15,
+           None if do is None else (do[1], do[0] & 15), os.environ.get(TC_ENV),
+           os.environ.get(HOPPER_ENV), os.environ.get(HOPPER_BWD_ENV))
+    return _SERVES.get_or_build(key, _serves_now, direction, case, device, q, k, v, do,
+                                tiles, tc_ok)
+
+
+def _serves_now(direction, case, device, q, k, v, do, tiles, tc_ok) -> tuple:
+    tc = tiles is None and tc_ok and tc_serves(case, device, q, k, v, do)
+    if direction == "forward":
+        hop = tc and hopper_serves(case, device)
+        aligned = tc_ok and _fp32_rows_aligned(case, q, k, v)
+    else:
+        hop = tc and hopper_bwd_serves(case, device)
+        aligned = _fp32_rows_aligned(case, q, k, v, do)
+    return tc, hop, aligned, hop and tensor_maps.serves(case, q, k, v)
 
 
 def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False,
@@ -422,6 +432,7 @@ def mod_arg_kinds(mod_args) -> tuple:
 def forget_plans():
     """Drop the cached plans (after the autotuner wrote new tilings)."""
     _PLANS.clear()
+    _SERVES.clear()
     _tc_tiles.cache_clear()
     tilings.forget_tuned()
 

@@ -44,6 +44,8 @@ SLOTS = 1024
 _SET = 3 * 128
 #: CUevent flag: no timing (cheaper to record).
 _EVENT_DISABLE_TIMING = 2
+#: CU_STREAM_PER_THREAD: one handle for every thread's own default stream.
+_PER_THREAD = 2
 
 _kept: OrderedDict = OrderedDict()  # (dtype, block_n, geometry) -> 384 bytes
 _rings: dict = {}
@@ -121,7 +123,8 @@ class _Ring:
     as in a training loop or a benchmark: the stream's order puts the copy before both
     launches). Otherwise the next slot of the ring is written once the launch that last
     read it is done (a host wait that a ring of 1024 slots never makes in practice: the
-    driver's queue of launches is shorter). ``lib``: libcuda (driver._libcuda's types);
+    driver's queue of launches is shorter); a slot handed to a call whose launch is not
+    yet queued (between :meth:`put` and :meth:`used`, on another thread) is skipped. ``lib``: libcuda (driver._libcuda's types);
     ``ctx``: the device's primary context, made current around the driver calls where
     another is."""
 
@@ -132,6 +135,9 @@ class _Ring:
         self.writer = [None] * SLOTS  # the stream whose copy wrote the slot
         self.held = [None] * SLOTS  # the bytes the slot holds
         self.slot_of: dict = {}  # bytes -> the slot holding them
+        # calls given the slot whose launch is not yet queued (put, then used): another
+        # thread's call must not rewrite it in between
+        self.pending = [0] * SLOTS
         self.next = 0
         self._cur = ctypes.c_void_p()
         self._cur_ref = ctypes.byref(self._cur)
@@ -170,11 +176,22 @@ class _Ring:
         """The device address of a slot holding ``data`` (copied on ``stream`` unless a slot
         written on it holds them already), and the slot (:meth:`used` after the launch)."""
         lib = self.lib
+        # the stream the copy is ordered on (a handle that names each thread's own stream,
+        # CU_STREAM_PER_THREAD, is a stream per thread)
+        who = (stream, threading.get_ident()) if stream == _PER_THREAD else stream
         with self.lock:
             i = self.slot_of.get(data)
-            if i is not None and self.writer[i] == stream:
+            if i is not None and self.writer[i] == who:
+                self.pending[i] += 1
                 return self.dev + i * _SET, i
             i = self.next
+            for _ in range(SLOTS):  # (handed out, its launch not yet queued: skipped)
+                if not self.pending[i]:
+                    break
+                i = (i + 1) % SLOTS
+            else:
+                raise RuntimeError(f"every one of the {SLOTS} tensor-map slots is held by a "
+                                   "call whose launch is not queued yet")
             self.next = (i + 1) % SLOTS
             pushed = self._enter()
             try:
@@ -190,14 +207,16 @@ class _Ring:
                                                 _SET, stream), "cuMemcpyHtoDAsync")
             finally:
                 self._exit(pushed)
-            self.held[i], self.writer[i] = data, stream
+            self.held[i], self.writer[i] = data, who
             self.slot_of[data] = i
+            self.pending[i] += 1
         return self.dev + i * _SET, i
 
     def used(self, i, stream):
-        """Slot ``i`` is read by the launch just queued on ``stream``."""
+        """Slot ``i`` is read by the launch just queued on ``stream`` (or that failed)."""
         lib = self.lib
         with self.lock:
+            self.pending[i] -= 1
             pushed = self._enter()
             try:
                 ev = self.events[i]
