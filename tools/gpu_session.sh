@@ -6,7 +6,8 @@
 #           tree (flashcore/backends linked to ../backends for the run, standing in for the
 #           editable install's package-dir mapping); environment facts in session.log
 #   tests   parallel precompile (tools/gpu_precompile.py: fills numba's disk cache), then
-#           pytest -m gpu and the main job (python -m flashcore). The whole suite no longer
+#           pytest -m gpu ($PYTEST_ARGS, default --durations=25: where the suite's time goes)
+#           and the main job (python -m flashcore). The whole suite no longer
 #           fits one 600 s device call on an H200 (about 575 s of pytest at 15 workers,
 #           2026-11-26): run it as two, PYTEST_K=hopper TEST_TIMEOUT=500 (about 325 s)
 #           and PYTEST_K="not hopper" TEST_TIMEOUT=500 (about 250 s)
@@ -143,7 +144,7 @@ stage_tests() {
   local par=
   python3 -c "import xdist" 2>/dev/null && par="-n ${TEST_JOBS:-6}"
   FLASHCORE_INSTAFAIL=1 timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q \
-      -p no:cacheprovider $par ${PYTEST_K:+-k "$PYTEST_K"} tests/ ${PYTEST_ARGS:-}
+      -p no:cacheprovider $par ${PYTEST_K:+-k "$PYTEST_K"} tests/ ${PYTEST_ARGS---durations=25}
   local rc=$?
   echo "== main job"
   python3 -m flashcore > "$WORK/main.log" 2>&1 || { [ $rc -ne 0 ] || rc=1; }
