@@ -572,7 +572,7 @@ def run_fused_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk,
     B, Hq, Nq, D = case.batch, case.heads_q, case.seqlen_q, case.head_dim
     rows = B * Hq * Nq
     strides = (Hq * Nq * D, Nq * D, D)
-    grid = ((rows * D + ct - 1) // ct, 1)
+    grid = ((Nq * D + ct - 1) // ct, Hq, B)  # (simt/dq_convert.py)
     conv(grid, stream, (dq_acc, dq[0], 1, rows, Hq, Nq, *strides, *dq[1], 1.0))
     launch_preprocess(pre, pre_rows, case, stream, o, do, delta)
     launch_dkdv(dkdvq, bm, case, stream, q, k, v, do, lse, delta, dk, dv,
