@@ -604,3 +604,27 @@ def test_machine_block_records_the_instruction_set():
         return
     if " avx2" in text:
         assert "avx2" in info["cpu_flags"]
+
+
+def test_machine_block_records_the_numba_cpu_target(monkeypatch):
+    """The machine block says what the CPU kernels were compiled for (a run under
+    NUMBA_CPU_NAME without NUMBA_CPU_FEATURES takes 128-bit vectors: its numbers are not
+    the host's), and the report prints it."""
+    pytest.importorskip("numba")
+    from flashcore.backends.numba_cpu import simd
+
+    from flashcore.bench.machine import machine_info
+    from flashcore.bench.report import format_tables
+
+    t = machine_info()["numba_cpu_target"]
+    assert t["vector_bits"] == simd.VECTOR_BITS in (128, 256, 512)
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", "haswell")
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    assert simd.host_vector_bits() == 128
+    text = format_tables({"results": [], "machine": {"cpu_flags": ["avx2"], "cpu": "x",
+                                     "numba_cpu_target": {"cpu_name": "haswell",
+                                                          "cpu_features": None,
+                                                          "vector_bits": 128}}})
+    assert "numba_cpu: 128-bit vectors, compiled for haswell" in text

@@ -114,6 +114,11 @@ def format_tables(report: dict) -> str:
     flags = (report.get("machine") or {}).get("cpu_flags")
     if flags:
         out.append(f"CPU: {report['machine'].get('cpu', '?')}; instruction set {' '.join(flags)}")
+    target = (report.get("machine") or {}).get("numba_cpu_target")
+    if target:
+        out.append(f"numba_cpu: {target['vector_bits']}-bit vectors, compiled for "
+                   f"{target['cpu_name'] or 'this host'}"
+                   + (f" ({target['cpu_features']})" if target.get("cpu_features") else ""))
     out.append("time: median after a warm-up; FLOP/s: nominal FLOPs (4BHN^2D forward, 2.5x that "
                "backward, halved causal); GB moved: modelled traffic; peak: extra memory of one "
                "run, outputs included")
