@@ -124,9 +124,9 @@ class _Ring:
     launches). Otherwise the next slot of the ring is written once the launch that last
     read it is done (a host wait that a ring of 1024 slots never makes in practice: the
     driver's queue of launches is shorter); a slot handed to a call whose launch is not
-    yet queued (between :meth:`put` and :meth:`used`, on another thread) is skipped. ``lib``: libcuda (driver._libcuda's types);
-    ``ctx``: the device's primary context, made current around the driver calls where
-    another is."""
+    yet queued (between :meth:`put` and :meth:`used`, on another thread) is skipped.
+    ``lib``: libcuda (driver._libcuda's types); ``ctx``: the device's primary context,
+    made current around the driver calls where another is."""
 
     def __init__(self, lib, ctx, dev, host):
         self.lib, self.ctx, self.dev, self.host = lib, ctx, dev, host
