@@ -13,8 +13,11 @@ them in the kernels' modules:
 - an RS wgmma gathers A from the registers of the warpgroup's 128 threads (a barrier of the
   warpgroup: the ``.sync.aligned`` instruction) by ``wgmma.a_coords``;
 - each thread gets back its own accumulators (``wgmma.acc_coords``), computed in float32
-  from the 16-bit inputs. Fences, commits and waits are no-ops (the products complete at
-  once, so an overlapped schedule is checked for its data flow, not for its races);
+  from the 16-bit inputs. Fences and commits are no-ops and a wait is a barrier of the
+  warpgroup (the products complete at once, so an overlapped schedule is checked for its
+  data flow, not for its races; the barrier keeps a thread from releasing shared memory
+  that another thread of its warpgroup has yet to read, which the hardware's collective
+  products never do);
   ``smem_address`` puts the dynamic shared memory at address 0 (aligned: the descriptors'
   base offset 0 holds); ``publish`` is the block's barrier.
 """
@@ -187,7 +190,18 @@ def _same(acc, *rest):
 
 
 def _wait(n, acc):
+    """``wgmma.wait_group`` (with the accumulators it hands back): the products completed at
+    issue, but each simulated thread read its SS operands itself, and the simulator's
+    threads of a warp do not keep in step. On the hardware the warpgroup's products read
+    shared memory together, and a wait returns once they have: so the warpgroup meets
+    here, and no thread goes past a wait (to release a stage that a producer then
+    overwrites) before every thread of its warpgroup has read what its products read."""
+    _warpgroup_exchange(_me(), None)
     return acc
+
+
+def _wait_only(n):
+    _wait(n, None)
 
 
 def _nothing(*args):
@@ -207,7 +221,7 @@ def _emulations():
             "smem_address": smem_address, "zero_accumulators": zero_accumulators,
             "acc_to_local": acc_to_local, "acc_from_local": acc_from_local,
             "wgmma_fence_acc": _same, "wgmma_wait_group_acc": _wait,
-            "wgmma_fence": _nothing, "wgmma_wait_group": _nothing,
+            "wgmma_fence": _nothing, "wgmma_wait_group": _wait_only,
             "wgmma_commit_group": _nothing, "fence_proxy_async": _nothing}
 
 
