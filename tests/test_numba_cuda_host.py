@@ -454,3 +454,34 @@ def test_tensor_map_ring_skips_slots_whose_launch_is_not_queued(monkeypatch):
     t.join()
     assert len(lib.copies) == copies + 1  # (another thread's stream: copied again)
     assert lib.copies[-1][1] == tensor_maps._PER_THREAD  # (the handle itself, to the driver)
+
+
+def test_tensor_maps_are_encoded_once_per_views(monkeypatch):
+    """tensor_maps._encoded keeps the three maps per views and sizes: the same views again
+    give the same bytes object (the ring's slot lookup keys on it) without encoding; other
+    strides or other sizes encode anew."""
+    from types import SimpleNamespace
+
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    encoded = []
+
+    class Encoder:
+        def cuTensorMapEncodeTiled(self, out, dtype, rank, address, dims, strides, *rest):
+            encoded.append((address, tuple(dims)))
+            return 0
+
+    monkeypatch.setattr(tensor_maps, "_lib", Encoder)
+    monkeypatch.setattr(tensor_maps, "_kept", tensor_maps.OrderedDict())
+    case = SimpleNamespace(dtype="bfloat16", head_dim=64, heads_q=4, heads_kv=2, batch=2,
+                           seqlen_q=128, seqlen_k=256, varlen=None)
+    q = (0x1000, (32768, 8192, 64, 1))
+    k = v = (0x9000, (32768, 16384, 64, 1))
+    first = tensor_maps._encoded(case, q, k, v, 128)
+    assert len(first) == tensor_maps._SET and len(encoded) == 3
+    assert tensor_maps._encoded(case, q, k, v, 128) is first and len(encoded) == 3
+    tensor_maps._encoded(case, (0x1000, (32768, 64, 256, 1)), k, v, 128)
+    assert len(encoded) == 6
+    longer = SimpleNamespace(**{**vars(case), "seqlen_k": 512})
+    tensor_maps._encoded(longer, q, k, v, 128)
+    assert len(encoded) == 9 and encoded[-1][1] == (64, 512, 2, 2)

@@ -241,19 +241,17 @@ def _ring(device) -> _Ring:
 
 
 def _encoded(case, q, k, v, block_n) -> bytes:
-    """The three maps' bytes, kept per arrays: the key is the views and the sizes that make
-    their geometry, so a kept set costs no geometry (the same bytes object comes back,
+    """The three maps' bytes, kept per arrays: the key is the views with their sizes
+    (:func:`_views`), so a kept set costs no geometry (the same bytes object comes back,
     whose hash Python keeps: the ring finds its slot by it)."""
-    vl = case.varlen
-    key = (case.dtype, block_n, case.head_dim, case.heads_q, case.heads_kv,
-           (case.batch, case.seqlen_q, case.seqlen_k) if vl is None else
-           (vl.total_q, vl.total_k), q, k, v)
+    views = _views(case, q, k, v)
+    key = (case.dtype, block_n, views)
     with _kept_lock:
         data = _kept.get(key)
         if data is not None:
             _kept.move_to_end(key)
             return data
-    geo = tuple(_geometry(view, dims) for view, dims in _views(case, q, k, v))
+    geo = tuple(_geometry(view, dims) for view, dims in views)
     host = (ctypes.c_uint8 * (_SET + 64))()
     at = -ctypes.addressof(host) % 64  # (the struct is 64-byte aligned in C)
     for n, (address, dims, strides) in enumerate(geo):
