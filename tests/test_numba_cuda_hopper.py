@@ -771,6 +771,27 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
     assert rel_err(o2.float().cpu().numpy(), ref_o) < TOL_FWD[dtype]
 
 
+def _ring_of_three(torch, monkeypatch, n, seed):
+    """The tensor maps' ring cut to 3 slots on every call's bulk copies (fresh ring and
+    plans), and ``n`` sets of bf16 D=128 arrays with each one's output computed alone:
+    ``(sets, alone)``."""
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    import flashcore
+
+    monkeypatch.setattr(tensor_maps, "SLOTS", 3)
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(tensor_maps, "_rings", {})
+    monkeypatch.setattr(launch, "_PLANS", {})
+    sets = [gpu_inputs(torch, (2, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", seed + j)[:3]
+            for j in range(n)]
+    alone = []
+    for q, k, v in sets:
+        alone.append(flashcore.attention(q, k, v, backend="numba_cuda"))
+        torch.cuda.synchronize()
+    return sets, alone
+
+
 @pytest.mark.gpu
 def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
     """The bulk tensor copies' maps (tensor_maps.py) through a ring of 3 slots: 24 calls on
@@ -779,22 +800,11 @@ def test_tensor_map_ring_wraps_across_streams_on_gpu(hopper_gpu, monkeypatch):
     output is bit for bit its arrays' alone (no launch read another's maps, no map was
     rewritten under a waiting launch)."""
     torch = hopper_gpu
-    from flashcore.backends.numba_cuda import tensor_maps
-
     import flashcore
 
     t = tilings.HOPPER_FORWARD[(128, False)]
     assert t.tma and t.producer
-    monkeypatch.setattr(tensor_maps, "SLOTS", 3)  # (a slot's uses alternate the streams)
-    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
-    monkeypatch.setattr(tensor_maps, "_rings", {})
-    monkeypatch.setattr(launch, "_PLANS", {})
-    sets = [gpu_inputs(torch, (2, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", 11 + n)[:3]
-            for n in range(6)]
-    alone = []
-    for q, k, v in sets:
-        alone.append(flashcore.attention(q, k, v, backend="numba_cuda"))
-        torch.cuda.synchronize()
+    sets, alone = _ring_of_three(torch, monkeypatch, 6, 11)  # (a slot's uses alternate streams)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     outs = []
     for s in streams:
@@ -819,16 +829,7 @@ def test_tensor_map_ring_reuses_slots_on_gpu(hopper_gpu, monkeypatch):
 
     import flashcore
 
-    monkeypatch.setattr(tensor_maps, "SLOTS", 3)
-    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
-    monkeypatch.setattr(tensor_maps, "_rings", {})
-    monkeypatch.setattr(launch, "_PLANS", {})
-    sets = [gpu_inputs(torch, (2, 4, 2, 1024, 1024, "bhnd"), 128, "bfloat16", 31 + n)[:3]
-            for n in range(4)]
-    alone = []
-    for q, k, v in sets:
-        alone.append(flashcore.attention(q, k, v, backend="numba_cuda"))
-        torch.cuda.synchronize()
+    sets, alone = _ring_of_three(torch, monkeypatch, 4, 31)
     main, side = torch.cuda.Stream(), torch.cuda.Stream()
     order = [(0, main)] * 4 + [(0, side), (1, main), (2, main), (3, main), (0, main),
                                (0, side), (0, main)]
