@@ -178,12 +178,23 @@ else:
         for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
             assert rel_err(g, r) < TOL_BWD[dtype], f"{name}: {rel_err(g, r)}"
 
-    @pytest.mark.parametrize("pair", [
-        (tilings.HopperTiles(2, 64), tilings.HopperTiles(2, 128)),  # (no overlap)
-        (tilings.HopperTiles(2, 64, True), tilings.HopperTiles(2, 128, True))],
-                             ids=lambda p: f"{p[0].tag}-{p[1].tag}")
-    def test_backward_candidates(emulated, monkeypatch, pair):
-        c = (1, 2, 1, 100, 90, 64, "bfloat16", True, "bhnd")
+    #: (dK/dV, dQ) tilings and the case each runs: the three-buffer ones (``d3``: a step's
+    #: last products retire under the next step) over enough steps (GQA: 10 query steps per
+    #: key block, 5 key tiles per query block) that each buffer is written again while the
+    #: products of the step before still run
+    _D3 = (1, 2, 1, 300, 260, 64, "bfloat16", True, "bhnd")
+
+    @pytest.mark.parametrize("pair,c", [
+        ((tilings.HopperTiles(2, 64), tilings.HopperTiles(2, 128)),  # (no overlap)
+         (1, 2, 1, 100, 90, 64, "bfloat16", True, "bhnd")),
+        ((tilings.HopperTiles(2, 64, True), tilings.HopperTiles(2, 128, True)),
+         (1, 2, 1, 100, 90, 64, "bfloat16", True, "bhnd")),
+        ((tilings.HopperTiles(1, 64, True, stages=3), tilings.HopperTiles(1, 64, True, stages=3)),
+         _D3),
+        pytest.param((tilings.HopperTiles(1, 64, stages=3),
+                      tilings.HopperTiles(1, 64, stages=3)), _D3, marks=pytest.mark.slow)],
+                             ids=lambda p: f"{p[0].tag}-{p[1].tag}" if len(p) == 2 else "")
+    def test_backward_candidates(emulated, monkeypatch, pair, c):
         monkeypatch.setitem(tilings.HOPPER_DKDV, (64, True), pair[0])
         monkeypatch.setitem(tilings.HOPPER_DQ, (64, True), pair[1])
         q, k, v, do = _inputs(c)

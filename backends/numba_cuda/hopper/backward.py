@@ -34,7 +34,11 @@ runs, and the dK/dV kernel issues ``dV += Pᵀ dO`` before it computes ``dSᵀ``
 both products are waited for, P and dS computed and packed, and the two RS products issued
 together (fewer registers held).
 Every group is waited for before the step ends (the next step's copies overwrite the
-buffers it read). The causal mask and a sliding window apply through the seams (``hides``,
+buffers it read), or, with a tiling of ``stages`` 3, the step's last products (dV and dK,
+or dQ) are left to retire under the next step's copies and score products (the wait that
+takes the next step's S takes them: wgmma groups complete in order), the streamed tiles
+they read (Q and dO, or K) in three buffers so that the next step's copies write the one
+two steps back. The causal mask and a sliding window apply through the seams (``hides``,
 ``visible``) on steps that cross the diagonal or a window's edge only; a window also cuts the
 steps to its range (``window_query_range`` in the dK/dV kernel, ``visited_keys`` in the dQ
 kernel), so a window of W keys costs O(N W). Keys past Nk are masked in the dQ kernel (in
@@ -151,12 +155,17 @@ def make_attn_backward_dkdv_wgmma(var):
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dkdv")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)
-    # shared memory, in bytes from the aligned start: K, V (resident), Q[2], dO[2]
+    # Q and dO in STAGES buffers: 3, a step's dV and dK products retire under the next
+    # step's copies and score products (the wait that takes S of step it + 1 takes them,
+    # wgmma groups completing in order), its buffers rewritten one step later
+    STAGES = var.tiles.stages
+    DEFER = STAGES == 3
+    # shared memory, in bytes from the aligned start: K, V (resident), Q[STAGES], dO[STAGES]
     TILE = BN * D * 2
     K_OFF = 0
     V_OFF = BM * D * 2
     Q_OFF = 2 * BM * D * 2
-    DO_OFF = Q_OFF + 2 * TILE
+    DO_OFF = Q_OFF + STAGES * TILE
     B_LBO = BN * LINE  # MN-major Q, dO: the next 64 columns (a block of BN lines)
     # At D=256 two blocks per key tile, each for DP of dK's and dV's columns (dK and dV of
     # the whole head dim would hold 256 accumulators per thread)
@@ -165,9 +174,10 @@ def make_attn_backward_dkdv_wgmma(var):
     HALF = (DP // 64) * BN * LINE  # the MN-major Q, dO tiles' next DP columns, in bytes
     NS, NO = BN // 2, DP // 2  # accumulators per thread: Sᵀ (and dPᵀ), dK (and dV)
     DQ = var.kernel == "dkdvq"  # (compile-time) dQ's part of each step too
-    if DQ and PASSES > 1:
-        raise ValueError(f"the dkdvq kernel takes head dims up to 128: {var.tag}")
-    DS_OFF = DO_OFF + 2 * TILE  # (DQ) each warpgroup's dSᵀ tile: BN lines of 64 keys
+    if DQ and (PASSES > 1 or DEFER):
+        raise ValueError(f"the dkdvq kernel takes head dims up to 128 and two buffers: "
+                         f"{var.tag}")
+    DS_OFF = DO_OFF + STAGES * TILE  # (DQ) each warpgroup's dSᵀ tile: BN lines of 64 keys
     HALVES = D // 64
     STAGE = BN * D * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
     DQ_OFF = DS_OFF + (BM // 64) * BN * LINE
@@ -262,13 +272,14 @@ def make_attn_backward_dkdv_wgmma(var):
             if mn >= m_end:
                 gn, mn = gi + 1, m_begin
             hn = hk * group + gn
-            buf = (it & 1) * TILE
+            buf = (it % STAGES) * TILE
             cp_async_wait(0)  # Q, dO of step it (K and V with the first)
             publish()
-            # Every warpgroup has waited for its wgmmas of step it-1: its buffers take
+            # Every warpgroup has waited for its wgmmas of step it-1 (DEFER: of step it-2,
+            # whose last products retired when step it-1 took its Sᵀ): their buffers take
             # step it+1.
             if it + 1 < n_steps:
-                nb = (TILE - buf) // 2
+                nb = (((it + 1) % STAGES) * TILE) // 2
                 load_tile(smem, el + Q_OFF // 2 + nb, q, qb0 + hn * qsh, mn, Nq, qsn, BN, CH,
                           tid, NT)
                 load_tile(smem, el + DO_OFF // 2 + nb, do, gb0 + hn * gsh, mn, Nq, gsn, BN,
@@ -328,8 +339,9 @@ def make_attn_backward_dkdv_wgmma(var):
                 if DQ:  # (compile-time)
                     qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
                                        tq, BM, BN, NTILES, HALVES)
-            dka = wgmma_wait_group_acc(0, dka)
-            dva = wgmma_wait_group_acc(0, dva)
+            if not DEFER:  # (compile-time; DEFER: retired by the next step's first wait)
+                dka = wgmma_wait_group_acc(0, dka)
+                dva = wgmma_wait_group_acc(0, dva)
             if DQ:  # (compile-time) this step's dQ rows, staged, then bulk-added
                 stage = el + (DQ_OFF + (2 * wg + (it & 1)) * STAGE) // 2
                 qa0 = wgmma_wait_group_acc(0, qa0)
@@ -345,6 +357,9 @@ def make_attn_backward_dkdv_wgmma(var):
                     reduce_dq(smem, stage, slopes, b * ssb + h * ssh + (q_row0 + mq) * D, D,
                               Nq - mq, BN)
             gi, mq = gn, mn
+        if DEFER:  # (compile-time) the last step's dV and dK
+            dka = wgmma_wait_group_acc(0, dka)
+            dva = wgmma_wait_group_acc(0, dva)
         cp_async_wait(0)
         if n_steps == 0:  # (uniform) the K, V copies of other warpgroups' threads land in
             cuda.syncthreads()  # this one's lines too: all landed before they take dK, dV
@@ -375,12 +390,17 @@ def make_attn_backward_dq_wgmma(var):
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dq")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)
-    # shared memory, in bytes from the aligned start: Q, dO (resident), K[2], V[2]
+    # K in STAGES buffers: 3, a step's dQ += dS K retires under the next step's copies and
+    # score products (the wait that takes S of step it + 1 takes it), its K buffer
+    # rewritten one step later (V, which only the step's dP reads, keeps two)
+    STAGES = var.tiles.stages
+    DEFER = STAGES == 3
+    # shared memory, in bytes from the aligned start: Q, dO (resident), K[STAGES], V[2]
     TILE = BN * D * 2
     Q_OFF = 0
     DO_OFF = BM * D * 2
     K_OFF = 2 * BM * D * 2
-    V_OFF = K_OFF + 2 * TILE
+    V_OFF = K_OFF + STAGES * TILE
     B_LBO = BN * LINE  # MN-major K: the next 64 columns (a block of BN lines)
     NS, NO = BN // 2, D // 2  # accumulators per thread: S (and dP), dQ
 
@@ -450,17 +470,20 @@ def make_attn_backward_dq_wgmma(var):
 
         for it in range(n_tiles):
             n0 = n_begin + it * BN
-            buf = (it & 1) * TILE
+            buf = (it & 1) * TILE  # (V's buffer)
+            kbuf = (it % STAGES) * TILE
             cp_async_wait(0)  # K, V of tile it (Q and dO with the first)
             publish()
+            # Every thread has waited for tile it-1's products (DEFER: for tile it-2's dQ
+            # product, retired when tile it-1 took its S): their buffers take tile it+1.
             if it + 1 < n_tiles:
                 nb = (TILE - buf) // 2
-                load_tile(smem, el + K_OFF // 2 + nb, k, kbase, n0 + BN, Nk, ksn, BN, CH, tid,
-                          NT)
+                load_tile(smem, el + (K_OFF + ((it + 1) % STAGES) * TILE) // 2, k, kbase,
+                          n0 + BN, Nk, ksn, BN, CH, tid, NT)
                 load_tile(smem, el + V_OFF // 2 + nb, v, vbase, n0 + BN, Nk, vsn, BN, CH, tid,
                           NT)
             cp_async_commit()
-            kb = at + K_OFF + buf
+            kb = at + K_OFF + kbuf
 
             # (Q's and dO's descriptors made here, not hoisted out of the loop: opaque)
             sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(qa), kb,
@@ -489,6 +512,9 @@ def make_attn_backward_dq_wgmma(var):
             grads_row(s, gc, dp, 2, dl1, NTILES, CAP)
             pack_p(BF16, dsf, dp, NP)
             dqa = issue_pv(BF16, wgmma_fence_acc(dqa), dsf, kb, PSTEPS, B_LBO)
+            if not DEFER:  # (compile-time; DEFER: retired by the next tile's first wait)
+                dqa = wgmma_wait_group_acc(0, dqa)
+        if DEFER:  # (compile-time) the last tile's dQ product
             dqa = wgmma_wait_group_acc(0, dqa)
         cp_async_wait(0)
         if n_tiles == 0:  # (uniform) other warpgroups' threads copied some of this one's Q

@@ -36,7 +36,11 @@ class HopperTiles:
     65536 / (threads * min_blocks), the shared-memory carveout maximal), so that one
     block's softmax can run under another's wgmmas. ``pingpong`` (2 warpgroups, overlap;
     ``hopper/pingpong.py``): the warpgroups take turns issuing their wgmmas, K and V in
-    mbarrier rings of ``stages`` stages; ``producer``: and a producer warpgroup copying
+    mbarrier rings of ``stages`` stages (without ping-pong, ``stages`` 3 serves the
+    backward kernels: the streamed tiles their last product reads in three buffers, so that
+    a step's last products, ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` or ``dQ += dS K``, retire
+    under the next step's copies and score products instead of being waited for at the
+    step's end); ``producer``: and a producer warpgroup copying
     them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers).
     ``poly``: every ``poly``-th 8-key n-tile of the softmax takes its exp2 from the FMA
     pipe (``intrinsics.exp2_fma``) instead of the MUFU unit (0: none), for a softcap, whose
@@ -66,8 +70,8 @@ class HopperTiles:
                 or self.min_blocks not in (1, 2, 3)):
             raise ValueError(f"warpgroups must be 1 or 2, block_n 32, 64, 128, 192 or 256, "
                              f"min_blocks 1, 2 or 3: {self}")
-        if self.stages not in ((2, 3, 4) if self.pingpong else (2,)):
-            raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2: {self}")
+        if self.stages not in ((2, 3, 4) if self.pingpong else (2, 3)):
+            raise ValueError(f"stages must be 2, 3 or 4 (ping-pong) or 2 or 3: {self}")
         if self.pingpong and (self.warpgroups != 2 or not self.overlap):
             raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
         if self.poly not in (0, 2, 3, 4):
@@ -85,12 +89,14 @@ class HopperTiles:
     @property
     def tag(self) -> str:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
-        (ping-pong, 3 stages), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
+        (ping-pong, 3 stages), ``g1n64od3`` (a backward kernel's last products retiring
+        under the next step), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
         (every second n-tile's exp2 on the FMA pipe), ``g2n128op3s`` (persistent),
         ``g2n128op3t`` (K and V by bulk tensor copies): names
         the tiling in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
+                + (f"d{self.stages}" if not self.pingpong and self.stages != 2 else "")
                 + ("w" if self.producer else "")
                 + ("t" if self.tma else "")
                 + (f"x{self.poly}" if self.poly else "")
@@ -241,15 +247,18 @@ HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
 _D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
+        (HopperTiles(1, 64, True, stages=3), HopperTiles(1, 128, True, stages=3)),
         (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
 HOPPER_BWD_CANDIDATES = {
     (64, False): _D64, (64, True): _D64,
     (128, False): ((HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
+                   (HopperTiles(1, 64, True), HopperTiles(1, 64, True, stages=3)),
                    (HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                    (HopperTiles(1, 64), HopperTiles(1, 64, True)),
                    (HopperTiles(2, 64), HopperTiles(2, 64, True))),
     (128, True): ((HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
+                  (HopperTiles(1, 64, True), HopperTiles(1, 64, True, stages=3)),
                   (HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 128, True)),
@@ -270,7 +279,9 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     its rings' 8-byte mbarriers: 4 a stage, 1 for Q with a producer); dK/dV, K and V
     (``block_m``) and Q and dO double-buffered (dkdvq: and per warpgroup a dSᵀ tile of
     ``block_n`` lines of 64 keys and two buffers of dQ rows), then two buffers of the query
-    steps' lse and delta (fp32); dQ, Q and dO and K and V double-buffered."""
+    steps' lse and delta (fp32); dQ, Q and dO and K and V double-buffered. ``stages`` 3
+    (a backward tiling): Q and dO (dK/dV) or K (dQ), which a step's last products read, in
+    three buffers."""
     if kernel == "forward":
         return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
                 + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
@@ -278,7 +289,8 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     ds = t.warpgroups * t.block_n * (128 + 8 * head_dim) if kernel == "dkdvq" else 0
     # dK/dV: and two buffers of the query steps' lse and delta (fp32)
     stats = 16 * t.block_n if kernel in ("dkdv", "dkdvq") else 0
-    return HOPPER_ALIGN + (2 * t.block_m + 4 * t.block_n) * head_dim * 2 + ds + stats
+    streamed = (t.stages + 2 if kernel == "dq" else 2 * t.stages) * t.block_n
+    return HOPPER_ALIGN + (2 * t.block_m + streamed) * head_dim * 2 + ds + stats
 
 
 #: The wgmma forward's tiling for variants with a mask_mod: a schedule without the overlap
