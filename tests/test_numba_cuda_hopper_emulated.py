@@ -63,7 +63,8 @@ if not SIM:
         pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
                      f"not slow) or (varlen_pingpong_bulk_copies and not producer) or "
                      f"barrier or (fused_backward and not slow) or "
-                     f"(window_backward and not slow) or (softcap_forward and not slow)", id="ci"),
+                     f"(window_backward and not slow) or (softcap_forward and not slow) or "
+                     f"wgmma_emulation", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only, request):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
@@ -397,12 +398,56 @@ else:
                                              backend="reference", **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
-    # --- device/sim_pipeline.py's barriers, on their own --------------------------------
+    # --- device/sim_pipeline.py's barriers and the wgmma emulation, on their own ------
 
     import time
 
+    import wgmma_emulator as wem
     from flashcore.backends.numba_cuda.device import pipeline as pl
     from numba import cuda, int32, uint16
+
+    # --- the wgmma emulation's timing, on its own ---------------------------------------
+
+    ONES = 0x3F80  # bf16 1.0
+
+    @cuda.jit
+    def _late_write(smem_n, out, early):
+        """A warpgroup's SS product m64n64k16 of all-ones A and B (B at byte 8192), one
+        commit group; then B is zeroed (every thread, after a barrier), then the wait:
+        the product reads B at the wait that retires it, so it sees the zeros. ``early``:
+        the accumulators read before the wait instead (an error)."""
+        from flashcore.backends.numba_cuda.device.wgmma import SWIZZLE_128B, smem_descriptor
+
+        smem = cuda.shared.array(16384, uint16)
+        tid = cuda.threadIdx.x
+        for i in range(tid, 16384, 128):
+            smem[i] = ONES
+        cuda.syncthreads()
+        base = wem.smem_address(smem, 0)
+        da = smem_descriptor(base, 16, 1024, SWIZZLE_128B)
+        db = smem_descriptor(base + 8192, 16, 1024, SWIZZLE_128B)
+        acc = wem._ss("bf16")(wem.zero_accumulators(64), da, db, 0, 0, 0)
+        wem._commit()
+        cuda.syncthreads()
+        for i in range(4096 + tid, 16384 // 2 + 4096, 128):
+            smem[i] = 0
+        cuda.syncthreads()
+        local = np.zeros(32, np.float32)
+        if early:
+            wem.acc_to_local(acc, local)
+        acc = wem._wait(0, acc)
+        wem.acc_to_local(acc, local)
+        out[tid] = local.sum()
+
+    def test_wgmma_emulation_reads_operands_at_the_wait():
+        """A product's shared-memory operands are read when its group retires (so writing
+        a buffer that a product still reads is a wrong result here, as on a GPU), and its
+        accumulators cannot be read before."""
+        out = np.full(128, -1.0, np.float32)
+        _late_write[1, 128](16384, out, False)
+        assert (out == 0).all(), out  # (16 x 32 = 512 per thread had B been read at issue)
+        with pytest.raises(Exception, match="read before the wait"):
+            _late_write[1, 128](16384, out, True)
 
     @cuda.jit
     def _phases(data, out):

@@ -13,11 +13,16 @@ them in the kernels' modules:
 - an RS wgmma gathers A from the registers of the warpgroup's 128 threads (a barrier of the
   warpgroup: the ``.sync.aligned`` instruction) by ``wgmma.a_coords``;
 - each thread gets back its own accumulators (``wgmma.acc_coords``), computed in float32
-  from the 16-bit inputs. Fences and commits are no-ops and a wait is a barrier of the
-  warpgroup (the products complete at once, so an overlapped schedule is checked for its
-  data flow, not for its races; the barrier keeps a thread from releasing shared memory
-  that another thread of its warpgroup has yet to read, which the hardware's collective
-  products never do);
+  from the 16-bit inputs, **when the wait that retires its group comes** (commits group a
+  thread's products, and ``wait_group(n)`` retires all but the ``n`` newest groups, in
+  order): so a product reads its shared-memory operands as late as the hardware may, and
+  a kernel that writes a buffer before the product reading it has retired (an overlapped
+  or deferred schedule's race) gets wrong numbers here, as it may on the GPU. Until then
+  it hands back a :class:`_Pending` that only another product may take as its
+  accumulators: reading one (``acc_to_local``) before its wait is an error. A wait is also
+  a barrier of the warpgroup, after its products are computed (the hardware's collective
+  products have read what they read before any thread's wait returns, so no thread may
+  release a buffer that another thread's product has yet to read); fences are no-ops;
   ``smem_address`` puts the dynamic shared memory at address 0 (aligned: the descriptors'
   base offset 0 holds); ``publish`` is the block's barrier.
 """
@@ -100,11 +105,49 @@ def _operand(smem, major, desc, rows, cols, kind):
     return _floats(smem[_offsets(major, int(desc), rows, cols) // 2], kind)
 
 
+class _Pending:
+    """A product issued and not yet retired by a wait: ``compute()`` reads its operands and
+    gives its accumulators, once (:func:`_wait`)."""
+
+    __slots__ = ("compute", "n", "value")
+
+    def __init__(self, compute, n):
+        self.compute, self.n, self.value = compute, n, None
+
+    def __len__(self):
+        return self.n
+
+    def resolve(self):
+        if self.value is None:
+            self.value = self.compute()
+        return self.value
+
+
+def _value(acc, what):
+    """The accumulators ``acc`` (a :class:`_Pending` must have been retired)."""
+    if isinstance(acc, _Pending):
+        if acc.value is None:
+            raise AssertionError(f"{what}: accumulators read before the wait that retires "
+                                 f"their product")
+        return acc.value
+    return acc
+
+
+def _issue(me, compute, n):
+    """A product of this thread, pending in its open group until a commit."""
+    p = _Pending(compute, n)
+    if not hasattr(me, "_wgmma_open"):
+        me._wgmma_open, me._wgmma_groups = [], []
+    me._wgmma_open.append(p)
+    return p
+
+
 def _result(me, acc, full, scale_d):
     rows, cols = _acc_index(me.thread_id % 128, 2 * len(acc))
     out = full[rows, cols].astype(np.float32)
-    if scale_d:
-        out = out + np.asarray(acc, np.float32)
+    if scale_d:  # (an earlier product of the chain: retired first, groups retire in order)
+        base = acc.resolve() if isinstance(acc, _Pending) else acc
+        out = out + np.asarray(base, np.float32)
     return out
 
 
@@ -112,15 +155,20 @@ def _ss(kind):
     def wgmma_ss(acc, desc_a, desc_b, scale_d, trans_a, trans_b):
         me = _me()
         n = 2 * len(acc)
-        if trans_a:  # (M-major A: Kᵀ in the dkdvq kernel's dQᵀ = Kᵀ dSᵀ)
-            a = _operand(me._wgmma_smem, "mn", desc_a, 16, 64, kind).T
-        else:
-            a = _operand(me._wgmma_smem, "k", desc_a, 64, 16, kind)
-        if trans_b:
-            b = _operand(me._wgmma_smem, "mn", desc_b, 16, n, kind)
-        else:
-            b = _operand(me._wgmma_smem, "k", desc_b, n, 16, kind).T
-        return _result(me, acc, a @ b, scale_d)
+        smem = me._wgmma_smem
+
+        def compute():  # (at the wait that retires it)
+            if trans_a:  # (M-major A: Kᵀ in the dkdvq kernel's dQᵀ = Kᵀ dSᵀ)
+                a = _operand(smem, "mn", desc_a, 16, 64, kind).T
+            else:
+                a = _operand(smem, "k", desc_a, 64, 16, kind)
+            if trans_b:
+                b = _operand(smem, "mn", desc_b, 16, n, kind)
+            else:
+                b = _operand(smem, "k", desc_b, n, 16, kind).T
+            return _result(me, acc, a @ b, scale_d)
+
+        return _issue(me, compute, len(acc))
 
     return wgmma_ss
 
@@ -156,12 +204,17 @@ def _rs(kind):
         halves = np.stack([regs & 0xFFFF, regs >> 16], axis=-1).reshape(128, 8)
         rows, ks = _a_index()
         a = np.zeros((64, 16), np.float32)
-        a[rows, ks] = _floats(halves, kind)
-        if trans_b:
-            b = _operand(me._wgmma_smem, "mn", desc_b, 16, n, kind)
-        else:
-            b = _operand(me._wgmma_smem, "k", desc_b, n, 16, kind).T
-        return _result(me, acc, a @ b, scale_d)
+        a[rows, ks] = _floats(halves, kind)  # (the registers, as issued)
+        smem = me._wgmma_smem
+
+        def compute():  # (B at the wait that retires it)
+            if trans_b:
+                b = _operand(smem, "mn", desc_b, 16, n, kind)
+            else:
+                b = _operand(smem, "k", desc_b, n, 16, kind).T
+            return _result(me, acc, a @ b, scale_d)
+
+        return _issue(me, compute, len(acc))
 
     return wgmma_rs
 
@@ -178,7 +231,7 @@ def zero_accumulators(n):
 
 
 def acc_to_local(acc, arr):
-    arr[:len(acc)] = acc
+    arr[:len(acc)] = _value(acc, "acc_to_local")
 
 
 def acc_from_local(arr, n):
@@ -189,14 +242,31 @@ def _same(acc, *rest):
     return acc
 
 
+def _commit():
+    """``wgmma.commit_group``: this thread's products since the last commit, one group."""
+    me = _me()
+    if getattr(me, "_wgmma_open", None):
+        me._wgmma_groups.append(me._wgmma_open)
+        me._wgmma_open = []
+
+
 def _wait(n, acc):
-    """``wgmma.wait_group`` (with the accumulators it hands back): the products completed at
-    issue, but each simulated thread read its SS operands itself, and the simulator's
-    threads of a warp do not keep in step. On the hardware the warpgroup's products read
-    shared memory together, and a wait returns once they have: so the warpgroup meets
-    here, and no thread goes past a wait (to release a stage that a producer then
+    """``wgmma.wait_group n`` (with the accumulators it hands back): the groups but the
+    ``n`` newest retire, in order, each product reading its shared-memory operands now.
+    The simulated threads of a warpgroup do not keep in step, and each computes its own
+    products; on the hardware the warpgroup's products read shared memory together and a
+    wait returns once they have: so the warpgroup meets here after its products are
+    computed, and no thread goes past a wait (to release a stage that a producer then
     overwrites) before every thread of its warpgroup has read what its products read."""
-    _warpgroup_exchange(_me(), None)
+    me = _me()
+    groups = getattr(me, "_wgmma_groups", [])
+    cut = max(0, len(groups) - int(n))
+    for group in groups[:cut]:
+        for p in group:
+            p.resolve()
+    if groups:
+        me._wgmma_groups = groups[cut:]
+    _warpgroup_exchange(me, None)
     return acc
 
 
@@ -222,7 +292,7 @@ def _emulations():
             "acc_to_local": acc_to_local, "acc_from_local": acc_from_local,
             "wgmma_fence_acc": _same, "wgmma_wait_group_acc": _wait,
             "wgmma_fence": _nothing, "wgmma_wait_group": _wait_only,
-            "wgmma_commit_group": _nothing, "fence_proxy_async": _nothing}
+            "wgmma_commit_group": _commit, "fence_proxy_async": _nothing}
 
 
 def install(monkeypatch):
