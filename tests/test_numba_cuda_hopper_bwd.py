@@ -398,15 +398,22 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
     n_ss, n_rs = 2 * head_dim // 16, (1 if kernel == "dq" else 2) * bn // 16
     # (dK/dV at D=256: each of two blocks makes half of dK's and dV's columns)
     n_out = head_dim if kernel == "dq" else head_dim // tilings.dkdv_passes(head_dim)
-    if kernel == "dkdvq":  # dQᵀ = Kᵀ dSᵀ: 4 k-steps per 64 head dims, K read M-major
-        n_ss += 4 * head_dim // 64
+    kind = "bf16" if dtype == "bfloat16" else "f16"
+    n_dq = 0
+    if kernel == "dkdvq":  # dQᵀ = Kᵀ dSᵀ: per 64 head dims, 4 k-steps per warpgroup's keys
+        # (two warpgroups: each over both's keys, for half the step's queries), K M-major
+        n_dq = 4 * v.tiles.warpgroups * head_dim // 64
+        dq_shape = f"m64n{bn // v.tiles.warpgroups}k16.f32.{kind}.{kind}"
         assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    assert len(mma) == n_ss + n_rs, f"{len(mma)} wgmma (loops left rolled?)"
-    kind = "bf16" if dtype == "bfloat16" else "f16"
+    assert len(mma) == n_ss + n_dq + n_rs, f"{len(mma)} wgmma (loops left rolled?)"
     ss = [ln for ln in mma if ln.count("{") == 2]  # (RS: one brace more, A's registers)
     rs = [ln for ln in mma if ln.count("{") == 3]
-    assert len(ss) == n_ss and len(rs) == n_rs
+    assert len(ss) == n_ss + n_dq and len(rs) == n_rs
+    if n_dq:  # (the dQᵀ chains: A M-major, the trans-a flag 1)
+        dqt = [ln for ln in ss if ln.rstrip().endswith("p, 1, 1, 1, 0; }")]
+        assert len(dqt) == n_dq and all(dq_shape in ln for ln in dqt), dqt[:2]
+        ss = [ln for ln in ss if ln not in dqt]
     assert all(f"m64n{bn}k16.f32.{kind}.{kind}" in ln for ln in ss)
     assert all(f"m64n{n_out}k16.f32.{kind}.{kind}" in ln for ln in rs)
     if v.tiles.overlap:  # P computed while dP runs

@@ -483,6 +483,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_CANDIDATE_DIMS,
     HOPPER_CANDIDATES,
     HOPPER_DKDV,
+    HOPPER_DKDVQ,
     HOPPER_DQ,
     HOPPER_FORWARD,
     HOPPER_HEAD_DIMS,

@@ -100,20 +100,31 @@ def wg_sync(wg):
 
 @device_function
 def step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g, tq, BM, BN, NTILES,
-            HALVES):
+            HALVES, WGS, QN, DQ_KSTEPS):
     """The dkdvq kernel's dQ of one step: ``dSᵀ`` (``dp``) into this warpgroup's dS tile,
     published to the async proxy and across the warpgroup (the barrier also tells it that
     the staging buffer of two steps ago is free: its first warp waited for the reductions
     that read it), then ``dQᵀ = Kᵀ dSᵀ`` issued (``dq_atomic.issue_dqt``); returns its
-    accumulators."""
+    accumulators. ``WGS`` 1: over the warpgroup's 64 keys (``ka``: its rows of K), for the
+    step's ``BN`` queries; 2: over the block's 128 keys, both warpgroups' dS tiles (a
+    barrier of the block), for this warpgroup's half of the queries (``ka``: K's first
+    row), so that a block adds one dQ part per query, not two. (``QN = BN / WGS`` and
+    ``DQ_KSTEPS = 4 WGS`` come as the kernel's literals: the accumulators' count must be
+    one.)"""
     ds = DS_OFF + wg * BN * LINE
     store_ds(smem, el + ds // 2, dp, BF16, warp, g, tq, NTILES)
     fence_proxy_async()
     if warp == 0 and lane == 0:
         bulk_wait_read(1)
-    wg_sync(wg)
-    return issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(BN)),
-                     wgmma_fence_acc(zero_accumulators(BN)), ka, at + ds, BM, BN, HALVES)
+    if WGS == 2:  # (compile-time) both warpgroups' dS, this one's queries (lines)
+        cuda.syncthreads()
+        dsa = at + DS_OFF + wg * (BN // 2) * LINE
+    else:
+        wg_sync(wg)
+        dsa = at + ds
+    return issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(QN)),
+                     wgmma_fence_acc(zero_accumulators(QN)), ka, dsa, BM, BN, HALVES,
+                     DQ_KSTEPS)
 
 
 def _sizes(var, kernel):
@@ -179,7 +190,15 @@ def make_attn_backward_dkdv_wgmma(var):
                          f"{var.tag}")
     DS_OFF = DO_OFF + STAGES * TILE  # (DQ) each warpgroup's dSᵀ tile: BN lines of 64 keys
     HALVES = D // 64
-    STAGE = BN * D * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
+    # (DQ) two warpgroups: each makes the dQ part of half the step's queries over the
+    # block's 128 keys (step_dq); one: of all of them over its 64 keys
+    WGS = var.tiles.warpgroups
+    QN = BN // WGS  # (DQ) queries of a warpgroup's dQ part
+    QTILES = QN // 8  # (DQ) its 8-query n-tiles
+    if DQ and (QN % 16 or (WGS == 2 and BN % 16)):
+        raise ValueError(f"dkdvq: a warpgroup's dQ part takes a multiple of 16 queries: "
+                         f"{var.tag}")
+    STAGE = QN * D * 4  # (DQ) a staging buffer of dQ rows; two per warpgroup
     DQ_OFF = DS_OFF + (BM // 64) * BN * LINE
     # lse and delta of a step's query columns, copied with its Q and dO tiles (two buffers
     # of BN lse then BN delta, fp32: backward_scores.stage_stats), after everything else
@@ -249,6 +268,7 @@ def make_attn_backward_dkdv_wgmma(var):
         cp_async_commit()
 
         ka = at + K_OFF + 64 * wg * LINE  # this warpgroup's 64 keys of K and of V
+        kd = at + K_OFF if WGS == 2 else ka  # (DQ) the keys of its dQ part (step_dq)
         va = at + V_OFF + 64 * wg * LINE
         j0 = k0 + 64 * wg + 16 * warp + g  # this thread's keys: j0, j0 + 8
         s = cuda.local.array(NS, float32)
@@ -321,8 +341,8 @@ def make_attn_backward_dkdv_wgmma(var):
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
-                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
-                                       tq, BM, BN, NTILES, HALVES)
+                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, kd, wg, warp, lane, g,
+                                       tq, BM, BN, NTILES, HALVES, WGS, QN, 4 * WGS)
             else:  # (fewer registers held: the fp32 tiles die as they are packed)
                 sacc = wgmma_wait_group_acc(0, sacc)  # Sᵀ and dPᵀ
                 pacc = wgmma_wait_group_acc(0, pacc)
@@ -337,8 +357,8 @@ def make_attn_backward_dkdv_wgmma(var):
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb + hb, PSTEPS, B_LBO)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
-                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, ka, wg, warp, lane, g,
-                                       tq, BM, BN, NTILES, HALVES)
+                    qa0, qa1 = step_dq(BF16, smem, el, at, DS_OFF, dp, kd, wg, warp, lane, g,
+                                       tq, BM, BN, NTILES, HALVES, WGS, QN, 4 * WGS)
             if not DEFER:  # (compile-time; DEFER: retired by the next step's first wait)
                 dka = wgmma_wait_group_acc(0, dka)
                 dva = wgmma_wait_group_acc(0, dva)
@@ -346,16 +366,17 @@ def make_attn_backward_dkdv_wgmma(var):
                 stage = el + (DQ_OFF + (2 * wg + (it & 1)) * STAGE) // 2
                 qa0 = wgmma_wait_group_acc(0, qa0)
                 acc_to_local(qa0, s)
-                stage_dq(smem, stage, s, 0, D, warp, g, tq, NTILES)
+                stage_dq(smem, stage, s, 0, D, warp, g, tq, QTILES, wg * QN)
                 if HALVES == 2:
                     qa1 = wgmma_wait_group_acc(0, qa1)
                     acc_to_local(qa1, s)
-                    stage_dq(smem, stage, s, 1, D, warp, g, tq, NTILES)
+                    stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, wg * QN)
                 fence_proxy_async()
                 wg_sync(wg)
                 if warp == 0 and lane == 0:
-                    reduce_dq(smem, stage, slopes, b * ssb + h * ssh + (q_row0 + mq) * D, D,
-                              Nq - mq, BN)
+                    reduce_dq(smem, stage, slopes,
+                              b * ssb + h * ssh + (q_row0 + mq + wg * QN) * D, D,
+                              Nq - mq - wg * QN, QN)
             gi, mq = gn, mn
         if DEFER:  # (compile-time) the last step's dV and dK
             dka = wgmma_wait_group_acc(0, dka)

@@ -65,22 +65,24 @@ def dqt_step(BF16, acc, da, db, scale_d):
 
 
 @device_function
-def issue_dqt(BF16, acc0, acc1, ka, dsa, BM, BN, HALVES):
+def issue_dqt(BF16, acc0, acc1, ka, dsa, BM, BN, HALVES, KSTEPS):
     """Issue ``dQᵀ = Kᵀ dSᵀ`` as one commit group: ``HALVES`` (``D / 64``: 1 or 2) chains of
-    4 k-steps (the warpgroup's 64 keys), rows ``64 h ..`` of dQᵀ (head dims) into ``acc0``
-    and ``acc1``. ``ka``: shared address of the warpgroup's first key row in the K tile
-    (``BM`` lines per 64-column block, MN-major as A); ``dsa``: the dS tile (``BN`` lines).
-    ``acc1`` is returned as it came when ``HALVES`` is 1."""
+    ``KSTEPS`` k-steps (16 keys each: 4, the warpgroup's 64 keys; 8, the block's 128 keys of
+    two warpgroups), rows ``64 h ..`` of dQᵀ (head dims) into ``acc0`` and ``acc1`` (as many
+    query columns as they hold). ``ka``: shared address of the first key row in the K tile
+    (``BM`` lines per 64-column block, MN-major as A); ``dsa``: the dS tile's first query
+    line (blocks of ``BN`` lines, 64 keys each, one per warpgroup). ``acc1`` is returned as
+    it came when ``HALVES`` is 1."""
     db0 = smem_descriptor(dsa, 16, PATTERN, SWIZZLE_128B)
     da0 = smem_descriptor(ka, BM * LINE, PATTERN, SWIZZLE_128B)
-    for kk in range(4):
+    for kk in range(KSTEPS):
         # 16 keys down in K (16 lines: LINE in the descriptor's 16-byte units); 16 columns
-        # along the dS tile's lines
+        # along the dS tile's lines (its next block of BN lines from key 64 on)
         db = db0 + uint64(k_start(kk, BN) >> 4)
         acc0 = dqt_step(BF16, acc0, da0 + uint64(kk * LINE), db, kk)
     if HALVES == 2:
         da1 = da0 + uint64(BM * LINE >> 4)  # the next 64 head dims: the next block of K
-        for kk in range(4):
+        for kk in range(KSTEPS):
             db = db0 + uint64(k_start(kk, BN) >> 4)
             acc1 = dqt_step(BF16, acc1, da1 + uint64(kk * LINE), db, kk)
     wgmma_commit_group()
@@ -88,22 +90,25 @@ def issue_dqt(BF16, acc0, acc1, ka, dsa, BM, BN, HALVES):
 
 
 @device_function
-def stage_dq(smem, e0, acc, half, D, warp, g, tq, NTILES):
+def stage_dq(smem, e0, acc, half, D, warp, g, tq, NTILES, i0):
     """This thread's elements of rows ``64 half ..`` of ``dQᵀ`` (``acc``, a local array in
     accumulator order: register ``4 jn + 2 r + e`` is head dim ``64 half + 16 warp + g + 8
-    r``, query ``8 jn + 2 tq + e`` of the step) stored at float ``query D + (dim + 4 query)
-    mod D`` of the staging buffer at 16-bit element ``e0`` (``D`` a power of two)."""
+    r``, query ``8 jn + 2 tq + e`` of the ``8 NTILES`` the buffer holds) stored at float
+    ``query D + (dim + 4 (i0 + query)) mod D`` of the staging buffer at 16-bit element
+    ``e0`` (``D`` a power of two; ``i0``: the buffer's first query in the step, so that
+    the rotation follows the query's row in the accumulator)."""
     for jn in range(NTILES):
         for e in range(2):
             i = 8 * jn + 2 * tq + e
             for r in range(2):
-                d = (64 * half + 16 * warp + g + 8 * r + 4 * i) & (D - 1)
+                d = (64 * half + 16 * warp + g + 8 * r + 4 * (i0 + i)) & (D - 1)
                 st_shared_f32(smem, e0 + 2 * (i * D + d), acc[4 * jn + 2 * r + e])
 
 
 @device_function
 def reduce_dq(smem, e0, dqa, abase, D, nrows, BN):
-    """The staged rows below ``nrows`` (at most ``BN``) added into ``dqa[abase:]`` by one
-    bulk reduction (one group): by one thread."""
-    bulk_reduce_add_f32(dqa, abase, smem, e0, 4 * D * min(nrows, BN))
+    """The staged rows below ``nrows`` (at most ``BN``; none if it is not positive) added
+    into ``dqa[abase:]`` by one bulk reduction (one group, empty then): by one thread."""
+    if nrows > 0:
+        bulk_reduce_add_f32(dqa, abase, smem, e0, 4 * D * min(nrows, BN))
     bulk_commit()

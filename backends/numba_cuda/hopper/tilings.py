@@ -240,14 +240,21 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 #: The non-deterministic mode's dkdvq kernel (hopper/dq_atomic.py): the dK/dV table but at
 #: D=128, where its dQ accumulators beside 64-query steps spill (40 bytes at g1n64o
-#: non-causal, ptxas 13.0): 32-query steps.
-HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
-                (128, True): HopperTiles(1, 32, True)}
+#: non-causal, ptxas 13.0): 32-query steps; and at D=64 two warpgroups (128 keys a block),
+#: each the dQ part of half a step's queries over the block's keys: one addition into dQ's
+#: accumulator per query and block of 128 keys instead of two of 64 keys (the additions'
+#: traffic bounded the one-warpgroup form: 4.3 GB at B=4 H=16 N=4096 D=64).
+HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): HopperTiles(2, 64, True),
+                (64, True): HopperTiles(2, 64, True),
+                (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
 _D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
         (HopperTiles(1, 64, True, stages=3), HopperTiles(1, 128, True, stages=3)),
+        (HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
+        (HopperTiles(1, 64, True, stages=3), HopperTiles(1, 64, True, stages=3)),
+        (HopperTiles(1, 32, True, 3, stages=3), HopperTiles(1, 64, True, stages=3)),
         (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
 HOPPER_BWD_CANDIDATES = {
@@ -286,7 +293,9 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
         return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
                 + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
-    ds = t.warpgroups * t.block_n * (128 + 8 * head_dim) if kernel == "dkdvq" else 0
+    # (two warpgroups: each stages half the step's queries)
+    ds = (t.warpgroups * t.block_n * (128 + 8 * head_dim // t.warpgroups)
+          if kernel == "dkdvq" else 0)
     # dK/dV: and two buffers of the query steps' lse and delta (fp32)
     stats = 16 * t.block_n if kernel in ("dkdv", "dkdvq") else 0
     streamed = (t.stages + 2 if kernel == "dq" else 2 * t.stages) * t.block_n
