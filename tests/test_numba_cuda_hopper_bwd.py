@@ -577,15 +577,21 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
 
 #: (D, dtype, causal, shape) of the non-deterministic mode's GPU test: the table's tilings,
 #: both dtypes, every shape at one of each head dim and causal mode
-FUSED_CASES = [(d, t, c, shape) for d, t, c in TABLE for shape in SHAPES
+#: (and the two-warpgroup dkdvq tiling, each warpgroup the dQ part of half a step's queries
+#: over the block's 128 keys, on two shapes)
+FUSED_CASES = [(d, t, c, shape, None) for d, t, c in TABLE for shape in SHAPES
                if d <= 128 and ((t == "bfloat16") == c or shape is SHAPES[0])] if HAVE else []
+FUSED_CASES += [(64, "bfloat16", True, SHAPES[1], tilings.HopperTiles(2, 64, True)),
+                (64, "float16", False, SHAPES[2], tilings.HopperTiles(2, 64, True))] if HAVE else []
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,dtype,causal,shape", [
+@pytest.mark.parametrize("head_dim,dtype,causal,shape,tiles", [
     pytest.param(*x, id=f"D{x[0]}-{x[1]}-{'causal' if x[2] else 'full'}-"
-                        f"{'x'.join(map(str, x[3]))}") for x in FUSED_CASES])
-def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, causal, shape):
+                        f"{'x'.join(map(str, x[3]))}" + (f"-{x[4].tag}" if x[4] else ""))
+    for x in FUSED_CASES])
+def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, causal, shape,
+                               tiles):
     """``FLASHCORE_DETERMINISTIC=0``: one dkdvq kernel (dK, dV, and dQ by atomics into a
     float32 accumulator), against the float64 oracle; dK and dV bit for bit those of the
     deterministic mode (the same sums in the same order), dQ within the tolerance of it."""
@@ -596,6 +602,8 @@ def test_fused_backward_on_gpu(hopper_bwd_gpu, monkeypatch, head_dim, dtype, cau
     B, Hq, Hkv, Nq, Nk, layout = shape
     for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV):
         monkeypatch.delenv(name, raising=False)
+    if tiles is not None:
+        monkeypatch.setitem(tilings.HOPPER_DKDVQ, (head_dim, causal), tiles)
     tags = spy_launches(monkeypatch, ("launch_dkdv",),
                          lambda kern: kern._dispatcher.py_func.__qualname__)
     q, k, v, do = gpu_inputs(torch, shape, head_dim, dtype, Nq * 5 + Nk + head_dim)

@@ -240,13 +240,15 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 #: The non-deterministic mode's dkdvq kernel (hopper/dq_atomic.py): the dK/dV table but at
 #: D=128, where its dQ accumulators beside 64-query steps spill (40 bytes at g1n64o
-#: non-causal, ptxas 13.0): 32-query steps; and at D=64 two warpgroups (128 keys a block),
-#: each the dQ part of half a step's queries over the block's keys: one addition into dQ's
-#: accumulator per query and block of 128 keys instead of two of 64 keys (the additions'
-#: traffic bounded the one-warpgroup form: 4.3 GB at B=4 H=16 N=4096 D=64).
-HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): HopperTiles(2, 64, True),
-                (64, True): HopperTiles(2, 64, True),
-                (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
+#: non-causal, ptxas 13.0): 32-query steps. Two warpgroups (g2n64o at D=64: each the dQ
+#: part of half a step's queries over the block's 128 keys, one addition into dQ's
+#: accumulator per query and 128 keys instead of two of 64) halve the additions' traffic
+#: (4.3 GB at B=4 H=16 N=4096 D=64) but were slower on an H200 (backward 2.48 ms against
+#: about 2.38 for g1n64o in an earlier run, and 2.14-2.18 for the deterministic pair;
+#: notes/backward_steps_2026-11-27.md): what bounds the kernel is its step's waits and
+#: barriers, not the traffic.
+HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
+                (128, True): HopperTiles(1, 32, True)}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
