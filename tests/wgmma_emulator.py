@@ -105,6 +105,13 @@ def _operand(smem, major, desc, rows, cols, kind):
     return _floats(smem[_offsets(major, int(desc), rows, cols) // 2], kind)
 
 
+def _operand_b(smem, desc_b, n, trans_b, kind):
+    """B (16 x ``n``) of a product: MN-major (``trans_b``) or K-major, transposed."""
+    if trans_b:
+        return _operand(smem, "mn", desc_b, 16, n, kind)
+    return _operand(smem, "k", desc_b, n, 16, kind).T
+
+
 class _Pending:
     """A product issued and not yet retired by a wait: ``compute()`` reads its operands and
     gives its accumulators, once (:func:`_wait`)."""
@@ -162,11 +169,7 @@ def _ss(kind):
                 a = _operand(smem, "mn", desc_a, 16, 64, kind).T
             else:
                 a = _operand(smem, "k", desc_a, 64, 16, kind)
-            if trans_b:
-                b = _operand(smem, "mn", desc_b, 16, n, kind)
-            else:
-                b = _operand(smem, "k", desc_b, n, 16, kind).T
-            return _result(me, acc, a @ b, scale_d)
+            return _result(me, acc, a @ _operand_b(smem, desc_b, n, trans_b, kind), scale_d)
 
         return _issue(me, compute, len(acc))
 
@@ -208,11 +211,7 @@ def _rs(kind):
         smem = me._wgmma_smem
 
         def compute():  # (B at the wait that retires it)
-            if trans_b:
-                b = _operand(smem, "mn", desc_b, 16, n, kind)
-            else:
-                b = _operand(smem, "k", desc_b, n, 16, kind).T
-            return _result(me, acc, a @ b, scale_d)
+            return _result(me, acc, a @ _operand_b(smem, desc_b, n, trans_b, kind), scale_d)
 
         return _issue(me, compute, len(acc))
 
