@@ -530,8 +530,9 @@ def hopper_bwd_gpu():
         todo |= {launch.hopper_variant(d, t, c, n, window=tuple(-1 if x is None else x
                                                                 for x in w))
                  for n in KERNELS}
-    for d, t, c, _ in FUSED_CASES:  # the non-deterministic mode's two kernels
-        todo |= {_variant("dkdvq", d, t, c), Variant("dqconvert", "simt", d, t, False, 256)}
+    for d, t, c, _, tiles in FUSED_CASES:  # the non-deterministic mode's two kernels
+        todo |= {_variant("dkdvq", d, t, c, tiles),
+                 Variant("dqconvert", "simt", d, t, False, 256)}
     compile_once(todo, "flashcore-hopper-bwd-test")
     return torch
 
