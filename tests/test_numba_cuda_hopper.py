@@ -361,7 +361,18 @@ def test_pingpong_tilings_and_rings():
             tilings.HopperTiles(**{"warpgroups": 2, "block_n": 64, "overlap": True,
                                    "pingpong": True, "stages": 3, **bad})
     with pytest.raises(ValueError):
-        tilings.HopperTiles(2, 64, True, stages=3)  # (only the ping-pong has rings)
+        tilings.HopperTiles(2, 64, True, stages=4)  # (rings of 4: the ping-pong's only)
+    # stages 3 without the ping-pong: a backward kernel's streamed tiles in three buffers
+    # (its step's last products retire under the next step); the overlapped forward
+    # double-buffers and refuses it
+    d3 = tilings.HopperTiles(1, 64, True, stages=3)
+    assert d3.tag == "g1n64od3"
+    assert tilings.hopper_smem_bytes(d3, 64, "dkdv") == 1024 + (2 * 64 + 6 * 64) * 128 + 1024
+    assert tilings.hopper_smem_bytes(d3, 64, "dq") == 1024 + (2 * 64 + 5 * 64) * 128
+    from flashcore.backends.numba_cuda.hopper.forward import make_attn_forward_wgmma
+
+    with pytest.raises(ValueError, match="double-buffers"):
+        make_attn_forward_wgmma(Variant("forward", "hopper", 64, "bfloat16", False, d3))
     with pytest.raises(ValueError):
         tilings.HopperTiles(2, 64, True, producer=True)  # (a producer serves the ping-pong)
     w = tilings.HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True)
