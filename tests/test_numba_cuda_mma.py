@@ -148,12 +148,80 @@ def _run_and_check(kernel, kind, to_device=None):
         (i, j) for i in range(16) for j in range(8)]
 
 
+def _make_stmatrix_kernel():
+    """One warp: each lane's four registers (distinct 16-bit halves) stored by stmatrix
+    (rows, and transposed, into two regions of 4 x 64 elements), then loaded back by
+    ldmatrix from the same addresses (lanes ``8m..8m+7``: the rows of matrix ``m``)."""
+    from flashcore.backends.numba_cuda.device.convert import smem_pointer
+    from flashcore.backends.numba_cuda.device.intrinsics import (
+        ldmatrix_x4,
+        ldmatrix_x4_trans,
+        stmatrix_x4,
+        stmatrix_x4_trans,
+    )
+
+    def stmatrix_probe(stored, back):
+        sm = smem_pointer(cuda.shared.array(512, uint16))
+        lane = cuda.laneid
+        r = cuda.local.array(4, np.uint32)
+        for m in range(4):
+            lo = 1000 * m + 2 * lane + 1
+            r[m] = np.uint32(lo | ((lo + 1) << 16))
+        at = (lane >> 3) * 64 + (lane & 7) * 8
+        stmatrix_x4(sm, at, r[0], r[1], r[2], r[3])
+        stmatrix_x4_trans(sm, 256 + at, r[0], r[1], r[2], r[3])
+        cuda.syncthreads()
+        a0, a1, a2, a3 = ldmatrix_x4(sm, at)
+        b0, b1, b2, b3 = ldmatrix_x4_trans(sm, 256 + at)
+        back[8 * lane] = a0
+        back[8 * lane + 1] = a1
+        back[8 * lane + 2] = a2
+        back[8 * lane + 3] = a3
+        back[8 * lane + 4] = b0
+        back[8 * lane + 5] = b1
+        back[8 * lane + 6] = b2
+        back[8 * lane + 7] = b3
+        for i in range(lane, 512, 32):
+            stored[i] = sm[i]
+
+    return stmatrix_probe
+
+
+def _check_stmatrix(kernel, to_device=None):
+    """The stored layouts (matrix ``m`` row ``g``, elements ``2t, 2t+1`` from lane ``4g +
+    t``'s register ``m``; transposed: elements ``(2t, g)``, ``(2t+1, g)``) and the round
+    trip through ldmatrix."""
+    stored = np.zeros(512, np.uint16)
+    back = np.zeros(256, np.uint32)
+    if to_device is not None:
+        dev = [to_device(x) for x in (stored, back)]
+        kernel[1, 32](*dev)
+        stored, back = (x.copy_to_host() for x in dev)
+    else:
+        kernel[1, 32](stored, back)
+    rows = np.zeros((4, 8, 8), np.uint16)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for m in range(4):
+            lo = 1000 * m + 2 * lane + 1
+            rows[m, g, 2 * t:2 * t + 2] = (lo, lo + 1)
+    np.testing.assert_array_equal(stored[:256].reshape(4, 8, 8), rows)
+    np.testing.assert_array_equal(stored[256:].reshape(4, 8, 8), rows.transpose(0, 2, 1))
+    want = np.array([[(1000 * m + 2 * ln + 1) | ((1000 * m + 2 * ln + 2) << 16)
+                      for m in range(4)] for ln in range(32)], np.uint32)
+    np.testing.assert_array_equal(back.reshape(32, 2, 4)[:, 0], want)
+    np.testing.assert_array_equal(back.reshape(32, 2, 4)[:, 1], want)
+
+
 if SIM:
     pytestmark = [pytestmark, pytest.mark.cudasim]
 
     @pytest.mark.parametrize("kind", KINDS)
     def test_primitives_under_simulator(kind):
         _run_and_check(cuda.jit(_make_kernel(kind)), kind)
+
+    def test_stmatrix_under_simulator():
+        _check_stmatrix(cuda.jit(_make_stmatrix_kernel()))
 
 else:
 
@@ -227,6 +295,25 @@ else:
         assert ptx.count("mma.sync.aligned") == 2
         assert "ld.local" not in ptx and "st.local" not in ptx
 
+    def test_stmatrix_ptx(monkeypatch):
+        """stmatrix (sm_90) in the PTX, and the PTX assembles."""
+        import numba.cuda.dispatcher as nd
+        from numba.cuda import types
+
+        monkeypatch.setattr(nd, "get_current_device",
+                            lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+        sig = (types.CPointer(types.uint16), types.CPointer(types.uint32))
+        try:
+            ptx, _ = cuda.compile_ptx(_make_stmatrix_kernel(), sig, cc=(9, 0))
+        except Exception as e:
+            if "NVVM" in str(e) or "libnvvm" in str(e).lower():
+                pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
+            raise
+        ptxas_report(ptx, (9, 0))
+        for instr in ("stmatrix.sync.aligned.m8n8.x4.shared.b16",
+                      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16"):
+            assert instr in ptx, f"{instr} missing from the PTX"
+
     def _gpu_reason():
         from flashcore.backends import numba_cuda
 
@@ -242,3 +329,12 @@ else:
         if reason is not None:
             pytest.skip(reason)
         _run_and_check(cuda.jit(_make_kernel(kind)), kind, to_device=cuda.to_device)
+
+    @pytest.mark.gpu
+    def test_stmatrix_on_gpu():
+        reason = _gpu_reason()
+        if reason is None and tuple(cuda.get_current_device().compute_capability) < (9, 0):
+            reason = "stmatrix needs sm_90"
+        if reason is not None:
+            pytest.skip(reason)
+        _check_stmatrix(cuda.jit(_make_stmatrix_kernel()), to_device=cuda.to_device)
