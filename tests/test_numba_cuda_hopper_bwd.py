@@ -376,6 +376,11 @@ def _ptx_cases():
                          marks=() if d == 128 else pytest.mark.slow)
             for d, t, c in ((128, "bfloat16", True), (64, "float16", False),
                             (128, "float16", False))]
+    # and with a producer warpgroup (hopper/backward_ws.py), in CI
+    ws = tilings.HopperTiles(2, 64, True, producer=True)
+    out += [pytest.param("dkdvq", ws, 64, "bfloat16", c, "",
+                         id=f"dkdvq-{ws.tag}-D64-bfloat16-{'causal' if c else 'full'}")
+            for c in (False, True)]
     return out
 
 
@@ -429,7 +434,10 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
 #: Bytes of stack and of spills ptxas may take, per (kernel, D, causal, tiling): the dK/dV
 #: kernel's 64-query steps at D=128 causal, a 16-byte frame, 12 bytes stored and 28 loaded
 #: (ptxas 13.0), faster than the 32-query steps without any (tilings.HOPPER_DKDV).
-SPILLS = {("dkdv", 128, True, "g1n64o"): 28}
+SPILLS = {("dkdv", 128, True, "g1n64o"): 28,
+          # the producer warpgroup's copy loop at its 56 registers (the bases and strides of
+          # Q, dO, lse and delta); the consumers spill nothing
+          ("dkdvq", 64, False, "g2n64ow"): 104, ("dkdvq", 64, True, "g2n64ow"): 104}
 
 
 #: (kernel, D, dtype, causal, softcap, ALiBi, window) of the mods' PTX test; the first two
@@ -578,12 +586,14 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
 
 #: (D, dtype, causal, shape) of the non-deterministic mode's GPU test: the table's tilings,
 #: both dtypes, every shape at one of each head dim and causal mode
-#: (and the two-warpgroup dkdvq tiling, each warpgroup the dQ part of half a step's queries
-#: over the block's 128 keys, on two shapes)
+#: (and the two-warpgroup dkdvq tilings, each warpgroup the dQ part of half a step's queries
+#: over the block's 128 keys, without and with a producer warpgroup, on two shapes)
 FUSED_CASES = [(d, t, c, shape, None) for d, t, c in TABLE for shape in SHAPES
                if d <= 128 and ((t == "bfloat16") == c or shape is SHAPES[0])] if HAVE else []
-FUSED_CASES += [(64, "bfloat16", True, SHAPES[1], tilings.HopperTiles(2, 64, True)),
-                (64, "float16", False, SHAPES[2], tilings.HopperTiles(2, 64, True))] if HAVE else []
+FUSED_CASES += [(64, dt, c, shape, tilings.HopperTiles(2, 64, True, producer=p))
+                for p in (False, True)
+                for dt, c, shape in (("bfloat16", True, SHAPES[1]),
+                                     ("float16", False, SHAPES[2]))] if HAVE else []
 
 
 @pytest.mark.gpu

@@ -248,7 +248,15 @@ else:
              pytest.param((1, 2, 2, 40, 100, 128, "bfloat16", True, "bhnd"), None,
                           marks=pytest.mark.slow),
              pytest.param((1, 2, 1, 40, 130, 128, "float16", False, "bhnd"),
-                          tilings.HopperTiles(2, 32, True), marks=pytest.mark.slow)]
+                          tilings.HopperTiles(2, 32, True), marks=pytest.mark.slow),
+             # a producer warpgroup (hopper/backward_ws.py): Q, dO and the statistics
+             # through a ring of mbarrier stages, dQ added by the producer's reducing lane;
+             # GQA and Nq > Nk causal (more steps than stages and staging buffers)
+             ((1, 4, 2, 150, 100, 64, "bfloat16", True, "bhnd"),
+              tilings.HopperTiles(2, 64, True, producer=True)),
+             pytest.param((1, 2, 1, 70, 160, 64, "float16", False, "bnhd"),
+                          tilings.HopperTiles(2, 32, True, producer=True),
+                          marks=pytest.mark.slow)]
 
     @pytest.mark.parametrize("c,tiles", FUSED, ids=lambda x: (
         "x".join(map(str, x[:6])) if isinstance(x, tuple) else getattr(x, "tag", "table")))
@@ -265,6 +273,7 @@ else:
         grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
         assert [t.split("_wgmma")[0] for t in emulated.tags] == ["attn_backward_dkdvq"], \
             emulated.tags
+        assert tiles is None or f"_{tiles.tag}_" in emulated.tags[0], emulated.tags
         refs = oracle_backward(do, q, k, v, **opts)
         floors = grad_floor(do, q, k, v, **opts)
         for name, g, r, x, f in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), floors):

@@ -153,12 +153,8 @@ def _make_stmatrix_kernel():
     (rows, and transposed, into two regions of 4 x 64 elements), then loaded back by
     ldmatrix from the same addresses (lanes ``8m..8m+7``: the rows of matrix ``m``)."""
     from flashcore.backends.numba_cuda.device.convert import smem_pointer
-    from flashcore.backends.numba_cuda.device.intrinsics import (
-        ldmatrix_x4,
-        ldmatrix_x4_trans,
-        stmatrix_x4,
-        stmatrix_x4_trans,
-    )
+    from flashcore.backends.numba_cuda.device.intrinsics import ldmatrix_x4, ldmatrix_x4_trans
+    from flashcore.backends.numba_cuda.device.stmatrix import stmatrix_x4, stmatrix_x4_trans
 
     def stmatrix_probe(stored, back):
         sm = smem_pointer(cuda.shared.array(512, uint16))

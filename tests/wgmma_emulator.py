@@ -38,6 +38,7 @@ MODULES = ("flashcore.backends.numba_cuda.hopper.forward",
            "flashcore.backends.numba_cuda.hopper.pingpong",
            "flashcore.backends.numba_cuda.hopper.persistent",
            "flashcore.backends.numba_cuda.hopper.backward",
+           "flashcore.backends.numba_cuda.hopper.backward_ws",
            "flashcore.backends.numba_cuda.hopper.dq_atomic")
 
 _cond = threading.Condition()

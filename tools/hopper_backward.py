@@ -18,7 +18,8 @@ backward, halved for causal. The table comes last; exit status 1 when a check fa
 it cannot run.
 
 ``--fused``: also the non-deterministic mode (``FLASHCORE_DETERMINISTIC=0``: the dkdvq
-kernel, dQ by atomics; the table's dK/dV tiling), checked and timed as "wgmma fused".
+kernel, dQ by atomics), checked and timed as "wgmma fused" in the table's dkdvq tiling and
+as "fused TAG" in each of ``tilings.HOPPER_DKDVQ_CANDIDATES``' at that head dim.
 
 Usage: python tools/hopper_backward.py [--quick] [--table-only] [--fused] [--repeat 20]
            [--json FILE] [--head-dims 64,128,256]
@@ -64,7 +65,10 @@ def variants(launch, tilings, pairs=None, fused=False, head_dims=HEAD_DIMS):
             if fused and d <= 128:  # (no dkdvq kernel at D=256)
                 from flashcore.backends.numba_cuda.variant import Variant
 
-                out.add(launch.hopper_variant(d, "bfloat16", c, "dkdvq"))
+                table_q = launch.hopper_variant(d, "bfloat16", c, "dkdvq")
+                out.add(table_q)
+                out |= {replace(table_q, tiles=t)
+                        for t in tilings.HOPPER_DKDVQ_CANDIDATES.get(d, ())}
                 out.add(Variant("dqconvert", "simt", d, "bfloat16", False, 256))
     return sorted(out, key=lambda v: v.tag)
 
@@ -74,6 +78,23 @@ def use_pair(launch, tilings, d, c, pair):
     ``c``."""
     tilings.HOPPER_DKDV[d, c], tilings.HOPPER_DQ[d, c] = pair
     launch._PLANS.clear()
+
+
+def fused_tilings(tilings, d):
+    """(label, dkdvq tiling or None for the table's) of the fused mode at head dim ``d``."""
+    return [("wgmma fused", None)] + [(f"fused {t.tag}", t)
+                                      for t in tilings.HOPPER_DKDVQ_CANDIDATES.get(d, ())]
+
+
+def use_dkdvq(launch, tilings, d, c, tiles):
+    """Make the plans pick dkdvq tiling ``tiles`` (None: the table's, as saved by the
+    first call) at head dim ``d``, causal ``c``."""
+    saved = use_dkdvq.table.setdefault((d, c), tilings.HOPPER_DKDVQ[d, c])
+    tilings.HOPPER_DKDVQ[d, c] = tiles or saved
+    launch.forget_plans()
+
+
+use_dkdvq.table = {}
 
 
 def label(pair):
@@ -207,8 +228,10 @@ def run(argv=None) -> int:
                                     + ("attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma")
                                     * (2 * len(pairs)))
                     fused = args.fused and D <= 128  # (no dkdvq kernel at D=256)
-                    if fused:  # the table's dK/dV tiling, dQ by atomics
+                    fused_ok = {}
+                    for fl, ft in (fused_tilings(tilings, D) if fused else ()):
                         use_pair(launch, tilings, D, causal, pairs[0])
+                        use_dkdvq(launch, tilings, D, causal, ft)  # dQ by atomics
                         got = nondeterministic(
                             lambda: backward(do, q, k, v, o, lse, causal, True))()
                         torch.cuda.synchronize()
@@ -216,8 +239,10 @@ def run(argv=None) -> int:
                         fin = all(bool(torch.isfinite(a).all() == torch.isfinite(b).all())
                                   for a, b in zip(got, ref))
                         good = max(errs) < TOL and fin
-                        checks.append(("wgmma fused", good, errs, True))
+                        checks.append((fl, good, errs, True))
+                        fused_ok[fl] = good
                         ok &= good
+                    use_dkdvq(launch, tilings, D, causal, None)
                 except Exception as e:  # noqa: BLE001  (a fault ends the CUDA context)
                     print(f"check {name}: ERROR {type(e).__name__}: {e}", flush=True)
                     rows.append({"case": name, "check": False, "ms": {}, "bwd_ms": {},
@@ -238,12 +263,16 @@ def run(argv=None) -> int:
                         bwd_ms[lb] = timer(
                             torch, lambda: backward(do, q, k, v, o, lse, causal, True),
                             args.repeat)
-                if args.fused and D <= 128 and checks[-1][1]:
+                for fl, ft in fused_tilings(tilings, D) if args.fused and D <= 128 else ():
+                    if not fused_ok.get(fl):
+                        continue
                     use_pair(launch, tilings, D, causal, pairs[0])
-                    ms["wgmma fused"] = timer(torch, nondeterministic(
+                    use_dkdvq(launch, tilings, D, causal, ft)
+                    ms[fl] = timer(torch, nondeterministic(
                         lambda: both(q, k, v, do, causal, True)), args.repeat)
-                    bwd_ms["wgmma fused"] = timer(torch, nondeterministic(
+                    bwd_ms[fl] = timer(torch, nondeterministic(
                         lambda: backward(do, q, k, v, o, lse, causal, True)), args.repeat)
+                use_dkdvq(launch, tilings, D, causal, None)
                 ms["mma.sync bwd"] = timer(torch, lambda: both(q, k, v, do, causal, False),
                                            args.repeat)
                 bwd_ms["mma.sync bwd"] = timer(

@@ -484,6 +484,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_CANDIDATES,
     HOPPER_DKDV,
     HOPPER_DKDVQ,
+    HOPPER_DKDVQ_CANDIDATES,
     HOPPER_DQ,
     HOPPER_FORWARD,
     HOPPER_HEAD_DIMS,

@@ -23,11 +23,8 @@ uint16 shared array) of the eight 16-byte rows of matrix ``m``; register ``m`` o
 With ``.trans`` it receives elements ``(2(l & 3), l >> 2)`` and ``(2(l & 3) + 1, l >> 2)``
 (column ``l >> 2`` of the stored rows): this turns a row-major ``[k][n]`` tile into B
 fragments. Loading a row-major A tile with lanes pointing at row ``l % 16``, column
-``8 (l // 16)`` gives exactly ``a0..a3``. ``stmatrix_x4(smem, i, r0, r1, r2, r3)`` and
-``stmatrix_x4_trans`` (sm_90) are the stores that undo them: the same addresses, register
-``m`` of lane ``l`` written where the load would have read it (an accumulator's pairs,
-rounded to 16 bits, stored as rows, or with ``.trans`` as columns, eight 16-byte rows per
-matrix).
+``8 (l // 16)`` gives exactly ``a0..a3``. ``device/stmatrix.py`` has the stores that undo
+them (sm_90).
 
 ``cp_async16(smem, i, src, j, nbytes)`` copies 16 bytes global -> shared without going
 through registers (``cp.async.cg``; the first ``nbytes`` copied, the rest zero-filled:
@@ -60,8 +57,6 @@ __all__ = [
     "cp_async_wait",
     "ldmatrix_x4",
     "ldmatrix_x4_trans",
-    "stmatrix_x4",
-    "stmatrix_x4_trans",
     "mma_bf16",
     "mma_f16",
     "pack_bf16x2",
@@ -208,33 +203,6 @@ if SIMULATOR:
     def ldmatrix_x4_trans(smem, idx):
         """Four 8x8 b16 matrices, each transposed (``ldmatrix...x4.trans.shared.b16``)."""
         return _ldmatrix(smem, idx, True)
-
-    def _stmatrix(smem, idx, regs, trans):
-        def store_all(ops):  # (once, when the warp's 32 lanes have handed theirs in)
-            for lane, (_, _, rr) in enumerate(ops):
-                g, t = lane >> 2, lane & 3
-                for m in range(4):
-                    lo, hi = int(rr[m]) & 0xFFFF, int(rr[m]) >> 16
-                    if trans:
-                        s0, i0 = ops[8 * m + 2 * t][:2]
-                        s1, i1 = ops[8 * m + 2 * t + 1][:2]
-                        s0[i0 + g], s1[i1 + g] = lo, hi
-                    else:
-                        s, i = ops[8 * m + g][:2]
-                        s[i + 2 * t], s[i + 2 * t + 1] = lo, hi
-            return None
-
-        _warp_exchange((smem, int(idx), tuple(int(r) for r in regs)), store_all)
-
-    def stmatrix_x4(smem, idx, r0, r1, r2, r3):
-        """Four 8x8 b16 matrices to shared memory (``stmatrix...x4.shared.b16``): the
-        inverse of :func:`ldmatrix_x4` on the same addresses."""
-        _stmatrix(smem, idx, (r0, r1, r2, r3), False)
-
-    def stmatrix_x4_trans(smem, idx, r0, r1, r2, r3):
-        """Four 8x8 b16 matrices, each stored transposed (``stmatrix...x4.trans``): the
-        inverse of :func:`ldmatrix_x4_trans`."""
-        _stmatrix(smem, idx, (r0, r1, r2, r3), True)
 
     def _coord_index(coords, ncols):
         """Flat tile index of element ``e`` of lane ``l``: array [32, n]."""
@@ -398,30 +366,6 @@ else:
 
     ldmatrix_x4 = _ldmatrix_intrinsic(False)
     ldmatrix_x4_trans = _ldmatrix_intrinsic(True)
-
-    def _stmatrix_intrinsic(trans):
-        suffix = ".trans" if trans else ""
-        text = (f"stmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 "
-                "[$0], {$1, $2, $3, $4};")
-
-        @intrinsic
-        def stm(typingctx, ptr, idx, r0, r1, r2, r3):
-            if not isinstance(ptr, types.CPointer) or not isinstance(idx, types.Integer):
-                return None
-
-            def codegen(context, builder, sig, args):
-                addr = _shared_u32(builder, args[0], args[1])
-                regs = [context.cast(builder, v, t, types.uint32)
-                        for v, t in zip(args[2:], sig.args[2:])]
-                _asm(builder, ir.VoidType(), [addr, *regs], text, "r,r,r,r,r,~{memory}")
-                return context.get_dummy_value()
-
-            return types.void(ptr, idx, r0, r1, r2, r3), codegen
-
-        return stm
-
-    stmatrix_x4 = _stmatrix_intrinsic(False)
-    stmatrix_x4_trans = _stmatrix_intrinsic(True)
 
     def _mma_intrinsic(kind):
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "

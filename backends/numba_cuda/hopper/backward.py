@@ -50,6 +50,8 @@ mma.sync backward (``launch.hopper_bwd_serves``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from numba import cuda, float32, int64, uint16, uint32
 
 from ..device.constants import DENSE, HEAD_GROUP, LOG2E, PACKING, SMEM_ALIGN
@@ -162,6 +164,11 @@ def make_attn_backward_dkdv_wgmma(var):
     # (head dim, keys per block, queries per step, threads, 16-byte chunks per row,
     # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles,
     # packed registers of Pᵀ)
+    if var.kernel == "dkdvq" and var.tiles.producer:  # (a producer warpgroup)
+        from .backward_ws import make_attn_backward_dkdvq_ws
+
+        return make_attn_backward_dkdvq_ws(var, _sizes(
+            replace(var, tiles=replace(var.tiles, producer=False)), "dkdv"))
     (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dkdv")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)

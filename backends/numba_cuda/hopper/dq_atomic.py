@@ -30,6 +30,7 @@ from numba import float32, uint16, uint64
 
 from ..device.convert import device_function
 from ..device.pipeline import bulk_commit, bulk_reduce_add_f32, st_shared_f32
+from ..device.stmatrix import stmatrix_x4_trans
 from ..device.wgmma import (
     SWIZZLE_128B,
     smem_descriptor,
@@ -54,6 +55,22 @@ def store_ds(smem, e0, dp, BF16, warp, g, tq, NTILES):
                 chunk = (2 * warp + r) ^ (row & 7)
                 bits = pack(BF16, dp[4 * jn + 2 * r + e], float32(0.0))
                 smem[e0 + row * 64 + chunk * 8 + g] = uint16(bits & 0xFFFF)
+
+
+@device_function
+def store_ds_packed(smem, e0, dsf, warp, lane, NTILES):
+    """:func:`store_ds` from ``dSᵀ`` already packed as the A fragments of ``dK += dSᵀ Q``
+    (``forward.pack_p``: register ``4 kk + r`` holds keys ``16 warp + g + 8 (r & 1)``,
+    queries ``8 (2 kk + (r >> 1)) + 2 tq``, ``+ 1``: one 8x8 matrix each), by one
+    ``stmatrix...x4.trans`` per k-step: lane ``l`` gives the address of row ``l & 7``
+    (a query) of matrix ``l >> 3``, whose 8 keys are one swizzled 16-byte chunk."""
+    m = lane >> 3
+    i = lane & 7
+    chunk = ((2 * warp + (m & 1)) ^ i) * 8
+    for kk in range(NTILES // 2):
+        row = 8 * (2 * kk + (m >> 1)) + i
+        stmatrix_x4_trans(smem, e0 + row * 64 + chunk, dsf[4 * kk], dsf[4 * kk + 1],
+                          dsf[4 * kk + 2], dsf[4 * kk + 3])
 
 
 @device_function

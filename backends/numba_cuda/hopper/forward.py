@@ -375,8 +375,9 @@ def make_attn_forward_wgmma(var):
     if MMOD and t.overlap:
         raise ValueError(f"a mask_mod's empty tiles are skipped in the schedule without the "
                          f"overlap only: {var.tag}")
-    if t.stages != 2:  # (the ping-pong forward has its own factory)
-        raise ValueError(f"the overlapped wgmma forward double-buffers K and V: {var.tag}")
+    if t.stages != 2 or t.producer:  # (the ping-pong forward has its own factory)
+        raise ValueError(f"the overlapped wgmma forward double-buffers K and V, with no "
+                         f"producer warpgroup: {var.tag}")
     BN = t.block_n
     BM, NT = t.block_m, t.threads
     CH = D // 8  # 16-byte chunks per row

@@ -82,9 +82,11 @@ class HopperTiles:
         if self.tma and (not self.pingpong or self.persistent):
             raise ValueError(f"bulk tensor copies serve the ping-pong schedule, not "
                              f"persistent: {self}")
-        if self.producer and (not self.pingpong or self.min_blocks != 1):
-            raise ValueError(f"a producer warpgroup serves the ping-pong schedule, one block "
-                             f"per SM: {self}")
+        if self.producer and (not (self.pingpong or (self.warpgroups == 2 and self.overlap))
+                              or self.min_blocks != 1):
+            raise ValueError(f"a producer warpgroup serves the ping-pong schedule or two "
+                             f"overlapped warpgroups (the backward's dkdvq), one block per "
+                             f"SM: {self}")
 
     @property
     def tag(self) -> str:
@@ -249,6 +251,12 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
 #: barriers, not the traffic.
 HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
                 (128, True): HopperTiles(1, 32, True)}
+#: Per head dim, the dkdvq tilings ``tools/hopper_backward.py --fused`` times beside the
+#: table's: two warpgroups (section 4 of notes/backward_steps_2026-11-27.md), and two with a
+#: producer warpgroup (``hopper/backward_ws.py``: FlashAttention 3's structure; not yet run
+#: on a GPU when written).
+HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(2, 64, True),
+                                HopperTiles(2, 64, True, producer=True))}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
@@ -295,6 +303,11 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
         return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
                 + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
+    if kernel == "dkdvq" and t.producer:  # (hopper/backward_ws.py's layout)
+        stats = -(-t.stages * 8 * t.block_n // HOPPER_ALIGN) * HOPPER_ALIGN
+        return (HOPPER_ALIGN + (2 * t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
+                + stats + 2 * 2 * t.block_n * 128 + 2 * t.block_n * head_dim * 4
+                + (2 * t.stages + 4) * 8)
     # (two warpgroups: each stages half the step's queries)
     ds = (t.warpgroups * t.block_n * (128 + 8 * head_dim // t.warpgroups)
           if kernel == "dkdvq" else 0)

@@ -1,0 +1,325 @@
+"""The non-deterministic backward's one kernel (``kernel`` "dkdvq") with a producer
+warpgroup (``HopperTiles.producer``, two consumer warpgroups): FlashAttention 3's and
+cuDNN's structure (notes/backward_steps_2026-11-27.md, section 6d), built from the dkdvq
+steps of ``backward.py`` and ``dq_atomic.py`` and the producer of ``pingpong.py``.
+
+A block owns 128 keys (64 per consumer warpgroup), K and V resident; query steps of
+``block_n`` rows stream through, under GQA for every query head of the group in turn.
+
+- **Producer** (warpgroup 0, ``setmaxnreg`` down): its first 64 threads copy each step's Q
+  and dO tiles and lse and delta (``cp.async``) into a ring of ``stages`` stages, each
+  waiting for the stage's "empty" barrier and arriving on its "full" one when its copies
+  land (``cp.async.mbarrier.arrive.noinc``). Lane 0 of its third warp adds each step's dQ
+  part into the float32 accumulator: it waits for the step's "dq full" barrier (every
+  consumer thread staged its rows), issues one bulk reduction of the step's rows, waits
+  until the copy engine has read them and arrives on "dq empty".
+- **Consumers** (warpgroups 1 and 2): per step, wait for "full"; ``Sᵀ``, ``dPᵀ``, ``Pᵀ``,
+  ``dV += Pᵀ dO``, ``dSᵀ``, ``dK += dSᵀ Q`` as the dK/dV kernel (its overlapped form);
+  ``dSᵀ``, from the registers that ``dK += dSᵀ Q`` reads, by ``stmatrix`` into one of two dS
+  tiles (so that a step's store cannot reach the tile the other
+  warpgroup's previous product still reads); a barrier of the 256 consumer threads; ``dQᵀ``
+  for this warpgroup's half of the queries over the block's 128 keys; every product waited
+  for, the stage released ("empty": lane 0 of each warp); then, once the reduction of two
+  steps back has read the staging buffer ("dq empty"), its rows staged and "dq full"
+  arrived on. No block-wide barrier in the loop, and no consumer waits for a reduction.
+
+Dense rows, no window, softcap or ALiBi (as the one-warpgroup dkdvq); head dim 64 (at
+128 a copying thread's rows would change swizzle from pass to pass: ``pingpong.copy_rows``).
+"""
+from __future__ import annotations
+
+from numba import cuda, float32, int32, int64, uint16, uint32
+
+from ..device.constants import HEAD_GROUP, LOG2E, PACKING, SMEM_ALIGN
+from ..device.convert import device_function, smem_pointer
+from ..device.intrinsics import cp_async4, cp_async_commit, cp_async_wait, warp_uniform
+from ..device.pipeline import (
+    bulk_wait,
+    bulk_wait_read,
+    cp_async_arrive,
+    empty_parity,
+    full_parity,
+    mbarrier_arrive,
+    mbarrier_init,
+    mbarrier_wait,
+    named_sync,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+    stage_of,
+)
+from ..device.prologue import block_tile, split_heads
+from ..device.seams import query_range, sequence_rows
+from ..device.wgmma import (
+    acc_to_local,
+    fence_proxy_async,
+    opaque,
+    smem_address,
+    wgmma_fence_acc,
+    wgmma_wait_group_acc,
+    zero_accumulators,
+)
+from ..tilings import HOPPER_ALIGN
+from .backward_scores import grads_t, probs_t, read_stats
+from .dq_atomic import issue_dqt, reduce_dq, stage_dq, store_ds_packed
+from .epilogue import store_o
+from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p
+from .pingpong import copy_rows
+
+#: Elements (16-bit) of one mbarrier in the shared array.
+BAR = 4
+#: Producer threads that copy (two warps: a tile's rows in passes of 16); the lane that
+#: adds dQ is lane 0 of warp 2.
+COPIERS = 64
+REDUCER = 64
+PRODUCER_REGS, CONSUMER_REGS = 56, 224
+
+
+@device_function
+def copy_stats(smem, e0, lse, delta, lbase, lsn, dbase, m, Nq, BN, wtid):
+    """A step's lse and delta (``BN`` columns from query ``m``) into the stage's stats
+    (lse of column ``c`` at element ``e0 + 2 c``, delta at ``e0 + 2 (BN + c)``) by the
+    copying threads, ``cp.async`` only (their completion is what the stage's "full"
+    barrier counts): queries past ``Nq`` get 0, harmless there (their Q and dO rows are
+    zero, so P = 1 meets zeros in every product, and their dQ rows are not added)."""
+    for c in range(wtid, 2 * BN, COPIERS):
+        i = m + (c if c < BN else c - BN)
+        live = 4 if i < Nq else 0
+        if c < BN:
+            cp_async4(smem, e0 + 2 * c, lse, lbase + (i if live else 0) * lsn, live)
+        else:
+            cp_async4(smem, e0 + 2 * c, delta, dbase + (i if live else 0), live)
+
+
+def make_attn_backward_dkdvq_ws(var, sizes):
+    """The warp-specialized dkdvq kernel of variant ``var`` (``sizes``: ``backward._sizes``'
+    constants for the consumers' 128 threads)."""
+    (D, BM, BN, _NT, CH, KSTEPS, PSTEPS, NTILES, NP, CAUSAL, BF16, OVERLAP,
+     PACKED, CAP, _CAP_C, ALIBI) = sizes
+    t = var.tiles
+    if (t.warpgroups != 2 or not OVERLAP or PACKED != PACKING[""] or CAP or ALIBI
+            or var.window or D != 64 or BN % 16 or 2 * BN > 2 * COPIERS):
+        raise ValueError(f"the warp-specialized dkdvq kernel takes two consumer warpgroups "
+                         f"with the overlap, dense rows, no window or modifiers, head dim "
+                         f"64 (its 64 copying threads move whole swizzle periods of rows "
+                         f"per pass only there), query steps of 16..64: {var.tag}")
+    STAGES = t.stages
+    TILE = BN * D * 2
+    K_OFF = 0
+    V_OFF = BM * D * 2
+    Q_OFF = 2 * BM * D * 2
+    DO_OFF = Q_OFF + STAGES * TILE
+    STATS = 2 * BN * 4  # bytes of one stage's lse and delta
+    STATS_OFF = DO_OFF + STAGES * TILE
+    DS_OFF = STATS_OFF + (STAGES * STATS + HOPPER_ALIGN - 1) // HOPPER_ALIGN * HOPPER_ALIGN
+    DS_BUF = 2 * BN * LINE  # a dS tile: two blocks of BN lines x 64 keys
+    QN = BN // 2  # queries of a consumer's dQ part
+    QTILES = QN // 8
+    HALVES = D // 64
+    DQ_BUF = BN * D * 4  # a staging buffer: the step's BN rows (QN per consumer)
+    DQ_OFF = DS_OFF + 2 * DS_BUF
+    BAR_OFF = DQ_OFF + 2 * DQ_BUF
+    B_LBO = BN * LINE
+    NS = BN // 2
+    NO = D // 2
+    RS = COPIERS // CH  # rows per pass of a tile copy (pingpong.copy_rows: a multiple of 8)
+    if BN % RS or RS % 8:
+        raise ValueError(f"dkdvq (producer): query steps of {BN} rows are not whole passes "
+                         f"of {COPIERS} copying threads: {var.tag}")
+
+    def attn_backward_dkdv_wgmma(q, k, v, do, lse, delta, dk, dv, Nq, Nk, Hq, Hkv, group,
+                                 causal_offset, qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
+                                 vsb, vsh, vsn, vsd, gsb, gsh, gsn, gsd,
+                                 dksb, dksh, dksn, dksd, dvsb, dvsh, dvsn, dvsd,
+                                 lsb, lsh, lsn, scale, slopes, ssb, ssh, m0, m1, m2, m3, e0,
+                                 e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14,
+                                 e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table, tsb, page,
+                                 psp, TQ, chunk, oss, lss, nseq):
+        smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
+        tid = cuda.threadIdx.x
+        wtid = tid & 127
+        wg = warp_uniform((tid >> 7) - 1)  # consumer warpgroup 0 or 1; -1: the producer
+        warp = (tid >> 5) & 3
+        lane = tid & 31
+        g = lane >> 2
+        tq = lane & 3
+        kt, bh = block_tile(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x, cuda.gridDim.y,
+                            CAUSAL, False, HEAD_GROUP)
+        b, hk, _ = split_heads(bh, Hkv, 1)
+        k0 = kt * BM
+        q_row0, k_row0, Nq, Nk, causal_offset, sb0, sstep = sequence_rows(
+            b, 0, Hq, Nq, Nk, causal_offset, cu_q, cu_k, seqk, TQ, PACKED)
+        qb0 = b * qsb + q_row0 * qsn
+        gb0 = b * gsb + q_row0 * gsn
+        lb0 = b * lsb + q_row0 * lsn
+        sl2 = float32(scale * LOG2E)
+
+        raw = int64(smem_address(smem, 0))
+        pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
+        at = raw + pad
+        el = pad >> 1
+        full = el + BAR_OFF // 2
+        empty = full + BAR * STAGES
+        dq_full = empty + BAR * STAGES
+        dq_empty = dq_full + 2 * BAR
+
+        m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
+        m_end = Nq
+        per_head = (m_end - m_begin + BN - 1) // BN if m_end > m_begin else 0
+        n_steps = group * per_head
+
+        if tid == 0:
+            for st in range(STAGES):
+                mbarrier_init(smem, full + BAR * st, COPIERS)
+                mbarrier_init(smem, empty + BAR * st, 8)  # (lane 0 of each consumer warp)
+            for bb in range(2):
+                mbarrier_init(smem, dq_full + BAR * bb, 256)
+                mbarrier_init(smem, dq_empty + BAR * bb, 1)
+        if wg >= 0:  # K and V, by the consumers' 256 threads
+            load_tile(smem, el + K_OFF // 2, k, b * ksb + hk * ksh + k_row0 * ksn, k0, Nk,
+                      ksn, BM, CH, tid - 128, 256)
+            load_tile(smem, el + V_OFF // 2, v, b * vsb + hk * vsh + k_row0 * vsn, k0, Nk,
+                      vsn, BM, CH, tid - 128, 256)
+            cp_async_commit()
+            cp_async_wait(0)
+            fence_proxy_async()
+        cuda.syncthreads()  # the barriers initialized, K and V landed
+
+        if wg < 0:
+            setmaxnreg_dec(PRODUCER_REGS)
+            if wtid < COPIERS:  # the copies, a stage as soon as it is free
+                # (pingpong.copy_rows: chunk c of rows r + p RS, the shared offset computed
+                # once, the passes' loop kept rolled for the producer's few registers)
+                c = wtid % CH
+                r = wtid // CH
+                so = el + (c >> 3) * (BN * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3)
+                passes = BN // RS + (n_steps >> 30)  # (BN // RS, unknown to the compiler)
+                gi = 0
+                mq = m_begin
+                for it in range(n_steps):
+                    h = hk * group + gi
+                    st = stage_of(it, STAGES)
+                    if it >= STAGES:
+                        mbarrier_wait(smem, empty + BAR * st, empty_parity(it, STAGES))
+                    copy_rows(smem, so + (Q_OFF + st * TILE) // 2, q,
+                              qb0 + h * qsh + r * qsn + 8 * c, mq + r, r, Nq, qsn, passes, RS)
+                    copy_rows(smem, so + (DO_OFF + st * TILE) // 2, do,
+                              gb0 + h * gsh + r * gsn + 8 * c, mq + r, r, Nq, gsn, passes, RS)
+                    copy_stats(smem, el + (STATS_OFF + st * STATS) // 2, lse, delta,
+                               lb0 + h * lsh, lsn, sb0 + h * sstep, mq, Nq, BN, wtid)
+                    cp_async_arrive(smem, full + BAR * st)
+                    mq += BN
+                    if mq >= m_end:
+                        gi, mq = gi + 1, m_begin
+                cp_async_commit()
+                cp_async_wait(0)
+            elif wtid == REDUCER:  # dQ's parts, added as the consumers stage them
+                gi = 0
+                mq = m_begin
+                for it in range(n_steps):
+                    h = hk * group + gi
+                    bb = it & 1
+                    mbarrier_wait(smem, dq_full + BAR * bb, int32_parity(it >> 1))
+                    reduce_dq(smem, el + (DQ_OFF + bb * DQ_BUF) // 2, slopes,
+                              b * ssb + h * ssh + (q_row0 + mq) * D, D, Nq - mq, BN)
+                    bulk_wait_read(0)
+                    mbarrier_arrive(smem, dq_empty + BAR * bb)
+                    mq += BN
+                    if mq >= m_end:
+                        gi, mq = gi + 1, m_begin
+                bulk_wait(0)
+        else:
+            setmaxnreg_inc(CONSUMER_REGS)
+            ka = at + K_OFF + 64 * wg * LINE  # this warpgroup's 64 keys of K and of V
+            va = at + V_OFF + 64 * wg * LINE
+            j0 = k0 + 64 * wg + 16 * warp + g
+            s = cuda.local.array(NS, float32)
+            dp = cuda.local.array(NS, float32)
+            gc = cuda.local.array(NS, float32)
+            mods = cuda.local.array(3, float32)
+            ls = cuda.local.array(NP, float32)
+            dl = cuda.local.array(NP, float32)
+            pf = cuda.local.array(NP, uint32)
+            dsf = cuda.local.array(NP, uint32)
+            dka = zero_accumulators(D)
+            dva = zero_accumulators(D)
+            mq = m_begin
+            for it in range(n_steps):
+                st = stage_of(it, STAGES)
+                mbarrier_wait(smem, full + BAR * st, full_parity(it, STAGES))
+                fence_proxy_async()  # (the copies are generic-proxy writes)
+                qb = at + Q_OFF + st * TILE
+                gb = at + DO_OFF + st * TILE
+                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(ka), qb,
+                                KSTEPS, BM, BN)
+                pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(va), gb,
+                                KSTEPS, BM, BN)
+                read_stats(ls, dl, smem, el + (STATS_OFF + st * STATS) // 2, BN, NTILES, tq)
+                mask = CAUSAL and mq < m_full
+                sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
+                acc_to_local(sacc, s)
+                if mask:
+                    probs_t(s, gc, ls, mq, j0, causal_offset, sl2, True, CAUSAL, -1, -1,
+                            NTILES, tq, mods, False, False)
+                else:
+                    probs_t(s, gc, ls, mq, j0, causal_offset, sl2, False, CAUSAL, -1, -1,
+                            NTILES, tq, mods, False, False)
+                pack_p(BF16, pf, s, NP)
+                dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
+                pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)
+                acc_to_local(pacc, dp)
+                grads_t(s, gc, dp, dl, NTILES, False)
+                pack_p(BF16, dsf, dp, NP)
+                dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
+                # dSᵀ into this step's dS tile (two: the other warpgroup's dQᵀ of the step
+                # before may still read the other), published to both warpgroups
+                ds = DS_OFF + (it & 1) * DS_BUF
+                store_ds_packed(smem, el + (ds + wg * BN * LINE) // 2, dsf, warp, lane, NTILES)
+                fence_proxy_async()
+                named_sync(3, 256)
+                qa0, qa1 = issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(QN)),
+                                     wgmma_fence_acc(zero_accumulators(QN)), at + K_OFF,
+                                     at + ds + wg * QN * LINE, BM, BN, HALVES, 8)
+                dka = wgmma_wait_group_acc(0, dka)
+                dva = wgmma_wait_group_acc(0, dva)
+                qa0 = wgmma_wait_group_acc(0, qa0)
+                if lane == 0:  # (every product that read the stage is done)
+                    mbarrier_arrive(smem, empty + BAR * st)
+                bb = it & 1
+                if it >= 2:  # the reduction of two steps back has read the buffer
+                    mbarrier_wait(smem, dq_empty + BAR * bb, int32_parity((it >> 1) - 1))
+                stage = el + (DQ_OFF + bb * DQ_BUF + wg * QN * D * 4) // 2
+                acc_to_local(qa0, s)
+                stage_dq(smem, stage, s, 0, D, warp, g, tq, QTILES, wg * QN)
+                if HALVES == 2:
+                    qa1 = wgmma_wait_group_acc(0, qa1)
+                    acc_to_local(qa1, s)
+                    stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, wg * QN)
+                fence_proxy_async()
+                mbarrier_arrive(smem, dq_full + BAR * bb)
+                mq += BN
+                if mq >= m_end:
+                    mq = m_begin
+            # the other warpgroup's last dQᵀ read this one's K rows, which its epilogue
+            # stages dK through
+            named_sync(3, 256)
+            out = cuda.local.array(NO, float32)
+            sc = float32(scale)
+            one = float32(1.0)
+            acc_to_local(dka, out)
+            store_o(BF16, smem, el + K_OFF // 2, dk, b * dksb + hk * dksh + k_row0 * dksn,
+                    k0 + 64 * wg, j0, Nk, dksn, dksd, out, sc, sc, D, BM, wg, warp, g, tq,
+                    wtid)
+            acc_to_local(dva, out)
+            store_o(BF16, smem, el + V_OFF // 2, dv, b * dvsb + hk * dvsh + k_row0 * dvsn,
+                    k0 + 64 * wg, j0, Nk, dvsn, dvsd, out, one, one, D, BM, wg, warp, g, tq,
+                    wtid)
+
+    attn_backward_dkdv_wgmma.__qualname__ = var.tag
+    return attn_backward_dkdv_wgmma
+
+
+@device_function
+def int32_parity(n):
+    """The parity of phase ``n`` of a barrier (its ``n``-th completion, from 0)."""
+    return int32(uint32(n) & uint32(1))
+
