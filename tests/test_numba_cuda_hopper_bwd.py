@@ -323,6 +323,11 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     # (the dkdvq kernel's dQ accumulators beside 64-query steps spill: 32-query steps)
     assert (launch.hopper_variant(128, "bfloat16", False, "dkdvq").tiles
             == tilings.HopperTiles(1, 32, True))
+    # a producer warpgroup: the dkdvq kernel's only (hopper/backward_ws.py), at D=64
+    ws = tilings.HopperTiles(2, 64, True, producer=True)
+    for kernel, d in (("dkdv", 64), ("dq", 64), ("dkdvq", 128)):
+        with pytest.raises(ValueError):
+            launch.build(Variant(kernel, "hopper", d, "bfloat16", False, ws))
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
     # the softcap and ALiBi: the wgmma kernels, deterministic; a user mod: mma.sync
     assert launch.hopper_bwd_serves(_case(softcap=20.0), 0)

@@ -135,6 +135,9 @@ def _sizes(var, kernel):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma backward")
+    if var.tiles.producer and var.kernel != "dkdvq":
+        raise ValueError(f"a producer warpgroup serves the dkdvq kernel only "
+                         f"(hopper/backward_ws.py): {var.tag}")
     if (var.user is not None or var.packed not in HOPPER_ROWS or var.split
             or (var.alibi and var.kernel == "dkdvq")):
         raise ValueError(f"the wgmma backward takes causal, a window, the softcap and ALiBi "

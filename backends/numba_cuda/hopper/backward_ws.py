@@ -97,7 +97,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
      PACKED, CAP, _CAP_C, ALIBI) = sizes
     t = var.tiles
     if (t.warpgroups != 2 or not OVERLAP or PACKED != PACKING[""] or CAP or ALIBI
-            or var.window or D != 64 or BN % 16 or 2 * BN > 2 * COPIERS):
+            or var.window or D != 64 or BN % 16):
         raise ValueError(f"the warp-specialized dkdvq kernel takes two consumer warpgroups "
                          f"with the overlap, dense rows, no window or modifiers, head dim "
                          f"64 (its 64 copying threads move whole swizzle periods of rows "
