@@ -256,6 +256,13 @@ else:
               tilings.HopperTiles(2, 64, True, producer=True)),
              pytest.param((1, 2, 1, 70, 160, 64, "float16", False, "bnhd"),
                           tilings.HopperTiles(2, 32, True, producer=True),
+                          marks=pytest.mark.slow),
+             # each consumer adding its own keys' dQ part; three stages
+             pytest.param((1, 4, 2, 150, 100, 64, "bfloat16", True, "bhnd"),
+                          tilings.HopperTiles(2, 64, True, producer=True, own_dq=True),
+                          marks=pytest.mark.slow),
+             pytest.param((1, 2, 1, 200, 70, 64, "float16", False, "bhnd"),
+                          tilings.HopperTiles(2, 64, True, stages=3, producer=True),
                           marks=pytest.mark.slow)]
 
     @pytest.mark.parametrize("c,tiles", FUSED, ids=lambda x: (

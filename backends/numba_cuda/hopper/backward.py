@@ -171,7 +171,7 @@ def make_attn_backward_dkdv_wgmma(var):
         from .backward_ws import make_attn_backward_dkdvq_ws
 
         return make_attn_backward_dkdvq_ws(var, _sizes(
-            replace(var, tiles=replace(var.tiles, producer=False)), "dkdv"))
+            replace(var, tiles=replace(var.tiles, producer=False, own_dq=False)), "dkdv"))
     (D, BM, BN, NT, CH, KSTEPS, PSTEPS, NTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dkdv")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)

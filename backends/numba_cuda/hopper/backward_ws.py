@@ -103,6 +103,8 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                          f"64 (its 64 copying threads move whole swizzle periods of rows "
                          f"per pass only there), query steps of 16..64: {var.tag}")
     STAGES = t.stages
+    OWN = t.own_dq  # (compile-time) each consumer adds its own keys' dQ part
+    WGQ = 1 if OWN else 2  # consumers whose dQ parts share a staging buffer
     TILE = BN * D * 2
     K_OFF = 0
     V_OFF = BM * D * 2
@@ -111,13 +113,18 @@ def make_attn_backward_dkdvq_ws(var, sizes):
     STATS = 2 * BN * 4  # bytes of one stage's lse and delta
     STATS_OFF = DO_OFF + STAGES * TILE
     DS_OFF = STATS_OFF + (STAGES * STATS + HOPPER_ALIGN - 1) // HOPPER_ALIGN * HOPPER_ALIGN
-    DS_BUF = 2 * BN * LINE  # a dS tile: two blocks of BN lines x 64 keys
-    QN = BN // 2  # queries of a consumer's dQ part
+    # a dS tile: two blocks of BN lines x 64 keys, two of them (own_dq: one tile, each
+    # consumer reading only its own block)
+    DS_BUF = 2 * BN * LINE
+    QN = BN // WGQ  # queries of a consumer's dQ part
     QTILES = QN // 8
     HALVES = D // 64
     DQ_BUF = BN * D * 4  # a staging buffer: the step's BN rows (QN per consumer)
-    DQ_OFF = DS_OFF + 2 * DS_BUF
-    BAR_OFF = DQ_OFF + 2 * DQ_BUF
+    DQ_OFF = DS_OFF + (1 if OWN else 2) * DS_BUF
+    # staging buffers: two (own_dq: two per consumer), each with its "dq full" and "dq
+    # empty" barriers
+    NQB = 2 * (3 - WGQ)
+    BAR_OFF = DQ_OFF + NQB * DQ_BUF
     B_LBO = BN * LINE
     NS = BN // 2
     NO = D // 2
@@ -160,7 +167,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
         full = el + BAR_OFF // 2
         empty = full + BAR * STAGES
         dq_full = empty + BAR * STAGES
-        dq_empty = dq_full + 2 * BAR
+        dq_empty = dq_full + NQB * BAR
 
         m_begin, m_full = query_range(k0, BM, BN, causal_offset, CAUSAL)
         m_end = Nq
@@ -171,8 +178,8 @@ def make_attn_backward_dkdvq_ws(var, sizes):
             for st in range(STAGES):
                 mbarrier_init(smem, full + BAR * st, COPIERS)
                 mbarrier_init(smem, empty + BAR * st, 8)  # (lane 0 of each consumer warp)
-            for bb in range(2):
-                mbarrier_init(smem, dq_full + BAR * bb, 256)
+            for bb in range(NQB):
+                mbarrier_init(smem, dq_full + BAR * bb, 128 * WGQ)
                 mbarrier_init(smem, dq_empty + BAR * bb, 1)
         if wg >= 0:  # K and V, by the consumers' 256 threads
             load_tile(smem, el + K_OFF // 2, k, b * ksb + hk * ksh + k_row0 * ksn, k0, Nk,
@@ -217,12 +224,14 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                 mq = m_begin
                 for it in range(n_steps):
                     h = hk * group + gi
-                    bb = it & 1
-                    mbarrier_wait(smem, dq_full + BAR * bb, int32_parity(it >> 1))
-                    reduce_dq(smem, el + (DQ_OFF + bb * DQ_BUF) // 2, slopes,
-                              b * ssb + h * ssh + (q_row0 + mq) * D, D, Nq - mq, BN)
+                    for w in range(3 - WGQ):  # (own_dq: each consumer's buffer in turn)
+                        bb = (it & 1) + 2 * w
+                        mbarrier_wait(smem, dq_full + BAR * bb, int32_parity(it >> 1))
+                        reduce_dq(smem, el + (DQ_OFF + bb * DQ_BUF) // 2, slopes,
+                                  b * ssb + h * ssh + (q_row0 + mq) * D, D, Nq - mq, BN)
                     bulk_wait_read(0)
-                    mbarrier_arrive(smem, dq_empty + BAR * bb)
+                    for w in range(3 - WGQ):
+                        mbarrier_arrive(smem, dq_empty + BAR * ((it & 1) + 2 * w))
                     mq += BN
                     if mq >= m_end:
                         gi, mq = gi + 1, m_begin
@@ -270,38 +279,52 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                 grads_t(s, gc, dp, dl, NTILES, False)
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
-                # dSᵀ into this step's dS tile (two: the other warpgroup's dQᵀ of the step
-                # before may still read the other), published to both warpgroups
-                ds = DS_OFF + (it & 1) * DS_BUF
-                store_ds_packed(smem, el + (ds + wg * BN * LINE) // 2, dsf, warp, lane, NTILES)
-                fence_proxy_async()
-                named_sync(3, 256)
-                qa0, qa1 = issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(QN)),
-                                     wgmma_fence_acc(zero_accumulators(QN)), at + K_OFF,
-                                     at + ds + wg * QN * LINE, BM, BN, HALVES, 8)
+                if OWN:  # (compile-time) dQᵀ over this warpgroup's keys, all BN queries
+                    ds = DS_OFF + wg * BN * LINE
+                    store_ds_packed(smem, el + ds // 2, dsf, warp, lane, NTILES)
+                    fence_proxy_async()
+                    if wg == 0:
+                        named_sync(4, 128)
+                    else:
+                        named_sync(5, 128)
+                    qa0, qa1 = issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(QN)),
+                                         wgmma_fence_acc(zero_accumulators(QN)), ka, at + ds,
+                                         BM, BN, HALVES, 4)
+                else:
+                    # dSᵀ into this step's dS tile (two: the other warpgroup's dQᵀ of the
+                    # step before may still read the other), published to both warpgroups
+                    ds = DS_OFF + (it & 1) * DS_BUF
+                    store_ds_packed(smem, el + (ds + wg * BN * LINE) // 2, dsf, warp, lane,
+                                    NTILES)
+                    fence_proxy_async()
+                    named_sync(3, 256)
+                    qa0, qa1 = issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(QN)),
+                                         wgmma_fence_acc(zero_accumulators(QN)), at + K_OFF,
+                                         at + ds + wg * QN * LINE, BM, BN, HALVES, 8)
                 dka = wgmma_wait_group_acc(0, dka)
                 dva = wgmma_wait_group_acc(0, dva)
                 qa0 = wgmma_wait_group_acc(0, qa0)
                 if lane == 0:  # (every product that read the stage is done)
                     mbarrier_arrive(smem, empty + BAR * st)
-                bb = it & 1
+                # (own_dq: this warpgroup's own buffers, its rows from query 0)
+                bb = (it & 1) + (2 * wg if OWN else 0)
+                i0 = 0 if OWN else wg * QN
                 if it >= 2:  # the reduction of two steps back has read the buffer
                     mbarrier_wait(smem, dq_empty + BAR * bb, int32_parity((it >> 1) - 1))
-                stage = el + (DQ_OFF + bb * DQ_BUF + wg * QN * D * 4) // 2
+                stage = el + (DQ_OFF + bb * DQ_BUF + i0 * D * 4) // 2
                 acc_to_local(qa0, s)
-                stage_dq(smem, stage, s, 0, D, warp, g, tq, QTILES, wg * QN)
+                stage_dq(smem, stage, s, 0, D, warp, g, tq, QTILES, i0)
                 if HALVES == 2:
                     qa1 = wgmma_wait_group_acc(0, qa1)
                     acc_to_local(qa1, s)
-                    stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, wg * QN)
+                    stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, i0)
                 fence_proxy_async()
                 mbarrier_arrive(smem, dq_full + BAR * bb)
                 mq += BN
                 if mq >= m_end:
                     mq = m_begin
-            # the other warpgroup's last dQᵀ read this one's K rows, which its epilogue
-            # stages dK through
-            named_sync(3, 256)
+            if not OWN:  # the other warpgroup's last dQᵀ read this one's K rows, which its
+                named_sync(3, 256)  # epilogue stages dK through
             out = cuda.local.array(NO, float32)
             sc = float32(scale)
             one = float32(1.0)

@@ -52,7 +52,10 @@ class HopperTiles:
     notes/fixed_cost_varlen_cpu_2026-11-26.md). ``tma`` (ping-pong, not persistent): one
     thread of each copying warpgroup (or of the producer warpgroup) moves a K or V tile with
     the Tensor Memory Accelerator (``cp.async.bulk.tensor`` through tensor maps the launch
-    makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies."""
+    makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies. ``own_dq`` (the
+    backward's dkdvq with a producer, ``hopper/backward_ws.py``): each consumer warpgroup
+    adds the dQ part of its own 64 keys (two reductions a step), so the two never wait for
+    each other, instead of each adding half the queries' over both warpgroups' keys."""
 
     warpgroups: int
     block_n: int
@@ -64,6 +67,7 @@ class HopperTiles:
     poly: int = 0
     persistent: bool = False
     tma: bool = False
+    own_dq: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -82,6 +86,8 @@ class HopperTiles:
         if self.tma and (not self.pingpong or self.persistent):
             raise ValueError(f"bulk tensor copies serve the ping-pong schedule, not "
                              f"persistent: {self}")
+        if self.own_dq and not (self.producer and not self.pingpong):
+            raise ValueError(f"own_dq serves the backward's producer tiling: {self}")
         if self.producer and (not (self.pingpong or (self.warpgroups == 2 and self.overlap))
                               or self.min_blocks != 1):
             raise ValueError(f"a producer warpgroup serves the ping-pong schedule or two "
@@ -103,6 +109,7 @@ class HopperTiles:
                 + ("t" if self.tma else "")
                 + (f"x{self.poly}" if self.poly else "")
                 + ("s" if self.persistent else "")
+                + ("i" if self.own_dq else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
@@ -252,11 +259,15 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
 HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
                 (128, True): HopperTiles(1, 32, True)}
 #: Per head dim, the dkdvq tilings ``tools/hopper_backward.py --fused`` times beside the
-#: table's: two warpgroups (section 4 of notes/backward_steps_2026-11-27.md), and two with a
-#: producer warpgroup (``hopper/backward_ws.py``: FlashAttention 3's structure; not yet run
-#: on a GPU when written).
+#: table's: two warpgroups (section 4 of notes/backward_steps_2026-11-27.md), and with a
+#: producer warpgroup (``hopper/backward_ws.py``: FlashAttention 3's structure; g2n64ow ran
+#: correct on an H200, 2.59 ms against 2.14 for the deterministic pair, section 6e): as
+#: built, with each consumer adding its own keys' dQ part (``own_dq``: no barrier between
+#: the consumers), and with three stages (the last two not yet run on a GPU).
 HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(2, 64, True),
-                                HopperTiles(2, 64, True, producer=True))}
+                                HopperTiles(2, 64, True, producer=True),
+                                HopperTiles(2, 64, True, producer=True, own_dq=True),
+                                HopperTiles(2, 64, True, stages=3, producer=True))}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
@@ -305,9 +316,10 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
     if kernel == "dkdvq" and t.producer:  # (hopper/backward_ws.py's layout)
         stats = -(-t.stages * 8 * t.block_n // HOPPER_ALIGN) * HOPPER_ALIGN
+        own = 2 if t.own_dq else 1  # (own_dq: one dS tile, staging per warpgroup)
         return (HOPPER_ALIGN + (2 * t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
-                + stats + 2 * 2 * t.block_n * 128 + 2 * t.block_n * head_dim * 4
-                + (2 * t.stages + 4) * 8)
+                + stats + 2 * 2 * t.block_n * 128 // own + 2 * own * t.block_n * head_dim * 4
+                + (2 * t.stages + 4 * own) * 8)
     # (two warpgroups: each stages half the step's queries)
     ds = (t.warpgroups * t.block_n * (128 + 8 * head_dim // t.warpgroups)
           if kernel == "dkdvq" else 0)
