@@ -373,8 +373,19 @@ def test_pingpong_tilings_and_rings():
 
     with pytest.raises(ValueError, match="double-buffers"):
         make_attn_forward_wgmma(Variant("forward", "hopper", 64, "bfloat16", False, d3))
+    # a producer warpgroup: the ping-pong forward's, or the backward's dkdvq with two
+    # overlapped consumer warpgroups (hopper/backward_ws.py); own_dq is that one's only
+    assert tilings.HopperTiles(2, 64, True, producer=True).tag == "g2n64ow"
+    assert tilings.HopperTiles(2, 64, True, producer=True, own_dq=True).tag == "g2n64owi"
+    for bad in ({"warpgroups": 1}, {"overlap": False}, {"min_blocks": 2}):
+        with pytest.raises(ValueError):
+            tilings.HopperTiles(**{"warpgroups": 2, "block_n": 64, "overlap": True,
+                                   "producer": True, **bad})
     with pytest.raises(ValueError):
-        tilings.HopperTiles(2, 64, True, producer=True)  # (a producer serves the ping-pong)
+        tilings.HopperTiles(2, 64, True, own_dq=True)
+    with pytest.raises(ValueError, match="producer"):
+        make_attn_forward_wgmma(Variant("forward", "hopper", 64, "bfloat16", False,
+                                        tilings.HopperTiles(2, 64, True, producer=True)))
     w = tilings.HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True)
     assert (w.tag, w.threads, w.block_m, w.launch_bounds) == ("g2n128op3w", 384, 128, (384, 1))
     # the registers setmaxnreg hands over fit what the block holds at entry (168 x 384)
