@@ -90,6 +90,17 @@ def copy_stats(smem, e0, lse, delta, lbase, lsn, dbase, m, Nq, BN, wtid):
             cp_async4(smem, e0 + 2 * c, delta, dbase + (i if live else 0), live)
 
 
+@device_function
+def next_step(gi, mq, BN, m_begin, m_end):
+    """``(gi, mq)`` of the step after query rows ``mq..`` of the group's ``gi``-th head:
+    the head's next ``BN`` rows, or the next head's first (each role walks the steps in
+    the same order, counting rather than dividing the step number)."""
+    mq += BN
+    if mq >= m_end:
+        return gi + 1, m_begin
+    return gi, mq
+
+
 def make_attn_backward_dkdvq_ws(var, sizes):
     """The warp-specialized dkdvq kernel of variant ``var`` (``sizes``: ``backward._sizes``'
     constants for the consumers' 128 threads)."""
@@ -214,9 +225,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     copy_stats(smem, el + (STATS_OFF + st * STATS) // 2, lse, delta,
                                lb0 + h * lsh, lsn, sb0 + h * sstep, mq, Nq, BN, wtid)
                     cp_async_arrive(smem, full + BAR * st)
-                    mq += BN
-                    if mq >= m_end:
-                        gi, mq = gi + 1, m_begin
+                    gi, mq = next_step(gi, mq, BN, m_begin, m_end)
                 cp_async_commit()
                 cp_async_wait(0)
             elif wtid == REDUCER:  # dQ's parts, added as the consumers stage them
@@ -232,9 +241,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     bulk_wait_read(0)
                     for w in range(3 - WGQ):
                         mbarrier_arrive(smem, dq_empty + BAR * ((it & 1) + 2 * w))
-                    mq += BN
-                    if mq >= m_end:
-                        gi, mq = gi + 1, m_begin
+                    gi, mq = next_step(gi, mq, BN, m_begin, m_end)
                 bulk_wait(0)
         else:
             setmaxnreg_inc(CONSUMER_REGS)
@@ -320,9 +327,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, i0)
                 fence_proxy_async()
                 mbarrier_arrive(smem, dq_full + BAR * bb)
-                mq += BN
-                if mq >= m_end:
-                    mq = m_begin
+                _, mq = next_step(0, mq, BN, m_begin, m_end)
             if not OWN:  # the other warpgroup's last dQᵀ read this one's K rows, which its
                 named_sync(3, 256)  # epilogue stages dK through
             out = cuda.local.array(NO, float32)
