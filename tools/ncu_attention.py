@@ -7,9 +7,13 @@ float32 runs the SIMT kernels; bfloat16 and float16 the tensor-core ones (on an 
 wgmma kernels, named ``attn_forward_wgmma``, ``attn_backward_dkdv_wgmma``, ...).
 
 Usage: python tools/ncu_attention.py [head_dim] [causal|full] [dtype] [peer: cudnn|flash]
+
+$NCU_DKDVQ (a tag of ``HOPPER_DKDVQ_CANDIDATES``, e.g. g2n64ow) runs the non-deterministic
+backward (its one kernel, dkdvq) on that tiling instead of the deterministic pair.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -20,6 +24,16 @@ D = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 CAUSAL = len(sys.argv) > 2 and sys.argv[2] == "causal"
 DTYPE = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
 PEER = sys.argv[4] if len(sys.argv) > 4 else ""
+if os.environ.get("NCU_DKDVQ"):
+    from flashcore.backends.numba_cuda import launch, tilings
+
+    tag = os.environ["NCU_DKDVQ"]
+    found = [t for t in tilings.HOPPER_DKDVQ_CANDIDATES.get(D, ()) if t.tag == tag]
+    if not found:
+        sys.exit(f"NCU_DKDVQ={tag}: not a dkdvq candidate at head dim {D}")
+    tilings.HOPPER_DKDVQ[D, CAUSAL] = found[0]
+    launch.forget_plans()
+    os.environ[launch.DETERMINISTIC_ENV] = "0"
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, do = (torch.randn(4, 16, 4096, D, device="cuda", generator=g, dtype=DTYPE)
                for _ in range(4))
