@@ -32,7 +32,13 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 
 from ..device.constants import HEAD_GROUP, LOG2E, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import cp_async4, cp_async_commit, cp_async_wait, warp_uniform
+from ..device.intrinsics import (
+    cp_async4,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait,
+    warp_uniform,
+)
 from ..device.pipeline import (
     bulk_wait,
     bulk_wait_read,
@@ -63,7 +69,6 @@ from .backward_scores import grads_t, probs_t, read_stats
 from .dq_atomic import issue_dqt, reduce_dq, stage_dq, store_ds_packed
 from .epilogue import store_o
 from .forward import LINE, issue_pv, issue_qk, load_tile, pack_p
-from .pingpong import copy_rows
 
 #: Elements (16-bit) of one mbarrier in the shared array.
 BAR = 4
@@ -75,19 +80,37 @@ PRODUCER_REGS, CONSUMER_REGS = 56, 224
 
 
 @device_function
+def copy_step_rows(smem, so, src, g, left, sn, passes, RS):
+    """One copying thread's share of a step's tile (``pingpong.copy_rows``' copies, in
+    fewer instructions where the producer has 56 registers, not 24): ``passes`` (known
+    when compiled: the loop unrolls) 16-byte copies, to shared element ``so + 64 p RS``
+    from source element ``g + p RS sn``; passes from ``left`` (the rows left at and after
+    the first pass's row) on are zero-filled, source size 0, so nothing is read there and
+    the address past the rows does not matter (CUTLASS's zero-fill copies). A pass is a
+    copy, an add and a compare: copy_rows' multiply and second, predicated copy cost this
+    kernel about 20 instructions a copy, and made its two copying warps its bottleneck
+    (notes/ws_copies_2026-11-27.md)."""
+    for p in range(passes):
+        cp_async16(smem, so + 64 * p * RS, src, g, uint32(16) if p * RS < left else uint32(0))
+        g += RS * sn
+
+
+@device_function
 def copy_stats(smem, e0, lse, delta, lbase, lsn, dbase, m, Nq, BN, wtid):
     """A step's lse and delta (``BN`` columns from query ``m``) into the stage's stats
     (lse of column ``c`` at element ``e0 + 2 c``, delta at ``e0 + 2 (BN + c)``) by the
     copying threads, ``cp.async`` only (their completion is what the stage's "full"
     barrier counts): queries past ``Nq`` get 0, harmless there (their Q and dO rows are
     zero, so P = 1 meets zeros in every product, and their dQ rows are not added)."""
-    for c in range(wtid, 2 * BN, COPIERS):
-        i = m + (c if c < BN else c - BN)
-        live = 4 if i < Nq else 0
-        if c < BN:
-            cp_async4(smem, e0 + 2 * c, lse, lbase + (i if live else 0) * lsn, live)
-        else:
-            cp_async4(smem, e0 + 2 * c, delta, dbase + (i if live else 0), live)
+    for k in range((2 * BN + COPIERS - 1) // COPIERS):  # (a known trip count, unrolled)
+        c = wtid + k * COPIERS
+        if c < 2 * BN:
+            i = m + (c if c < BN else c - BN)
+            live = uint32(4) if i < Nq else uint32(0)  # (size 0: nothing read)
+            if c < BN:
+                cp_async4(smem, e0 + 2 * c, lse, lbase + i * lsn, live)
+            else:
+                cp_async4(smem, e0 + 2 * c, delta, dbase + i, live)
 
 
 @device_function
@@ -205,12 +228,12 @@ def make_attn_backward_dkdvq_ws(var, sizes):
         if wg < 0:
             setmaxnreg_dec(PRODUCER_REGS)
             if wtid < COPIERS:  # the copies, a stage as soon as it is free
-                # (pingpong.copy_rows: chunk c of rows r + p RS, the shared offset computed
-                # once, the passes' loop kept rolled for the producer's few registers)
+                # (chunk c of rows r + p RS, as pingpong.copy_rows, the shared offset computed
+                # once)
                 c = wtid % CH
                 r = wtid // CH
                 so = el + (c >> 3) * (BN * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3)
-                passes = BN // RS + (n_steps >> 30)  # (BN // RS, unknown to the compiler)
+                passes = BN // RS
                 gi = 0
                 mq = m_begin
                 for it in range(n_steps):
@@ -218,10 +241,12 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     st = stage_of(it, STAGES)
                     if it >= STAGES:
                         mbarrier_wait(smem, empty + BAR * st, empty_parity(it, STAGES))
-                    copy_rows(smem, so + (Q_OFF + st * TILE) // 2, q,
-                              qb0 + h * qsh + r * qsn + 8 * c, mq + r, r, Nq, qsn, passes, RS)
-                    copy_rows(smem, so + (DO_OFF + st * TILE) // 2, do,
-                              gb0 + h * gsh + r * gsn + 8 * c, mq + r, r, Nq, gsn, passes, RS)
+                    copy_step_rows(smem, so + (Q_OFF + st * TILE) // 2, q,
+                                   qb0 + h * qsh + (mq + r) * qsn + 8 * c, Nq - mq - r, qsn,
+                                   passes, RS)
+                    copy_step_rows(smem, so + (DO_OFF + st * TILE) // 2, do,
+                                   gb0 + h * gsh + (mq + r) * gsn + 8 * c, Nq - mq - r, gsn,
+                                   passes, RS)
                     copy_stats(smem, el + (STATS_OFF + st * STATS) // 2, lse, delta,
                                lb0 + h * lsh, lsn, sb0 + h * sstep, mq, Nq, BN, wtid)
                     cp_async_arrive(smem, full + BAR * st)
