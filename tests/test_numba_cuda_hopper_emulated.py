@@ -237,12 +237,14 @@ else:
 
     #: The non-deterministic mode (FLASHCORE_DETERMINISTIC=0): dK, dV and dQ's parts in one
     #: kernel (dkdvq), dQ added into a float32 accumulator (hopper/dq_atomic.py), then
-    #: converted. Tilings: the table's (one warpgroup: its own keys and dS tile), two
+    #: converted. Tilings: one warpgroup (its own keys and dS tile; the table's at D=64 is
+    #: the producer form, below, and at D=128 this one on 32-query steps), two
     #: warpgroups (each the dQ part of half a step's queries over both warpgroups' dS
     #: tiles), D=128 (two chains of dQᵀ rows; and two warpgroups of 16-query parts); GQA (dQ
     #: of every head of the group), causal with Nq < Nk, key and query tails (a step whose
     #: second half of queries is past Nq: no reduction).
-    FUSED = [((1, 4, 2, 70, 150, 64, "bfloat16", True, "bhnd"), None),
+    FUSED = [((1, 4, 2, 70, 150, 64, "bfloat16", True, "bhnd"),
+              tilings.HopperTiles(1, 64, True)),
              pytest.param((1, 2, 1, 100, 90, 64, "float16", False, "bnhd"),
                           tilings.HopperTiles(2, 64, True), marks=pytest.mark.slow),
              pytest.param((1, 2, 2, 40, 100, 128, "bfloat16", True, "bhnd"), None,

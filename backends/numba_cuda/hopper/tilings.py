@@ -247,26 +247,28 @@ HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1,
 HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
              (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
-#: The non-deterministic mode's dkdvq kernel (hopper/dq_atomic.py): the dK/dV table but at
-#: D=128, where its dQ accumulators beside 64-query steps spill (40 bytes at g1n64o
-#: non-causal, ptxas 13.0): 32-query steps. Two warpgroups (g2n64o at D=64: each the dQ
-#: part of half a step's queries over the block's 128 keys, one addition into dQ's
-#: accumulator per query and 128 keys instead of two of 64) halve the additions' traffic
-#: (4.3 GB at B=4 H=16 N=4096 D=64) but were slower on an H200 (backward 2.48 ms against
-#: about 2.38 for g1n64o in an earlier run, and 2.14-2.18 for the deterministic pair;
-#: notes/backward_steps_2026-11-27.md): what bounds the kernel is its step's waits and
-#: barriers, not the traffic.
-HOPPER_DKDVQ = {**HOPPER_DKDV, (128, False): HopperTiles(1, 32, True),
-                (128, True): HopperTiles(1, 32, True)}
+#: The non-deterministic mode's dkdvq kernel. At D=64 FlashAttention 3's structure
+#: (``hopper/backward_ws.py``, g2n64ow: a producer warpgroup copying Q, dO and the
+#: statistics through an mbarrier ring and adding the staged dQ rows, two consumer
+#: warpgroups of 64 keys each): on an H100 at B=4 H=16 N=4096 its backward takes 1.87 ms
+#: (causal 1.09) against 2.23 (1.20) for the deterministic pair and 2.47 (1.41) for the
+#: one-warpgroup dkdvq (notes/ws_copies_2026-11-27.md; before its copies were made cheap
+#: it took 2.49). At D=128 the one-warpgroup kernel of hopper/dq_atomic.py on 32-query
+#: steps (its dQ accumulators beside 64-query steps spill, 40 bytes at g1n64o
+#: non-causal, ptxas 13.0); the producer form takes head dim 64 only.
+HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): HopperTiles(2, 64, True, producer=True),
+                (64, True): HopperTiles(2, 64, True, producer=True),
+                (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
 #: Per head dim, the dkdvq tilings ``tools/hopper_backward.py --fused`` times beside the
-#: table's: two warpgroups (section 4 of notes/backward_steps_2026-11-27.md), and with a
-#: producer warpgroup (``hopper/backward_ws.py``: FlashAttention 3's structure; g2n64ow ran
-#: correct on an H200, 2.59 ms against 2.14 for the deterministic pair, section 6e): as
-#: built, and with three stages (not yet run on a GPU). Not the ``own_dq`` form (each
-#: consumer adding its own keys' dQ part): its emulated test deadlocked on its warpgroup's
-#: named barrier in 2 of 5 runs, not understood yet; a hang would cost a device call.
-HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(2, 64, True),
-                                HopperTiles(2, 64, True, producer=True),
+#: table's: the one-warpgroup kernel (the table's before), two warpgroups without a
+#: producer (each the dQ part of half a step's queries over the block's 128 keys: half the
+#: additions' traffic, and no faster, section 4 of notes/backward_steps_2026-11-27.md),
+#: and the producer form with three stages (H100: 1.84 ms against 1.87 for two, one run:
+#: within the spread). Not the ``own_dq`` form (each consumer adding its own keys' dQ
+#: part): its emulated test deadlocked on its warpgroup's named barrier in 2 of 5 runs,
+#: not understood yet; a hang would cost a device call.
+HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(1, 64, True),
+                                HopperTiles(2, 64, True),
                                 HopperTiles(2, 64, True, stages=3, producer=True))}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
