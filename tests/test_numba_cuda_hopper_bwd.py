@@ -592,8 +592,9 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
 #: over the block's 128 keys, without and with a producer warpgroup, on two shapes)
 FUSED_CASES = [(d, t, c, shape, None) for d, t, c in TABLE for shape in SHAPES
                if d <= 128 and ((t == "bfloat16") == c or shape is SHAPES[0])] if HAVE else []
-FUSED_CASES += [(64, dt, c, shape, tiles)  # (the table's at D=64 is the producer form)
-                for tiles in (tilings.HopperTiles(1, 64, True), tilings.HopperTiles(2, 64, True))
+FUSED_CASES += [(64, dt, c, shape, tiles)  # (the table's at D=64: the producer, 3 stages)
+                for tiles in (tilings.HopperTiles(1, 64, True),
+                              tilings.HopperTiles(2, 64, True, producer=True))
                 for dt, c, shape in (("bfloat16", True, SHAPES[1]),
                                      ("float16", False, SHAPES[2]))] if HAVE else []
 

@@ -248,28 +248,31 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
              (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
 #: The non-deterministic mode's dkdvq kernel. At D=64 FlashAttention 3's structure
-#: (``hopper/backward_ws.py``, g2n64ow: a producer warpgroup copying Q, dO and the
-#: statistics through an mbarrier ring and adding the staged dQ rows, two consumer
-#: warpgroups of 64 keys each): on an H100 at B=4 H=16 N=4096 its backward takes 1.87 ms
-#: (causal 1.09) against 2.23 (1.20) for the deterministic pair and 2.47 (1.41) for the
-#: one-warpgroup dkdvq (notes/ws_copies_2026-11-27.md; before its copies were made cheap
-#: it took 2.49). At D=128 the one-warpgroup kernel of hopper/dq_atomic.py on 32-query
-#: steps (its dQ accumulators beside 64-query steps spill, 40 bytes at g1n64o
-#: non-causal, ptxas 13.0); the producer form takes head dim 64 only.
-HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): HopperTiles(2, 64, True, producer=True),
-                (64, True): HopperTiles(2, 64, True, producer=True),
+#: (``hopper/backward_ws.py``: a producer warpgroup copying Q, dO and the statistics
+#: through an mbarrier ring of three stages and adding the staged dQ rows, two consumer
+#: warpgroups of 64 keys each), g2n64od3w: at B=4 H=16 N=4096 its backward takes 1.85 ms
+#: (causal 1.10) on an H200 against 2.17 (1.17) for the deterministic pair and 2.47 (1.38)
+#: for the one-warpgroup dkdvq; two stages (g2n64ow) 1.91 (1.12), slower in all six cases
+#: timed (H100 and H200, N=4096 and 16384) by 1-3% (notes/ws_copies_2026-11-27.md; before
+#: its copies were made cheap the producer form took 2.49 on an H100). At D=128 the
+#: one-warpgroup kernel of hopper/dq_atomic.py on 32-query steps (its dQ accumulators
+#: beside 64-query steps spill, 40 bytes at g1n64o non-causal, ptxas 13.0); the producer
+#: form takes head dim 64 only.
+_WS64 = HopperTiles(2, 64, True, stages=3, producer=True)
+HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
                 (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
 #: Per head dim, the dkdvq tilings ``tools/hopper_backward.py --fused`` times beside the
 #: table's: the one-warpgroup kernel (the table's before), two warpgroups without a
 #: producer (each the dQ part of half a step's queries over the block's 128 keys: half the
 #: additions' traffic, and no faster, section 4 of notes/backward_steps_2026-11-27.md),
-#: and the producer form with three stages (H100: 1.84 ms against 1.87 for two, one run:
-#: within the spread). Not the ``own_dq`` form (each consumer adding its own keys' dQ
-#: part): its emulated test deadlocked on its warpgroup's named barrier in 2 of 5 runs,
-#: not understood yet; a hang would cost a device call.
+#: and the producer form with two stages. Not the ``own_dq`` form (each consumer adding
+#: its own keys' dQ part): its emulated test deadlocked on its warpgroup's named barrier
+#: in 2 of 5 runs, not understood yet, and its one dS tile a warpgroup is rewritten by
+#: a warp whose dQ product is done while the other warps' may still read it (no barrier
+#: between them): a race to mend before it runs on a GPU.
 HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(1, 64, True),
                                 HopperTiles(2, 64, True),
-                                HopperTiles(2, 64, True, stages=3, producer=True))}
+                                HopperTiles(2, 64, True, producer=True))}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
