@@ -138,9 +138,6 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                          f"per pass only there), query steps of 16..64: {var.tag}")
     STAGES = t.stages
     OWN = t.own_dq  # (compile-time) each consumer adds its own keys' dQ part
-    # (compile-time) a step's dV, dK and dQᵀ products retire under the next step's Sᵀ and
-    # dPᵀ, and its dQ rows are staged there (not own_dq: its one dS tile a warpgroup)
-    LAG = not OWN
     WGQ = 1 if OWN else 2  # consumers whose dQ parts share a staging buffer
     TILE = BN * D * 2
     K_OFF = 0
@@ -286,7 +283,6 @@ def make_attn_backward_dkdvq_ws(var, sizes):
             dsf = cuda.local.array(NP, uint32)
             dka = zero_accumulators(D)
             dva = zero_accumulators(D)
-            qa0 = zero_accumulators(QN)  # (LAG: the step before's dQᵀ part)
             mq = m_begin
             for it in range(n_steps):
                 st = stage_of(it, STAGES)
@@ -299,14 +295,6 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                 pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(va), gb,
                                 KSTEPS, BM, BN)
                 read_stats(ls, dl, smem, el + (STATS_OFF + st * STATS) // 2, BN, NTILES, tq)
-                if LAG and it > 0:  # the step before's dV, dK and dQᵀ retire (groups complete
-                    # in order: this step's Sᵀ and dPᵀ may run on) and its dQ rows go out
-                    dka = wgmma_wait_group_acc(2, dka)
-                    dva = wgmma_wait_group_acc(2, dva)
-                    qa0 = wgmma_wait_group_acc(2, qa0)
-                    hand_over(smem, empty + BAR * stage_of(it - 1, STAGES), dq_empty, dq_full,
-                              it - 1, qa0, s, el + DQ_OFF // 2, DQ_BUF // 2, OWN, wg, QN, D,
-                              warp, lane, g, tq, QTILES)
                 mask = CAUSAL and mq < m_full
                 sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
                 acc_to_local(sacc, s)
@@ -345,21 +333,26 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     qa0, qa1 = issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(QN)),
                                          wgmma_fence_acc(zero_accumulators(QN)), at + K_OFF,
                                          at + ds + wg * QN * LINE, BM, BN, HALVES, 8)
-                if not LAG:  # every product of the step retires now
-                    dka = wgmma_wait_group_acc(0, dka)
-                    dva = wgmma_wait_group_acc(0, dva)
-                    qa0 = wgmma_wait_group_acc(0, qa0)
-                    hand_over(smem, empty + BAR * st, dq_empty, dq_full, it, qa0, s,
-                              el + DQ_OFF // 2, DQ_BUF // 2, OWN, wg, QN, D, warp, lane, g,
-                              tq, QTILES)
-                _, mq = next_step(0, mq, BN, m_begin, m_end)
-            if LAG and n_steps > 0:  # the last step's products and dQ rows
                 dka = wgmma_wait_group_acc(0, dka)
                 dva = wgmma_wait_group_acc(0, dva)
                 qa0 = wgmma_wait_group_acc(0, qa0)
-                hand_over(smem, empty + BAR * stage_of(n_steps - 1, STAGES), dq_empty, dq_full,
-                          n_steps - 1, qa0, s, el + DQ_OFF // 2, DQ_BUF // 2, OWN, wg, QN, D,
-                          warp, lane, g, tq, QTILES)
+                if lane == 0:  # (every product that read the stage is done)
+                    mbarrier_arrive(smem, empty + BAR * st)
+                # (own_dq: this warpgroup's own buffers, its rows from query 0)
+                bb = (it & 1) + (2 * wg if OWN else 0)
+                i0 = 0 if OWN else wg * QN
+                if it >= 2:  # the reduction of two steps back has read the buffer
+                    mbarrier_wait(smem, dq_empty + BAR * bb, int32_parity((it >> 1) - 1))
+                stage = el + (DQ_OFF + bb * DQ_BUF + i0 * D * 4) // 2
+                acc_to_local(qa0, s)
+                stage_dq(smem, stage, s, 0, D, warp, g, tq, QTILES, i0)
+                if HALVES == 2:
+                    qa1 = wgmma_wait_group_acc(0, qa1)
+                    acc_to_local(qa1, s)
+                    stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, i0)
+                fence_proxy_async()
+                mbarrier_arrive(smem, dq_full + BAR * bb)
+                _, mq = next_step(0, mq, BN, m_begin, m_end)
             if not OWN:  # the other warpgroup's last dQᵀ read this one's K rows, which its
                 named_sync(3, 256)  # epilogue stages dK through
             out = cuda.local.array(NO, float32)
@@ -376,26 +369,6 @@ def make_attn_backward_dkdvq_ws(var, sizes):
 
     attn_backward_dkdv_wgmma.__qualname__ = var.tag
     return attn_backward_dkdv_wgmma
-
-
-@device_function
-def hand_over(smem, empty_bar, dq_empty, dq_full, it, qa0, s, dq0, dq_buf, OWN, wg, QN, D,
-              warp, lane, g, tq, QTILES):
-    """After step ``it``'s products retired: its stage released to the copies ("empty":
-    lane 0 of each warp), then, once the reduction of two steps back has read the staging
-    buffer ("dq empty"), this thread's dQ rows (``qa0``; ``s`` scratch) staged at element
-    ``dq0`` (buffers of ``dq_buf`` elements; own_dq: this warpgroup's own two, its rows
-    from query 0) and "dq full" arrived on."""
-    if lane == 0:
-        mbarrier_arrive(smem, empty_bar)
-    bb = (it & 1) + (2 * wg if OWN else 0)
-    i0 = 0 if OWN else wg * QN
-    if it >= 2:
-        mbarrier_wait(smem, dq_empty + BAR * bb, int32_parity((it >> 1) - 1))
-    acc_to_local(qa0, s)
-    stage_dq(smem, dq0 + bb * dq_buf + i0 * D * 2, s, 0, D, warp, g, tq, QTILES, i0)
-    fence_proxy_async()
-    mbarrier_arrive(smem, dq_full + BAR * bb)
 
 
 @device_function
