@@ -263,6 +263,10 @@ else:
              pytest.param((1, 2, 1, 70, 160, 64, "float16", False, "bnhd"),
                           tilings.HopperTiles(2, 32, True, producer=True),
                           marks=pytest.mark.slow),
+             # head dim 128 (a copying thread's passes of 4 lines: two swizzles)
+             pytest.param((1, 2, 1, 70, 150, 128, "bfloat16", True, "bhnd"),
+                          tilings.HopperTiles(2, 32, True, stages=3, producer=True),
+                          marks=pytest.mark.slow),
              # each consumer adding its own keys' dQ part (not a candidate: see
              # tilings.HOPPER_DKDVQ_CANDIDATES)
              pytest.param((1, 4, 2, 150, 100, 64, "bfloat16", True, "bhnd"),

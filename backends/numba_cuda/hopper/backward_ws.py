@@ -23,8 +23,9 @@ A block owns 128 keys (64 per consumer warpgroup), K and V resident; query steps
   steps back has read the staging buffer ("dq empty"), its rows staged and "dq full"
   arrived on. No block-wide barrier in the loop, and no consumer waits for a reduction.
 
-Dense rows, no window, softcap or ALiBi (as the one-warpgroup dkdvq); head dim 64 (at
-128 a copying thread's rows would change swizzle from pass to pass: ``pingpong.copy_rows``).
+Dense rows, no window, softcap or ALiBi (as the one-warpgroup dkdvq); head dims 64 and 128
+(at 128 a copying thread's pass moves 4 lines, half the swizzle's period: two shared
+offsets, ``copy_step_rows``).
 """
 from __future__ import annotations
 
@@ -80,18 +81,21 @@ PRODUCER_REGS, CONSUMER_REGS = 56, 224
 
 
 @device_function
-def copy_step_rows(smem, so, src, g, left, sn, passes, RS):
+def copy_step_rows(smem, so, so_odd, src, g, left, sn, passes, RS):
     """One copying thread's share of a step's tile (``pingpong.copy_rows``' copies, in
     fewer instructions where the producer has 56 registers, not 24): ``passes`` (known
     when compiled: the loop unrolls) 16-byte copies, to shared element ``so + 64 p RS``
-    from source element ``g + p RS sn``; passes from ``left`` (the rows left at and after
-    the first pass's row) on are zero-filled, source size 0, so nothing is read there and
-    the address past the rows does not matter (CUTLASS's zero-fill copies). A pass is a
-    copy, an add and a compare: copy_rows' multiply and second, predicated copy cost this
-    kernel about 20 instructions a copy, and made its two copying warps its bottleneck
+    (``so_odd`` for odd passes: where a pass moves 4 lines, half the swizzle's period, as
+    at head dim 128, odd passes' lines swizzle the other way) from source element
+    ``g + p RS sn``; passes from ``left`` (the rows left at and after the first pass's
+    row) on are zero-filled, source size 0, so nothing is read there and the address past
+    the rows does not matter (CUTLASS's zero-fill copies). A pass is a copy, an add and a
+    compare: copy_rows' multiply and second, predicated copy cost this kernel about 20
+    instructions a copy, and made its two copying warps its bottleneck
     (notes/ws_copies_2026-11-27.md)."""
     for p in range(passes):
-        cp_async16(smem, so + 64 * p * RS, src, g, uint32(16) if p * RS < left else uint32(0))
+        cp_async16(smem, (so_odd if p & 1 else so) + 64 * p * RS, src, g,
+                   uint32(16) if p * RS < left else uint32(0))
         g += RS * sn
 
 
@@ -131,11 +135,10 @@ def make_attn_backward_dkdvq_ws(var, sizes):
      PACKED, CAP, _CAP_C, ALIBI) = sizes
     t = var.tiles
     if (t.warpgroups != 2 or not OVERLAP or PACKED != PACKING[""] or CAP or ALIBI
-            or var.window or D != 64 or BN % 16):
+            or var.window or D not in (64, 128) or BN % 16):
         raise ValueError(f"the warp-specialized dkdvq kernel takes two consumer warpgroups "
                          f"with the overlap, dense rows, no window or modifiers, head dim "
-                         f"64 (its 64 copying threads move whole swizzle periods of rows "
-                         f"per pass only there), query steps of 16..64: {var.tag}")
+                         f"64 or 128, query steps of 16..64: {var.tag}")
     STAGES = t.stages
     OWN = t.own_dq  # (compile-time) each consumer adds its own keys' dQ part
     WGQ = 1 if OWN else 2  # consumers whose dQ parts share a staging buffer
@@ -163,7 +166,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
     NS = BN // 2
     NO = D // 2
     RS = COPIERS // CH  # rows per pass of a tile copy (pingpong.copy_rows: a multiple of 8)
-    if BN % RS or RS % 8:
+    if BN % RS or RS % 4:
         raise ValueError(f"dkdvq (producer): query steps of {BN} rows are not whole passes "
                          f"of {COPIERS} copying threads: {var.tag}")
 
@@ -233,6 +236,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                 c = wtid % CH
                 r = wtid // CH
                 so = el + (c >> 3) * (BN * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3)
+                so_odd = el + (c >> 3) * (BN * 64) + r * 64 + (((c & 7) ^ ((r + RS) & 7)) << 3)
                 passes = BN // RS
                 gi = 0
                 mq = m_begin
@@ -241,10 +245,12 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     st = stage_of(it, STAGES)
                     if it >= STAGES:
                         mbarrier_wait(smem, empty + BAR * st, empty_parity(it, STAGES))
-                    copy_step_rows(smem, so + (Q_OFF + st * TILE) // 2, q,
+                    copy_step_rows(smem, so + (Q_OFF + st * TILE) // 2,
+                                   so_odd + (Q_OFF + st * TILE) // 2, q,
                                    qb0 + h * qsh + (mq + r) * qsn + 8 * c, Nq - mq - r, qsn,
                                    passes, RS)
-                    copy_step_rows(smem, so + (DO_OFF + st * TILE) // 2, do,
+                    copy_step_rows(smem, so + (DO_OFF + st * TILE) // 2,
+                                   so_odd + (DO_OFF + st * TILE) // 2, do,
                                    gb0 + h * gsh + (mq + r) * gsn + 8 * c, Nq - mq - r, gsn,
                                    passes, RS)
                     copy_stats(smem, el + (STATS_OFF + st * STATS) // 2, lse, delta,

@@ -272,7 +272,9 @@ HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
 #: between them): a race to mend before it runs on a GPU.
 HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(1, 64, True),
                                 HopperTiles(2, 64, True),
-                                HopperTiles(2, 64, True, producer=True))}
+                                HopperTiles(2, 64, True, producer=True)),
+                           128: (HopperTiles(2, 32, True, producer=True),
+                                 HopperTiles(2, 32, True, stages=3, producer=True))}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
