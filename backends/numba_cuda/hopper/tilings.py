@@ -255,12 +255,14 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
 #: for the one-warpgroup dkdvq; two stages (g2n64ow) 1.91 (1.12), slower in all six cases
 #: timed (H100 and H200, N=4096 and 16384) by 1-3% (notes/ws_copies_2026-11-27.md; before
 #: its copies were made cheap the producer form took 2.49 on an H100). At D=128 the
-#: one-warpgroup kernel of hopper/dq_atomic.py on 32-query steps (its dQ accumulators
-#: beside 64-query steps spill, 40 bytes at g1n64o non-causal, ptxas 13.0); the producer
-#: form takes head dim 64 only.
+#: producer form on 32-query steps (g2n32ow; 64-query steps spill 240 bytes there): H200
+#: backward 3.45 ms (causal 1.96) at B=4 N=4096 and 13.06 (6.74) at B=1 N=16384, level
+#: with the deterministic pair (3.48, 1.83, 13.44, 7.00) where the one-warpgroup dkdvq
+#: (g1n32o) took 4.86, 2.57, 18.38, 9.00; three stages tie with two there.
 _WS64 = HopperTiles(2, 64, True, stages=3, producer=True)
+_WS128 = HopperTiles(2, 32, True, producer=True)
 HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
-                (128, False): HopperTiles(1, 32, True), (128, True): HopperTiles(1, 32, True)}
+                (128, False): _WS128, (128, True): _WS128}
 #: Per head dim, the dkdvq tilings ``tools/hopper_backward.py --fused`` times beside the
 #: table's: the one-warpgroup kernel (the table's before), two warpgroups without a
 #: producer (each the dQ part of half a step's queries over the block's 128 keys: half the
@@ -273,7 +275,7 @@ HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
 HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(1, 64, True),
                                 HopperTiles(2, 64, True),
                                 HopperTiles(2, 64, True, producer=True)),
-                           128: (HopperTiles(2, 32, True, producer=True),
+                           128: (HopperTiles(1, 32, True),
                                  HopperTiles(2, 32, True, stages=3, producer=True))}
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
