@@ -320,12 +320,15 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     assert launch.fused_backward(case, 0) and not launch.fused_backward(_case(window=(8, 0)), 0)
     assert not launch.fused_backward(_case(D=256), 0)  # (no two-pass dkdvq kernel)
     assert launch.hopper_variant(256, "bfloat16", False, "dkdvq") is None
-    # (the dkdvq kernel's dQ accumulators beside 64-query steps spill: 32-query steps)
+    # the producer form (hopper/backward_ws.py) at D=64 and, on 32-query steps (64 spill
+    # there), at D=128
+    assert (launch.hopper_variant(64, "bfloat16", True, "dkdvq").tiles
+            == tilings.HopperTiles(2, 64, True, stages=3, producer=True))
     assert (launch.hopper_variant(128, "bfloat16", False, "dkdvq").tiles
-            == tilings.HopperTiles(1, 32, True))
-    # a producer warpgroup: the dkdvq kernel's only (hopper/backward_ws.py), at D=64
+            == tilings.HopperTiles(2, 32, True, producer=True))
+    # a producer warpgroup: the dkdvq kernel's only, at head dims 64 and 128
     ws = tilings.HopperTiles(2, 64, True, producer=True)
-    for kernel, d in (("dkdv", 64), ("dq", 64), ("dkdvq", 128)):
+    for kernel, d in (("dkdv", 64), ("dq", 64), ("dkdvq", 256)):
         with pytest.raises(ValueError):
             launch.build(Variant(kernel, "hopper", d, "bfloat16", False, ws))
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
