@@ -165,7 +165,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
     B_LBO = BN * LINE
     NS = BN // 2
     NO = D // 2
-    RS = COPIERS // CH  # rows per pass of a tile copy (pingpong.copy_rows: a multiple of 8)
+    RS = COPIERS // CH  # rows per pass of a tile copy: 8 at D=64, 4 at D=128 (copy_step_rows)
     if BN % RS or RS % 4:
         raise ValueError(f"dkdvq (producer): query steps of {BN} rows are not whole passes "
                          f"of {COPIERS} copying threads: {var.tag}")

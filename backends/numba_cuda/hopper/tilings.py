@@ -257,8 +257,9 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
 #: its copies were made cheap the producer form took 2.49 on an H100). At D=128 the
 #: producer form on 32-query steps (g2n32ow; 64-query steps spill 240 bytes there): H200
 #: backward 3.45 ms (causal 1.96) at B=4 N=4096 and 13.06 (6.74) at B=1 N=16384, level
-#: with the deterministic pair (3.48, 1.83, 13.44, 7.00) where the one-warpgroup dkdvq
-#: (g1n32o) took 4.86, 2.57, 18.38, 9.00; three stages tie with two there.
+#: with the deterministic pair (3.48, 1.83, 13.44, 7.00) on the backward alone (not always
+#: in forward+backward: notes/ws_copies_2026-11-27.md, section 6) where the one-warpgroup
+#: dkdvq (g1n32o) took 4.86, 2.57, 18.38, 9.00; three stages tie with two there.
 _WS64 = HopperTiles(2, 64, True, stages=3, producer=True)
 _WS128 = HopperTiles(2, 32, True, producer=True)
 HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
@@ -267,7 +268,8 @@ HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
 #: table's: the one-warpgroup kernel (the table's before), two warpgroups without a
 #: producer (each the dQ part of half a step's queries over the block's 128 keys: half the
 #: additions' traffic, and no faster, section 4 of notes/backward_steps_2026-11-27.md),
-#: and the producer form with two stages. Not the ``own_dq`` form (each consumer adding
+#: and the producer form with two stages; at D=128 the one-warpgroup kernel and the
+#: producer form with three stages. Not the ``own_dq`` form (each consumer adding
 #: its own keys' dQ part): its emulated test deadlocked on its warpgroup's named barrier
 #: in 2 of 5 runs, not understood yet, and its one dS tile a warpgroup is rewritten by
 #: a warp whose dQ product is done while the other warps' may still read it (no barrier
