@@ -592,10 +592,10 @@ def test_hopper_backward_on_gpu(hopper_bwd_gpu, monkeypatch, dkdv_tiles, dq_tile
         assert rel_err(g.float().cpu().numpy(), r, fl) < TOL_BWD[dtype], name
 
 
-#: (D, dtype, causal, shape) of the non-deterministic mode's GPU test: the table's tilings,
-#: both dtypes, every shape at one of each head dim and causal mode
-#: (and the two-warpgroup dkdvq tilings, each warpgroup the dQ part of half a step's queries
-#: over the block's 128 keys, without and with a producer warpgroup, on two shapes)
+#: (D, dtype, causal, shape, tiles) of the non-deterministic mode's GPU test: the table's
+#: tilings (None; the producer form at D=64 and 128), both dtypes, every shape at one of
+#: each head dim and causal mode (and at D=64, on two shapes, the one-warpgroup dkdvq and
+#: the producer form with two stages)
 FUSED_CASES = [(d, t, c, shape, None) for d, t, c in TABLE for shape in SHAPES
                if d <= 128 and ((t == "bfloat16") == c or shape is SHAPES[0])] if HAVE else []
 FUSED_CASES += [(64, dt, c, shape, tiles)  # (the table's at D=64: the producer, 3 stages)

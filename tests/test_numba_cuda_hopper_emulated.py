@@ -237,8 +237,8 @@ else:
 
     #: The non-deterministic mode (FLASHCORE_DETERMINISTIC=0): dK, dV and dQ's parts in one
     #: kernel (dkdvq), dQ added into a float32 accumulator (hopper/dq_atomic.py), then
-    #: converted. Tilings: one warpgroup (its own keys and dS tile; the table's at D=64 is
-    #: the producer form, below, and at D=128 this one on 32-query steps), two
+    #: converted. Tilings: one warpgroup (its own keys and dS tile; the table's at D=64 and
+    #: 128 is the producer form, below, which the D=128 case without tiles runs), two
     #: warpgroups (each the dQ part of half a step's queries over both warpgroups' dS
     #: tiles), D=128 (two chains of dQᵀ rows; and two warpgroups of 16-query parts); GQA (dQ
     #: of every head of the group), causal with Nq < Nk, key and query tails (a step whose
