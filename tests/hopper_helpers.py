@@ -106,3 +106,48 @@ def compile_sm90a(v, sig):
             pytest.skip(f"the CUDA toolkit (NVVM) is not importable: {e}")
         raise
     return ptx
+
+
+def lazy_keys(k, layout):
+    """Keys (NumPy, bhnd or bnhd) scaled 5x from key 200 and 5.5x from key 400, so that under
+    lazy rescaling (``HopperTiles.lazy``) some warps' maxima grow past 2^8 after their first
+    key tile and others' do not (:func:`lazy_steps`)."""
+    import numpy as np
+
+    axis = 2 if layout == "bhnd" else 1
+    n = np.arange(k.shape[axis])
+    jump = np.where(n < 200, 1.0, np.where(n < 400, 5.0, 5.5)).astype(np.float32)
+    shape = [1] * k.ndim
+    shape[axis] = -1
+    return (k.astype(np.float32) * jump.reshape(shape)).astype(k.dtype)
+
+
+def lazy_steps(q, k, BN, causal, layout="bhnd"):
+    """``(grow, keep)``: how many (warp, key tile) steps after a warp's first tile would
+    rescale under lazy rescaling and how many would keep their maxima: per warp of 16 query
+    rows (Hq a multiple of Hkv), whether some row's running max of ``q kᵀ scale log2 e``
+    (float64, bottom-right causal) grows by more than ``hopper/forward.LAZY_LOG2``."""
+    import numpy as np
+    from flashcore.backends.numba_cuda.hopper.forward import LAZY_LOG2
+
+    q, k = (np.asarray(x).astype(np.float64) for x in (q, k))
+    if layout == "bnhd":
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+    B, Hq, Nq, D = q.shape
+    Nk, group = k.shape[2], Hq // k.shape[1]
+    s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, group, axis=1)) * D ** -0.5
+    s *= np.log2(np.e)
+    if causal:
+        s[..., np.arange(Nk)[None, :] > np.arange(Nq)[:, None] + Nk - Nq] = -np.inf
+    grow = keep = 0
+    for w0 in range(0, Nq, 16):
+        m = np.full((B, Hq, min(16, Nq - w0)), -np.inf)
+        for n0 in range(0, Nk, BN):
+            new = np.maximum(m, s[:, :, w0:w0 + 16, n0:n0 + BN].max(axis=-1))
+            with np.errstate(invalid="ignore"):
+                g = ((new - m) > LAZY_LOG2).any(axis=-1)  # per (b, h) warp
+            first = np.isinf(m).all(axis=-1)
+            grow += int((g & ~first).sum())
+            keep += int((~g & ~first).sum())
+            m = np.where(g[..., None], new, m)
+    return grow, keep
