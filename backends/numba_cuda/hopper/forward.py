@@ -58,6 +58,7 @@ from ..device.intrinsics import (
     cp_async16,
     cp_async_commit,
     cp_async_wait,
+    warp_any,
     warp_uniform,
 )
 from ..device.prologue import block_tile, split_heads
@@ -247,17 +248,20 @@ def issue_pv(BF16, acc, pf, vb, PSTEPS, V_LBO):
 
 
 @device_function
-def kept_max(c, m, sl2, LAZY):
-    """``(max, grew)``: the running max a row uses after this tile, of its new max ``c``
-    (:func:`tensor_core.forward.row_max`) and its old one ``m``: ``c`` always, or
-    (``LAZY``, compile-time) ``c`` only where it grows by more than :data:`LAZY_LOG2` (a
-    row with no key yet grows by +inf; -inf to -inf is NaN, no growth), else ``m``, whose
-    P values then stay below 2^8 and whose accumulators need no rescale. Each row decides
-    alone (its 4 lanes alike), so its exponentials wait for its own max only."""
+def running_max(s, ma, mb, sl2, NTILES, ra, rb, ALIBI, LAZY):
+    """The running maxima of this thread's rows ``i`` (``s[4 jn + 0, 1]``) and ``i + 8``
+    (``s[4 jn + 2, 3]``) after this tile (masked already), and whether the warp rescales
+    its accumulators: always, or (``LAZY``, compile-time) only where the maximum of some
+    row of the warp grows by more than :data:`LAZY_LOG2` (a row with no key yet grows by
+    +inf; -inf to -inf is NaN, no growth), the warp keeping its old maxima otherwise (the
+    vote keeps the branch uniform, as the wgmma accumulators need)."""
+    ca = row_max(s, 0, ma, NTILES, ra, ALIBI)
+    cb = row_max(s, 2, mb, NTILES, rb, ALIBI)
     if not LAZY:
-        return c, True
-    grew = (c - m) * sl2 > LAZY_LOG2
-    return (c if grew else m), grew
+        return ca, cb, True
+    if warp_any((ca - ma) * sl2 > LAZY_LOG2 or (cb - mb) * sl2 > LAZY_LOG2):
+        return ca, cb, True
+    return ma, mb, False
 
 
 @device_function
@@ -267,18 +271,17 @@ def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma
     1]``) and ``i + 8`` (``s[4 jn + 2, 3]``), in the log2 domain, a diagonal or tail tile
     through the mask first; ``s`` becomes P (fp32). Returns the new ``(ma, mb, la, lb)``,
     the factors ``(al0, al1)`` that rescale the rows' accumulators and whether they need
-    it (:func:`kept_max`; ``LAZY`` compile-time)."""
+    it (:func:`running_max`; ``LAZY`` compile-time)."""
     if n0 + BN > n_full:
         mask_scores(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
         mask_scores(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
     zero = float32(0.0)
-    ca, ga = kept_max(row_max(s, 0, ma, NTILES, zero, False), ma, sl2, LAZY)
+    ca, cb, scaled = running_max(s, ma, mb, sl2, NTILES, zero, zero, False, LAZY)
     al0, ps = row_exp(s, 0, ca, ma, sl2, NTILES, zero, False, 0)
     la = la * al0 + ps
-    cb, gb = kept_max(row_max(s, 2, mb, NTILES, zero, False), mb, sl2, LAZY)
     al1, ps = row_exp(s, 2, cb, mb, sl2, NTILES, zero, False, 0)
     lb = lb * al1 + ps
-    return ca, cb, la, lb, al0, al1, ga or gb
+    return ca, cb, la, lb, al0, al1, scaled
 
 
 @device_function
@@ -292,7 +295,7 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
     on tiles that need them; each compile-time flag off leaves that step out, so a plain
     variant compiles to :func:`softmax_tile`'s code. ``POLY``: the tiling's share of
     exponentials on the FMA pipe (``HopperTiles.poly``, ``row_exp``); ``LAZY``: its lazy
-    rescaling (:func:`kept_max`)."""
+    rescaling (:func:`running_max`)."""
     if CAP:  # (compile-time) raw scores s -> (c / scale) tanh(s scale / c); where
         # score_constants folds the factor (capr 1), tanh(s scale / c) alone
         for e in range(4 * NTILES):
@@ -312,13 +315,12 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
                  KEEPS, margs, b, h, Nq)
         mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
                  partial, KEEPS, margs, b, h, Nq)
-    ca, ga = kept_max(row_max(s, 0, ma, NTILES, ra, ALIBI), ma, sl2, LAZY)
+    ca, cb, scaled = running_max(s, ma, mb, sl2, NTILES, ra, rb, ALIBI, LAZY)
     al0, ps = row_exp(s, 0, ca, ma, sl2, NTILES, ra, ALIBI, POLY)
     la = la * al0 + ps
-    cb, gb = kept_max(row_max(s, 2, mb, NTILES, rb, ALIBI), mb, sl2, LAZY)
     al1, ps = row_exp(s, 2, cb, mb, sl2, NTILES, rb, ALIBI, POLY)
     lb = lb * al1 + ps
-    return ca, cb, la, lb, al0, al1, ga or gb
+    return ca, cb, la, lb, al0, al1, scaled
 
 
 @device_function
@@ -535,13 +537,13 @@ def make_attn_forward_wgmma(var):
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
                     RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY,
                     LAZY)
-                # P's A fragments, all before the fence: a register written between two
-                # wgmmas makes ptxas serialize them (it injects warpgroup.arrive, C7519)
-                pack_p(BF16, pf, s, NP)
-                if scaled:  # (always but where lazy rows kept their maxima)
+                if scaled:  # (always but where a lazy warp kept its maxima)
                     acc_to_local(acc, oa)
                     rescale(oa, al0, al1, DTILES)
                     acc = acc_from_local(oa, D)
+                # P's A fragments, all before the fence: a register written between two
+                # wgmmas makes ptxas serialize them (it injects warpgroup.arrive, C7519)
+                pack_p(BF16, pf, s, NP)
 
                 cp_async_wait(2)  # V[it] (K and V of it+1 may still be in flight)
                 publish()
@@ -602,11 +604,11 @@ def make_attn_forward_wgmma(var):
                     RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY,
                     LAZY)
                 acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)
-                pack_p(BF16, pf, s, NP)  # (first: the rescale may be a branch, LAZY)
-                if scaled:  # (always but where lazy rows kept their maxima)
+                if scaled:  # (always but where a lazy warp kept its maxima)
                     acc_to_local(acc, oa)
                     rescale(oa, al0, al1, DTILES)
                     acc = acc_from_local(oa, D)
+                pack_p(BF16, pf, s, NP)
             if n_tiles > 0:
                 cp_async_wait(0)  # V_last
                 publish()

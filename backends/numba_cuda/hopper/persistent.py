@@ -248,11 +248,11 @@ def make_attn_forward_wgmma_persistent(var):
                     sl2, LAZY)
                 acc = wgmma_wait_group_acc(0, acc)
                 release(smem, empty_v, r - 1, STAGES, lane)
-                pack_p(BF16, pf, s, NP)  # (first: the rescale may be a branch, LAZY)
-                if scaled:  # (always but where lazy rows kept their maxima)
+                if scaled:  # (always but where a lazy warp kept its maxima)
                     acc_to_local(acc, oa)
                     rescale(oa, al0, al1, DTILES)
                     acc = acc_from_local(oa, D)
+                pack_p(BF16, pf, s, NP)
                 if it + AHEAD < n_tiles:
                     produce_at(smem, el, off, src, base, it + AHEAD, r + AHEAD, 0, Nk, sn,
                                full, empty, STAGES, STAGE, BN, CH, wtid)

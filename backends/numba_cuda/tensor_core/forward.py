@@ -152,17 +152,12 @@ def row_max(s, base, m_old, NTILES, r, ALIBI):
     e]``, masked already), over the 4 lanes sharing the row. ``ALIBI`` (compile-time): the
     row's scores are the stored ones less this lane's ``r`` (:func:`alibi_row`); the lane's
     max is taken on the stored ones and moved by ``r`` before the shuffles."""
-    # four partial maxima (NTILES is even): a chain of NTILES / 2 + 2 dependent FMNMX
-    # instead of 2 NTILES, which the exponentials waited for (in the wgmma kernels one
-    # warp a scheduler runs the softmax at a time, so the chain's latency is not hidden)
-    m0 = m_old if not ALIBI else NEG_INF
-    m1 = m2 = m3 = NEG_INF
-    for jn in range(0, NTILES, 2):
-        m0 = max(m0, s[base + 4 * jn])
-        m1 = max(m1, s[base + 4 * jn + 1])
-        m2 = max(m2, s[base + 4 * jn + 4])
-        m3 = max(m3, s[base + 4 * jn + 5])
-    mx = max(max(m0, m1), max(m2, m3))
+    mx = m_old
+    if ALIBI:
+        mx = NEG_INF
+    for jn in range(NTILES):
+        mx = max(mx, s[base + 4 * jn])
+        mx = max(mx, s[base + 4 * jn + 1])
     if ALIBI:
         mx = max(m_old, mx - r)
     mx = max(mx, shfl_xor_f32(mx, 1))
