@@ -64,7 +64,6 @@ if not SIM:
                      f"not slow) or (varlen_pingpong_bulk_copies and not producer) or "
                      f"barrier or (fused_backward and not slow) or "
                      f"(window_backward and not slow) or (softcap_forward and not slow) or "
-                     f"(lazy_rescaling and not slow) or "
                      f"wgmma_emulation", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only, request):
@@ -425,37 +424,6 @@ else:
         assert "_sc5" in emulated.tags[0], emulated.tags
         ro, rl = flashcore.attention_forward(*(to64(x) for x in (q, k, v)),
                                              backend="reference", **opts)
-        _check_forward(o, lse, ro, rl, dtype)
-
-    #: Lazy rescaling (``HopperTiles.lazy``) on the one-warpgroup forward (the D=64 causal
-    #: table's g1n64ob2) and the ping-pong one, on keys whose scale jumps by 5x at key 200
-    #: and 1.1x at key 400: some warps' maxima grow past 2^8 after their first tile (they
-    #: rescale) and others do not (they keep their old maxima, P up to 2^8), which
-    #: ``hopper_helpers.lazy_steps`` checks of the inputs. (B, Hq, Hkv, Nq, Nk, D, dtype, causal,
-    #: layout), tiling.
-    LAZY_RUNS = [((1, 2, 1, 130, 520, 64, "bfloat16", True, "bhnd"),
-                  tilings.HopperTiles(1, 64, True, 2, lazy=True)),
-                 pytest.param((1, 2, 1, 128, 520, 64, "float16", False, "bhnd"),
-                              dataclasses.replace(PINGPONG, lazy=True),
-                              marks=pytest.mark.slow)]
-
-    @pytest.mark.parametrize("c,t", LAZY_RUNS, ids=lambda x: (
-        "x".join(map(str, x[:6])) if isinstance(x, tuple) else x.tag))
-    def test_lazy_rescaling_forward(emulated, monkeypatch, c, t):
-        """Lazy rescaling against the float64 oracle, where some warps rescale on later
-        tiles and others keep their maxima."""
-        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
-        monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), t)
-        q, k, v, _ = _inputs(c)
-        from hopper_helpers import lazy_keys, lazy_steps
-
-        k = lazy_keys(k, layout)
-        grow, keep = lazy_steps(q, k, t.block_n, causal)
-        assert grow > 0 and keep > 0, (grow, keep)
-        opts = dict(causal=causal, layout=layout)
-        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
-        assert len(emulated.tags) == 1 and f"_d{D}_{t.tag}_" in emulated.tags[0], emulated.tags
-        ro, rl = oracle_forward(q, k, v, **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
     # --- device/sim_pipeline.py's barriers and the wgmma emulation, on their own ------

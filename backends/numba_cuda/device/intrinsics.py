@@ -62,7 +62,6 @@ __all__ = [
     "pack_bf16x2",
     "pack_f16x2",
     "shfl_xor_f32",
-    "warp_any",
     "warp_first",
     "warp_inclusive_sum",
     "warp_lane_value",
@@ -269,11 +268,6 @@ if SIMULATOR:
         """The sum of ``v`` (int64) over lanes ``0 .. lane`` (all 32 lanes take part)."""
         lane, vals = _warp_exchange(int(v))
         return np.int64(sum(vals[:lane + 1]))
-
-    def warp_any(pred):
-        """Whether ``pred`` holds in any lane of the warp (all 32 lanes take part)."""
-        _, vals = _warp_exchange(bool(pred))
-        return any(vals)
 
     def warp_first(pred):
         """The first lane whose ``pred`` holds, 32 where none does (all 32 lanes)."""
@@ -551,12 +545,6 @@ else:
             if lane >= d:
                 v += y
         return v
-
-    @cuda.jit(device=True, forceinline=True)
-    def warp_any(pred):
-        """Whether ``pred`` holds in any lane of the warp: its ballot is not zero (all 32
-        lanes take part)."""
-        return cuda.ballot_sync(0xFFFFFFFF, pred) != 0
 
     @cuda.jit(device=True, forceinline=True)
     def warp_first(pred):

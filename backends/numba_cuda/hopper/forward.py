@@ -54,13 +54,7 @@ from ..device.constants import (
     SMEM_ALIGN,
 )
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import (
-    cp_async16,
-    cp_async_commit,
-    cp_async_wait,
-    warp_any,
-    warp_uniform,
-)
+from ..device.intrinsics import cp_async16, cp_async_commit, cp_async_wait, warp_uniform
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     distance,
@@ -96,20 +90,12 @@ from ..tensor_core.forward import (
     finish_row,
     mask_row,
     rescale_row,
-    row_exp,
-    row_max,
+    softmax_row,
     user_row,
 )
 from ..tensor_core.fragments import pack
 from ..tilings import HOPPER_ALIGN, HOPPER_ROWS
 from .epilogue import store_o
-
-#: Lazy rescaling (``HopperTiles.lazy``): a warp keeps its rows' running maxima while none
-#: of them would grow by more than this many powers of two (log2 units), so its P values
-#: stay below 2^8 (in range for fp16, bf16 and the fp32 sums) and O's accumulators are
-#: rescaled only on the tiles where some maximum grows past it (FlashAttention 4's
-#: conditional rescaling; with a stable max, about never after the first tiles).
-LAZY_LOG2 = 8.0
 
 #: Bytes of one swizzled line (64 elements of 16 bits) and of the 8-line pattern (a
 #: K-major descriptor's SBO, an MN-major one's "next 8 k").
@@ -248,54 +234,33 @@ def issue_pv(BF16, acc, pf, vb, PSTEPS, V_LBO):
 
 
 @device_function
-def running_max(s, ma, mb, sl2, NTILES, ra, rb, ALIBI, LAZY):
-    """The running maxima of this thread's rows ``i`` (``s[4 jn + 0, 1]``) and ``i + 8``
-    (``s[4 jn + 2, 3]``) after this tile (masked already), and whether the warp rescales
-    its accumulators: always, or (``LAZY``, compile-time) only where the maximum of some
-    row of the warp grows by more than :data:`LAZY_LOG2` (a row with no key yet grows by
-    +inf; -inf to -inf is NaN, no growth), the warp keeping its old maxima otherwise (the
-    vote keeps the branch uniform, as the wgmma accumulators need)."""
-    ca = row_max(s, 0, ma, NTILES, ra, ALIBI)
-    cb = row_max(s, 2, mb, NTILES, rb, ALIBI)
-    if not LAZY:
-        return ca, cb, True
-    if warp_any((ca - ma) * sl2 > LAZY_LOG2 or (cb - mb) * sl2 > LAZY_LOG2):
-        return ca, cb, True
-    return ma, mb, False
-
-
-@device_function
 def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma, mb, la,
-                 lb, sl2, LAZY):
+                 lb, sl2):
     """The online softmax of one score tile on this thread's rows ``i`` (``s[4 jn + 0,
     1]``) and ``i + 8`` (``s[4 jn + 2, 3]``), in the log2 domain, a diagonal or tail tile
-    through the mask first; ``s`` becomes P (fp32). Returns the new ``(ma, mb, la, lb)``,
-    the factors ``(al0, al1)`` that rescale the rows' accumulators and whether they need
-    it (:func:`running_max`; ``LAZY`` compile-time)."""
+    through the mask first; ``s`` becomes P (fp32). Returns the new ``(ma, mb, la, lb)``
+    and the factors ``(al0, al1)`` that rescale the rows' accumulators."""
     if n0 + BN > n_full:
         mask_scores(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
         mask_scores(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
-    zero = float32(0.0)
-    ca, cb, scaled = running_max(s, ma, mb, sl2, NTILES, zero, zero, False, LAZY)
-    al0, ps = row_exp(s, 0, ca, ma, sl2, NTILES, zero, False, 0)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False, 0)
     la = la * al0 + ps
-    al1, ps = row_exp(s, 2, cb, mb, sl2, NTILES, zero, False, 0)
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False, 0)
     lb = lb * al1 + ps
-    return ca, cb, la, lb, al0, al1, scaled
+    return ma, mb, la, lb, al0, al1
 
 
 @device_function
 def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h,
                       tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
                       LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES,
-                      POLY, LAZY):
+                      POLY):
     """:func:`softmax_tile` with the masks and score modifiers, in the mma.sync forward's
     order: the softcap, ALiBi (warp ``w0``'s 16 rows for its linear form), the user's
     score_mod, then the masks (causal, the window, the user's mask_mod where ``partial``)
     on tiles that need them; each compile-time flag off leaves that step out, so a plain
     variant compiles to :func:`softmax_tile`'s code. ``POLY``: the tiling's share of
-    exponentials on the FMA pipe (``HopperTiles.poly``, ``row_exp``); ``LAZY``: its lazy
-    rescaling (:func:`running_max`)."""
+    exponentials on the FMA pipe (``HopperTiles.poly``, ``softmax_row``)."""
     if CAP:  # (compile-time) raw scores s -> (c / scale) tanh(s scale / c); where
         # score_constants folds the factor (capr 1), tanh(s scale / c) alone
         for e in range(4 * NTILES):
@@ -315,12 +280,11 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
                  KEEPS, margs, b, h, Nq)
         mask_row(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
                  partial, KEEPS, margs, b, h, Nq)
-    ca, cb, scaled = running_max(s, ma, mb, sl2, NTILES, ra, rb, ALIBI, LAZY)
-    al0, ps = row_exp(s, 0, ca, ma, sl2, NTILES, ra, ALIBI, POLY)
+    ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, ra, ALIBI, POLY)
     la = la * al0 + ps
-    al1, ps = row_exp(s, 2, cb, mb, sl2, NTILES, rb, ALIBI, POLY)
+    mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, rb, ALIBI, POLY)
     lb = lb * al1 + ps
-    return ca, cb, la, lb, al0, al1, scaled
+    return ma, mb, la, lb, al0, al1
 
 
 @device_function
@@ -434,7 +398,6 @@ def make_attn_forward_wgmma(var):
     OVERLAP = t.overlap  # the softmax of tile j under the P V wgmmas of tile j - 1
     PACKED = PACKING[var.packed]  # dense or varlen rows (device/seams.sequence)
     POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
-    LAZY = t.lazy  # O rescaled only where a warp's maxima grow past LAZY_LOG2
     LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR, FOLD = mask_flags(var, SMOD)
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -532,15 +495,13 @@ def make_attn_forward_wgmma(var):
                                 at + K_OFF + buf, KSTEPS, BM, BN)
                 sacc = wgmma_wait_group_acc(0, sacc)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1, scaled = softmax_tile_mods(
+                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h, tq,
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
-                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY,
-                    LAZY)
-                if scaled:  # (always but where a lazy warp kept its maxima)
-                    acc_to_local(acc, oa)
-                    rescale(oa, al0, al1, DTILES)
-                    acc = acc_from_local(oa, D)
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
+                acc_to_local(acc, oa)
+                rescale(oa, al0, al1, DTILES)
+                acc = acc_from_local(oa, D)
                 # P's A fragments, all before the fence: a register written between two
                 # wgmmas makes ptxas serialize them (it injects warpgroup.arrive, C7519)
                 pack_p(BF16, pf, s, NP)
@@ -575,11 +536,10 @@ def make_attn_forward_wgmma(var):
                                 at + K_OFF, KSTEPS, BM, BN)
                 sacc = wgmma_wait_group_acc(0, sacc)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1, scaled = softmax_tile_mods(
+                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n_begin, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h,
                     tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
-                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY,
-                    LAZY)
+                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 pack_p(BF16, pf, s, NP)  # (O is still zero: nothing to rescale)
             for it in range(1, n_tiles):
                 n0 = n_begin + it * BN
@@ -598,16 +558,14 @@ def make_attn_forward_wgmma(var):
                                at + V_OFF + ((it - 1) & 1) * KV_BYTES, PSTEPS, V_LBO)
                 sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1, scaled = softmax_tile_mods(
+                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                     s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h, tq,
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
-                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY,
-                    LAZY)
+                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)
-                if scaled:  # (always but where a lazy warp kept its maxima)
-                    acc_to_local(acc, oa)
-                    rescale(oa, al0, al1, DTILES)
-                    acc = acc_from_local(oa, D)
+                acc_to_local(acc, oa)
+                rescale(oa, al0, al1, DTILES)
+                acc = acc_from_local(oa, D)
                 pack_p(BF16, pf, s, NP)
             if n_tiles > 0:
                 cp_async_wait(0)  # V_last

@@ -110,7 +110,6 @@ def make_attn_forward_wgmma_persistent(var):
     CH = D // 8
     KSTEPS, PSTEPS = D // 16, BN // 16
     NTILES, DTILES = BN // 8, D // 8
-    LAZY = t.lazy  # O rescaled only where a warp's maxima grow past forward.LAZY_LOG2
     NS, NO, NP = BN // 2, D // 2, BN // 4
     STAGE = BN * D * 2
     Q_OFF = 0
@@ -221,9 +220,9 @@ def make_attn_forward_wgmma_persistent(var):
                 sacc = wgmma_wait_group_acc(0, sacc)
                 release(smem, empty_k, R, STAGES, lane)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1, scaled = softmax_tile(
-                    s, 0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma, mb, la, lb,
-                    sl2, LAZY)
+                ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk, causal_offset,
+                                                        CAUSAL, NTILES, tq, ma, mb, la, lb,
+                                                        sl2)
                 pack_p(BF16, pf, s, NP)
                 if AHEAD < n_tiles:
                     produce_at(smem, el, off, src, base, AHEAD, R + AHEAD, 0, Nk, sn, full,
@@ -243,15 +242,14 @@ def make_attn_forward_wgmma_persistent(var):
                 sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
                 release(smem, empty_k, r, STAGES, lane)
                 acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1, scaled = softmax_tile(
-                    s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma, mb, la, lb,
-                    sl2, LAZY)
+                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
+                                                        causal_offset, CAUSAL, NTILES, tq,
+                                                        ma, mb, la, lb, sl2)
                 acc = wgmma_wait_group_acc(0, acc)
                 release(smem, empty_v, r - 1, STAGES, lane)
-                if scaled:  # (always but where a lazy warp kept its maxima)
-                    acc_to_local(acc, oa)
-                    rescale(oa, al0, al1, DTILES)
-                    acc = acc_from_local(oa, D)
+                acc_to_local(acc, oa)
+                rescale(oa, al0, al1, DTILES)
+                acc = acc_from_local(oa, D)
                 pack_p(BF16, pf, s, NP)
                 if it + AHEAD < n_tiles:
                     produce_at(smem, el, off, src, base, it + AHEAD, r + AHEAD, 0, Nk, sn,

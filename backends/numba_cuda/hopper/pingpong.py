@@ -309,7 +309,6 @@ def make_attn_forward_wgmma_pingpong(var):
     BN, BM, NT, STAGES = t.block_n, t.block_m, t.threads, t.stages
     PRODUCER = t.producer  # (compile-time: a producer warpgroup, 0, before the consumers)
     POLY = t.poly  # every POLY-th n-tile's exp2 on the FMA pipe (0: none)
-    LAZY = t.lazy  # O rescaled only where a warp's maxima grow past forward.LAZY_LOG2
     PACKED = PACKING[var.packed]  # dense or varlen rows (device/seams.sequence)
     CH = D // 8
     KSTEPS, PSTEPS = D // 16, BN // 16
@@ -449,15 +448,15 @@ def make_attn_forward_wgmma_pingpong(var):
                 release(smem, empty_k, 0, STAGES, lane)
                 acc_to_local(sacc, s)
                 if MODS:  # (compile-time)
-                    ma, mb, la, lb, al0, al1, scaled = softmax_tile_mods(
+                    ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                         s, n_begin, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b,
                         h, tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs,
                         CAUSAL, LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE,
-                        NTILES, POLY, LAZY)
+                        NTILES, POLY)
                 else:
-                    ma, mb, la, lb, al0, al1, scaled = softmax_tile(
-                        s, 0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma, mb,
-                        la, lb, sl2, LAZY)
+                    ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
+                                                            causal_offset, CAUSAL, NTILES, tq,
+                                                            ma, mb, la, lb, sl2)
                 pack_p(BF16, pf, s, NP)
                 if not PRODUCER:
                     produce_next(smem, el, off, src, base, AHEAD, n_tiles, n_begin, Nk, sn,
@@ -478,21 +477,20 @@ def make_attn_forward_wgmma_pingpong(var):
                 release(smem, empty_k, it, STAGES, lane)
                 acc_to_local(sacc, s)
                 if MODS:  # (compile-time)
-                    ma, mb, la, lb, al0, al1, scaled = softmax_tile_mods(
+                    ma, mb, la, lb, al0, al1 = softmax_tile_mods(
                         s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h,
                         tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
                         LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES,
-                        POLY, LAZY)
+                        POLY)
                 else:
-                    ma, mb, la, lb, al0, al1, scaled = softmax_tile(
-                        s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma, mb,
-                        la, lb, sl2, LAZY)
+                    ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
+                                                            causal_offset, CAUSAL, NTILES, tq,
+                                                            ma, mb, la, lb, sl2)
                 acc = wgmma_wait_group_acc(0, acc)
                 release(smem, empty_v, it - 1, STAGES, lane)
-                if scaled:  # (always but where a lazy warp kept its maxima)
-                    acc_to_local(acc, oa)
-                    rescale(oa, al0, al1, DTILES)
-                    acc = acc_from_local(oa, D)
+                acc_to_local(acc, oa)
+                rescale(oa, al0, al1, DTILES)
+                acc = acc_from_local(oa, D)
                 pack_p(BF16, pf, s, NP)
                 if not PRODUCER:
                     produce_next(smem, el, off, src, base, it + AHEAD, n_tiles, n_begin, Nk,

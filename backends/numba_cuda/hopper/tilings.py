@@ -55,11 +55,7 @@ class HopperTiles:
     makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies. ``own_dq`` (the
     backward's dkdvq with a producer, ``hopper/backward_ws.py``): each consumer warpgroup
     adds the dQ part of its own 64 keys (two reductions a step), so the two never wait for
-    each other, instead of each adding half the queries' over both warpgroups' keys.
-    ``lazy`` (forward kernels): a warp rescales O's accumulators only on the key tiles where
-    some row's running max grows by more than 2^8 (``hopper/forward.LAZY_LOG2``), not on
-    every tile (FlashAttention 4's conditional rescaling: the rescale is 0.5 FP32 multiply
-    a score at D=64 and 1 at D=128, on a pipe the softmax already fills)."""
+    each other, instead of each adding half the queries' over both warpgroups' keys."""
 
     warpgroups: int
     block_n: int
@@ -72,7 +68,6 @@ class HopperTiles:
     persistent: bool = False
     tma: bool = False
     own_dq: bool = False
-    lazy: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -105,8 +100,8 @@ class HopperTiles:
         (ping-pong, 3 stages), ``g1n64od3`` (a backward kernel's last products retiring
         under the next step), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
         (every second n-tile's exp2 on the FMA pipe), ``g2n128op3s`` (persistent),
-        ``g2n128op3t`` (K and V by bulk tensor copies), ``g2n128op3wtl`` (lazy
-        rescaling): names the tiling in kernel names and timings."""
+        ``g2n128op3t`` (K and V by bulk tensor copies): names
+        the tiling in kernel names and timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
                 + (f"d{self.stages}" if not self.pingpong and self.stages != 2 else "")
@@ -115,7 +110,6 @@ class HopperTiles:
                 + (f"x{self.poly}" if self.poly else "")
                 + ("s" if self.persistent else "")
                 + ("i" if self.own_dq else "")
-                + ("l" if self.lazy else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
     @property
@@ -201,7 +195,7 @@ _PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
 #: dynamic tile scheduler.
 _PERSISTENT = HopperTiles(2, 128, True, pingpong=True, stages=3, persistent=True)
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
-#: last three: the forward table's tilings with lazy rescaling (``l``).
+#: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
                      HopperTiles(1, 64, True, 2),
                      HopperTiles(2, 128, True, pingpong=True, stages=3),
@@ -213,8 +207,7 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      _POLY2, _PP2, _PERSISTENT,
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
                      HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA,
-                     _PP_TMA192, *(replace(t, lazy=True) for t in (
-                         _PP_TMA, _PP_TMA192, HopperTiles(1, 64, True, 2))))
+                     _PP_TMA192)
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
 #: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V

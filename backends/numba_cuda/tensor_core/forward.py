@@ -147,11 +147,17 @@ def alibi_row(s, base, d0, slope, side, linear, NTILES):
 
 
 @device_function
-def row_max(s, base, m_old, NTILES, r, ALIBI):
-    """The new running max of one of this lane's rows of a score tile (``s[base + 4 jn +
-    e]``, masked already), over the 4 lanes sharing the row. ``ALIBI`` (compile-time): the
-    row's scores are the stored ones less this lane's ``r`` (:func:`alibi_row`); the lane's
-    max is taken on the stored ones and moved by ``r`` before the shuffles."""
+def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI, POLY):
+    """One of this lane's rows of a score tile (``s[base + 4 jn + e]``, masked already):
+    new running max (of the scores) over the 4 lanes sharing the row, then
+    ``P = exp2(S * sl2 - max * sl2)`` in place, one FFMA and one ex2 per score. Returns
+    ``(new max, rescale factor of the old accumulators, this lane's sum of P)``.
+    ``POLY`` (compile-time; 0: none): every ``POLY``-th n-tile takes its exp2 from the FMA
+    pipe (``intrinsics.exp2_fma``) instead of the MUFU unit, for kernels whose MUFU is busy
+    with a softcap's tanh too.
+    ``ALIBI`` (compile-time): the row's scores are the stored ones less this lane's ``r``
+    (:func:`alibi_row`); the lane's max is taken on the stored ones and moved by ``r``
+    before the shuffles, and P's FFMA subtracts ``(max + r) sl2``."""
     mx = m_old
     if ALIBI:
         mx = NEG_INF
@@ -161,18 +167,7 @@ def row_max(s, base, m_old, NTILES, r, ALIBI):
     if ALIBI:
         mx = max(m_old, mx - r)
     mx = max(mx, shfl_xor_f32(mx, 1))
-    return max(mx, shfl_xor_f32(mx, 2))
-
-
-@device_function
-def row_exp(s, base, mx, m_old, sl2, NTILES, r, ALIBI, POLY):
-    """``P = exp2(S * sl2 - mx * sl2)`` in place on the row of :func:`row_max`, one FFMA
-    and one ex2 per score, against the running max ``mx`` (:func:`row_max`'s, or with lazy
-    rescaling the kept ``m_old``). Returns ``(rescale factor of the old accumulators, this
-    lane's sum of P)``. ``POLY`` (compile-time; 0: none): every ``POLY``-th n-tile takes
-    its exp2 from the FMA pipe (``intrinsics.exp2_fma``) instead of the MUFU unit, for
-    kernels whose MUFU is busy with a softcap's tanh too. ``ALIBI``: P's FFMA subtracts
-    ``(mx + r) sl2``."""
+    mx = max(mx, shfl_xor_f32(mx, 2))
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead
     mu = mx * sl2 if mx != NEG_INF else float32(0.0)
     alpha = math.exp2(m_old * sl2 - mu)
@@ -189,16 +184,6 @@ def row_exp(s, base, mx, m_old, sl2, NTILES, r, ALIBI, POLY):
                 pv = math.exp2(s[x] * sl2 - mus)
             s[x] = pv
             ps += pv
-    return alpha, ps
-
-
-@device_function
-def softmax_row(s, base, m_old, sl2, NTILES, r, ALIBI, POLY):
-    """The online softmax of one of this lane's rows (:func:`row_max`, then
-    :func:`row_exp` against the new max). Returns ``(new max, rescale factor of the old
-    accumulators, this lane's sum of P)``."""
-    mx = row_max(s, base, m_old, NTILES, r, ALIBI)
-    alpha, ps = row_exp(s, base, mx, m_old, sl2, NTILES, r, ALIBI, POLY)
     return mx, alpha, ps
 
 
