@@ -81,11 +81,11 @@ PRODUCER_REGS, CONSUMER_REGS = 56, 224
 
 
 @device_function
-def copy_step_rows(smem, so, so_odd, src, g, left, sn, passes, RS):
+def copy_step_rows(smem, off, so, so_odd, src, g, left, sn, passes, RS):
     """One copying thread's share of a step's tile (``pingpong.copy_rows``' copies, in
     fewer instructions where the producer has 56 registers, not 24): ``passes`` (known
-    when compiled: the loop unrolls) 16-byte copies, to shared element ``so + 64 p RS``
-    (``so_odd`` for odd passes: where a pass moves 4 lines, half the swizzle's period, as
+    when compiled: the loop unrolls) 16-byte copies, to shared element ``off + so + 64 p
+    RS`` (``off`` the tile's stage; ``so_odd`` for odd passes: where a pass moves 4 lines, half the swizzle's period, as
     at head dim 128, odd passes' lines swizzle the other way) from source element
     ``g + p RS sn``; passes from ``left`` (the rows left at and after the first pass's
     row) on are zero-filled, source size 0, so nothing is read there and the address past
@@ -94,7 +94,7 @@ def copy_step_rows(smem, so, so_odd, src, g, left, sn, passes, RS):
     instructions a copy, and made its two copying warps its bottleneck
     (notes/ws_copies_2026-11-27.md)."""
     for p in range(passes):
-        cp_async16(smem, (so_odd if p & 1 else so) + 64 * p * RS, src, g,
+        cp_async16(smem, off + (so_odd if p & 1 else so) + 64 * p * RS, src, g,
                    uint32(16) if p * RS < left else uint32(0))
         g += RS * sn
 
@@ -235,8 +235,9 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                 # once)
                 c = wtid % CH
                 r = wtid // CH
-                so = el + (c >> 3) * (BN * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3)
-                so_odd = el + (c >> 3) * (BN * 64) + r * 64 + (((c & 7) ^ ((r + RS) & 7)) << 3)
+                line = el + (c >> 3) * (BN * 64) + r * 64
+                so = line + (((c & 7) ^ (r & 7)) << 3)
+                so_odd = line + (((c & 7) ^ ((r + RS) & 7)) << 3)
                 passes = BN // RS
                 gi = 0
                 mq = m_begin
@@ -245,12 +246,10 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     st = stage_of(it, STAGES)
                     if it >= STAGES:
                         mbarrier_wait(smem, empty + BAR * st, empty_parity(it, STAGES))
-                    copy_step_rows(smem, so + (Q_OFF + st * TILE) // 2,
-                                   so_odd + (Q_OFF + st * TILE) // 2, q,
+                    copy_step_rows(smem, (Q_OFF + st * TILE) // 2, so, so_odd, q,
                                    qb0 + h * qsh + (mq + r) * qsn + 8 * c, Nq - mq - r, qsn,
                                    passes, RS)
-                    copy_step_rows(smem, so + (DO_OFF + st * TILE) // 2,
-                                   so_odd + (DO_OFF + st * TILE) // 2, do,
+                    copy_step_rows(smem, (DO_OFF + st * TILE) // 2, so, so_odd, do,
                                    gb0 + h * gsh + (mq + r) * gsn + 8 * c, Nq - mq - r, gsn,
                                    passes, RS)
                     copy_stats(smem, el + (STATS_OFF + st * STATS) // 2, lse, delta,
