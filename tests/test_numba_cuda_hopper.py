@@ -62,7 +62,8 @@ CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
               "g1n64ob2": {(64, "float16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
               "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)},
-              "g2n128op3wt": {(128, "bfloat16", False)}, "g2n192op3wt": {(64, "bfloat16", False)}}
+              "g2n128op3wt": {(128, "bfloat16", False)}, "g2n192op3wt": {(64, "bfloat16", False)},
+              "g1n128ob3": {(64, "bfloat16", False), (64, "float16", True)}}
 
 
 def _in_ci(t, case):
@@ -296,7 +297,7 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     """Below tilings.TMA_MIN_WORK a forward whose table tiling has bulk tensor copies takes
     NO_TMA's tiling; from it, the table's (varlen rows too: one tensor map over every
     packed row)."""
-    for d in (64, 128):
+    for d in (128,):
         t = tilings.HOPPER_FORWARD[(d, False)]
         assert t.tma
         assert launch.hopper_variant(d, "bfloat16", False).tiles == t
@@ -306,6 +307,16 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
         assert launch.hopper_variant(d, "bfloat16", False, packed="varlen",
                                      tma_ok=False).tiles == tilings.NO_TMA[d]
         assert not tilings.NO_TMA[d].tma
+    # D=64's table (three blocks of one warpgroup a SM) has no copies to leave out: small
+    # calls and varlen rows keep it; masked calls take HOPPER_FORWARD_MASKED's tilings
+    for c in (False, True):
+        t = tilings.HOPPER_FORWARD[(64, c)]
+        assert not t.tma and t.min_blocks == 3
+        for kw in ({}, {"tma_ok": False}, {"packed": "varlen"}):
+            assert launch.hopper_variant(64, "bfloat16", c, **kw).tiles == t, kw
+        masked = tilings.HOPPER_FORWARD_MASKED[(64, c)]
+        assert launch.hopper_variant(64, "bfloat16", c, alibi=True).tiles == \
+            tilings.masked_tiles(masked, head_dim=64)
     # a softcap keeps the ping-pong tilings, on tiles of at most SOFTCAP_KEYS keys (the
     # D=64 table's 192-key ones lose with it)
     for d, c in ((64, False), (128, False), (128, True)):
@@ -403,7 +414,7 @@ def test_pingpong_tilings_and_rings():
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
             tilings.hopper_candidates(128)] == ["g2n64op3", "g2n64op3w", "g2n192op3",
                                                 "g2n192op3w", "g2n64op2", "g2n64op3t",
-                                                "g2n192op3wt"]
+                                                "g2n192op3wt", "g1n128ob3"]
     assert [t.tag for t in tilings.HOPPER_CANDIDATES if t not in
             tilings.hopper_candidates(64)] == ["g2n128op3x2", "g2n64op2"]
     # D=256: 64-key tiles, the overlapped schedule and the 2-stage ping-pong
@@ -567,7 +578,7 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     assert plain.tiles.overlap
     mm = launch.hopper_variant(64, "float16", True, user=pytypes.SimpleNamespace(
         score_mod=None, mask_mod=lambda b, h, i, j: True))
-    assert not mm.tiles.overlap and mm.tiles.block_n == plain.tiles.block_n
+    assert not mm.tiles.overlap and mm.tiles == tilings.HOPPER_MASK_MOD
     # varlen rows: the forward and the backward; a KV cache: neither
     assert launch.hopper_variant(64, "float16", True, packed="varlen").packed == "varlen"
     assert launch.hopper_variant(64, "float16", True, "dq", packed="varlen").packed == "varlen"
@@ -704,7 +715,11 @@ def test_ptx_sm90a_with_mods(sm90, which):
     user = opts.get("user")
     mm = user is not None and user.mask_mod is not None
     assert not (mm and v.tiles.overlap), v.tag
-    assert v.tiles.pingpong == ((d == 128 or (d == 64 and not causal)) and user is None and (
+    # ping-pong: D=128's table, and D=64 non-causal with masks (HOPPER_FORWARD_MASKED;
+    # unmasked D=64 takes g1n128ob3), but a window, ALiBi or user mods (the overlap)
+    masked = bool({"window", "alibi", "softcap"} & set(opts))
+    assert v.tiles.pingpong == ((d == 128 or (d == 64 and not causal and masked))
+                                and user is None and (
         "softcap" in opts or not {"window", "alibi"} & set(opts))), v.tag
     assert v.packed == opts.get("packed", "")
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())

@@ -154,9 +154,19 @@ class HopperTiles:
 #: non-causal since 2026-11-26 (second session): the same on 192-key tiles, g2n192op3wt;
 #: H200, two runs, TFLOP/s against g2n128op3wt: N=4096 434, 431 / 426, 421; N=16384 471,
 #: 468 / 450, 453 (notes/varlen_tma_bwd_2026-11-26.md).
+#: D=64 since 2026-11-27 (third session), causal and not, for calls of fewer than
+#: LONG_KEYS_MIN keys: one warpgroup on 128-key tiles, three blocks per SM (164 registers
+#: under the 170 the three allow, 73 KiB of shared memory each), g1n128ob3: a block's start
+#: and end run under the other two's products. H200, bf16, two runs, TFLOP/s g1n128ob3 /
+#: the table's before (g2n192op3wt non-causal, g1n64ob2 causal): B=4 H=16 N=4096 459, 450
+#: / 432, 437, causal 416, 413 / 392, 391 (cuDNN 478-479 and 413-414); B=8 N=2048 439 /
+#: 391, causal 352 / 338; B=16 N=1024 403 / 364 (the small calls' g2n64o), causal 280 /
+#: 286; at 8192 keys and more it loses (B=4 N=8192 453 / 473, causal 408 / 440):
+#: LONG_KEYS keeps g2n192op3wt there (notes/lazy_rescale_2026-11-27.md).
 _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=True)
 _PP_TMA192 = HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True, tma=True)
-HOPPER_FORWARD = {(64, False): _PP_TMA192, (64, True): HopperTiles(1, 64, True, 2),
+_G1N128B3 = HopperTiles(1, 128, True, 3)
+HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
                   (256, False): HopperTiles(2, 64, True), (256, True): HopperTiles(2, 64, True)}
 #: Per (head dim, causal), the forward's tiling for dense calls of at least
@@ -166,7 +176,12 @@ HOPPER_FORWARD = {(64, False): _PP_TMA192, (64, True): HopperTiles(1, 64, True, 
 #: causal a block's fixed costs weigh less against 16384 keys than 4096, and 192-key
 #: ping-pong wins there. H200, two runs, TFLOP/s g2n192op3wt / g1n64ob2: B=1 H=16 N=16384
 #: 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 / 394, 391.
-LONG_KEYS = {(64, True): _PP_TMA192}
+LONG_KEYS = {(64, False): _PP_TMA192, (64, True): _PP_TMA192}
+#: Per (head dim, causal), the forward's tiling for calls with masks or score modifiers
+#: where the table's was timed without them (g1n128ob3 at D=64): the table's before it.
+#: (The window then takes WINDOW_TILES', the softcap 128-key ping-pong, the others
+#: MASKED_OVERLAP's: masked_tiles.)
+HOPPER_FORWARD_MASKED = {(64, False): _PP_TMA192, (64, True): HopperTiles(1, 64, True, 2)}
 LONG_KEYS_MIN = 8192
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
 #: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture):
@@ -207,14 +222,14 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      _POLY2, _PP2, _PERSISTENT,
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
                      HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA,
-                     _PP_TMA192)
-#: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; 64-key ping-pong
-#: is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
+                     _PP_TMA192, _G1N128B3)
+#: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; three blocks of
+#: g1n128ob3 fit the shared memory at D=64 only; 64-key ping-pong is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
 #: tile 32 KiB: two stages of both, 193 KiB): the overlapped g2n64o and the 2-stage
 #: ping-pong; ptxas 13: g2n64o 220-228 registers, g2n64 234, g2n64op2 208-225, no spills.
 HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
-HOPPER_CANDIDATE_DIMS.update({_POLY2: (128,), _PP2: (256,),
+HOPPER_CANDIDATE_DIMS.update({_POLY2: (128,), _PP2: (256,), _G1N128B3: (64,),
                               HopperTiles(2, 64, True): HOPPER_HEAD_DIMS})
 
 
@@ -365,9 +380,12 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   masked: bool = False, long_keys: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
     (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one;
-    ``masked``: of a backward kernel with a window, the softcap or ALiBi; ``long_keys``: of
+    ``masked``: of a forward with masks or modifiers (:data:`HOPPER_FORWARD_MASKED`), of a
+    backward kernel with a window, the softcap or ALiBi; ``long_keys``: of
     a forward of :data:`LONG_KEYS_MIN` keys or more), or None where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
+    if masked and kernel == "forward":
+        t = HOPPER_FORWARD_MASKED.get((head_dim, bool(causal)), t)
     if long_keys and kernel == "forward":
         t = LONG_KEYS.get((head_dim, bool(causal)), t)
     if t is not None and softcap and kernel != "forward":
