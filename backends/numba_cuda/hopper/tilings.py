@@ -159,7 +159,7 @@ class HopperTiles:
 #: under the 170 the three allow, 73 KiB of shared memory each), g1n128ob3: a block's start
 #: and end run under the other two's products. H200, bf16, two runs, TFLOP/s g1n128ob3 /
 #: the table's before (g2n192op3wt non-causal, g1n64ob2 causal): B=4 H=16 N=4096 459, 450
-#: / 432, 437, causal 416, 413 / 392, 391 (cuDNN 478-479 and 413-414); B=8 N=2048 439 /
+#: / 432, 437, causal 416, 413 / 392, 391 (cuDNN 477-479 and 413); B=8 N=2048 439 /
 #: 391, causal 352 / 338; B=16 N=1024 403 / 364 (the small calls' g2n64o), causal 280 /
 #: 286; at 8192 keys and more it loses (B=4 N=8192 453 / 473, causal 408 / 440):
 #: LONG_KEYS keeps g2n192op3wt there (notes/lazy_rescale_2026-11-27.md).
