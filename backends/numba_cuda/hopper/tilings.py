@@ -174,19 +174,21 @@ HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
 #: TMA_MIN_WORK) where it is not the table's (varlen calls keep the table's: their longest
 #: sequence says little of the others; masked ones too: not timed): at D=64
 #: causal a block's fixed costs weigh less against 16384 keys than 4096, and 192-key
-#: ping-pong wins there. H200, two runs, TFLOP/s g2n192op3wt / g1n64ob2: B=1 H=16 N=16384
+#: ping-pong wins there; since g1n128ob3 (the table's at D=64), non-causal too (B=4 N=8192
+#: 471, 473 against 439, 453; B=1 N=16384 485 against 435). H200, two runs, TFLOP/s g2n192op3wt / g1n64ob2: B=1 H=16 N=16384
 #: 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 / 394, 391.
 LONG_KEYS = {(64, False): _PP_TMA192, (64, True): _PP_TMA192}
+LONG_KEYS_MIN = 8192
 #: Per (head dim, causal), the forward's tiling for calls with masks or score modifiers
 #: where the table's was timed without them (g1n128ob3 at D=64): the table's before it.
 #: (The window then takes WINDOW_TILES', the softcap 128-key ping-pong, the others
 #: MASKED_OVERLAP's: masked_tiles.)
 HOPPER_FORWARD_MASKED = {(64, False): _PP_TMA192, (64, True): HopperTiles(1, 64, True, 2)}
-LONG_KEYS_MIN = 8192
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
 #: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture):
-#: the overlapped g2n64o at D=64, the ping-pong g2n128op3 (its consumers' cp.async copies)
-#: at D=128.
+#: the overlapped g2n64o at D=64 (since D=64's table, g1n128ob3, has no copies: for
+#: masked calls, whose HOPPER_FORWARD_MASKED tiling has),
+#: the ping-pong g2n128op3 (its consumers' cp.async copies) at D=128.
 NO_TMA = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True, pingpong=True, stages=3)}
 #: The least work, B x Hq x Nq x Nk x D, of a forward that takes the table's bulk tensor
 #: copies: a call pays 20-35 µs more host time for its tensor maps (75 µs with new arrays;
@@ -224,7 +226,8 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA,
                      _PP_TMA192, _G1N128B3)
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; three blocks of
-#: g1n128ob3 fit the shared memory at D=64 only; 64-key ping-pong is for D=64 (64-key tiles lost at D=128 before), kept off D=128 to save compiles. At
+#: g1n128ob3 fit the shared memory at D=64 only; 64-key ping-pong is for D=64 (64-key
+#: tiles lost at D=128 before), kept off D=128 to save compiles. At
 #: D=256 only 64-key tiles fit the shared memory with 128 query rows (Q 64 KiB, a K or V
 #: tile 32 KiB: two stages of both, 193 KiB): the overlapped g2n64o and the 2-stage
 #: ping-pong; ptxas 13: g2n64o 220-228 registers, g2n64 234, g2n64op2 208-225, no spills.
