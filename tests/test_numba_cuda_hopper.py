@@ -297,16 +297,16 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     """Below tilings.TMA_MIN_WORK a forward whose table tiling has bulk tensor copies takes
     NO_TMA's tiling; from it, the table's (varlen rows too: one tensor map over every
     packed row)."""
-    for d in (128,):
-        t = tilings.HOPPER_FORWARD[(d, False)]
-        assert t.tma
-        assert launch.hopper_variant(d, "bfloat16", False).tiles == t
-        assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
-            tilings.NO_TMA[d]
-        assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
-        assert launch.hopper_variant(d, "bfloat16", False, packed="varlen",
-                                     tma_ok=False).tiles == tilings.NO_TMA[d]
-        assert not tilings.NO_TMA[d].tma
+    d = 128  # (D=64's table has no copies: below)
+    t = tilings.HOPPER_FORWARD[(d, False)]
+    assert t.tma
+    assert launch.hopper_variant(d, "bfloat16", False).tiles == t
+    assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
+        tilings.NO_TMA[d]
+    assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
+    assert launch.hopper_variant(d, "bfloat16", False, packed="varlen",
+                                 tma_ok=False).tiles == tilings.NO_TMA[d]
+    assert not tilings.NO_TMA[d].tma
     # D=64's table (three blocks of one warpgroup a SM) has no copies to leave out: small
     # calls and varlen rows keep it; masked calls take HOPPER_FORWARD_MASKED's tilings
     for c in (False, True):

@@ -85,9 +85,9 @@ def copy_step_rows(smem, off, so, so_odd, src, g, left, sn, passes, RS):
     """One copying thread's share of a step's tile (``pingpong.copy_rows``' copies, in
     fewer instructions where the producer has 56 registers, not 24): ``passes`` (known
     when compiled: the loop unrolls) 16-byte copies, to shared element ``off + so + 64 p
-    RS`` (``off`` the tile's stage; ``so_odd`` for odd passes: where a pass moves 4 lines, half the swizzle's period, as
-    at head dim 128, odd passes' lines swizzle the other way) from source element
-    ``g + p RS sn``; passes from ``left`` (the rows left at and after the first pass's
+    RS`` (``off`` the tile's stage; ``so_odd`` for odd passes: where a pass moves 4 lines,
+    half the swizzle's period, as at head dim 128, odd passes' lines swizzle the other
+    way) from source element ``g + p RS sn``; passes from ``left`` (the rows left at and after the first pass's
     row) on are zero-filled, source size 0, so nothing is read there and the address past
     the rows does not matter (CUTLASS's zero-fill copies). A pass is a copy, an add and a
     compare: copy_rows' multiply and second, predicated copy cost this kernel about 20

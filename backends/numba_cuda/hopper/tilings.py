@@ -175,8 +175,9 @@ HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
 #: sequence says little of the others; masked ones too: not timed): at D=64
 #: causal a block's fixed costs weigh less against 16384 keys than 4096, and 192-key
 #: ping-pong wins there; since g1n128ob3 (the table's at D=64), non-causal too (B=4 N=8192
-#: 471, 473 against 439, 453; B=1 N=16384 485 against 435). H200, two runs, TFLOP/s g2n192op3wt / g1n64ob2: B=1 H=16 N=16384
-#: 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 / 394, 391.
+#: 471, 473 against 439, 453; B=1 N=16384 485 against 435). H200, two runs, TFLOP/s
+#: g2n192op3wt / g1n64ob2: B=1 H=16 N=16384 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 /
+#: 394, 391.
 LONG_KEYS = {(64, False): _PP_TMA192, (64, True): _PP_TMA192}
 LONG_KEYS_MIN = 8192
 #: Per (head dim, causal), the forward's tiling for calls with masks or score modifiers
