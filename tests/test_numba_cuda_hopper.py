@@ -308,19 +308,18 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
                                  tma_ok=False).tiles == tilings.NO_TMA[d]
     assert not tilings.NO_TMA[d].tma
     # D=64's table (three blocks of one warpgroup a SM) has no copies to leave out: small
-    # calls and varlen rows keep it; masked calls take HOPPER_FORWARD_MASKED's tilings
+    # calls, varlen rows, the softcap and ALiBi keep it; a window takes WINDOW_TILES'
     for c in (False, True):
         t = tilings.HOPPER_FORWARD[(64, c)]
         assert not t.tma and t.min_blocks == 3
-        for kw in ({}, {"tma_ok": False}, {"packed": "varlen"}):
+        for kw in ({}, {"tma_ok": False}, {"packed": "varlen"}, {"alibi": True},
+                   {"softcap": 30.0}, {"softcap": 30.0, "alibi": True}):
             assert launch.hopper_variant(64, "bfloat16", c, **kw).tiles == t, kw
-        masked = tilings.HOPPER_FORWARD_MASKED[(64, c)]
-        assert launch.hopper_variant(64, "bfloat16", c, alibi=True).tiles == \
-            tilings.masked_tiles(masked, head_dim=64)
-    # a softcap keeps the ping-pong tilings, on tiles of at most SOFTCAP_KEYS keys (the
-    # D=64 table's 192-key ones lose with it)
-    for d, c in ((64, False), (128, False), (128, True)):
-        t = launch.hopper_variant(d, "bfloat16", c, softcap=30.0).tiles
+        assert launch.hopper_variant(64, "bfloat16", c, window=(100, 0)).tiles == \
+            tilings.WINDOW_TILES[64]
+    # at D=128 a softcap keeps the ping-pong tilings, on tiles of at most SOFTCAP_KEYS keys
+    for c in (False, True):
+        t = launch.hopper_variant(128, "bfloat16", c, softcap=30.0).tiles
         assert t.pingpong and t.block_n <= tilings.SOFTCAP_KEYS, t
     # long key sequences (with the copies, no masks): LONG_KEYS' tiling where it has one
     for (d, c), t in tilings.LONG_KEYS.items():
@@ -696,14 +695,16 @@ def _mod_variants():
             ("user+window", dict(user=user, window=(64, 0)), 128, "float16", True),
             ("window256+cap", dict(window=(200, 100), softcap=30.0), 256, "bfloat16", True),
             ("varlen256+user", dict(packed="varlen", user=user), 256, "float16", False),
-            ("varlen64", dict(packed="varlen"), 64, "bfloat16", False)]
+            ("varlen64", dict(packed="varlen"), 64, "bfloat16", False),
+            ("score_mod64", dict(user=smod, alibi=True), 64, "bfloat16", True)]
 
 
 @pytest.mark.parametrize("which", [
     pytest.param(i, id=name, marks=() if i < 4 or name == "window256+cap" else pytest.mark.slow)
     for i, name in enumerate(["window", "softcap", "alibi", "varlen", "varlen64+window",
                               "softcap64", "score_mod", "alibi+cap", "user", "user+window",
-                              "window256+cap", "varlen256+user", "varlen64"])])
+                              "window256+cap", "varlen256+user", "varlen64",
+                              "score_mod64"])])
 def test_ptx_sm90a_with_mods(sm90, which):
     """The wgmma forward with masks and score modifiers compiles for sm_90a with the
     launch's parameters, no local memory and (ptxas) no spills nor serialized wgmmas; a
@@ -715,11 +716,9 @@ def test_ptx_sm90a_with_mods(sm90, which):
     user = opts.get("user")
     mm = user is not None and user.mask_mod is not None
     assert not (mm and v.tiles.overlap), v.tag
-    # ping-pong: D=128's table, and D=64 non-causal with masks (HOPPER_FORWARD_MASKED;
-    # unmasked D=64 takes g1n128ob3), but a window, ALiBi or user mods (the overlap)
-    masked = bool({"window", "alibi", "softcap"} & set(opts))
-    assert v.tiles.pingpong == ((d == 128 or (d == 64 and not causal and masked))
-                                and user is None and (
+    # ping-pong: D=128's table (D=64's is g1n128ob3), but a window, ALiBi or user mods
+    # (the overlap)
+    assert v.tiles.pingpong == (d == 128 and user is None and (
         "softcap" in opts or not {"window", "alibi"} & set(opts))), v.tag
     assert v.packed == opts.get("packed", "")
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())

@@ -487,7 +487,6 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_DKDVQ_CANDIDATES,
     HOPPER_DQ,
     HOPPER_FORWARD,
-    HOPPER_FORWARD_MASKED,
     HOPPER_HEAD_DIMS,
     HOPPER_MASK_MOD,
     HOPPER_ROWS,

@@ -162,7 +162,13 @@ class HopperTiles:
 #: / 432, 437, causal 416, 413 / 392, 391 (cuDNN 477-479 and 413); B=8 N=2048 439 /
 #: 391, causal 352 / 338; B=16 N=1024 403 / 364 (the small calls' g2n64o), causal 280 /
 #: 286; at 8192 keys and more it loses (B=4 N=8192 453 / 473, causal 408 / 440):
-#: LONG_KEYS keeps g2n192op3wt there (notes/lazy_rescale_2026-11-27.md).
+#: LONG_KEYS keeps g2n192op3wt there (notes/lazy_rescale_2026-11-27.md). With ALiBi or
+#: the softcap too since the fourth session (it was timed unmasked first): H200, B=4 H=16
+#: N=8192, one run, TFLOP/s g1n128ob3 / g1n64ob2 (causal masked calls' tiling before) /
+#: g2n192op3wt: ALiBi 434 / 334 / 349, causal 438 / 367 / 341; softcap 330 / 304 / 314,
+#: causal 322 / 316 / 300 (non-causal ones took g2n64o and g2n128op3wt before: 371 and
+#: 330 in earlier runs; notes/long_tiles_2026-11-27.md). A window keeps WINDOW_TILES'
+#: (g1n64ob2: 2550 against 2397), a score_mod MASKED_OVERLAP's.
 _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=True)
 _PP_TMA192 = HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True, tma=True)
 _G1N128B3 = HopperTiles(1, 128, True, 3)
@@ -180,17 +186,11 @@ HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
 #: 394, 391.
 LONG_KEYS = {(64, False): _PP_TMA192, (64, True): _PP_TMA192}
 LONG_KEYS_MIN = 8192
-#: Per (head dim, causal), the forward's tiling for calls with masks or score modifiers
-#: where the table's was timed without them (g1n128ob3 at D=64): the table's before it.
-#: (The window then takes WINDOW_TILES', the softcap 128-key ping-pong, the others
-#: MASKED_OVERLAP's: masked_tiles.)
-HOPPER_FORWARD_MASKED = {(64, False): _PP_TMA192, (64, True): HopperTiles(1, 64, True, 2)}
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
-#: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture):
-#: the overlapped g2n64o at D=64 (since D=64's table, g1n128ob3, has no copies: for
-#: masked calls, whose HOPPER_FORWARD_MASKED tiling has),
-#: the ping-pong g2n128op3 (its consumers' cp.async copies) at D=128.
-NO_TMA = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True, pingpong=True, stages=3)}
+#: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture): the ping-pong
+#: g2n128op3 (its consumers' cp.async copies) at D=128. (D=64's table, g1n128ob3, has no
+#: copies to leave out.)
+NO_TMA = {128: HopperTiles(2, 128, True, pingpong=True, stages=3)}
 #: The least work, B x Hq x Nq x Nk x D, of a forward that takes the table's bulk tensor
 #: copies: a call pays 20-35 µs more host time for its tensor maps (75 µs with new arrays;
 #: ring of device slots, tensor_maps.py; H200 host), which a forward of this size (about
@@ -384,12 +384,10 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   masked: bool = False, long_keys: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
     (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one;
-    ``masked``: of a forward with masks or modifiers (:data:`HOPPER_FORWARD_MASKED`), of a
-    backward kernel with a window, the softcap or ALiBi; ``long_keys``: of
+    ``masked``: of a backward kernel with a window, the softcap or ALiBi (a forward's masks
+    and modifiers: :func:`masked_tiles`); ``long_keys``: of
     a forward of :data:`LONG_KEYS_MIN` keys or more), or None where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
-    if masked and kernel == "forward":
-        t = HOPPER_FORWARD_MASKED.get((head_dim, bool(causal)), t)
     if long_keys and kernel == "forward":
         t = LONG_KEYS.get((head_dim, bool(causal)), t)
     if t is not None and softcap and kernel != "forward":
@@ -440,12 +438,14 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
     :data:`SOFTCAP_KEYS` keys); ALiBi 1.10 / 1.01 in
     ping-pong, 1.01 / 1.00 overlapped; a window of 1024 0.197 / 0.264 in ping-pong, 0.189 /
     0.256 overlapped; and a score_mod spills in ping-pong (the relative-bias one 392 bytes at
-    D=128, ptxas 13.0; 304 overlapped); they take :data:`MASKED_OVERLAP`. A ``window``
+    D=128, ptxas 13.0; 304 overlapped); they take :data:`MASKED_OVERLAP`, and so does a
+    score_mod where ``t`` runs three blocks an SM (168 registers: the relative-bias one
+    spills 900 bytes in g1n128ob3 at D=64, none in g2n64o). A ``window``
     takes :data:`WINDOW_TILES` where it has one for ``head_dim`` (but with a mask_mod, whose empty tiles are skipped in
     :data:`HOPPER_MASK_MOD`'s schedule)."""
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
-    if t.pingpong and (score_mod or not softcap):
+    if (t.pingpong and (score_mod or not softcap)) or (score_mod and t.min_blocks > 2):
         return MASKED_OVERLAP.get(head_dim, replace(t, pingpong=False, stages=2,
                                                     producer=False, tma=False))
     if t.producer and not t.tma:  # (a producer of cp.async copies has no mask steps)
