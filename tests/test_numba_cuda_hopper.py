@@ -716,10 +716,9 @@ def test_ptx_sm90a_with_mods(sm90, which):
     user = opts.get("user")
     mm = user is not None and user.mask_mod is not None
     assert not (mm and v.tiles.overlap), v.tag
-    # ping-pong: D=128's table (D=64's is g1n128ob3), but a window, ALiBi or user mods
-    # (the overlap)
-    assert v.tiles.pingpong == (d == 128 and user is None and (
-        "softcap" in opts or not {"window", "alibi"} & set(opts))), v.tag
+    # ping-pong: D=128's table (D=64's is g1n128ob3), but a window (WINDOW_TILES) or user
+    # mods (the overlap)
+    assert v.tiles.pingpong == (d == 128 and user is None and "window" not in opts), v.tag
     assert v.packed == opts.get("packed", "")
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())
     ptx = compile_sm90a(v, sig)

@@ -419,33 +419,38 @@ SOFTCAP_KEYS = 128
 WINDOW_TILES = {64: HopperTiles(1, 64, True, 2), 128: HopperTiles(1, 64, True, 2)}
 
 
-#: Per head dim, the overlapped tiling that masks other than the softcap take where the
+#: Per head dim, the overlapped tiling that masks other than the softcap and ALiBi take where the
 #: table's is a ping-pong one (the table's overlapped tilings before the bulk tensor copies:
 #: at D=64 64-key tiles, g2n64o, at D=128 g2n128o).
 MASKED_OVERLAP = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True)}
 
 
 def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
-                 window: bool = False, head_dim: int = 0) -> HopperTiles:
+                 window: bool = False, head_dim: int = 0, alibi: bool = False) -> HopperTiles:
     """The tiling a forward with masks or score modifiers (but a mask_mod: :func:`choose_hopper`)
     takes instead of ``t`` (without a producer warpgroup of cp.async copies, whose tiles
-    start at key 0; a producer of bulk tensor copies stays). Ping-pong serves a ``softcap`` (its tanh, a second MUFU operation per score,
-    runs under the other warpgroup's products), unless a ``score_mod`` comes with it; the
-    other masks take the overlapped schedule of the same block shape. On an H100 (B=4 H=16
-    N=8192 D=128 bf16, time over the same tiling's without a mask, non-causal / causal):
-    softcap 1.16 / 1.11 in ping-pong, 1.22 / 1.21 overlapped (the softcap keeps the table's
-    ping-pong tiling, its producer of bulk tensor copies too, on tiles of at most
-    :data:`SOFTCAP_KEYS` keys); ALiBi 1.10 / 1.01 in
-    ping-pong, 1.01 / 1.00 overlapped; a window of 1024 0.197 / 0.264 in ping-pong, 0.189 /
-    0.256 overlapped; and a score_mod spills in ping-pong (the relative-bias one 392 bytes at
+    start at key 0; a producer of bulk tensor copies stays). Ping-pong serves a ``softcap``
+    (its tanh, a second MUFU operation per score, runs under the other warpgroup's
+    products) and ``alibi``, unless a ``score_mod`` comes with them; the other masks take
+    the overlapped schedule of the same block shape. On an H100 (B=4 H=16 N=8192 D=128
+    bf16, time over the same tiling's without a mask, non-causal / causal): softcap 1.16 /
+    1.11 in ping-pong, 1.22 / 1.21 overlapped (the softcap keeps the table's ping-pong
+    tiling, its producer of bulk tensor copies too, on tiles of at most
+    :data:`SOFTCAP_KEYS` keys); a window of 1024 0.197 / 0.264 in ping-pong, 0.189 / 0.256
+    overlapped; and a score_mod spills in ping-pong (the relative-bias one 392 bytes at
     D=128, ptxas 13.0; 304 overlapped); they take :data:`MASKED_OVERLAP`, and so does a
     score_mod where ``t`` runs three blocks an SM (168 registers: the relative-bias one
-    spills 900 bytes in g1n128ob3 at D=64, none in g2n64o). A ``window``
+    spills 900 bytes in g1n128ob3 at D=64, none in g2n64o). ALiBi took the overlapped
+    schedule too until 2026-11-27 (1.10 / 1.01 of its tiling's unmasked time in ping-pong,
+    1.01 / 1.00 overlapped, on an H100 before the bulk copies); on the H200 with them (same
+    shape, one run, TFLOP/s) g2n128op3wt with ALiBi 613 / 575 against g2n128o's 451 / 446,
+    1.10 of the table's unmasked time (notes/long_tiles_2026-11-27.md). A ``window``
     takes :data:`WINDOW_TILES` where it has one for ``head_dim`` (but with a mask_mod, whose empty tiles are skipped in
     :data:`HOPPER_MASK_MOD`'s schedule)."""
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
-    if (t.pingpong and (score_mod or not softcap)) or (score_mod and t.min_blocks > 2):
+    if (t.pingpong and (score_mod or not (softcap or alibi))) or (score_mod
+                                                                   and t.min_blocks > 2):
         return MASKED_OVERLAP.get(head_dim, replace(t, pingpong=False, stages=2,
                                                     producer=False, tma=False))
     if t.producer and not t.tma:  # (a producer of cp.async copies has no mask steps)
