@@ -317,10 +317,18 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
             assert launch.hopper_variant(64, "bfloat16", c, **kw).tiles == t, kw
         assert launch.hopper_variant(64, "bfloat16", c, window=(100, 0)).tiles == \
             tilings.WINDOW_TILES[64]
-    # at D=128 a softcap keeps the ping-pong tilings, on tiles of at most SOFTCAP_KEYS keys
+    # at D=128 a softcap or ALiBi keeps the ping-pong tilings (the softcap on tiles of at
+    # most SOFTCAP_KEYS keys), small calls the consumers' copies; a score_mod with them
+    # takes the overlapped MASKED_OVERLAP
     for c in (False, True):
         t = launch.hopper_variant(128, "bfloat16", c, softcap=30.0).tiles
         assert t.pingpong and t.block_n <= tilings.SOFTCAP_KEYS, t
+        assert launch.hopper_variant(128, "bfloat16", c, alibi=True).tiles == \
+            tilings.HOPPER_FORWARD[(128, c)]
+        assert launch.hopper_variant(128, "bfloat16", c, alibi=True, tma_ok=False).tiles \
+            == tilings.NO_TMA[128]
+        assert tilings.masked_tiles(tilings.HOPPER_FORWARD[(128, c)], score_mod=True,
+                                    head_dim=128, alibi=True) == tilings.MASKED_OVERLAP[128]
     # long key sequences (with the copies, no masks): LONG_KEYS' tiling where it has one
     for (d, c), t in tilings.LONG_KEYS.items():
         assert launch.hopper_variant(d, "bfloat16", c, long_keys=True).tiles == t
