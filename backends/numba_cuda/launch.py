@@ -221,7 +221,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False))
     if masked and kernel == "forward":  # (a producer of cp.async copies takes no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
-                                 bool(softcap), bool(window), head_dim, alibi)
+                                 bool(softcap), bool(window), head_dim, alibi=alibi)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user, packed=packed)
 

@@ -419,9 +419,10 @@ SOFTCAP_KEYS = 128
 WINDOW_TILES = {64: HopperTiles(1, 64, True, 2), 128: HopperTiles(1, 64, True, 2)}
 
 
-#: Per head dim, the overlapped tiling that masks other than the softcap and ALiBi take where the
-#: table's is a ping-pong one (the table's overlapped tilings before the bulk tensor copies:
-#: at D=64 64-key tiles, g2n64o, at D=128 g2n128o).
+#: Per head dim, the overlapped tiling that masks other than the softcap and ALiBi take
+#: where the table's is a ping-pong one (the table's overlapped tilings before the bulk
+#: tensor copies: at D=64 64-key tiles, g2n64o, at D=128 g2n128o), and a score_mod where
+#: the table's runs three blocks an SM.
 MASKED_OVERLAP = {64: HopperTiles(2, 64, True), 128: HopperTiles(2, 128, True)}
 
 
@@ -449,8 +450,8 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
     :data:`HOPPER_MASK_MOD`'s schedule)."""
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
-    if (t.pingpong and (score_mod or not (softcap or alibi))) or (score_mod
-                                                                   and t.min_blocks > 2):
+    spills = score_mod and (t.pingpong or t.min_blocks > 2)  # (a user's score_mod there)
+    if spills or (t.pingpong and not (softcap or alibi)):
         return MASKED_OVERLAP.get(head_dim, replace(t, pingpong=False, stages=2,
                                                     producer=False, tma=False))
     if t.producer and not t.tma:  # (a producer of cp.async copies has no mask steps)
