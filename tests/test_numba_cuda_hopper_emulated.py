@@ -404,9 +404,9 @@ else:
     #: FOLD: nothing after it needs the capped score in its own units), on one warpgroup
     #: (D=64: the table's g1n128ob3; causal, rows that see no key: the window's g1n64ob2)
     #: and in the ping-pong schedule with bulk tensor copies (D=128: the table's, its
-    #: producer left out here), scores large enough (q x 4) that the cap bends them. (B, Hq, Hkv, Nq, Nk, D, dtype, causal,
-    #: layout), options. (ALiBi with the softcap, not folded, takes ``cuda.fma``, which the
-    #: simulator lacks: the GPU tests cover it.)
+    #: producer left out here), scores large enough (q x 4) that the cap bends them. (B, Hq,
+    #: Hkv, Nq, Nk, D, dtype, causal, layout), options. (ALiBi with the softcap, not
+    #: folded, takes ``cuda.fma``, which the simulator lacks: the GPU tests cover it.)
     CAP_RUNS = [((1, 2, 1, 70, 150, 64, "bfloat16", False, "bhnd"), dict(softcap=5.0)),
                 pytest.param((1, 1, 1, 100, 90, 64, "float16", True, "bnhd"),
                              dict(softcap=5.0, window=(40, None)), marks=pytest.mark.slow),

@@ -307,10 +307,10 @@ def test_packed_varlen_many_sequences_on_gpu(dtype, D, causal):
 def test_packed_varlen_bulk_copies_on_gpu(D, causal, monkeypatch):
     """The wgmma forward's bulk tensor copies on varlen rows (``TMA_MIN_WORK`` 0: the
     table's tiling with them at any size, at D=64 the long keys' g2n192op3wt; one tensor
-    map over every packed row, each sequence's key tiles from its offset): the sequences of the tests above, forward and
-    backward against the oracle; then an inf in one value of a sequence's first key,
-    which the previous sequence's last key tile also brings (its rows past that sequence
-    are zeroed), reaching that sequence's outputs alone."""
+    map over every packed row, each sequence's key tiles from its offset): the sequences
+    of the tests above, forward and backward against the oracle; then an inf in one value
+    of a sequence's first key, which the previous sequence's last key tile also brings
+    (its rows past that sequence are zeroed), reaching that sequence's outputs alone."""
     torch = _cuda_torch()
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("the wgmma kernels need compute capability 9.0")

@@ -87,12 +87,12 @@ def copy_step_rows(smem, off, so, so_odd, src, g, left, sn, passes, RS):
     when compiled: the loop unrolls) 16-byte copies, to shared element ``off + so + 64 p
     RS`` (``off`` the tile's stage; ``so_odd`` for odd passes: where a pass moves 4 lines,
     half the swizzle's period, as at head dim 128, odd passes' lines swizzle the other
-    way) from source element ``g + p RS sn``; passes from ``left`` (the rows left at and after the first pass's
-    row) on are zero-filled, source size 0, so nothing is read there and the address past
-    the rows does not matter (CUTLASS's zero-fill copies). A pass is a copy, an add and a
-    compare: copy_rows' multiply and second, predicated copy cost this kernel about 20
-    instructions a copy, and made its two copying warps its bottleneck
-    (notes/ws_copies_2026-11-27.md)."""
+    way) from source element ``g + p RS sn``; passes from ``left`` (the rows left at and
+    after the first pass's row) on are zero-filled, source size 0, so nothing is read
+    there and the address past the rows does not matter (CUTLASS's zero-fill copies). A
+    pass is a copy, an add and a compare: copy_rows' multiply and second, predicated copy
+    cost this kernel about 20 instructions a copy, and made its two copying warps its
+    bottleneck (notes/ws_copies_2026-11-27.md)."""
     for p in range(passes):
         cp_async16(smem, off + (so_odd if p & 1 else so) + 64 * p * RS, src, g,
                    uint32(16) if p * RS < left else uint32(0))

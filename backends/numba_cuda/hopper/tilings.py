@@ -100,8 +100,8 @@ class HopperTiles:
         (ping-pong, 3 stages), ``g1n64od3`` (a backward kernel's last products retiring
         under the next step), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
         (every second n-tile's exp2 on the FMA pipe), ``g2n128op3s`` (persistent),
-        ``g2n128op3t`` (K and V by bulk tensor copies): names
-        the tiling in kernel names and timings."""
+        ``g2n128op3t`` (K and V by bulk tensor copies): names the tiling in kernel names and
+        timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
                 + (f"p{self.stages}" if self.pingpong else "")
                 + (f"d{self.stages}" if not self.pingpong and self.stages != 2 else "")
@@ -178,7 +178,8 @@ HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
 #: Per (head dim, causal), the forward's tiling for dense calls of at least
 #: :data:`LONG_KEYS_MIN` keys without masks or modifiers (and of bulk tensor copies:
 #: TMA_MIN_WORK) where it is not the table's (varlen calls keep the table's: their longest
-#: sequence says little of the others; masked ones too: not timed): at D=64
+#: sequence says little of the others; masked ones too: with ALiBi or the softcap
+#: g1n128ob3 led at 8192 keys, notes/long_tiles_2026-11-27.md): at D=64
 #: causal a block's fixed costs weigh less against 16384 keys than 4096, and 192-key
 #: ping-pong wins there; since g1n128ob3 (the table's at D=64), non-causal too (B=4 N=8192
 #: 471, 473 against 439, 453; B=1 N=16384 485 against 435). H200, two runs, TFLOP/s
@@ -212,8 +213,7 @@ _PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
 #: (notes/fixed_cost_varlen_cpu_2026-11-26.md). Kept for the tool, as the base of a
 #: dynamic tile scheduler.
 _PERSISTENT = HopperTiles(2, 128, True, pingpong=True, stages=3, persistent=True)
-#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers); the
-#: ping-pong ones (``p3``: 3-stage rings; ``w``: a producer warpgroup) not yet on a GPU.
+#: Tilings tools/hopper_forward.py times against each other (and the gpu test covers).
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
                      HopperTiles(1, 64, True, 2),
                      HopperTiles(2, 128, True, pingpong=True, stages=3),
@@ -446,8 +446,8 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
     1.01 / 1.00 overlapped, on an H100 before the bulk copies); on the H200 with them (same
     shape, one run, TFLOP/s) g2n128op3wt with ALiBi 613 / 575 against g2n128o's 451 / 446,
     1.10 of the table's unmasked time (notes/long_tiles_2026-11-27.md). A ``window``
-    takes :data:`WINDOW_TILES` where it has one for ``head_dim`` (but with a mask_mod, whose empty tiles are skipped in
-    :data:`HOPPER_MASK_MOD`'s schedule)."""
+    takes :data:`WINDOW_TILES` where it has one for ``head_dim`` (but with a mask_mod,
+    whose empty tiles are skipped in :data:`HOPPER_MASK_MOD`'s schedule)."""
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
     spills = score_mod and (t.pingpong or t.min_blocks > 2)  # (a user's score_mod there)
