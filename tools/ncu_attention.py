@@ -10,6 +10,8 @@ Usage: python tools/ncu_attention.py [head_dim] [causal|full] [dtype] [peer: cud
 
 $NCU_DKDVQ (a tag of ``HOPPER_DKDVQ_CANDIDATES``, e.g. g2n64ow) runs the non-deterministic
 backward (its one kernel, dkdvq) on that tiling instead of the deterministic pair.
+$NCU_FORWARD (a tag of ``HOPPER_CANDIDATES``, or of ``HOPPER_TRIALS`` where a branch has
+them, e.g. g2n128op3wt) runs the forward on that tiling, and no backward.
 """
 from __future__ import annotations
 
@@ -34,11 +36,25 @@ if os.environ.get("NCU_DKDVQ"):
     tilings.HOPPER_DKDVQ[D, CAUSAL] = found[0]
     launch.forget_plans()
     os.environ[launch.DETERMINISTIC_ENV] = "0"
+FORWARD_ONLY = bool(os.environ.get("NCU_FORWARD"))
+if FORWARD_ONLY:
+    from flashcore.backends.numba_cuda import launch, tilings
+
+    tag = os.environ["NCU_FORWARD"]
+    known = (*tilings.HOPPER_CANDIDATES, *getattr(tilings, "HOPPER_TRIALS", ()))
+    found = [t for t in known if t.tag == tag]
+    if not found:
+        sys.exit(f"NCU_FORWARD={tag}: not a forward candidate or trial")
+    tilings.HOPPER_FORWARD[D, CAUSAL] = found[0]
+    tilings.LONG_KEYS.pop((D, CAUSAL), None)
+    launch.forget_plans()
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, do = (torch.randn(4, 16, 4096, D, device="cuda", generator=g, dtype=DTYPE)
                for _ in range(4))
 for _ in range(3):
     o, lse = flashcore.attention_forward(q, k, v, causal=CAUSAL, backend="numba_cuda")
+    if FORWARD_ONLY:
+        continue
     flashcore.attention_backward(do, q, k, v, o, lse, causal=CAUSAL, backend="numba_cuda")
 if PEER:
     from torch.nn.attention import SDPBackend, sdpa_kernel
