@@ -21,6 +21,7 @@
 #           $NCU_DTYPE: float32 the SIMT kernels, bfloat16 the tensor-core ones, $NCU_PEER:
 #           cudnn or flash to run SDPA's kernels too, e.g. KERNELS="wgmma cudnn"), per
 #           kernel the stall samples per loop (tools/ncu_regions.py) and the key metrics;
+#           $NCU_FORWARDS: forward tilings (tags) profiled in turn, forward only;
 #           needs a kind where ncu reads the counters (nvidia-h100-x1, not nvidia-h200)
 #   sass    tools/sass.py --all: registers, spills, instruction counts per kernel
 #   packed  tools/packed_gpu.py: decode bandwidth (contiguous and paged caches, split-KV
@@ -185,9 +186,12 @@ stage_ncu() {
   local args="$d ${causal:-full} ${NCU_DTYPE:-float32} ${NCU_PEER:-}"
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
+  local fwd
+  for fwd in ${NCU_FORWARDS:-""}; do  # (each forward tiling in turn: NCU_FORWARD)
+  export NCU_FORWARD=$fwd
   python3 tools/ncu_attention.py $args >/dev/null 2>&1  # compile outside the profiler
   for kern in ${KERNELS:-attn_forward}; do
-    rep=$WORK/ncu_${kern//[^A-Za-z0-9_]/_}_d$d
+    rep=$WORK/ncu_${kern//[^A-Za-z0-9_]/_}_d$d${fwd:+_$fwd}
     timeout "${NCU_TIMEOUT:-300}" "$ncu" --clock-control none --set full --import-source no \
         -k "regex:$kern" --launch-skip 2 --launch-count 1 -f -o "$rep" \
         python3 tools/ncu_attention.py $args > "$rep.log" 2>&1 || { tail -5 "$rep.log"; return 1; }
@@ -196,12 +200,13 @@ stage_ncu() {
     "$ncu" --import "$rep.ncu-rep" --page source --csv --print-source sass \
         > "$FILES/$base.sass.csv" 2>&1
     "$ncu" --import "$rep.ncu-rep" --page raw > "$FILES/$base.raw.txt" 2>&1
-    echo "== $kern D=$d $causal ${NCU_DTYPE:-float32}"
+    echo "== $kern D=$d $causal ${NCU_DTYPE:-float32} ${fwd:+forward $fwd}"
     python3 tools/ncu_regions.py "$FILES/$base.sass.csv" 2>&1 | head -6
     grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Shared Memory Configuration Size|Block Limit|SM Busy|Compute \(SM\) Throughput|DRAM Throughput" \
         "$FILES/$base.details.txt" | head -16
     grep -E "pipe_(tensor|fma|alu|fp16|xu)[a-z_]*cycles_active.avg.pct_of_peak_sustained_active|pipe_(tensor|fma|alu|xu)[a-z_]*.avg.pct_of_peak_sustained_active" \
         "$FILES/$base.raw.txt" | head -12
+  done
   done
 }
 
