@@ -202,8 +202,8 @@ stage_ncu() {
     "$ncu" --import "$rep.ncu-rep" --page raw > "$FILES/$base.raw.txt" 2>&1
     echo "== $kern D=$d $causal ${NCU_DTYPE:-float32} ${fwd:+forward $fwd}"
     python3 tools/ncu_regions.py "$FILES/$base.sass.csv" 2>&1 | head -6
-    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Shared Memory Configuration Size|Block Limit|SM Busy|Compute \(SM\) Throughput|DRAM Throughput" \
-        "$FILES/$base.details.txt" | head -16
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Shared Memory Configuration Size|Block Limit|SM Busy|Compute \(SM\) Throughput|DRAM Throughput|L2 Hit Rate|Mem Busy" \
+        "$FILES/$base.details.txt" | head -20
     grep -E "pipe_(tensor|fma|alu|fp16|xu)[a-z_]*cycles_active.avg.pct_of_peak_sustained_active|pipe_(tensor|fma|alu|xu)[a-z_]*.avg.pct_of_peak_sustained_active" \
         "$FILES/$base.raw.txt" | head -12
   done

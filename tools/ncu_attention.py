@@ -11,7 +11,8 @@ Usage: python tools/ncu_attention.py [head_dim] [causal|full] [dtype] [peer: cud
 $NCU_DKDVQ (a tag of ``HOPPER_DKDVQ_CANDIDATES``, e.g. g2n64ow) runs the non-deterministic
 backward (its one kernel, dkdvq) on that tiling instead of the deterministic pair.
 $NCU_FORWARD (a tag of ``HOPPER_CANDIDATES``, or of ``HOPPER_TRIALS`` where a branch has
-them, e.g. g2n128op3wt) runs the forward on that tiling, and no backward.
+them, e.g. g2n128op3wt) runs the forward on that tiling, and no backward. $NCU_SHAPE
+(BxHxN, default 4x16x4096) sets the shape.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ if FORWARD_ONLY:
     tilings.LONG_KEYS.pop((D, CAUSAL), None)
     launch.forget_plans()
 g = torch.Generator(device="cuda").manual_seed(0)
-q, k, v, do = (torch.randn(4, 16, 4096, D, device="cuda", generator=g, dtype=DTYPE)
+B, H, N = (int(x) for x in os.environ.get("NCU_SHAPE", "4x16x4096").split("x"))
+q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g, dtype=DTYPE)
                for _ in range(4))
 for _ in range(3):
     o, lse = flashcore.attention_forward(q, k, v, causal=CAUSAL, backend="numba_cuda")
