@@ -387,15 +387,31 @@ else:
                pytest.param((1, 3, 1, 200, 300, 128, "bfloat16", False, "bnhd"),
                             marks=pytest.mark.slow)]
 
-    @pytest.mark.parametrize("c", PS_RUNS, ids=_id)
-    def test_persistent_forward(emulated, monkeypatch, c):
+    #: The persistent form with a producer warpgroup of bulk copies (g2n128op3wts): Q's
+    #: buffer handed between query tiles by "q full" / "q empty", the rings counting on.
+    PERSISTENT_WS = dataclasses.replace(PERSISTENT, producer=True, tma=True)
+    PS_WS_RUNS = [(1, 2, 1, 300, 400, 64, "bfloat16", False, "bhnd"),
+                  pytest.param((1, 2, 2, 300, 100, 64, "float16", True, "bnhd"),
+                               marks=pytest.mark.slow),
+                  pytest.param((1, 3, 1, 200, 300, 128, "bfloat16", True, "bnhd"),
+                               marks=pytest.mark.slow)]
+
+    def _with(runs, t):
+        """``runs`` (cases or their pytest.params) paired with tiling ``t``."""
+        return [pytest.param(x.values[0], t, marks=x.marks) if hasattr(x, "values")
+                else pytest.param(x, t) for x in runs]
+
+    @pytest.mark.parametrize("c,t", _with(PS_RUNS, PERSISTENT) + _with(PS_WS_RUNS,
+                                                                       PERSISTENT_WS),
+                             ids=lambda x: _id(x) if isinstance(x, tuple) else x.tag)
+    def test_persistent_forward(emulated, monkeypatch, c, t):
         """The persistent forward against the oracle, through the front end."""
         B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
-        monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), PERSISTENT)
+        monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), t)
         q, k, v, _ = _inputs(c)
         opts = dict(causal=causal, layout=layout)
         o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
-        assert len(emulated.tags) == 1 and f"_d{D}_{PERSISTENT.tag}_" in emulated.tags[0], \
+        assert len(emulated.tags) == 1 and f"_d{D}_{t.tag}_" in emulated.tags[0], \
             emulated.tags
         ro, rl = oracle_forward(q, k, v, **opts)
         _check_forward(o, lse, ro, rl, dtype)

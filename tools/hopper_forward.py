@@ -89,6 +89,14 @@ def mask_of(spec, causal, heads, torch):
     fail(f"unknown mask {spec!r} (none, window:W, softcap:C, alibi)")
 
 
+def serves(tilings, t, d):
+    """Whether tiling ``t`` (a candidate, or one of ``tilings.HOPPER_TRIALS``, timed by
+    name) is built at head dim ``d``."""
+    if t in tilings.HOPPER_TRIALS:
+        return d in tilings.HOPPER_CANDIDATE_DIMS.get(t, (64, 128))
+    return t in tilings.hopper_candidates(d)
+
+
 def variants(launch, tilings, candidates, head_dims, masks):
     """The kernels the run needs: the wgmma forward per candidate tiling and the mma.sync
     forward, per (D, causal, mask)."""
@@ -104,7 +112,7 @@ def variants(launch, tilings, candidates, head_dims, masks):
                 base = launch.hopper_variant(d, "bfloat16", c, **opts)
                 out += [replace(base, tiles=tilings.masked_tiles(
                     t, softcap="softcap" in opts, alibi="alibi" in opts) if opts else t)
-                        for t in candidates if t in tilings.hopper_candidates(d)]
+                        for t in candidates if serves(tilings, t, d)]
                 out.append(launch.tc_variants(d, "bfloat16", c, device_cc(0),
                                               gpu=launch._gpu(0)[1], **opts)[0])
     return list(dict.fromkeys(out))
@@ -190,7 +198,7 @@ def run(argv=None) -> int:
 
     hopper_tilings.SOFTCAP_KEYS = 256  # (a softcap runs on each candidate's own key tiles)
     if args.tilings:
-        known = {t.tag: t for t in candidates}
+        known = {t.tag: t for t in (*candidates, *tilings.HOPPER_TRIALS)}
         try:
             candidates = [known[x] for x in args.tilings.split(",")]
         except KeyError as e:
@@ -272,7 +280,7 @@ def run(argv=None) -> int:
     rows, failed = [], False
     for B, H, N in cases:
         for D in head_dims:
-            built = [t for t in candidates if t in tilings.hopper_candidates(D)]
+            built = [t for t in candidates if serves(tilings, t, D)]
             for causal in (False, True):
                 g = torch.Generator(device="cuda").manual_seed(N + D + causal)
                 q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g,

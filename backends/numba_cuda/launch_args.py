@@ -164,8 +164,9 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
     ``ctas``: a persistent kernel's blocks (a dense batch: they walk the grid's tiles, and
     take the batch as ``nseq``), 0 for one block per tile."""
     grid = _grid(bm, case)
-    if ctas:
-        grid, packed = (min(ctas, grid[0] * grid[1]), 1), no_packed(lse, case.batch)
+    if ctas:  # (the tensor maps kept where a producer of bulk copies reads them)
+        grid = (min(ctas, grid[0] * grid[1]), 1)
+        packed = (*(packed or no_packed(lse))[:-1], case.batch)
     kern((*grid, splits), stream,
          (q[0], k[0], v[0], o[0], lse, case.seqlen_q, case.seqlen_k, case.heads_q,
           case.heads_q // case.heads_kv, case.seqlen_k - case.seqlen_q, *q[1], *k[1], *v[1],

@@ -490,6 +490,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_HEAD_DIMS,
     HOPPER_MASK_MOD,
     HOPPER_ROWS,
+    HOPPER_TRIALS,
     LONG_KEYS,
     LONG_KEYS_MIN,
     MASKED_OVERLAP,

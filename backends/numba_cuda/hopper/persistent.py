@@ -17,6 +17,10 @@ it finishes. The turns (named barriers 1 and 2) are balanced within every
 query tile, as in ``pingpong.py``; a warpgroup's Q rows are published to it by its own
 named barrier (3 + warpgroup, 128 threads).
 
+With a producer warpgroup (``producer`` and ``tma``: :func:`make_attn_forward_wgmma_persistent_ws`)
+the producer copies each query tile's Q and moves its K and V tiles by bulk tensor copies
+instead, Q's buffer handed over by two mbarriers ("q full", "q empty").
+
 Dense rows, no masks or score modifiers: ``launch.hopper_variant`` takes the ping-pong
 tiling without ``persistent`` for the others. The launch passes the batch as ``nseq``.
 """
@@ -27,7 +31,18 @@ from numba import cuda, float32, int64, uint16, uint32
 from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
-from ..device.pipeline import mbarrier_init, named_arrive, named_sync, stage_of
+from ..device.pipeline import (
+    cp_async_arrive,
+    fence_tensormap,
+    mbarrier_arrive,
+    mbarrier_init,
+    mbarrier_wait,
+    named_arrive,
+    named_sync,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+    stage_of,
+)
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import stat_rows, visited_keys
 from ..device.wgmma import (
@@ -47,6 +62,7 @@ from .forward import (
     issue_pv,
     issue_qk,
     load_rows,
+    load_tile,
     pack_p,
     rescale,
     score_constants,
@@ -59,6 +75,7 @@ from .pingpong import (
     WG_THREADS,
     pass_turn,
     produce_at,
+    produce_tma_at,
     release,
     take_turn,
     wait_full,
@@ -99,8 +116,10 @@ def make_attn_forward_wgmma_persistent(var):
     D, t = var.head_dim, var.tiles
     if D % 64 or D > 128:
         raise ValueError(f"head_dim={D} must be 64 or 128 for the persistent wgmma forward")
-    if not t.persistent or t.producer:
+    if not t.persistent:
         raise ValueError(f"not a persistent ping-pong tiling: {t}")
+    if t.producer:
+        return make_attn_forward_wgmma_persistent_ws(var)
     if (var.packed or var.split or var.window or var.softcap or var.alibi
             or var.user is not None):
         raise ValueError(f"the persistent forward takes dense rows without masks: {var.tag}")
@@ -283,6 +302,203 @@ def make_attn_forward_wgmma_persistent(var):
             store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
             item = nxt
         cp_async_wait(0)
+
+    attn_forward_wgmma.__qualname__ = var.tag
+    return attn_forward_wgmma
+
+
+def make_attn_forward_wgmma_persistent_ws(var):
+    """The persistent forward with a producer warpgroup (``var.tiles``: persistent,
+    producer, tma): as :func:`make_attn_forward_wgmma_persistent`'s walk of the query tiles,
+    but the producer warpgroup copies every tile's Q (its 128 threads' ``cp.async``,
+    arriving on "q full") and its first thread every K and V tile by bulk tensor copies,
+    the rings' index counting on across query tiles, so the next query tile's Q and first
+    key tiles land while the consumers finish the current one. Q's buffer is released on
+    "q empty" by every consumer warp once its last Q Kᵀ of the tile is done; O is stored
+    from the registers (``store_frags``), so no shared memory is shared with the next Q."""
+    D, t = var.head_dim, var.tiles
+    if not (t.persistent and t.producer and t.tma):
+        raise ValueError(f"not a persistent tiling with a producer of bulk copies: {t}")
+    BN, BM, STAGES = t.block_n, t.block_m, t.stages
+    PACKED = PACKING[var.packed]
+    assert PACKED == DENSE
+    CH = D // 8
+    PANELS = CH // 8  # 64-column boxes of a bulk tensor copy
+    KSTEPS, PSTEPS = D // 16, BN // 16
+    NTILES, DTILES = BN // 8, D // 8
+    NS, NO, NP = BN // 2, D // 2, BN // 4
+    STAGE = BN * D * 2
+    Q_OFF = 0
+    K_OFF = BM * D * 2
+    V_OFF = K_OFF + STAGES * STAGE
+    BAR_OFF = V_OFF + STAGES * STAGE
+    V_LBO = BN * LINE
+    CAUSAL = bool(var.causal)
+    BF16 = var.dtype == "bfloat16"
+    # setmaxnreg moves registers within what the block was launched with (168 a thread at
+    # 384 threads): 24 + 2 x 240 <= 3 x 168 (32 + 2 x 240 waited forever on the GPU)
+    PRODUCER_REGS, CONSUMER_REGS = 24, 240
+    assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
+
+    def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
+                           qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
+                           vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
+                           m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                           e12, e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table,
+                           tsb, page, psp, TQ, chunk, oss, lss, nseq):
+        smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
+        tid = cuda.threadIdx.x
+        wtid = tid & 127
+        wg = warp_uniform((tid >> 7) - 1)  # consumer warpgroup (-1: the producer)
+        warp = (tid >> 5) & 3
+        lane = tid & 31
+        g = lane >> 2
+        tq = lane & 3
+        GX = (Nq + BM - 1) // BM
+        GY = nseq * Hq  # (the launch passes the batch as nseq)
+        n_items = GX * GY
+        G = cuda.gridDim.x
+        c = cuda.blockIdx.x
+
+        raw = int64(smem_address(smem, 0))
+        pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
+        at = raw + pad
+        el = pad >> 1
+        full_k = el + BAR_OFF // 2
+        full_v = full_k + BAR * STAGES
+        empty_k = full_v + BAR * STAGES
+        empty_v = empty_k + BAR * STAGES
+        q_full = empty_v + BAR * STAGES
+        q_empty = q_full + BAR
+        if tid == 0:
+            for st in range(STAGES):
+                mbarrier_init(smem, full_k + BAR * st, 1)  # (the bulk copies' bytes)
+                mbarrier_init(smem, full_v + BAR * st, 1)
+                mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
+                mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
+            mbarrier_init(smem, q_full, FULL_COUNT)
+            mbarrier_init(smem, q_empty, EMPTY_COUNT)
+        cuda.syncthreads()  # the barriers initialized before any arrival
+
+        if wg < 0:  # the producer: Q, then the query tile's K and V tiles, tile by tile
+            setmaxnreg_dec(PRODUCER_REGS)
+            if wtid == 0:
+                fence_tensormap(table, 1)
+                fence_tensormap(table, 2)
+            p = 0
+            item = c
+            R = 0  # ring index of the query tile's key tile 0
+            u = 0  # uses of Q's buffer
+            while item < n_items:
+                b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
+                n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq)
+                if u > 0:  # every consumer warp done with the last tile's Q Kᵀ
+                    mbarrier_wait(smem, q_empty, (u - 1) & 1)
+                load_tile(smem, el + Q_OFF // 2, q, b * qsb + h * qsh, q0, Nq, qsn, BM, CH,
+                          wtid, WG_THREADS)
+                cp_async_arrive(smem, q_full)
+                if wtid == 0:
+                    for tt in range(n_tiles):
+                        produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, tt, R + tt, 0,
+                                       full_k, empty_k, STAGES, STAGE, BN, PANELS)
+                        produce_tma_at(smem, el, V_OFF, table, 2, v, hk, b, tt, R + tt, 0,
+                                       full_v, empty_v, STAGES, STAGE, BN, PANELS)
+                R += n_tiles
+                u += 1
+                p += 1
+                item = walk(p, c, G)
+            cp_async_commit()
+            cp_async_wait(0)
+        else:
+            setmaxnreg_inc(CONSUMER_REGS)
+            sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0),
+                                                 False, False)
+            qa = at + Q_OFF + 64 * wg * LINE
+            s = cuda.local.array(NS, float32)
+            oa = cuda.local.array(NO, float32)
+            pf = cuda.local.array(NP, uint32)
+            p = 0
+            item = c
+            R = 0
+            u = 0
+            while item < n_items:
+                b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
+                n_tiles, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
+                                            csq)
+                mbarrier_wait(smem, q_full, u & 1)
+                acc = zero_accumulators(D)
+                ma = mb = NEG_INF
+                la = lb = float32(0.0)
+                w0 = q0 + 64 * wg + 16 * warp  # this warp's 16 rows
+                i = w0 + g
+
+                if n_tiles > 0:
+                    if wg == 1:
+                        named_arrive(1, 256)  # the first warpgroup takes the first turn
+                    wait_full(smem, full_k, R, STAGES)
+                    fence_proxy_async()  # (Q's cp.async copies, for the wgmmas)
+                    take_turn(wg)
+                    sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                                    at + K_OFF + stage_of(R, STAGES) * STAGE, KSTEPS, BM, BN)
+                    pass_turn(wg)
+                    sacc = wgmma_wait_group_acc(0, sacc)
+                    release(smem, empty_k, R, STAGES, lane)
+                    if n_tiles == 1 and lane == 0:  # (this warp is done with Q)
+                        mbarrier_arrive(smem, q_empty)
+                    acc_to_local(sacc, s)
+                    ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
+                                                            causal_offset, CAUSAL, NTILES, tq,
+                                                            ma, mb, la, lb, sl2)
+                    pack_p(BF16, pf, s, NP)
+                elif lane == 0:  # (a tile that sees no key reads no Q)
+                    mbarrier_arrive(smem, q_empty)
+                for it in range(1, n_tiles):
+                    n0 = it * BN
+                    r = R + it
+                    wait_full(smem, full_k, r, STAGES)
+                    wait_full(smem, full_v, r - 1, STAGES)
+                    take_turn(wg)
+                    sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
+                                    at + K_OFF + stage_of(r, STAGES) * STAGE, KSTEPS, BM, BN)
+                    acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                                   at + V_OFF + stage_of(r - 1, STAGES) * STAGE, PSTEPS,
+                                   V_LBO)
+                    pass_turn(wg)
+                    sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
+                    release(smem, empty_k, r, STAGES, lane)
+                    if it == n_tiles - 1 and lane == 0:  # (this warp is done with Q)
+                        mbarrier_arrive(smem, q_empty)
+                    acc_to_local(sacc, s)
+                    ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
+                                                            causal_offset, CAUSAL, NTILES, tq,
+                                                            ma, mb, la, lb, sl2)
+                    acc = wgmma_wait_group_acc(0, acc)
+                    release(smem, empty_v, r - 1, STAGES, lane)
+                    acc_to_local(acc, oa)
+                    rescale(oa, al0, al1, DTILES)
+                    acc = acc_from_local(oa, D)
+                    pack_p(BF16, pf, s, NP)
+                if n_tiles > 0:
+                    last = R + n_tiles - 1
+                    wait_full(smem, full_v, last, STAGES)
+                    take_turn(wg)
+                    acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
+                                   at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
+                    if wg == 0:
+                        pass_turn(wg)  # (the second's last pass would have no wait to match)
+                    acc = wgmma_wait_group_acc(0, acc)
+                    release(smem, empty_v, last, STAGES, lane)
+                R += n_tiles
+                u += 1
+                p += 1
+
+                acc_to_local(acc, oa)
+                obase = b * osb + h * osh
+                lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, PACKED)
+                inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
+                inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
+                store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
+                item = walk(p, c, G)
 
     attn_forward_wgmma.__qualname__ = var.tag
     return attn_forward_wgmma

@@ -163,14 +163,24 @@ def produce_tma(smem, el, off, maps, which, src, c2, c3, t, n_tiles, n_begin, fu
     tensor copy of map ``which`` per 64 columns (at head ``c2`` of batch ``c3``; ``n_begin``
     is the first key's row in the map: a varlen sequence's rows start at its offset)."""
     if t < n_tiles and wtid == 0:
-        s = stage_of(t, STAGES)
-        if t >= STAGES:
-            mbarrier_wait(smem, empty + BAR * s, empty_parity(t, STAGES))
-        e = el + (off + s * STAGE) // 2
-        mbarrier_expect_tx(smem, full + BAR * s, STAGE)
-        for p in range(PANELS):
-            tma_load_4d(smem, e + p * (BN * 64), maps, which, src, 64 * p, n_begin + t * BN,
-                        c2, c3, full + BAR * s)
+        produce_tma_at(smem, el, off, maps, which, src, c2, c3, t, t, n_begin, full, empty,
+                       STAGES, STAGE, BN, PANELS)
+
+
+@device_function
+def produce_tma_at(smem, el, off, maps, which, src, c2, c3, t, r, n_begin, full, empty,
+                   STAGES, STAGE, BN, PANELS):
+    """:func:`produce_tma`'s copy of tile ``t`` into the ring's ``r``-th tile (its stage
+    and phases: ``r`` counts on across a persistent block's query tiles), by the calling
+    thread."""
+    s = stage_of(r, STAGES)
+    if r >= STAGES:
+        mbarrier_wait(smem, empty + BAR * s, empty_parity(r, STAGES))
+    e = el + (off + s * STAGE) // 2
+    mbarrier_expect_tx(smem, full + BAR * s, STAGE)
+    for p in range(PANELS):
+        tma_load_4d(smem, e + p * (BN * 64), maps, which, src, 64 * p, n_begin + t * BN,
+                    c2, c3, full + BAR * s)
 
 
 @device_function

@@ -44,12 +44,12 @@ class HopperTiles:
     them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers).
     ``poly``: every ``poly``-th 8-key n-tile of the softmax takes its exp2 from the FMA
     pipe (``intrinsics.exp2_fma``) instead of the MUFU unit (0: none), for a softcap, whose
-    tanh is a second MUFU operation per score. ``persistent`` (ping-pong, no producer;
-    dense rows without masks): one block per multiprocessor walks the query tiles (the
-    launch's grid in its order, heaviest first where causal), its K/V rings running on from
-    one tile to the next, so the next tile's first K/V tiles and Q rows load under the
-    current one's last products and stores (a block's fixed cost was 2.4-4.7 key tiles:
-    notes/fixed_cost_varlen_cpu_2026-11-26.md). ``tma`` (ping-pong, not persistent): one
+    tanh is a second MUFU operation per score. ``persistent`` (ping-pong, with a producer
+    of bulk copies or no producer; dense rows without masks): one block per multiprocessor
+    walks the query tiles (the launch's grid in its order, heaviest first where causal),
+    its K/V rings running on from one tile to the next, so the next tile's first K/V tiles
+    and Q rows load under the current one's last products and stores (a block's fixed cost
+    was 2.4-4.7 key tiles: notes/fixed_cost_varlen_cpu_2026-11-26.md). ``tma`` (ping-pong): one
     thread of each copying warpgroup (or of the producer warpgroup) moves a K or V tile with
     the Tensor Memory Accelerator (``cp.async.bulk.tensor`` through tensor maps the launch
     makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies. ``own_dq`` (the
@@ -80,12 +80,11 @@ class HopperTiles:
             raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
         if self.poly not in (0, 2, 3, 4):
             raise ValueError(f"poly must be 0, 2, 3 or 4: {self}")
-        if self.persistent and (not self.pingpong or self.producer):
-            raise ValueError(f"a persistent block takes the ping-pong schedule without a "
-                             f"producer warpgroup: {self}")
-        if self.tma and (not self.pingpong or self.persistent):
-            raise ValueError(f"bulk tensor copies serve the ping-pong schedule, not "
-                             f"persistent: {self}")
+        if self.persistent and (not self.pingpong or self.producer != self.tma):
+            raise ValueError(f"a persistent block takes the ping-pong schedule, with a "
+                             f"producer warpgroup of bulk copies or neither: {self}")
+        if self.tma and not self.pingpong:
+            raise ValueError(f"bulk tensor copies serve the ping-pong schedule: {self}")
         if self.own_dq and not (self.producer and not self.pingpong):
             raise ValueError(f"own_dq serves the backward's producer tiling: {self}")
         if self.producer and (not (self.pingpong or (self.warpgroups == 2 and self.overlap))
@@ -226,6 +225,11 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
                      HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA,
                      _PP_TMA192, _G1N128B3)
+#: Tilings the tool times by name (``--tilings``) that are not candidates (the GPU tests do
+#: not run them): the persistent ping-pong with a producer warpgroup of bulk copies
+#: (``hopper/persistent.py``'s ``make_attn_forward_wgmma_persistent_ws``; branch
+#: persistent-ws, not on main: notes/lazy_rescale_2026-11-27.md).
+HOPPER_TRIALS = (replace(_PP_TMA, persistent=True), replace(_PP_TMA192, persistent=True))
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; three blocks of
 #: g1n128ob3 fit the shared memory at D=64 only; 64-key ping-pong is for D=64 (64-key
 #: tiles lost at D=128 before), kept off D=128 to save compiles. At
@@ -233,6 +237,7 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
 #: tile 32 KiB: two stages of both, 193 KiB): the overlapped g2n64o and the 2-stage
 #: ping-pong; ptxas 13: g2n64o 220-228 registers, g2n64 234, g2n64op2 208-225, no spills.
 HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
+HOPPER_CANDIDATE_DIMS.update({t: (64,) for t in HOPPER_TRIALS if t.block_n != 128})
 HOPPER_CANDIDATE_DIMS.update({_POLY2: (128,), _PP2: (256,), _G1N128B3: (64,),
                               HopperTiles(2, 64, True): HOPPER_HEAD_DIMS})
 
@@ -334,7 +339,8 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     """Shared memory of a wgmma kernel, 16-bit elements, plus :data:`HOPPER_ALIGN` bytes to
     align the dynamic shared memory's start at run time: the forward, Q (``block_m`` rows)
     and K and V in ``stages`` buffers each (``block_n`` rows; the ping-pong schedule adds
-    its rings' 8-byte mbarriers: 4 a stage, 1 for Q with a producer); dK/dV, K and V
+    its rings' 8-byte mbarriers: 4 a stage, 1 for Q with a producer, 2 for a persistent
+    one's); dK/dV, K and V
     (``block_m``) and Q and dO double-buffered (dkdvq: and per warpgroup a dSᵀ tile of
     ``block_n`` lines of 64 keys and two buffers of dQ rows), then two buffers of the query
     steps' lse and delta (fp32); dQ, Q and dO and K and V double-buffered. ``stages`` 3
@@ -342,7 +348,8 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     three buffers."""
     if kernel == "forward":
         return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
-                + ((4 * t.stages + t.producer) * 8 if t.pingpong else 0))
+                + ((4 * t.stages + t.producer * (1 + t.persistent)) * 8 if t.pingpong
+                   else 0))
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
     if kernel == "dkdvq" and t.producer:  # (hopper/backward_ws.py's layout)
         stats = -(-t.stages * 8 * t.block_n // HOPPER_ALIGN) * HOPPER_ALIGN
