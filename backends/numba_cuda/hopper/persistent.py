@@ -35,6 +35,7 @@ from ..device.pipeline import (
     cp_async_arrive,
     fence_tensormap,
     mbarrier_arrive,
+    mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_wait,
     named_arrive,
@@ -42,6 +43,7 @@ from ..device.pipeline import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     stage_of,
+    tma_load_4d,
 )
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import stat_rows, visited_keys
@@ -338,6 +340,9 @@ def make_attn_forward_wgmma_persistent_ws(var):
     # setmaxnreg moves registers within what the block was launched with (168 a thread at
     # 384 threads): 24 + 2 x 240 <= 3 x 168 (32 + 2 x 240 waited forever on the GPU)
     PRODUCER_REGS, CONSUMER_REGS = 24, 240
+    # Q by one bulk tensor copy where its map's box (block_n rows) is Q's tile
+    Q_TMA = BN == BM
+    Q_ARRIVALS = 1 if Q_TMA else FULL_COUNT
     assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -376,11 +381,45 @@ def make_attn_forward_wgmma_persistent_ws(var):
                 mbarrier_init(smem, full_v + BAR * st, 1)
                 mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
                 mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
-            mbarrier_init(smem, q_full, FULL_COUNT)
+            mbarrier_init(smem, q_full, Q_ARRIVALS)
             mbarrier_init(smem, q_empty, EMPTY_COUNT)
         cuda.syncthreads()  # the barriers initialized before any arrival
 
-        if wg < 0:  # the producer: Q, then the query tile's K and V tiles, tile by tile
+        if wg < 0 and Q_TMA:  # the producer's first thread: K0, Q, V0, K1, V1, ...
+            setmaxnreg_dec(PRODUCER_REGS)
+            if wtid == 0:  # (the other 127 threads are done: no warp spins beside the
+                # consumers' on their schedulers)
+                fence_tensormap(table, 0)
+                fence_tensormap(table, 1)
+                fence_tensormap(table, 2)
+                p = 0
+                item = c
+                R = 0  # ring index of the query tile's key tile 0
+                u = 0  # uses of Q's buffer
+                while item < n_items:
+                    b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
+                    n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
+                                           csq)
+                    if n_tiles > 0:  # (its stage frees before the last tile's Q is done)
+                        produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, 0, R, 0,
+                                       full_k, empty_k, STAGES, STAGE, BN, PANELS)
+                    if u > 0:  # every consumer warp done with the last tile's Q Kᵀ
+                        mbarrier_wait(smem, q_empty, (u - 1) & 1)
+                    mbarrier_expect_tx(smem, q_full, BM * D * 2)
+                    for pn in range(PANELS):
+                        tma_load_4d(smem, el + Q_OFF // 2 + pn * (BM * 64), table, 0, q,
+                                    64 * pn, q0, h, b, q_full)
+                    for tt in range(n_tiles):
+                        if tt > 0:
+                            produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, tt, R + tt,
+                                           0, full_k, empty_k, STAGES, STAGE, BN, PANELS)
+                        produce_tma_at(smem, el, V_OFF, table, 2, v, hk, b, tt, R + tt, 0,
+                                       full_v, empty_v, STAGES, STAGE, BN, PANELS)
+                    R += n_tiles
+                    u += 1
+                    p += 1
+                    item = walk(p, c, G)
+        elif wg < 0:  # the producer: Q, then the query tile's K and V tiles, tile by tile
             setmaxnreg_dec(PRODUCER_REGS)
             if wtid == 0:
                 fence_tensormap(table, 1)
@@ -421,6 +460,11 @@ def make_attn_forward_wgmma_persistent_ws(var):
             item = c
             R = 0
             u = 0
+            # The turns carry on from one query tile to the next (armed once here): the first
+            # warpgroup starts a tile's first Q Kᵀ once the second issued the tile before's
+            # last P V, not once the second is through its stores too
+            if wg == 1:
+                named_arrive(1, 256)
             while item < n_items:
                 b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
                 n_tiles, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
@@ -433,8 +477,6 @@ def make_attn_forward_wgmma_persistent_ws(var):
                 i = w0 + g
 
                 if n_tiles > 0:
-                    if wg == 1:
-                        named_arrive(1, 256)  # the first warpgroup takes the first turn
                     wait_full(smem, full_k, R, STAGES)
                     fence_proxy_async()  # (Q's cp.async copies, for the wgmmas)
                     take_turn(wg)
@@ -484,8 +526,8 @@ def make_attn_forward_wgmma_persistent_ws(var):
                     take_turn(wg)
                     acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
                                    at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
-                    if wg == 0:
-                        pass_turn(wg)  # (the second's last pass would have no wait to match)
+                    if wg == 0 or walk(p + 1, c, G) < n_items:
+                        pass_turn(wg)  # (the second's: to the first's next tile, if any)
                     acc = wgmma_wait_group_acc(0, acc)
                     release(smem, empty_v, last, STAGES, lane)
                 R += n_tiles
