@@ -401,8 +401,15 @@ else:
         return [pytest.param(x.values[0], t, marks=x.marks) if hasattr(x, "values")
                 else pytest.param(x, t) for x in runs]
 
+    #: Two-stage rings: two Q buffers and a staged O tile (g2n128op2wts); the last case
+    #: walks 4 query tiles a block, so each Q buffer is taken again after its "q empty".
+    PERSISTENT_WS2 = dataclasses.replace(PERSISTENT_WS, stages=2)
+    PS_WS2_RUNS = PS_WS_RUNS + [pytest.param((1, 4, 2, 520, 300, 64, "bfloat16", True,
+                                              "bhnd"), marks=pytest.mark.slow)]
+
     @pytest.mark.parametrize("c,t", _with(PS_RUNS, PERSISTENT) + _with(PS_WS_RUNS,
-                                                                       PERSISTENT_WS),
+                                                                       PERSISTENT_WS)
+                             + _with(PS_WS2_RUNS, PERSISTENT_WS2),
                              ids=lambda x: _id(x) if isinstance(x, tuple) else x.tag)
     def test_persistent_forward(emulated, monkeypatch, c, t):
         """The persistent forward against the oracle, through the front end."""

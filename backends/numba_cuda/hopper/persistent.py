@@ -59,6 +59,7 @@ from ..device.wgmma import (
 from ..tensor_core.forward import finish_row
 from ..tensor_core.fragments import store_frags
 from ..tilings import HOPPER_ALIGN
+from .epilogue import store_o
 from .forward import (
     LINE,
     issue_pv,
@@ -330,18 +331,25 @@ def make_attn_forward_wgmma_persistent_ws(var):
     NTILES, DTILES = BN // 8, D // 8
     NS, NO, NP = BN // 2, D // 2, BN // 4
     STAGE = BN * D * 2
+    QBYTES = BM * D * 2
+    # Q by one bulk tensor copy where its map's box (block_n rows) is Q's tile; with
+    # two-stage rings there is room for two Q buffers (the next tile's Q lands during the
+    # current one) and a tile of O rows staged for 16-byte stores (not the Q rows' spot,
+    # which the next Q takes)
+    Q_TMA = BN == BM
+    QBUFS = 2 if Q_TMA and STAGES == 2 else 1
+    STAGED = QBUFS == 2
     Q_OFF = 0
-    K_OFF = BM * D * 2
+    K_OFF = QBUFS * QBYTES
     V_OFF = K_OFF + STAGES * STAGE
-    BAR_OFF = V_OFF + STAGES * STAGE
+    O_OFF = V_OFF + STAGES * STAGE
+    BAR_OFF = O_OFF + (QBYTES if STAGED else 0)
     V_LBO = BN * LINE
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
     # setmaxnreg moves registers within what the block was launched with (168 a thread at
     # 384 threads): 24 + 2 x 240 <= 3 x 168 (32 + 2 x 240 waited forever on the GPU)
     PRODUCER_REGS, CONSUMER_REGS = 24, 240
-    # Q by one bulk tensor copy where its map's box (block_n rows) is Q's tile
-    Q_TMA = BN == BM
     Q_ARRIVALS = 1 if Q_TMA else FULL_COUNT
     assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
 
@@ -374,15 +382,16 @@ def make_attn_forward_wgmma_persistent_ws(var):
         empty_k = full_v + BAR * STAGES
         empty_v = empty_k + BAR * STAGES
         q_full = empty_v + BAR * STAGES
-        q_empty = q_full + BAR
+        q_empty = q_full + BAR * QBUFS
         if tid == 0:
             for st in range(STAGES):
                 mbarrier_init(smem, full_k + BAR * st, 1)  # (the bulk copies' bytes)
                 mbarrier_init(smem, full_v + BAR * st, 1)
                 mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
                 mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
-            mbarrier_init(smem, q_full, Q_ARRIVALS)
-            mbarrier_init(smem, q_empty, EMPTY_COUNT)
+            for qb in range(QBUFS):
+                mbarrier_init(smem, q_full + BAR * qb, Q_ARRIVALS)
+                mbarrier_init(smem, q_empty + BAR * qb, EMPTY_COUNT)
         cuda.syncthreads()  # the barriers initialized before any arrival
 
         if wg < 0 and Q_TMA:  # the producer's first thread: K0, Q, V0, K1, V1, ...
@@ -403,12 +412,13 @@ def make_attn_forward_wgmma_persistent_ws(var):
                     if n_tiles > 0:  # (its stage frees before the last tile's Q is done)
                         produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, 0, R, 0,
                                        full_k, empty_k, STAGES, STAGE, BN, PANELS)
-                    if u > 0:  # every consumer warp done with the last tile's Q Kᵀ
-                        mbarrier_wait(smem, q_empty, (u - 1) & 1)
-                    mbarrier_expect_tx(smem, q_full, BM * D * 2)
+                    qb = u % QBUFS  # (the buffer's (u // QBUFS)-th use)
+                    if u >= QBUFS:  # every consumer warp done with its last use's Q Kᵀ
+                        mbarrier_wait(smem, q_empty + BAR * qb, (u // QBUFS - 1) & 1)
+                    mbarrier_expect_tx(smem, q_full + BAR * qb, QBYTES)
                     for pn in range(PANELS):
-                        tma_load_4d(smem, el + Q_OFF // 2 + pn * (BM * 64), table, 0, q,
-                                    64 * pn, q0, h, b, q_full)
+                        tma_load_4d(smem, el + (Q_OFF + qb * QBYTES) // 2 + pn * (BM * 64),
+                                    table, 0, q, 64 * pn, q0, h, b, q_full + BAR * qb)
                     for tt in range(n_tiles):
                         if tt > 0:
                             produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, tt, R + tt,
@@ -452,7 +462,6 @@ def make_attn_forward_wgmma_persistent_ws(var):
             setmaxnreg_inc(CONSUMER_REGS)
             sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0),
                                                  False, False)
-            qa = at + Q_OFF + 64 * wg * LINE
             s = cuda.local.array(NS, float32)
             oa = cuda.local.array(NO, float32)
             pf = cuda.local.array(NP, uint32)
@@ -469,7 +478,9 @@ def make_attn_forward_wgmma_persistent_ws(var):
                 b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
                 n_tiles, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
                                             csq)
-                mbarrier_wait(smem, q_full, u & 1)
+                qb = u % QBUFS
+                qa = at + Q_OFF + qb * QBYTES + 64 * wg * LINE
+                mbarrier_wait(smem, q_full + BAR * qb, (u // QBUFS) & 1)
                 acc = zero_accumulators(D)
                 ma = mb = NEG_INF
                 la = lb = float32(0.0)
@@ -486,14 +497,14 @@ def make_attn_forward_wgmma_persistent_ws(var):
                     sacc = wgmma_wait_group_acc(0, sacc)
                     release(smem, empty_k, R, STAGES, lane)
                     if n_tiles == 1 and lane == 0:  # (this warp is done with Q)
-                        mbarrier_arrive(smem, q_empty)
+                        mbarrier_arrive(smem, q_empty + BAR * qb)
                     acc_to_local(sacc, s)
                     ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
                                                             causal_offset, CAUSAL, NTILES, tq,
                                                             ma, mb, la, lb, sl2)
                     pack_p(BF16, pf, s, NP)
                 elif lane == 0:  # (a tile that sees no key reads no Q)
-                    mbarrier_arrive(smem, q_empty)
+                    mbarrier_arrive(smem, q_empty + BAR * qb)
                 for it in range(1, n_tiles):
                     n0 = it * BN
                     r = R + it
@@ -509,7 +520,7 @@ def make_attn_forward_wgmma_persistent_ws(var):
                     sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
                     release(smem, empty_k, r, STAGES, lane)
                     if it == n_tiles - 1 and lane == 0:  # (this warp is done with Q)
-                        mbarrier_arrive(smem, q_empty)
+                        mbarrier_arrive(smem, q_empty + BAR * qb)
                     acc_to_local(sacc, s)
                     ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
                                                             causal_offset, CAUSAL, NTILES, tq,
@@ -539,7 +550,11 @@ def make_attn_forward_wgmma_persistent_ws(var):
                 lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, PACKED)
                 inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
                 inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
-                store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
+                if STAGED:  # (compile-time) through the O tile, 16-byte stores
+                    store_o(BF16, smem, el + O_OFF // 2, o, obase, q0 + 64 * wg, i, Nq, osn,
+                            osd, oa, inv0, inv1, D, BM, wg, warp, g, tq, wtid)
+                else:
+                    store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
                 item = walk(p, c, G)
 
     attn_forward_wgmma.__qualname__ = var.tag

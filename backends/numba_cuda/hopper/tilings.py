@@ -229,7 +229,8 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
 #: not run them): the persistent ping-pong with a producer warpgroup of bulk copies
 #: (``hopper/persistent.py``'s ``make_attn_forward_wgmma_persistent_ws``; branch
 #: persistent-ws, not on main: notes/lazy_rescale_2026-11-27.md).
-HOPPER_TRIALS = (replace(_PP_TMA, persistent=True), replace(_PP_TMA192, persistent=True))
+HOPPER_TRIALS = (replace(_PP_TMA, persistent=True), replace(_PP_TMA192, persistent=True),
+                 replace(_PP_TMA, persistent=True, stages=2))
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; three blocks of
 #: g1n128ob3 fit the shared memory at D=64 only; 64-key ping-pong is for D=64 (64-key
 #: tiles lost at D=128 before), kept off D=128 to save compiles. At
@@ -347,9 +348,13 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     (a backward tiling): Q and dO (dK/dV) or K (dQ), which a step's last products read, in
     three buffers."""
     if kernel == "forward":
-        return (HOPPER_ALIGN + (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
-                + ((4 * t.stages + t.producer * (1 + t.persistent)) * 8 if t.pingpong
-                   else 0))
+        # (a persistent producer of bulk copies with two-stage rings: two Q buffers and a
+        # tile of O rows, two more barriers)
+        staged = (t.persistent and t.tma and t.stages == 2 and t.block_n == t.block_m)
+        return (HOPPER_ALIGN + ((1 + 2 * staged) * t.block_m + 2 * t.stages * t.block_n)
+                * head_dim * 2
+                + ((4 * t.stages + t.producer * (1 + t.persistent) * (1 + staged)) * 8
+                   if t.pingpong else 0))
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
     if kernel == "dkdvq" and t.producer:  # (hopper/backward_ws.py's layout)
         stats = -(-t.stages * 8 * t.block_n // HOPPER_ALIGN) * HOPPER_ALIGN
