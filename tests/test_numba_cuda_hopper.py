@@ -61,7 +61,7 @@ CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
               "g2n64o": {(64, "bfloat16", False), (256, "bfloat16", True)},
               "g1n64ob2": {(64, "float16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
-              "g2n64op2": {(256, "float16", False)}, "g2n128op3s": {(128, "bfloat16", True)},
+              "g2n64op2": {(256, "float16", False)}, "g2n128op2wts": {(128, "bfloat16", False)},
               "g2n128op3wt": {(128, "bfloat16", False)}, "g2n192op3wt": {(64, "bfloat16", False)},
               "g1n128ob3": {(64, "bfloat16", False), (64, "float16", True)}}
 
@@ -299,11 +299,15 @@ def test_tilings_and_variants():
 def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     """Below tilings.TMA_MIN_WORK a forward whose table tiling has bulk tensor copies takes
     NO_TMA's tiling; from it, the table's (varlen rows too: one tensor map over every
-    packed row)."""
+    packed row), or PERSISTENT's for a dense batch without masks."""
     d = 128  # (D=64's table has no copies: below)
     t = tilings.HOPPER_FORWARD[(d, False)]
-    assert t.tma
-    assert launch.hopper_variant(d, "bfloat16", False).tiles == t
+    assert t.tma and not t.persistent
+    ps = tilings.PERSISTENT[(d, False)]
+    assert ps.persistent and ps.tma
+    assert launch.hopper_variant(d, "bfloat16", False).tiles == ps
+    assert launch.hopper_variant(d, "bfloat16", True).tiles == tilings.HOPPER_FORWARD[d, True]
+    assert launch.hopper_variant(d, "bfloat16", False, alibi=True).tiles == t
     assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
         tilings.NO_TMA[d]
     assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
@@ -638,7 +642,10 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
         assert tilings.blocks_fit(v.smem_words, tiles.min_blocks, (9, 0))
     assert all(f"m64n{v.tiles.block_n}k16.f32.{kind}.{kind}" in ln for ln in ss)
     assert all(f"m64n{head_dim}k16.f32.{kind}.{kind}" in ln for ln in rs)
-    assert "fence.proxy.async.shared::cta;" in ptx
+    # (the persistent producer form moves Q by a bulk copy too: no generic-proxy writes for
+    # the wgmmas to see, no cp.async arrivals)
+    q_bulk = tiles.persistent and tiles.producer
+    assert ("fence.proxy.async.shared::cta;" in ptx) != q_bulk
     if tiles.pingpong:  # turns on named barriers 1 and 2, rings on mbarriers
         for op in ("bar.sync 1, 256;", "bar.sync 2, 256;", "bar.arrive 1, 256;",
                    "bar.arrive 2, 256;", "mbarrier.try_wait.parity.shared::cta.b64",
@@ -652,16 +659,22 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
                 "::bytes")
         if tiles.tma:
             n = ptx.count(bulk)  # (the producer's loop: as LLVM peels it, K and V tiles)
-            assert (n % (2 * head_dim // 64) == 0 < n if tiles.producer
-                    else n == (tiles.stages + 1) * head_dim // 64), n
+            if q_bulk:  # (K0, Q, V0, then K and V: whole tiles as LLVM peels them)
+                assert n % (head_dim // 64) == 0 < n, n
+            else:
+                assert (n % (2 * head_dim // 64) == 0 < n if tiles.producer
+                        else n == (tiles.stages + 1) * head_dim // 64), n
             assert "mbarrier.arrive.expect_tx.shared::cta.b64" in ptx
             assert "fence.proxy.tensormap::generic.acquire.gpu" in ptx
             assert (("cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx)
-                    == tiles.producer)
+                    == (tiles.producer and not q_bulk))
         else:
             assert bulk not in ptx
             assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
-        assert len(re.findall(r"mbarrier\.init", ptx)) == 4 * tiles.stages + tiles.producer
+        # (a persistent producer form's: "q empty" too, and a pair per Q buffer: two with
+        # two-stage rings)
+        q_bars = tiles.producer * (1 + tiles.persistent) * (1 + q_bulk * (tiles.stages == 2))
+        assert len(re.findall(r"mbarrier\.init", ptx)) == 4 * tiles.stages + q_bars
     if tiles.producer:  # registers handed over, under the cap setmaxnreg needs at entry
         assert "setmaxnreg.dec.sync.aligned.u32 24;" in ptx
         assert "setmaxnreg.inc.sync.aligned.u32 240;" in ptx
@@ -772,11 +785,11 @@ def hopper_gpu():
     return torch
 
 
-#: The table's tiling on every shape, dtype, head dim and causal mode; the other candidates
+#: The table's tilings (and PERSISTENT's) on every shape, dtype, head dim and causal mode; the other candidates
 #: in bf16 on the first three shapes (the ping-pong ones on the fourth too: 1024 keys go
 #: round their rings more than once).
 GPU_CASES = [(tt, shape, d, t, c) for tt in TILINGS for shape in SHAPES for d, t, c in ALL
-             if tt == tilings.choose_hopper(d, c)
+             if tt in (tilings.choose_hopper(d, c), tilings.choose_hopper(d, c, dense=True))
              or (t == "bfloat16" and tt in tilings.hopper_candidates(d)
                  and (shape in SHAPES[:3] or (tt.pingpong and shape == SHAPES[3])))]
 
@@ -796,6 +809,7 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
     B, Hq, Hkv, Nq, Nk, layout = shape
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     monkeypatch.setitem(tilings.HOPPER_FORWARD, (head_dim, causal), tiles)
+    monkeypatch.setattr(tilings, "PERSISTENT", {})  # (the dense calls: this tiling too)
     monkeypatch.setattr(launch, "_PLANS", {})  # (plans do not key on the wgmma tiling)
     ran = spy_launches(monkeypatch, ("launch_forward",))
     q, k, v, _ = gpu_inputs(torch, shape, head_dim, dtype, Nq * 7 + Nk + head_dim)
@@ -969,22 +983,28 @@ def test_captured_forward_skips_the_tensor_maps_on_gpu(hopper_gpu, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("persistent", [tilings.PERSISTENT[128, False],
+                                        *tilings.HOPPER_TRIALS], ids=lambda t: t.tag)
 def test_persistent_forward_walks_many_tiles_on_gpu(hopper_gpu, monkeypatch, head_dim,
-                                                    causal):
-    """The persistent forward (g2n128op3s) on more query tiles than the GPU has
-    multiprocessors, so that every block walks several (GQA, a key tail, Nq < Nk causal),
-    against the float64 oracle; and the same call on the table's tiling gives the same
-    output bit for bit (the same products in the same order; lse to its last bits)."""
+                                                    causal, persistent):
+    """The persistent forward (tilings.PERSISTENT's g2n128op2wts: two Q buffers, O staged;
+    and the three-stage trial g2n128op3wts, one Q buffer) on more query tiles than the
+    GPU has multiprocessors, so that every block walks several (GQA, a key tail, Nq < Nk
+    causal), against the float64 oracle; and the same call on the ping-pong tiling gives
+    the same output bit for bit (the same products in the same order; lse to its last
+    bits)."""
     torch = hopper_gpu
     from helpers import TOL_FWD, oracle_forward, rel_err
 
     import flashcore
 
-    persistent = tilings.HopperTiles(2, 128, True, pingpong=True, stages=3, persistent=True)
     shape = (3, 8, 2, 1000, 1100, "bnhd")  # 3 x 8 x 8 = 192 query tiles
     B, Hq, Hkv, Nq, Nk, layout = shape
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(tilings, "PERSISTENT", {})  # (HOPPER_FORWARD's tiling, as set)
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (a small call: the bulk copies)
+    ran = spy_launches(monkeypatch, ("launch_forward",))
     q, k, v, _ = gpu_inputs(torch, shape, head_dim, "bfloat16", 5 + head_dim)
     outs = []
     for tiles in (persistent, tilings.HopperTiles(2, 128, True, pingpong=True, stages=3)):
@@ -993,6 +1013,7 @@ def test_persistent_forward_walks_many_tiles_on_gpu(hopper_gpu, monkeypatch, hea
         outs.append(flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
                                                 backend="numba_cuda"))
     torch.cuda.synchronize()
+    assert ran == ["attn_forward_wgmma"] * 2, ran
     (o, lse), (o2, lse2) = outs
     ref_o, ref_lse = oracle_forward(*(x.float().cpu().numpy() for x in (q, k, v)),
                                     causal=causal, layout=layout)

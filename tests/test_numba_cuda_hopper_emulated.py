@@ -102,6 +102,7 @@ else:
         wgmma_emulator.install(monkeypatch)
         monkeypatch.setattr(launch, "hopper_serves", lambda case, device: True)
         monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (the tests' calls are small)
+        monkeypatch.setattr(tilings, "PERSISTENT", {})  # (test_persistent_forward's)
         for key, t in list(tilings.HOPPER_FORWARD.items()):  # (see PP_RUNS: the table's
             if t.producer:  # producer forms as their consumers' copies, bulk ones kept)
                 monkeypatch.setitem(tilings.HOPPER_FORWARD, key,
@@ -375,21 +376,12 @@ else:
         assert rel_err(np.where(fin, o, 0), np.where(fin, ro, 0)) < TOL_FWD["bfloat16"]
         assert np.abs(lse - rl).max() < 1e-4
 
-    #: The persistent ping-pong forward (g2n128op3s): the simulator's 4 blocks walk more
-    #: query tiles than there are blocks (a block's rings run on from one tile to the
-    #: next), with tiles that see no key (causal, Nq > Nk), GQA, key tails, both layouts.
-    PERSISTENT = dataclasses.replace(PINGPONG, persistent=True)
-    #: (All slow: the tiling is a candidate, slower than the table's on an H100.)
-    PS_RUNS = [pytest.param((1, 2, 1, 300, 400, 64, "bfloat16", True, "bhnd"),
-                            marks=pytest.mark.slow),
-               pytest.param((1, 2, 2, 300, 100, 64, "float16", True, "bnhd"),
-                            marks=pytest.mark.slow),
-               pytest.param((1, 3, 1, 200, 300, 128, "bfloat16", False, "bnhd"),
-                            marks=pytest.mark.slow)]
-
-    #: The persistent form with a producer warpgroup of bulk copies (g2n128op3wts): Q's
-    #: buffer handed between query tiles by "q full" / "q empty", the rings counting on.
-    PERSISTENT_WS = dataclasses.replace(PERSISTENT, producer=True, tma=True)
+    #: The persistent forward (a producer warpgroup of bulk copies; on three-stage rings,
+    #: g2n128op3wts, one Q buffer): the simulator's 4 blocks walk more query tiles than
+    #: there are blocks (a block's rings run on from one tile to the next), Q's buffer
+    #: handed between query tiles by "q full" / "q empty", with tiles that see no key
+    #: (causal, Nq > Nk), GQA, key tails, both layouts.
+    PERSISTENT_WS = dataclasses.replace(PINGPONG, persistent=True, producer=True, tma=True)
     PS_WS_RUNS = [(1, 2, 1, 300, 400, 64, "bfloat16", False, "bhnd"),
                   pytest.param((1, 2, 2, 300, 100, 64, "float16", True, "bnhd"),
                                marks=pytest.mark.slow),
@@ -407,8 +399,7 @@ else:
     PS_WS2_RUNS = PS_WS_RUNS + [pytest.param((1, 4, 2, 520, 300, 64, "bfloat16", True,
                                               "bhnd"), marks=pytest.mark.slow)]
 
-    @pytest.mark.parametrize("c,t", _with(PS_RUNS, PERSISTENT) + _with(PS_WS_RUNS,
-                                                                       PERSISTENT_WS)
+    @pytest.mark.parametrize("c,t", _with(PS_WS_RUNS, PERSISTENT_WS)
                              + _with(PS_WS2_RUNS, PERSISTENT_WS2),
                              ids=lambda x: _id(x) if isinstance(x, tuple) else x.tag)
     def test_persistent_forward(emulated, monkeypatch, c, t):

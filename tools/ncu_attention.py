@@ -48,6 +48,7 @@ if FORWARD_ONLY:
         sys.exit(f"NCU_FORWARD={tag}: not a forward candidate or trial")
     tilings.HOPPER_FORWARD[D, CAUSAL] = found[0]
     tilings.LONG_KEYS.pop((D, CAUSAL), None)
+    tilings.PERSISTENT.pop((D, CAUSAL), None)
     launch.forget_plans()
 g = torch.Generator(device="cuda").manual_seed(0)
 B, H, N = (int(x) for x in os.environ.get("NCU_SHAPE", "4x16x4096").split("x"))

@@ -202,7 +202,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
     copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
     ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``, no masks): ``tilings.LONG_KEYS``'
-    tiling where it has one."""
+    tiling where it has one. A forward of a dense batch without masks, with ``tma_ok``:
+    ``tilings.PERSISTENT``'s where it has one."""
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
@@ -211,7 +212,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     t = tilings.choose_hopper(head_dim, causal, kernel,
                               user is not None and user.mask_mod is not None, bool(softcap),
-                              masked, long_keys and tma_ok and not masked)
+                              masked, long_keys and tma_ok and not masked,
+                              tma_ok and not (masked or packed))
     if t is None:
         return None
     if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)

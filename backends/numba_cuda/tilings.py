@@ -495,6 +495,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     LONG_KEYS_MIN,
     MASKED_OVERLAP,
     NO_TMA,
+    PERSISTENT,
     SOFTCAP_KEYS,
     SOFTCAP_POLY,
     TMA_MIN_WORK,

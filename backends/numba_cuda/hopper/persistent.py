@@ -1,28 +1,22 @@
-"""The persistent ping-pong forward (``HopperTiles.persistent``): one block per
-multiprocessor walks the query tiles of a dense call, in passes over the grid's order
-(``device/prologue.block_tile``: heaviest first where causal), each pass in the other
-direction (:func:`walk`).
+"""The persistent ping-pong forward (``HopperTiles.persistent``; ``tilings.PERSISTENT``'s
+at D=128 non-causal): one block per multiprocessor walks the query tiles of a dense call,
+in passes over the grid's order (``device/prologue.block_tile``: heaviest first where
+causal), each pass in the other direction (:func:`walk`).
 
-A block that ends makes the next wait for its whole start: the Q tile and the first K and
-V tiles loaded before the first product, the warpgroups' first turns, and at its end the
-last P V, the normalization and the stores, none of it under another block's products (one
-block per multiprocessor: 224 KiB of shared memory at D=128). That cost 2.4-4.7 key tiles
-per block on an H100 (notes/fixed_cost_varlen_cpu_2026-11-26.md). Here the rings of K and V
-(``pingpong.py``'s, the same barriers) run on from one query tile to the next: their ring
-index counts on across tiles (stages and phases follow from it), and once a warpgroup's
-last P V of a query tile has completed (its last Q Kᵀ long before), it copies the next
-query tile's 64 Q rows of its own and the first ``STAGES - 1`` tiles of its ring (K for
-the first warpgroup, V for the second), under its normalization and stores of the tile
-it finishes. The turns (named barriers 1 and 2) are balanced within every
-query tile, as in ``pingpong.py``; a warpgroup's Q rows are published to it by its own
-named barrier (3 + warpgroup, 128 threads).
+A block per query tile pays its start and end with nothing under them (one block per
+multiprocessor: 224 KiB of shared memory at D=128): Q and the first K and V tiles loaded
+before the first product, the warpgroups' first turns, and at its end the last P V, the
+normalization and the stores; about 3 µs a block on an H200, a tenth of a block's time at
+N=1024 (notes/persistent_2026-11-27.md). Here a producer warpgroup's first thread moves
+every Q, K and V tile by bulk tensor copies, the rings' index counting on from one query
+tile to the next (stages and phases follow from it), Q in two buffers handed over by
+mbarriers ("q full", "q empty"), so the next tile's Q and first K and V tiles land during
+the current one; the turns (named barriers 1 and 2) carry on across tiles, so the first
+warpgroup starts the next tile while the second normalizes and stores; O's rows go through
+a tile of their own to 16-byte stores.
 
-With a producer warpgroup (``producer`` and ``tma``: :func:`make_attn_forward_wgmma_persistent_ws`)
-the producer copies each query tile's Q and moves its K and V tiles by bulk tensor copies
-instead, Q's buffer handed over by two mbarriers ("q full", "q empty").
-
-Dense rows, no masks or score modifiers: ``launch.hopper_variant`` takes the ping-pong
-tiling without ``persistent`` for the others. The launch passes the batch as ``nseq``.
+Dense rows, no masks or score modifiers: ``launch.hopper_variant`` takes the table's
+tiling for the others. The launch passes the batch as ``nseq``.
 """
 from __future__ import annotations
 
@@ -30,16 +24,14 @@ from numba import cuda, float32, int64, uint16, uint32
 
 from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
-from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
+from ..device.intrinsics import warp_uniform
 from ..device.pipeline import (
-    cp_async_arrive,
     fence_tensormap,
     mbarrier_arrive,
     mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_wait,
     named_arrive,
-    named_sync,
     setmaxnreg_dec,
     setmaxnreg_inc,
     stage_of,
@@ -50,7 +42,6 @@ from ..device.seams import stat_rows, visited_keys
 from ..device.wgmma import (
     acc_from_local,
     acc_to_local,
-    fence_proxy_async,
     smem_address,
     wgmma_fence_acc,
     wgmma_wait_group_acc,
@@ -64,8 +55,6 @@ from .forward import (
     LINE,
     issue_pv,
     issue_qk,
-    load_rows,
-    load_tile,
     pack_p,
     rescale,
     score_constants,
@@ -74,10 +63,7 @@ from .forward import (
 from .pingpong import (
     BAR,
     EMPTY_COUNT,
-    FULL_COUNT,
-    WG_THREADS,
     pass_turn,
-    produce_at,
     produce_tma_at,
     release,
     take_turn,
@@ -113,213 +99,22 @@ def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq):
 
 def make_attn_forward_wgmma_persistent(var):
     """The persistent forward kernel of variant ``var`` (family "hopper",
-    ``var.tiles.persistent``): head dim 64 or 128, causal or not, fp16 or bf16, dense rows,
-    no masks; the same launch arguments and results as ``pingpong.py``'s, on a grid of at
-    most one block per multiprocessor (``launch.launch_forward``'s ``ctas``)."""
+    ``var.tiles.persistent``, with a producer of bulk copies, ``block_n`` = ``block_m``: Q's
+    map has boxes of ``block_n`` rows): head dim 64 or 128, causal or not, fp16 or bf16,
+    dense rows, no masks; the same launch arguments and results as ``pingpong.py``'s, on a
+    grid of at most one block per multiprocessor (``launch.launch_forward``'s ``ctas``).
+
+    The producer's first thread copies K0, Q, V0, K1, V1, ... of each query tile in turn
+    (its other 127 threads are done at once: no warp spins beside the consumers'); every
+    consumer warp arrives on "q empty" once its last Q Kᵀ of the tile is done. With
+    two-stage rings (``stages`` 2, g2n128op2wts) Q has two buffers and O's rows go through
+    a tile of their own to 16-byte stores (``epilogue.store_o``). With three, one Q buffer
+    (loaded once the consumers are done with the last) and O stored from the registers
+    (``store_frags``): slower (H200, D=128 B=4 H=16 N=4096: 616 against 676 TFLOP/s;
+    notes/persistent_2026-11-27.md)."""
     D, t = var.head_dim, var.tiles
     if D % 64 or D > 128:
         raise ValueError(f"head_dim={D} must be 64 or 128 for the persistent wgmma forward")
-    if not t.persistent:
-        raise ValueError(f"not a persistent ping-pong tiling: {t}")
-    if t.producer:
-        return make_attn_forward_wgmma_persistent_ws(var)
-    if (var.packed or var.split or var.window or var.softcap or var.alibi
-            or var.user is not None):
-        raise ValueError(f"the persistent forward takes dense rows without masks: {var.tag}")
-    BN, BM, STAGES = t.block_n, t.block_m, t.stages
-    PACKED = PACKING[var.packed]
-    assert PACKED == DENSE
-    CH = D // 8
-    KSTEPS, PSTEPS = D // 16, BN // 16
-    NTILES, DTILES = BN // 8, D // 8
-    NS, NO, NP = BN // 2, D // 2, BN // 4
-    STAGE = BN * D * 2
-    Q_OFF = 0
-    K_OFF = BM * D * 2
-    V_OFF = K_OFF + STAGES * STAGE
-    BAR_OFF = V_OFF + STAGES * STAGE
-    V_LBO = BN * LINE
-    CAUSAL = bool(var.causal)
-    BF16 = var.dtype == "bfloat16"
-    AHEAD = STAGES - 1
-    QROWS = 64  # a warpgroup's query rows
-
-    @device_function
-    def start_tile(smem, el, item, R, GX, GY, Hq, group, Nq, Nk, causal_offset, cls, csq, q,
-                   qsb, qsh, qsn, src, hsb, hsh, sn, off, full, empty, wg, wtid):
-        """Copy query tile ``item``'s 64 Q rows of warpgroup ``wg`` and the first ``AHEAD``
-        key tiles of its ring (``src``: K or V), from ring index ``R`` on."""
-        b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
-        load_rows(smem, el + Q_OFF // 2 + wg * QROWS * 64, q, b * qsb + h * qsh,
-                  q0 + wg * QROWS, Nq, qsn, QROWS, BM, CH, wtid, WG_THREADS)
-        cp_async_commit()  # (Q's group apart: the tile waits for it alone, K/V by mbarriers)
-        n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq)
-        for tt in range(AHEAD):
-            if tt < n_tiles:
-                produce_at(smem, el, off, src, b * hsb + hk * hsh, tt, R + tt, 0, Nk, sn,
-                           full, empty, STAGES, STAGE, BN, CH, wtid)
-
-    def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
-                           qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
-                           vsb, vsh, vsn, vsd, osb, osh, osn, osd, scale, slopes, ssb, ssh,
-                           m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
-                           e12, e13, e14, e15, cls, csb, csh, csq, cu_q, cu_k, seqk, table,
-                           tsb, page, psp, TQ, chunk, oss, lss, nseq):
-        smem = smem_pointer(cuda.shared.array(0, uint16, alignment=SMEM_ALIGN))
-        tid = cuda.threadIdx.x
-        wtid = tid & 127
-        wg = warp_uniform(tid >> 7)
-        warp = (tid >> 5) & 3
-        lane = tid & 31
-        g = lane >> 2
-        tq = lane & 3
-        GX = (Nq + BM - 1) // BM
-        GY = nseq * Hq  # (the launch passes the batch as nseq)
-        n_items = GX * GY
-        G = cuda.gridDim.x
-        c = cuda.blockIdx.x
-
-        raw = int64(smem_address(smem, 0))
-        pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
-        at = raw + pad
-        el = pad >> 1
-        full_k = el + BAR_OFF // 2
-        full_v = full_k + BAR * STAGES
-        empty_k = full_v + BAR * STAGES
-        empty_v = empty_k + BAR * STAGES
-        if tid == 0:
-            for st in range(STAGES):
-                mbarrier_init(smem, full_k + BAR * st, FULL_COUNT)
-                mbarrier_init(smem, full_v + BAR * st, FULL_COUNT)
-                mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
-                mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
-        cuda.syncthreads()  # the barriers initialized before any arrival
-
-        # this warpgroup's ring: the first copies K, the second V
-        if wg == 0:
-            src, sn, off, full, empty, hsb, hsh = k, ksn, K_OFF, full_k, empty_k, ksb, ksh
-        else:
-            src, sn, off, full, empty, hsb, hsh = v, vsn, V_OFF, full_v, empty_v, vsb, vsh
-        sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0), False,
-                                             False)
-        qa = at + Q_OFF + 64 * wg * LINE
-        s = cuda.local.array(NS, float32)
-        oa = cuda.local.array(NO, float32)
-        pf = cuda.local.array(NP, uint32)
-
-        p = 0  # this block's pass over the grid's tiles (walk)
-        item = c
-        R = 0  # ring index of this query tile's key tile 0 (it counts on across tiles)
-        if item < n_items:  # the first query tile: its Q rows and first key tiles
-            start_tile(smem, el, item, R, GX, GY, Hq, group, Nq, Nk, causal_offset, cls, csq,
-                       q, qsb, qsh, qsn, src, hsb, hsh, sn, off, full, empty, wg, wtid)
-        cp_async_commit()
-        while item < n_items:
-            b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
-            n_tiles, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq)
-            base = b * hsb + hk * hsh  # this warpgroup's ring's source rows
-            cp_async_wait(1)  # this thread's Q rows (the first K/V tiles may still fly)
-            fence_proxy_async()
-            if wg == 0:  # the warpgroup's Q rows, for its wgmmas (barrier ids: literals)
-                named_sync(3, WG_THREADS)
-            else:
-                named_sync(4, WG_THREADS)
-            acc = zero_accumulators(D)
-            ma = mb = NEG_INF
-            la = lb = float32(0.0)
-            w0 = q0 + 64 * wg + 16 * warp  # this warp's 16 rows
-            i = w0 + g
-
-            if n_tiles > 0:
-                if wg == 1:
-                    named_arrive(1, 256)  # the first warpgroup takes the first turn
-                wait_full(smem, full_k, R, STAGES)
-                fence_proxy_async()
-                take_turn(wg)
-                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
-                                at + K_OFF + stage_of(R, STAGES) * STAGE, KSTEPS, BM, BN)
-                pass_turn(wg)
-                sacc = wgmma_wait_group_acc(0, sacc)
-                release(smem, empty_k, R, STAGES, lane)
-                acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk, causal_offset,
-                                                        CAUSAL, NTILES, tq, ma, mb, la, lb,
-                                                        sl2)
-                pack_p(BF16, pf, s, NP)
-                if AHEAD < n_tiles:
-                    produce_at(smem, el, off, src, base, AHEAD, R + AHEAD, 0, Nk, sn, full,
-                               empty, STAGES, STAGE, BN, CH, wtid)
-            for it in range(1, n_tiles):
-                n0 = it * BN
-                r = R + it
-                wait_full(smem, full_k, r, STAGES)
-                wait_full(smem, full_v, r - 1, STAGES)
-                fence_proxy_async()
-                take_turn(wg)
-                sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
-                                at + K_OFF + stage_of(r, STAGES) * STAGE, KSTEPS, BM, BN)
-                acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
-                               at + V_OFF + stage_of(r - 1, STAGES) * STAGE, PSTEPS, V_LBO)
-                pass_turn(wg)
-                sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
-                release(smem, empty_k, r, STAGES, lane)
-                acc_to_local(sacc, s)
-                ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
-                                                        causal_offset, CAUSAL, NTILES, tq,
-                                                        ma, mb, la, lb, sl2)
-                acc = wgmma_wait_group_acc(0, acc)
-                release(smem, empty_v, r - 1, STAGES, lane)
-                acc_to_local(acc, oa)
-                rescale(oa, al0, al1, DTILES)
-                acc = acc_from_local(oa, D)
-                pack_p(BF16, pf, s, NP)
-                if it + AHEAD < n_tiles:
-                    produce_at(smem, el, off, src, base, it + AHEAD, r + AHEAD, 0, Nk, sn,
-                               full, empty, STAGES, STAGE, BN, CH, wtid)
-            if n_tiles > 0:
-                last = R + n_tiles - 1
-                wait_full(smem, full_v, last, STAGES)
-                fence_proxy_async()
-                take_turn(wg)
-                acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
-                               at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
-                if wg == 0:
-                    pass_turn(wg)  # (the second's last pass would have no wait to match)
-                acc = wgmma_wait_group_acc(0, acc)
-                release(smem, empty_v, last, STAGES, lane)
-            R += n_tiles
-            p += 1
-            nxt = walk(p, c, G)
-            if nxt < n_items:  # the next query tile's Q rows and first key tiles, under
-                # this one's stores (its Q Kᵀ and P V are done with the stages they reuse)
-                start_tile(smem, el, nxt, R, GX, GY, Hq, group, Nq, Nk, causal_offset, cls,
-                           csq, q, qsb, qsh, qsn, src, hsb, hsh, sn, off, full, empty, wg,
-                           wtid)
-            cp_async_commit()
-
-            acc_to_local(acc, oa)
-            obase = b * osb + h * osh
-            lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, PACKED)
-            inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
-            inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
-            store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
-            item = nxt
-        cp_async_wait(0)
-
-    attn_forward_wgmma.__qualname__ = var.tag
-    return attn_forward_wgmma
-
-
-def make_attn_forward_wgmma_persistent_ws(var):
-    """The persistent forward with a producer warpgroup (``var.tiles``: persistent,
-    producer, tma): as :func:`make_attn_forward_wgmma_persistent`'s walk of the query tiles,
-    but the producer warpgroup copies every tile's Q (its 128 threads' ``cp.async``,
-    arriving on "q full") and its first thread every K and V tile by bulk tensor copies,
-    the rings' index counting on across query tiles, so the next query tile's Q and first
-    key tiles land while the consumers finish the current one. Q's buffer is released on
-    "q empty" by every consumer warp once its last Q Kᵀ of the tile is done; O is stored
-    from the registers (``store_frags``), so no shared memory is shared with the next Q."""
-    D, t = var.head_dim, var.tiles
     if not (t.persistent and t.producer and t.tma):
         raise ValueError(f"not a persistent tiling with a producer of bulk copies: {t}")
     BN, BM, STAGES = t.block_n, t.block_m, t.stages
@@ -332,12 +127,11 @@ def make_attn_forward_wgmma_persistent_ws(var):
     NS, NO, NP = BN // 2, D // 2, BN // 4
     STAGE = BN * D * 2
     QBYTES = BM * D * 2
-    # Q by one bulk tensor copy where its map's box (block_n rows) is Q's tile; with
-    # two-stage rings there is room for two Q buffers (the next tile's Q lands during the
-    # current one) and a tile of O rows staged for 16-byte stores (not the Q rows' spot,
-    # which the next Q takes)
-    Q_TMA = BN == BM
-    QBUFS = 2 if Q_TMA and STAGES == 2 else 1
+    if BN != BM:  # (Q's bulk copy takes the map's box of block_n rows)
+        raise ValueError(f"the persistent forward with a producer takes square tiles: {t}")
+    # two-stage rings leave room for two Q buffers and a tile of O rows (not the Q rows'
+    # spot, which the next Q takes)
+    QBUFS = 2 if STAGES == 2 else 1
     STAGED = QBUFS == 2
     Q_OFF = 0
     K_OFF = QBUFS * QBYTES
@@ -350,7 +144,6 @@ def make_attn_forward_wgmma_persistent_ws(var):
     # setmaxnreg moves registers within what the block was launched with (168 a thread at
     # 384 threads): 24 + 2 x 240 <= 3 x 168 (32 + 2 x 240 waited forever on the GPU)
     PRODUCER_REGS, CONSUMER_REGS = 24, 240
-    Q_ARRIVALS = 1 if Q_TMA else FULL_COUNT
     assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -390,11 +183,11 @@ def make_attn_forward_wgmma_persistent_ws(var):
                 mbarrier_init(smem, empty_k + BAR * st, EMPTY_COUNT)
                 mbarrier_init(smem, empty_v + BAR * st, EMPTY_COUNT)
             for qb in range(QBUFS):
-                mbarrier_init(smem, q_full + BAR * qb, Q_ARRIVALS)
+                mbarrier_init(smem, q_full + BAR * qb, 1)  # (Q's bulk copy's bytes)
                 mbarrier_init(smem, q_empty + BAR * qb, EMPTY_COUNT)
         cuda.syncthreads()  # the barriers initialized before any arrival
 
-        if wg < 0 and Q_TMA:  # the producer's first thread: K0, Q, V0, K1, V1, ...
+        if wg < 0:  # the producer's first thread: K0, Q, V0, K1, V1, ...
             setmaxnreg_dec(PRODUCER_REGS)
             if wtid == 0:  # (the other 127 threads are done: no warp spins beside the
                 # consumers' on their schedulers)
@@ -429,35 +222,6 @@ def make_attn_forward_wgmma_persistent_ws(var):
                     u += 1
                     p += 1
                     item = walk(p, c, G)
-        elif wg < 0:  # the producer: Q, then the query tile's K and V tiles, tile by tile
-            setmaxnreg_dec(PRODUCER_REGS)
-            if wtid == 0:
-                fence_tensormap(table, 1)
-                fence_tensormap(table, 2)
-            p = 0
-            item = c
-            R = 0  # ring index of the query tile's key tile 0
-            u = 0  # uses of Q's buffer
-            while item < n_items:
-                b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
-                n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq)
-                if u > 0:  # every consumer warp done with the last tile's Q Kᵀ
-                    mbarrier_wait(smem, q_empty, (u - 1) & 1)
-                load_tile(smem, el + Q_OFF // 2, q, b * qsb + h * qsh, q0, Nq, qsn, BM, CH,
-                          wtid, WG_THREADS)
-                cp_async_arrive(smem, q_full)
-                if wtid == 0:
-                    for tt in range(n_tiles):
-                        produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, tt, R + tt, 0,
-                                       full_k, empty_k, STAGES, STAGE, BN, PANELS)
-                        produce_tma_at(smem, el, V_OFF, table, 2, v, hk, b, tt, R + tt, 0,
-                                       full_v, empty_v, STAGES, STAGE, BN, PANELS)
-                R += n_tiles
-                u += 1
-                p += 1
-                item = walk(p, c, G)
-            cp_async_commit()
-            cp_async_wait(0)
         else:
             setmaxnreg_inc(CONSUMER_REGS)
             sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0),
@@ -489,7 +253,6 @@ def make_attn_forward_wgmma_persistent_ws(var):
 
                 if n_tiles > 0:
                     wait_full(smem, full_k, R, STAGES)
-                    fence_proxy_async()  # (Q's cp.async copies, for the wgmmas)
                     take_turn(wg)
                     sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
                                     at + K_OFF + stage_of(R, STAGES) * STAGE, KSTEPS, BM, BN)

@@ -44,12 +44,15 @@ class HopperTiles:
     them (384 threads, ``setmaxnreg``: 24 registers to it, 240 to the consumers).
     ``poly``: every ``poly``-th 8-key n-tile of the softmax takes its exp2 from the FMA
     pipe (``intrinsics.exp2_fma``) instead of the MUFU unit (0: none), for a softcap, whose
-    tanh is a second MUFU operation per score. ``persistent`` (ping-pong, with a producer
-    of bulk copies or no producer; dense rows without masks): one block per multiprocessor
-    walks the query tiles (the launch's grid in its order, heaviest first where causal),
-    its K/V rings running on from one tile to the next, so the next tile's first K/V tiles
-    and Q rows load under the current one's last products and stores (a block's fixed cost
-    was 2.4-4.7 key tiles: notes/fixed_cost_varlen_cpu_2026-11-26.md). ``tma`` (ping-pong): one
+    tanh is a second MUFU operation per score. ``persistent`` (ping-pong with a producer of
+    bulk copies, square tiles; dense rows without masks; ``hopper/persistent.py``): one
+    block per multiprocessor walks the query tiles (the launch's grid in its order,
+    heaviest first where causal), its K/V rings running on from one tile to the next, so
+    the next tile's Q and first K/V tiles load under the current one's last products and
+    stores (:data:`PERSISTENT`). (A form without a producer, whose consumers copied, was
+    slower than the ping-pong tiling it walked with, and is gone: notes/
+    fixed_cost_varlen_cpu_2026-11-26.md.)
+    ``tma`` (ping-pong): one
     thread of each copying warpgroup (or of the producer warpgroup) moves a K or V tile with
     the Tensor Memory Accelerator (``cp.async.bulk.tensor`` through tensor maps the launch
     makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies. ``own_dq`` (the
@@ -80,9 +83,10 @@ class HopperTiles:
             raise ValueError(f"the ping-pong schedule takes 2 warpgroups and overlap: {self}")
         if self.poly not in (0, 2, 3, 4):
             raise ValueError(f"poly must be 0, 2, 3 or 4: {self}")
-        if self.persistent and (not self.pingpong or self.producer != self.tma):
-            raise ValueError(f"a persistent block takes the ping-pong schedule, with a "
-                             f"producer warpgroup of bulk copies or neither: {self}")
+        if self.persistent and not (self.pingpong and self.producer and self.tma
+                                    and self.block_n == self.block_m):
+            raise ValueError(f"a persistent block takes the ping-pong schedule with a "
+                             f"producer warpgroup of bulk copies, square tiles: {self}")
         if self.tma and not self.pingpong:
             raise ValueError(f"bulk tensor copies serve the ping-pong schedule: {self}")
         if self.own_dq and not (self.producer and not self.pingpong):
@@ -98,7 +102,7 @@ class HopperTiles:
         """``g2n128``, ``g2n128o`` (overlap), ``g1n64ob2`` (2 blocks per SM), ``g2n128op3``
         (ping-pong, 3 stages), ``g1n64od3`` (a backward kernel's last products retiring
         under the next step), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
-        (every second n-tile's exp2 on the FMA pipe), ``g2n128op3s`` (persistent),
+        (every second n-tile's exp2 on the FMA pipe), ``g2n128op2wts`` (persistent),
         ``g2n128op3t`` (K and V by bulk tensor copies): names the tiling in kernel names and
         timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
@@ -170,6 +174,8 @@ class HopperTiles:
 #: (g1n64ob2: 2550 against 2397), a score_mod MASKED_OVERLAP's.
 _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=True)
 _PP_TMA192 = HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True, tma=True)
+_PS2 = HopperTiles(2, 128, True, pingpong=True, stages=2, producer=True, tma=True,
+                   persistent=True)
 _G1N128B3 = HopperTiles(1, 128, True, 3)
 HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
@@ -186,6 +192,20 @@ HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
 #: 394, 391.
 LONG_KEYS = {(64, False): _PP_TMA192, (64, True): _PP_TMA192}
 LONG_KEYS_MIN = 8192
+#: Per (head dim, causal), the forward's tiling for dense calls without masks or modifiers
+#: that take the bulk tensor copies (:data:`TMA_MIN_WORK`) where it is not the table's
+#: (masked and varlen calls keep the table's, which their choices were timed on): one block
+#: per SM walks the query tiles (``hopper/persistent.py``'s producer form, g2n128op2wts):
+#: two-stage K/V rings, two Q buffers, so that the next tile's Q lands during the current
+#: one, O staged for 16-byte stores, the turns carried from tile to tile. A block's start
+#: and end (about 3 µs on the table's non-persistent tiling) are paid once per SM instead
+#: of once per query tile. H200, bf16 H=16, one run, TFLOP/s g2n128op2wts / g2n128op3wt
+#: (cuDNN): N=1024 B=16 588 / 527 (618), N=2048 B=8 647 / 608 (655), N=4096 B=4 676 / 653
+#: (675), N=16384 B=1 625 / 609 (636). Causal it loses (370 / 565 at N=4096): its static
+#: walk leaves the heaviest-first tiles unbalanced, where the hardware's block scheduler
+#: balances them. At D=64 it is level with g1n128ob3 (464 / 459 at N=4096, 390 / 404 at
+#: N=1024): not taken (notes/persistent_2026-11-27.md).
+PERSISTENT = {(128, False): _PS2}
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
 #: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture): the ping-pong
 #: g2n128op3 (its consumers' cp.async copies) at D=128. (D=64's table, g1n128ob3, has no
@@ -204,14 +224,6 @@ HOPPER_ALIGN = 1024
 _POLY2 = HopperTiles(2, 128, True, pingpong=True, stages=3, poly=2)
 #: The 2-stage ping-pong, for D=256 (three stages do not fit its shared memory).
 _PP2 = HopperTiles(2, 64, True, pingpong=True, stages=2)
-#: The persistent ping-pong forward (``hopper/persistent.py``): correct on an H100, and
-#: slower there than g2n128op3 (D=128 bf16, B=4 H=16 N=4096: 492 against 516 TFLOP/s,
-#: causal 295 against 454): its tile's code costs 6% more than g2n128op3's, walking the
-#: tiles gains 2% non-causal, and the static walk loses 30% causal, where the hardware's
-#: block scheduler balances the heaviest-first tiles
-#: (notes/fixed_cost_varlen_cpu_2026-11-26.md). Kept for the tool, as the base of a
-#: dynamic tile scheduler.
-_PERSISTENT = HopperTiles(2, 128, True, pingpong=True, stages=3, persistent=True)
 #: Tilings tools/hopper_forward.py times against each other (and the gpu test covers).
 HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles(2, 64, True),
                      HopperTiles(1, 64, True, 2),
@@ -221,16 +233,15 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      HopperTiles(2, 64, True, pingpong=True, stages=3, producer=True),
                      HopperTiles(2, 192, True, pingpong=True, stages=3),
                      HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True),
-                     _POLY2, _PP2, _PERSISTENT,
+                     _POLY2, _PP2,
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
                      HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA,
-                     _PP_TMA192, _G1N128B3)
+                     _PP_TMA192, _G1N128B3, _PS2)
 #: Tilings the tool times by name (``--tilings``) that are not candidates (the GPU tests do
-#: not run them): the persistent ping-pong with a producer warpgroup of bulk copies
-#: (``hopper/persistent.py``'s ``make_attn_forward_wgmma_persistent_ws``; branch
-#: persistent-ws, not on main: notes/lazy_rescale_2026-11-27.md).
-HOPPER_TRIALS = (replace(_PP_TMA, persistent=True), replace(_PP_TMA192, persistent=True),
-                 replace(_PP_TMA, persistent=True, stages=2))
+#: not run them): the persistent form with a producer of bulk copies on three-stage rings
+#: (one Q buffer, O stored from the registers), slower than :data:`PERSISTENT`'s
+#: (notes/persistent_2026-11-27.md).
+HOPPER_TRIALS = (replace(_PP_TMA, persistent=True),)
 #: Head dims of a candidate where not 64 and 128: 192 keys at D=128 spill; three blocks of
 #: g1n128ob3 fit the shared memory at D=64 only; 64-key ping-pong is for D=64 (64-key
 #: tiles lost at D=128 before), kept off D=128 to save compiles. At
@@ -348,9 +359,9 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     (a backward tiling): Q and dO (dK/dV) or K (dQ), which a step's last products read, in
     three buffers."""
     if kernel == "forward":
-        # (a persistent producer of bulk copies with two-stage rings: two Q buffers and a
-        # tile of O rows, two more barriers)
-        staged = (t.persistent and t.tma and t.stages == 2 and t.block_n == t.block_m)
+        # (a persistent one with two-stage rings: two Q buffers and a tile of O rows, two
+        # more barriers)
+        staged = t.persistent and t.stages == 2
         return (HOPPER_ALIGN + ((1 + 2 * staged) * t.block_m + 2 * t.stages * t.block_n)
                 * head_dim * 2
                 + ((4 * t.stages + t.producer * (1 + t.persistent) * (1 + staged)) * 8
@@ -393,13 +404,18 @@ HOPPER_BWD_MASKED = {("dkdv", 128): HopperTiles(1, 32, True)}
 
 def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   mask_mod: bool = False, softcap: bool = False,
-                  masked: bool = False, long_keys: bool = False) -> HopperTiles | None:
+                  masked: bool = False, long_keys: bool = False,
+                  dense: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
     (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one;
     ``masked``: of a backward kernel with a window, the softcap or ALiBi (a forward's masks
     and modifiers: :func:`masked_tiles`); ``long_keys``: of
-    a forward of :data:`LONG_KEYS_MIN` keys or more), or None where it has none."""
+    a forward of :data:`LONG_KEYS_MIN` keys or more; ``dense``: of a forward of a dense
+    batch without masks that takes the bulk tensor copies: :data:`PERSISTENT`'s), or None
+    where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
+    if dense and kernel == "forward":
+        t = PERSISTENT.get((head_dim, bool(causal)), t)
     if long_keys and kernel == "forward":
         t = LONG_KEYS.get((head_dim, bool(causal)), t)
     if t is not None and softcap and kernel != "forward":
