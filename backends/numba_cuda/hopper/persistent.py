@@ -6,7 +6,7 @@ causal), each pass in the other direction (:func:`walk`).
 A block per query tile pays its start and end with nothing under them (one block per
 multiprocessor: 224 KiB of shared memory at D=128): Q and the first K and V tiles loaded
 before the first product, the warpgroups' first turns, and at its end the last P V, the
-normalization and the stores; about 3 µs a block on an H200, a tenth of a block's time at
+normalization and the stores; about 3 µs a block on an H200, a fifth of a block's time at
 N=1024 (notes/persistent_2026-11-27.md). Here a producer warpgroup's first thread moves
 every Q, K and V tile by bulk tensor copies, the rings' index counting on from one query
 tile to the next (stages and phases follow from it), Q in two buffers handed over by
@@ -197,7 +197,7 @@ def make_attn_forward_wgmma_persistent(var):
                 p = 0
                 item = c
                 R = 0  # ring index of the query tile's key tile 0
-                u = 0  # uses of Q's buffer
+                u = 0  # query tiles so far (Q in buffer u % QBUFS)
                 while item < n_items:
                     b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
                     n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
