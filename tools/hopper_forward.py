@@ -144,23 +144,17 @@ def timer(torch, fn, repeat):
     :data:`SPAN`: the mean over ``repeat`` calls between one pair of events)."""
     for _ in range(3):
         fn()
-    if SPAN:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(repeat):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / repeat
+    calls, samples = (repeat, 1) if SPAN else (1, repeat)  # (calls between a pair)
     pairs = []
-    for _ in range(repeat):
+    for _ in range(samples):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(calls):
+            fn()
         b.record()
         pairs.append((a, b))
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in pairs)
+    return statistics.median(a.elapsed_time(b) / calls for a, b in pairs)
 
 
 def table(rows) -> str:
