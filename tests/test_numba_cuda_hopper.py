@@ -785,9 +785,9 @@ def hopper_gpu():
     return torch
 
 
-#: The table's tilings (and PERSISTENT's) on every shape, dtype, head dim and causal mode; the other candidates
-#: in bf16 on the first three shapes (the ping-pong ones on the fourth too: 1024 keys go
-#: round their rings more than once).
+#: The table's tilings (and PERSISTENT's) on every shape, dtype, head dim and causal mode;
+#: the other candidates in bf16 on the first three shapes (the ping-pong ones on the fourth
+#: too: 1024 keys go round their rings more than once).
 GPU_CASES = [(tt, shape, d, t, c) for tt in TILINGS for shape in SHAPES for d, t, c in ALL
              if tt in (tilings.choose_hopper(d, c), tilings.choose_hopper(d, c, dense=True))
              or (t == "bfloat16" and tt in tilings.hopper_candidates(d)

@@ -50,10 +50,9 @@ class HopperTiles:
     heaviest first where causal), its K/V rings running on from one tile to the next, so
     the next tile's Q and first K/V tiles load under the current one's last products and
     stores (:data:`PERSISTENT`). (A form without a producer, whose consumers copied, was
-    slower than the ping-pong tiling it walked with, and is gone: notes/
-    fixed_cost_varlen_cpu_2026-11-26.md.)
-    ``tma`` (ping-pong): one
-    thread of each copying warpgroup (or of the producer warpgroup) moves a K or V tile with
+    slower than the ping-pong tiling it walked with, and is gone:
+    notes/fixed_cost_varlen_cpu_2026-11-26.md.) ``tma`` (ping-pong): one thread of each
+    copying warpgroup (or of the producer warpgroup) moves a K or V tile with
     the Tensor Memory Accelerator (``cp.async.bulk.tensor`` through tensor maps the launch
     makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies. ``own_dq`` (the
     backward's dkdvq with a producer, ``hopper/backward_ws.py``): each consumer warpgroup
@@ -249,7 +248,6 @@ HOPPER_TRIALS = (replace(_PP_TMA, persistent=True),)
 #: tile 32 KiB: two stages of both, 193 KiB): the overlapped g2n64o and the 2-stage
 #: ping-pong; ptxas 13: g2n64o 220-228 registers, g2n64 234, g2n64op2 208-225, no spills.
 HOPPER_CANDIDATE_DIMS = {t: (64,) for t in HOPPER_CANDIDATES if t.pingpong and t.block_n != 128}
-HOPPER_CANDIDATE_DIMS.update({t: (64,) for t in HOPPER_TRIALS if t.block_n != 128})
 HOPPER_CANDIDATE_DIMS.update({_POLY2: (128,), _PP2: (256,), _G1N128B3: (64,),
                               HopperTiles(2, 64, True): HOPPER_HEAD_DIMS})
 
