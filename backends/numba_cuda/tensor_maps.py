@@ -39,9 +39,12 @@ _L2_256B = 3
 BOX_COLUMNS = 64
 #: Sets of encoded maps kept (host bytes, per arrays).
 MAX_KEPT = 256
-#: Slots of each device's ring (3 maps, 384 bytes, a slot).
+#: Slots of each device's ring (3 maps, 384 bytes, and 128 bytes of the persistent
+#: forward's scheduling counters, zero when copied: ``device/pipeline.counter_add``; the
+#: kernel that counts on them sets them to zero again before it ends).
 SLOTS = 1024
-_SET = 3 * 128
+_MAPS = 3 * 128
+_SET = _MAPS + 128
 #: CUevent flag: no timing (cheaper to record).
 _EVENT_DISABLE_TIMING = 2
 #: CU_STREAM_PER_THREAD: one handle for every thread's own default stream.
@@ -257,7 +260,7 @@ def _encoded(case, q, k, v, block_n) -> bytes:
     for n, (address, dims, strides) in enumerate(geo):
         _encode_map(ctypes.addressof(host) + at + 128 * n, case.dtype, address, dims,
                     strides, block_n)
-    data = bytes(host)[at:at + _SET]
+    data = bytes(host)[at:at + _MAPS] + bytes(_SET - _MAPS)  # (the counters: zero)
     with _kept_lock:
         _kept[key] = data
         if len(_kept) > MAX_KEPT:
@@ -278,7 +281,7 @@ def put(case, device, stream, q, k, v, block_n):
             B, H, N, D = dims
             maps.append(sim_tensor_map(flat, (D, N, H, B), (sn, sh, sb),
                                        (BOX_COLUMNS, block_n)))
-        return np.concatenate(maps), None
+        return np.concatenate(maps + [np.zeros_like(maps[0])]), None  # (and counters)
     return _ring(device).put(_encoded(case, q, k, v, block_n), stream)
 
 

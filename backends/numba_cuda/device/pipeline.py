@@ -19,7 +19,11 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   warpgroups can take turns (one waits on its barrier, the other arrives on it).
 - ``st_shared_f32(smem, idx, value)``: one ``st.shared.f32`` at 16-bit element ``idx``
   (even) of ``smem``; ``st_shared_u32(smem, idx, bits)`` likewise for a 32-bit word (two
-  packed 16-bit elements, ``idx`` low); ``ld_shared_f32(smem, idx)`` reads an fp32 there.
+  packed 16-bit elements, ``idx`` low); ``ld_shared_f32(smem, idx)`` reads an fp32 there,
+  ``ld_shared_u32(smem, idx)`` a 32-bit word.
+- ``counter_add(maps, n, value)``: ``atom.add.u32`` on the launch's scheduling counter
+  ``n`` (32-bit words after the three tensor maps at ``maps``: ``COUNTERS_OFFSET``),
+  returning the old value; ``counter_store(maps, n, value)`` writes one (``st.u32``).
 - ``bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes)``:
   ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: ``nbytes`` (a multiple
   of 16) of fp32 from shared element ``sidx`` added, element by element and atomically,
@@ -79,6 +83,10 @@ __all__ = [
     "cp_async_arrive",
     "empty_parity",
     "ld_shared_f32",
+    "ld_shared_u32",
+    "counter_add",
+    "counter_store",
+    "COUNTERS_OFFSET",
     "full_parity",
     "fence_tensormap",
     "mbarrier_arrive",
@@ -97,6 +105,8 @@ __all__ = [
 
 #: Bytes of one tensor map (CUtensorMap), 64-byte aligned in global memory.
 TENSOR_MAP_BYTES = 128
+#: Where a launch's scheduling counters start, after its three tensor maps (bytes).
+COUNTERS_OFFSET = 3 * TENSOR_MAP_BYTES
 
 #: Bytes of one mbarrier (8-byte aligned).
 MBARRIER_BYTES = 8
@@ -130,9 +140,12 @@ if SIMULATOR:
         bulk_reduce_add_f32,
         bulk_wait,
         bulk_wait_read,
+        counter_add,
+        counter_store,
         cp_async_arrive,
         fence_tensormap,
         ld_shared_f32,
+        ld_shared_u32,
         mbarrier_arrive,
         mbarrier_expect_tx,
         mbarrier_init,
@@ -275,6 +288,55 @@ else:
             return builder.load(p, align=4)
 
         return types.float32(smem, idx), codegen
+
+    @intrinsic
+    def ld_shared_u32(typingctx, smem, idx):
+        """The 32-bit word at 16-bit element ``idx`` (even) of ``smem``."""
+        if not isinstance(smem, types.CPointer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            p = builder.bitcast(builder.gep(args[0], [args[1]]), _I32.as_pointer())
+            return builder.load(p, align=4)
+
+        return types.uint32(smem, idx), codegen
+
+    def _counter_address(context, builder, sig, maps, n):
+        """The 64-bit generic address of counter ``n`` after the tensor maps at ``maps``."""
+        base = builder.ptrtoint(maps, ir.IntType(64))
+        w = context.cast(builder, n, sig.args[1], types.int64)
+        return builder.add(base, builder.add(ir.Constant(ir.IntType(64), COUNTERS_OFFSET),
+                                             builder.mul(w, ir.Constant(ir.IntType(64), 4))))
+
+    @intrinsic
+    def counter_add(typingctx, maps, n, value):
+        """``atom.add.u32`` on counter ``n``: its old value."""
+        if not isinstance(maps, types.CPointer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            addr = _counter_address(context, builder, sig, args[0], args[1])
+            v = context.cast(builder, args[2], sig.args[2], types.uint32)
+            fty = ir.FunctionType(_I32, [addr.type, _I32])
+            return builder.call(ir.InlineAsm(fty, "atom.add.u32 $0, [$1], $2;",
+                                             "=r,l,r,~{memory}", side_effect=True),
+                                [addr, v])
+
+        return types.uint32(maps, n, value), codegen
+
+    @intrinsic
+    def counter_store(typingctx, maps, n, value):
+        """``st.u32`` of ``value`` into counter ``n``."""
+        if not isinstance(maps, types.CPointer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            addr = _counter_address(context, builder, sig, args[0], args[1])
+            v = context.cast(builder, args[2], sig.args[2], types.uint32)
+            _asm(builder, [addr, v], "st.u32 [$0], $1;", "l,r,~{memory}")
+            return context.get_dummy_value()
+
+        return types.void(maps, n, value), codegen
 
     def _st_shared(ty, kind, reg):
         """An intrinsic ``fn(smem, idx, value)``: ``st.shared.{kind}`` of a ``ty`` at 16-bit

@@ -366,6 +366,28 @@ def setmaxnreg_dec(n):
 # into the same elements), and the waits have nothing to wait for
 
 _red_lock = threading.Lock()
+#: Words of the simulated maps array before its scheduling counters (three maps).
+SIM_COUNTERS = 3 * SIM_MAP_WORDS
+
+
+def counter_add(maps, n, value):
+    """The launch's scheduling counter ``n`` (after the three maps) increased by ``value``,
+    atomically; its old value."""
+    i = SIM_COUNTERS + int(n)
+    with _red_lock:
+        old = int(maps[i])
+        maps[i] = old + int(value)
+    return np.uint32(old)
+
+
+def counter_store(maps, n, value):
+    with _red_lock:
+        maps[SIM_COUNTERS + int(n)] = int(value)
+
+
+def ld_shared_u32(smem, idx):
+    i = int(idx)
+    return np.array(smem[i:i + 2]).view(np.uint32)[0]
 
 
 def _st_shared(dtype):

@@ -1,7 +1,14 @@
 """The persistent ping-pong forward (``HopperTiles.persistent``; ``tilings.PERSISTENT``'s
-at D=128 non-causal): one block per multiprocessor walks the query tiles of a dense call,
-in passes over the grid's order (``device/prologue.block_tile``: heaviest first where
-causal), each pass in the other direction (:func:`walk`).
+at D=128 non-causal): one block per multiprocessor walks the query tiles of a dense call
+in the grid's order (``device/prologue.block_tile``: heaviest first where causal), each
+block taking the next tile not yet taken from a counter the blocks share (after its
+first, its own index): a block that finishes early takes more, as the hardware's block
+scheduler would deal them. The counters are 32-bit words after the launch's tensor maps
+(``tensor_maps``' slots, zero when copied); the last block to run out sets them to zero
+again, so that the next launch reading the slot (ordered after this one on its stream)
+starts from zero. The producer publishes each tile's index to the consumers with its Q
+(a word per Q buffer, written before the arrival on "q full"); an index past the last
+tells them to stop.
 
 A block per query tile pays its start and end with nothing under them (one block per
 multiprocessor: 224 KiB of shared memory at D=128): Q and the first K and V tiles loaded
@@ -20,13 +27,16 @@ tiling for the others. The launch passes the batch as ``nseq``.
 """
 from __future__ import annotations
 
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import warp_uniform
 from ..device.pipeline import (
+    counter_add,
+    counter_store,
     fence_tensormap,
+    ld_shared_u32,
     mbarrier_arrive,
     mbarrier_expect_tx,
     mbarrier_init,
@@ -34,6 +44,7 @@ from ..device.pipeline import (
     named_arrive,
     setmaxnreg_dec,
     setmaxnreg_inc,
+    st_shared_u32,
     stage_of,
     tma_load_4d,
 )
@@ -78,14 +89,6 @@ def query_tile(item, GX, GY, Hq, group, BM, CAUSAL):
     qt, bh = block_tile(item % GX, item // GX, GX, GY, CAUSAL, True, HEAD_GROUP)
     b, h, hk = split_heads(bh, Hq, group)
     return b, h, hk, qt * BM
-
-
-@device_function
-def walk(p, c, G):
-    """The tile block ``c`` of ``G`` takes on its pass ``p``: ``c`` on even passes, ``G - 1 -
-    c`` on odd ones (a snake), so that where tiles come heaviest first (causal) no block
-    takes the heaviest of every pass."""
-    return p * G + (c if p % 2 == 0 else G - 1 - c)
 
 
 @device_function
@@ -138,12 +141,16 @@ def make_attn_forward_wgmma_persistent(var):
     V_OFF = K_OFF + STAGES * STAGE
     O_OFF = V_OFF + STAGES * STAGE
     BAR_OFF = O_OFF + (QBYTES if STAGED else 0)
+    # after the barriers, a 32-bit word per Q buffer: the query tile of its use
+    ITEM_OFF = BAR_OFF + (4 * STAGES + 2 * QBUFS) * BAR * 2
     V_LBO = BN * LINE
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
     # setmaxnreg moves registers within what the block was launched with (168 a thread at
-    # 384 threads): 24 + 2 x 240 <= 3 x 168 (32 + 2 x 240 waited forever on the GPU)
-    PRODUCER_REGS, CONSUMER_REGS = 24, 240
+    # 384 threads): 40 + 2 x 232 <= 3 x 168 (32 + 2 x 240 waited forever on the GPU). The
+    # producer's loop (tile indices from the counter, the last tile's word) spilled 40
+    # bytes at 24, the ping-pong producer's share; the consumers fit 232 (ptxas 13.0)
+    PRODUCER_REGS, CONSUMER_REGS = 40, 232
     assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
@@ -191,23 +198,33 @@ def make_attn_forward_wgmma_persistent(var):
             setmaxnreg_dec(PRODUCER_REGS)
             if wtid == 0:  # (the other 127 threads are done: no warp spins beside the
                 # consumers' on their schedulers)
+                # (32-bit tile indices: the producer has 24 registers)
+                GX32, GY32, N_ITEMS = int32(GX), int32(GY), int32(n_items)
                 fence_tensormap(table, 0)
                 fence_tensormap(table, 1)
                 fence_tensormap(table, 2)
-                p = 0
-                item = c
                 R = 0  # ring index of the query tile's key tile 0
                 u = 0  # query tiles so far (Q in buffer u % QBUFS)
-                while item < n_items:
-                    b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
+                item = int32(c)  # (then the next not taken, from the launch's counter 0)
+                while True:
+                    qb = u % QBUFS  # (the buffer's (u // QBUFS)-th use)
+                    slot = el + ITEM_OFF // 2 + 2 * qb
+                    if item >= N_ITEMS:  # none left: the consumers are told through
+                        # Q's barrier, with no copy
+                        if u >= QBUFS:
+                            mbarrier_wait(smem, q_empty + BAR * qb, (u // QBUFS - 1) & 1)
+                        st_shared_u32(smem, slot, uint32(N_ITEMS))
+                        mbarrier_arrive(smem, q_full + BAR * qb)
+                        break
+                    b, h, hk, q0 = query_tile(item, GX32, GY32, Hq, group, BM, CAUSAL)
                     n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
                                            csq)
                     if n_tiles > 0:  # (its stage frees before the last tile's Q is done)
                         produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, 0, R, 0,
                                        full_k, empty_k, STAGES, STAGE, BN, PANELS)
-                    qb = u % QBUFS  # (the buffer's (u // QBUFS)-th use)
                     if u >= QBUFS:  # every consumer warp done with its last use's Q Kᵀ
                         mbarrier_wait(smem, q_empty + BAR * qb, (u // QBUFS - 1) & 1)
+                    st_shared_u32(smem, slot, uint32(item))  # (published by the arrival)
                     mbarrier_expect_tx(smem, q_full + BAR * qb, QBYTES)
                     for pn in range(PANELS):
                         tma_load_4d(smem, el + (Q_OFF + qb * QBYTES) // 2 + pn * (BM * 64),
@@ -220,8 +237,12 @@ def make_attn_forward_wgmma_persistent(var):
                                        full_v, empty_v, STAGES, STAGE, BN, PANELS)
                     R += n_tiles
                     u += 1
-                    p += 1
-                    item = walk(p, c, G)
+                    item = int32(G) + int32(counter_add(table, 0, 1))
+                # the last block to run out sets the counters to zero for the next launch
+                # that reads this slot (no block takes a tile after it ran out)
+                if int64(counter_add(table, 1, 1)) == G - 1:
+                    counter_store(table, 0, 0)
+                    counter_store(table, 1, 0)
         else:
             setmaxnreg_inc(CONSUMER_REGS)
             sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0),
@@ -229,8 +250,6 @@ def make_attn_forward_wgmma_persistent(var):
             s = cuda.local.array(NS, float32)
             oa = cuda.local.array(NO, float32)
             pf = cuda.local.array(NP, uint32)
-            p = 0
-            item = c
             R = 0
             u = 0
             # The turns carry on from one query tile to the next (armed once here): the first
@@ -238,13 +257,16 @@ def make_attn_forward_wgmma_persistent(var):
             # last P V, not once the second is through its stores too
             if wg == 1:
                 named_arrive(1, 256)
-            while item < n_items:
+            while True:
+                qb = u % QBUFS
+                mbarrier_wait(smem, q_full + BAR * qb, (u // QBUFS) & 1)
+                item = int64(ld_shared_u32(smem, el + ITEM_OFF // 2 + 2 * qb))
+                if item >= n_items:  # (the producer's: none left)
+                    break
                 b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
                 n_tiles, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
                                             csq)
-                qb = u % QBUFS
                 qa = at + Q_OFF + qb * QBYTES + 64 * wg * LINE
-                mbarrier_wait(smem, q_full + BAR * qb, (u // QBUFS) & 1)
                 acc = zero_accumulators(D)
                 ma = mb = NEG_INF
                 la = lb = float32(0.0)
@@ -300,13 +322,11 @@ def make_attn_forward_wgmma_persistent(var):
                     take_turn(wg)
                     acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
                                    at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
-                    if wg == 0 or walk(p + 1, c, G) < n_items:
-                        pass_turn(wg)  # (the second's: to the first's next tile, if any)
+                    pass_turn(wg)  # (the second's: to the first's next tile, or its end)
                     acc = wgmma_wait_group_acc(0, acc)
                     release(smem, empty_v, last, STAGES, lane)
                 R += n_tiles
                 u += 1
-                p += 1
 
                 acc_to_local(acc, oa)
                 obase = b * osb + h * osh
@@ -318,7 +338,8 @@ def make_attn_forward_wgmma_persistent(var):
                             osd, oa, inv0, inv1, D, BM, wg, warp, g, tq, wtid)
                 else:
                     store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
-                item = walk(p, c, G)
+            if wg == 0:  # the second's last pass, matched
+                take_turn(wg)
 
     attn_forward_wgmma.__qualname__ = var.tag
     return attn_forward_wgmma
