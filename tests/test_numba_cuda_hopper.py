@@ -1026,6 +1026,16 @@ def test_persistent_forward_walks_many_tiles_on_gpu(hopper_gpu, monkeypatch, hea
     assert rel_err(lse.cpu().numpy(), ref_lse) < 1e-5
     assert torch.equal(o, o2)  # (lse's last bits may differ: m sl2 + log2 l, contracted or not)
     assert (lse - lse2).abs().max().item() < 1e-5
+    # again on the same arrays, three launches in a row (the same tensor-map slot, so the
+    # same tile counters: the last block of each launch must have set them to zero, or the
+    # next one skips tiles)
+    monkeypatch.setitem(tilings.HOPPER_FORWARD, (head_dim, causal), persistent)
+    launch.forget_plans()
+    again = [flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
+                                         backend="numba_cuda") for _ in range(3)]
+    torch.cuda.synchronize()
+    for o3, lse3 in again:
+        assert torch.equal(o3, o) and torch.equal(lse3, lse)
 
 
 #: Masks and score modifiers on the wgmma forward (test_numba_cuda_mods' case format): the
