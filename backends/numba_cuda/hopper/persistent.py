@@ -61,7 +61,7 @@ from ..device.wgmma import (
 from ..tensor_core.forward import finish_row
 from ..tensor_core.fragments import store_frags
 from ..tilings import HOPPER_ALIGN
-from .epilogue import store_o
+from .epilogue import store_o, wg_barrier
 from .forward import (
     LINE,
     issue_pv,
@@ -288,8 +288,12 @@ def make_attn_forward_wgmma_persistent(var):
                                                             causal_offset, CAUSAL, NTILES, tq,
                                                             ma, mb, la, lb, sl2)
                     pack_p(BF16, pf, s, NP)
-                elif lane == 0:  # (a tile that sees no key reads no Q)
-                    mbarrier_arrive(smem, q_empty + BAR * qb)
+                else:  # (a tile that sees no key reads no Q) once every thread of the
+                    # warpgroup has read the tile's word: the producer writes the buffer's
+                    # next after these arrivals (a warp's lanes need not run in step)
+                    wg_barrier(wg)
+                    if lane == 0:
+                        mbarrier_arrive(smem, q_empty + BAR * qb)
                 for it in range(1, n_tiles):
                     n0 = it * BN
                     r = R + it
