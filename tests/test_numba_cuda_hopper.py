@@ -1038,6 +1038,42 @@ def test_persistent_forward_walks_many_tiles_on_gpu(hopper_gpu, monkeypatch, hea
         assert torch.equal(o3, o) and torch.equal(lse3, lse)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_persistent_forward_window_on_gpu(hopper_gpu, monkeypatch, causal):
+    """The persistent forward (tilings.PERSISTENT's tiling) with a sliding window on 192
+    query tiles (GQA, bnhd, a key tail): each tile's keys from the window's first tile,
+    its edge tiles masked, against the float64 reference."""
+    torch = hopper_gpu
+    from helpers import TOL_FWD, rel_err
+
+    import flashcore
+
+    t = tilings.PERSISTENT[128, False]
+    shape = (3, 8, 2, 1000, 1100, "bnhd")
+    B, Hq, Hkv, Nq, Nk, layout = shape
+    window = (300, 200)
+    monkeypatch.setenv(launch.HOPPER_ENV, "1")
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (a small call: the bulk copies)
+    monkeypatch.setitem(tilings.HOPPER_FORWARD, (128, causal), t)
+    tags = spy_launches(monkeypatch, ("launch_forward",),
+                        name=lambda kern: kern._dispatcher.py_func.__qualname__)
+    q, k, v, _ = gpu_inputs(torch, shape, 128, "bfloat16", 17)
+    o, lse = flashcore.attention_forward(q, k, v, causal=causal, layout=layout,
+                                         window=window, backend="numba_cuda")
+    torch.cuda.synchronize()
+    assert f"_{t.tag}_" in tags[-1], tags
+    ro, rl = flashcore.attention_forward(*(x.double().cpu().numpy() for x in (q, k, v)),
+                                         causal=causal, layout=layout, window=window,
+                                         backend="reference")
+    assert rel_err(o.float().cpu().numpy(), ro) < TOL_FWD["bfloat16"]
+    got = lse.cpu().numpy()
+    finite = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(got), finite)
+    assert rel_err(got[finite], rl[finite]) < 1e-5
+
+
 #: Masks and score modifiers on the wgmma forward (test_numba_cuda_mods' case format): the
 #: window, the softcap, ALiBi (alone and with the softcap), two user mods reading two arrays
 #: (with a window too), and a document mask_mod whose empty tiles are skipped, with and

@@ -414,6 +414,29 @@ else:
         ro, rl = oracle_forward(q, k, v, **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
+    #: The persistent forward with a sliding window (each query tile's key tiles from the
+    #: window's first, its edge tiles masked): more query tiles than blocks, a key tail,
+    #: rows past the window's reach (causal, Nq > Nk) and both layouts.
+    @pytest.mark.slow
+    @pytest.mark.parametrize("c,window", [
+        ((1, 2, 1, 600, 500, 64, "bfloat16", False, "bhnd"), (150, 90)),
+        ((1, 2, 2, 520, 300, 64, "float16", True, "bnhd"), (200, None))],
+        ids=lambda x: _id(x) if isinstance(x, tuple) and len(x) == 9 else str(x))
+    def test_persistent_forward_window(emulated, monkeypatch, c, window):
+        """The persistent forward (two-stage, PERSISTENT_WS2) with a window, against the
+        oracle, through the front end."""
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        t = PERSISTENT_WS2
+        monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), t)
+        q, k, v, _ = _inputs(c)
+        opts = dict(causal=causal, layout=layout, window=window)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+        assert len(emulated.tags) == 1 and f"_d{D}_{t.tag}_" in emulated.tags[0], \
+            emulated.tags
+        ro, rl = flashcore.attention_forward(*(x.astype(np.float64) for x in (q, k, v)),
+                                             backend="reference", **opts)
+        _check_forward(o, lse, ro, rl, dtype)
+
     #: The softcap in the forward, its factor folded into the log2 factor (``mask_flags``'
     #: FOLD: nothing after it needs the capped score in its own units), on one warpgroup
     #: (D=64: the table's g1n128ob3; causal, rows that see no key: the window's g1n64ob2)

@@ -112,7 +112,8 @@ def variants(launch, tilings, candidates, head_dims, masks):
                 opts = mask_of(m, c, 1, None)[1]
                 base = launch.hopper_variant(d, "bfloat16", c, **opts)
                 out += [replace(base, tiles=tilings.masked_tiles(
-                    t, softcap="softcap" in opts, alibi="alibi" in opts) if opts else t)
+                    t, softcap="softcap" in opts, alibi="alibi" in opts,
+                    window="window" in opts, head_dim=d) if opts else t)
                         for t in candidates if serves(tilings, t, d)]
                 out.append(launch.tc_variants(d, "bfloat16", c, device_cc(0),
                                               gpu=launch._gpu(0)[1], **opts)[0])

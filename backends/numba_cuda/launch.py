@@ -216,7 +216,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                               tma_ok and not (masked or packed))
     if t is None:
         return None
-    if t.persistent and (masked or packed):  # (a persistent block walks dense tiles only)
+    if t.persistent and (mods or packed):  # (a persistent block walks dense tiles, a
+        # window's too)
         t = replace(t, persistent=False)
     if t.tma and not tma_ok:  # (a small call would pay more host time for the tensor maps
         # than they save: TMA_MIN_WORK)

@@ -50,6 +50,7 @@ from ..device.pipeline import (
 )
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import stat_rows, visited_keys
+from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_from_local,
     acc_to_local,
@@ -66,10 +67,12 @@ from .forward import (
     LINE,
     issue_pv,
     issue_qk,
+    mask_flags,
     pack_p,
     rescale,
     score_constants,
     softmax_tile,
+    softmax_tile_mods,
 )
 from .pingpong import (
     BAR,
@@ -92,12 +95,14 @@ def query_tile(item, GX, GY, Hq, group, BM, CAUSAL):
 
 
 @device_function
-def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls, csq):
-    """``(n_tiles, n_full)``: the key tiles query rows ``q0 ..`` visit (dense, no masks:
-    from key 0) and the keys below which every row sees whole tiles."""
-    _, n_end, _, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, -1, -1,
-                                       False, False, cls, 0, csq)
-    return (n_end + BN - 1) // BN, n_full
+def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, LEFT, RIGHT, WINDOW, cls, csq):
+    """``(n_begin, n_tiles, n_lo, n_full)``: the key tiles query rows ``q0 ..`` visit (from
+    key ``n_begin``: 0 without a ``WINDOW``, compile-time) and the keys ``[n_lo, n_full)``
+    where every row sees whole tiles (``seams.visited_keys``)."""
+    n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                LEFT, RIGHT, WINDOW, False, cls, 0, csq)
+    n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
+    return n_begin, n_tiles, n_lo, n_full
 
 
 def make_attn_forward_wgmma_persistent(var):
@@ -116,6 +121,10 @@ def make_attn_forward_wgmma_persistent(var):
     (``store_frags``): slower (H200, D=128 B=4 H=16 N=4096: 616 against 676 TFLOP/s;
     notes/persistent_2026-11-27.md)."""
     D, t = var.head_dim, var.tiles
+    SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)
+    LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR, FOLD = mask_flags(var, SMOD)
+    if SMOD or MMOD or CAP or ALIBI:
+        raise ValueError(f"the persistent forward takes a window, no other mask: {var.tag}")
     if D % 64 or D > 128:
         raise ValueError(f"head_dim={D} must be 64 or 128 for the persistent wgmma forward")
     if not (t.persistent and t.producer and t.tma):
@@ -152,6 +161,20 @@ def make_attn_forward_wgmma_persistent(var):
     # bytes at 24, the ping-pong producer's share; the consumers fit 232 (ptxas 13.0)
     PRODUCER_REGS, CONSUMER_REGS = 40, 232
     assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
+
+    @device_function
+    def step_softmax(s, n0, n_full, n_lo, i, w0, Nq, Nk, causal_offset, b, h, tq, ma, mb,
+                     la, lb, sl2, margs):
+        """A key tile's softmax: the plain steps, or with the window's edges (WINDOW,
+        compile-time: ``forward.softmax_tile_mods``)."""
+        if WINDOW:
+            return softmax_tile_mods(s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk,
+                                     causal_offset, b, h, tq, ma, mb, la, lb, sl2,
+                                     float32(1.0), float32(1.0), float32(0.0), float32(1.0),
+                                     float32(1.0), margs, CAUSAL, LEFT, RIGHT, WINDOW, False,
+                                     False, False, False, KEEPS, VALUE, NTILES, 0)
+        return softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma,
+                            mb, la, lb, sl2)
 
     def attn_forward_wgmma(q, k, v, o, lse, Nq, Nk, Hq, group, causal_offset,
                            qsb, qsh, qsn, qsd, ksb, ksh, ksn, ksd,
@@ -217,10 +240,10 @@ def make_attn_forward_wgmma_persistent(var):
                         mbarrier_arrive(smem, q_full + BAR * qb)
                         break
                     b, h, hk, q0 = query_tile(item, GX32, GY32, Hq, group, BM, CAUSAL)
-                    n_tiles, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
-                                           csq)
+                    nb, n_tiles, _, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
+                                                  LEFT, RIGHT, WINDOW, cls, csq)
                     if n_tiles > 0:  # (its stage frees before the last tile's Q is done)
-                        produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, 0, R, 0,
+                        produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, 0, R, nb,
                                        full_k, empty_k, STAGES, STAGE, BN, PANELS)
                     if u >= QBUFS:  # every consumer warp done with its last use's Q Kᵀ
                         mbarrier_wait(smem, q_empty + BAR * qb, (u // QBUFS - 1) & 1)
@@ -232,8 +255,8 @@ def make_attn_forward_wgmma_persistent(var):
                     for tt in range(n_tiles):
                         if tt > 0:
                             produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, tt, R + tt,
-                                           0, full_k, empty_k, STAGES, STAGE, BN, PANELS)
-                        produce_tma_at(smem, el, V_OFF, table, 2, v, hk, b, tt, R + tt, 0,
+                                           nb, full_k, empty_k, STAGES, STAGE, BN, PANELS)
+                        produce_tma_at(smem, el, V_OFF, table, 2, v, hk, b, tt, R + tt, nb,
                                        full_v, empty_v, STAGES, STAGE, BN, PANELS)
                     R += n_tiles
                     u += 1
@@ -247,6 +270,8 @@ def make_attn_forward_wgmma_persistent(var):
             setmaxnreg_inc(CONSUMER_REGS)
             sl2, _, _, _, _, _ = score_constants(scale, slopes, 0, 0, ssb, ssh, float32(1.0),
                                                  False, False)
+            margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                           e12, e13, e14, e15))
             s = cuda.local.array(NS, float32)
             oa = cuda.local.array(NO, float32)
             pf = cuda.local.array(NP, uint32)
@@ -264,8 +289,9 @@ def make_attn_forward_wgmma_persistent(var):
                 if item >= n_items:  # (the producer's: none left)
                     break
                 b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
-                n_tiles, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, cls,
-                                            csq)
+                n_begin, n_tiles, n_lo, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset,
+                                                           CAUSAL, LEFT, RIGHT, WINDOW, cls,
+                                                           csq)
                 qa = at + Q_OFF + qb * QBYTES + 64 * wg * LINE
                 acc = zero_accumulators(D)
                 ma = mb = NEG_INF
@@ -284,9 +310,9 @@ def make_attn_forward_wgmma_persistent(var):
                     if n_tiles == 1 and lane == 0:  # (this warp is done with Q)
                         mbarrier_arrive(smem, q_empty + BAR * qb)
                     acc_to_local(sacc, s)
-                    ma, mb, la, lb, al0, al1 = softmax_tile(s, 0, BN, n_full, i, Nk,
-                                                            causal_offset, CAUSAL, NTILES, tq,
-                                                            ma, mb, la, lb, sl2)
+                    ma, mb, la, lb, al0, al1 = step_softmax(s, n_begin, n_full, n_lo, i, w0,
+                                                            Nq, Nk, causal_offset, b, h, tq,
+                                                            ma, mb, la, lb, sl2, margs)
                     pack_p(BF16, pf, s, NP)
                 else:  # (a tile that sees no key reads no Q) once every thread of the
                     # warpgroup has read the tile's word: the producer writes the buffer's
@@ -295,7 +321,7 @@ def make_attn_forward_wgmma_persistent(var):
                     if lane == 0:
                         mbarrier_arrive(smem, q_empty + BAR * qb)
                 for it in range(1, n_tiles):
-                    n0 = it * BN
+                    n0 = n_begin + it * BN
                     r = R + it
                     wait_full(smem, full_k, r, STAGES)
                     wait_full(smem, full_v, r - 1, STAGES)
@@ -311,9 +337,9 @@ def make_attn_forward_wgmma_persistent(var):
                     if it == n_tiles - 1 and lane == 0:  # (this warp is done with Q)
                         mbarrier_arrive(smem, q_empty + BAR * qb)
                     acc_to_local(sacc, s)
-                    ma, mb, la, lb, al0, al1 = softmax_tile(s, n0, BN, n_full, i, Nk,
-                                                            causal_offset, CAUSAL, NTILES, tq,
-                                                            ma, mb, la, lb, sl2)
+                    ma, mb, la, lb, al0, al1 = step_softmax(s, n0, n_full, n_lo, i, w0, Nq,
+                                                            Nk, causal_offset, b, h, tq, ma,
+                                                            mb, la, lb, sl2, margs)
                     acc = wgmma_wait_group_acc(0, acc)
                     release(smem, empty_v, r - 1, STAGES, lane)
                     acc_to_local(acc, oa)

@@ -475,6 +475,9 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
     1.10 of the table's unmasked time (notes/long_tiles_2026-11-27.md). A ``window``
     takes :data:`WINDOW_TILES` where it has one for ``head_dim`` (but with a mask_mod,
     whose empty tiles are skipped in :data:`HOPPER_MASK_MOD`'s schedule)."""
+    if t.persistent and not (score_mod or softcap or alibi):  # (the persistent kernel
+        # takes a window: branch persistent-dynamic, for the tool)
+        return t
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
     spills = score_mod and (t.pingpong or t.min_blocks > 2)  # (a user's score_mod there)
