@@ -62,6 +62,7 @@ CI_OVERLAP = {"g2n128o": {(128, "bfloat16", False)},
               "g1n64ob2": {(64, "float16", True)},
               "g2n128op3": {(128, "bfloat16", True)}, "g2n128op3w": {(128, "float16", False)},
               "g2n64op2": {(256, "float16", False)}, "g2n128op2wts": {(128, "bfloat16", False)},
+              "g2n128op2wtsy": {(128, "float16", True)},
               "g2n128op3wt": {(128, "bfloat16", False)}, "g2n192op3wt": {(64, "bfloat16", False)},
               "g1n128ob3": {(64, "bfloat16", False), (64, "float16", True)}}
 
@@ -646,8 +647,8 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
     # the wgmmas to see, no cp.async arrivals)
     q_bulk = tiles.persistent and tiles.producer
     assert ("fence.proxy.async.shared::cta;" in ptx) != q_bulk
-    # (a persistent block takes its next query tile from the launch's counter)
-    assert ("atom.add.u32" in ptx) == tiles.persistent
+    # (a dynamic persistent block takes its next query tile from the launch's counter)
+    assert ("atom.add.u32" in ptx) == tiles.dynamic
     if tiles.pingpong:  # turns on named barriers 1 and 2, rings on mbarriers
         for op in ("bar.sync 1, 256;", "bar.sync 2, 256;", "bar.arrive 1, 256;",
                    "bar.arrive 2, 256;", "mbarrier.try_wait.parity.shared::cta.b64",
@@ -678,8 +679,8 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
         q_bars = tiles.producer * (1 + tiles.persistent) * (1 + q_bulk * (tiles.stages == 2))
         assert len(re.findall(r"mbarrier\.init", ptx)) == 4 * tiles.stages + q_bars
     if tiles.producer:  # registers handed over, under the cap setmaxnreg needs at entry
-        # (the persistent one's producer: 40, for its tile counter's loop)
-        give, take = (40, 232) if tiles.persistent else (24, 240)
+        # (the dynamic persistent one's producer: 40, for its tile counter's loop)
+        give, take = (40, 232) if tiles.dynamic else (24, 240)
         assert f"setmaxnreg.dec.sync.aligned.u32 {give};" in ptx
         assert f"setmaxnreg.inc.sync.aligned.u32 {take};" in ptx
         assert re.search(r"\.maxntid\s+384\b", ptx) and re.search(r"\.minnctapersm\s+1\b", ptx)
@@ -988,12 +989,14 @@ def test_captured_forward_skips_the_tensor_maps_on_gpu(hopper_gpu, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("persistent", [tilings.PERSISTENT[128, False],
-                                        *tilings.HOPPER_TRIALS], ids=lambda t: t.tag)
+@pytest.mark.parametrize("persistent", [*(t for t in tilings.HOPPER_CANDIDATES
+                                          if t.persistent), *tilings.HOPPER_TRIALS],
+                         ids=lambda t: t.tag)
 def test_persistent_forward_walks_many_tiles_on_gpu(hopper_gpu, monkeypatch, head_dim,
                                                     causal, persistent):
-    """The persistent forward (tilings.PERSISTENT's g2n128op2wts: two Q buffers, O staged;
-    and the three-stage trial g2n128op3wts, one Q buffer) on more query tiles than the
+    """The persistent forwards (g2n128op2wts: two Q buffers, O staged; g2n128op2wtsy: the
+    same taking its tiles from a counter; the three-stage trial g2n128op3wts, one Q
+    buffer) on more query tiles than the
     GPU has multiprocessors, so that every block walks several (GQA, a key tail, Nq < Nk
     causal), against the float64 oracle; and the same call on the ping-pong tiling gives
     the same output bit for bit (the same products in the same order; lse to its last
@@ -1040,8 +1043,10 @@ def test_persistent_forward_walks_many_tiles_on_gpu(hopper_gpu, monkeypatch, hea
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_persistent_forward_window_on_gpu(hopper_gpu, monkeypatch, causal):
-    """The persistent forward (tilings.PERSISTENT's tiling) with a sliding window on 192
+@pytest.mark.parametrize("t", [t for t in tilings.HOPPER_CANDIDATES if t.persistent],
+                         ids=lambda t: t.tag)
+def test_persistent_forward_window_on_gpu(hopper_gpu, monkeypatch, causal, t):
+    """The persistent forwards (static walk and counter) with a sliding window on 192
     query tiles (GQA, bnhd, a key tail): each tile's keys from the window's first tile,
     its edge tiles masked, against the float64 reference."""
     torch = hopper_gpu
@@ -1049,7 +1054,6 @@ def test_persistent_forward_window_on_gpu(hopper_gpu, monkeypatch, causal):
 
     import flashcore
 
-    t = tilings.PERSISTENT[128, False]
     shape = (3, 8, 2, 1000, 1100, "bnhd")
     B, Hq, Hkv, Nq, Nk, layout = shape
     window = (300, 200)

@@ -398,9 +398,13 @@ else:
     PERSISTENT_WS2 = dataclasses.replace(PERSISTENT_WS, stages=2)
     PS_WS2_RUNS = PS_WS_RUNS + [pytest.param((1, 4, 2, 520, 300, 64, "bfloat16", True,
                                               "bhnd"), marks=pytest.mark.slow)]
+    #: And taking the tiles from the launch's counter (g2n128op2wtsy; the simulator runs
+    #: the blocks in turn, so block 0 takes every tile after the others' first).
+    PERSISTENT_WS2Y = dataclasses.replace(PERSISTENT_WS2, dynamic=True)
 
     @pytest.mark.parametrize("c,t", _with(PS_WS_RUNS, PERSISTENT_WS)
-                             + _with(PS_WS2_RUNS, PERSISTENT_WS2),
+                             + _with(PS_WS2_RUNS, PERSISTENT_WS2)
+                             + _with(PS_WS2_RUNS, PERSISTENT_WS2Y),
                              ids=lambda x: _id(x) if isinstance(x, tuple) else x.tag)
     def test_persistent_forward(emulated, monkeypatch, c, t):
         """The persistent forward against the oracle, through the front end."""
@@ -418,15 +422,15 @@ else:
     #: window's first, its edge tiles masked): more query tiles than blocks, a key tail,
     #: rows past the window's reach (causal, Nq > Nk) and both layouts.
     @pytest.mark.slow
-    @pytest.mark.parametrize("c,window", [
-        ((1, 2, 1, 600, 500, 64, "bfloat16", False, "bhnd"), (150, 90)),
-        ((1, 2, 2, 520, 300, 64, "float16", True, "bnhd"), (200, None))],
-        ids=lambda x: _id(x) if isinstance(x, tuple) and len(x) == 9 else str(x))
-    def test_persistent_forward_window(emulated, monkeypatch, c, window):
-        """The persistent forward (two-stage, PERSISTENT_WS2) with a window, against the
-        oracle, through the front end."""
+    @pytest.mark.parametrize("c,window,t", [
+        ((1, 2, 1, 600, 500, 64, "bfloat16", False, "bhnd"), (150, 90), PERSISTENT_WS2Y),
+        ((1, 2, 2, 520, 300, 64, "float16", True, "bnhd"), (200, None), PERSISTENT_WS2)],
+        ids=lambda x: (_id(x) if isinstance(x, tuple) and len(x) == 9
+                       else x.tag if hasattr(x, "tag") else str(x)))
+    def test_persistent_forward_window(emulated, monkeypatch, c, window, t):
+        """The persistent forward (two-stage, a static walk and a counter) with a window,
+        against the oracle, through the front end."""
         B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
-        t = PERSISTENT_WS2
         monkeypatch.setitem(tilings.HOPPER_FORWARD, (D, causal), t)
         q, k, v, _ = _inputs(c)
         opts = dict(causal=causal, layout=layout, window=window)

@@ -1,14 +1,16 @@
 """The persistent ping-pong forward (``HopperTiles.persistent``; ``tilings.PERSISTENT``'s
-at D=128 non-causal): one block per multiprocessor walks the query tiles of a dense call
-in the grid's order (``device/prologue.block_tile``: heaviest first where causal), each
-block taking the next tile not yet taken from a counter the blocks share (after its
-first, its own index): a block that finishes early takes more, as the hardware's block
-scheduler would deal them. The counters are 32-bit words after the launch's tensor maps
-(``tensor_maps``' slots, zero when copied); the last block to run out sets them to zero
-again, so that the next launch reading the slot (ordered after this one on its stream)
-starts from zero. The producer publishes each tile's index to the consumers with its Q
-(a word per Q buffer, written before the arrival on "q full"); an index past the last
-tells them to stop.
+at D=128): one block per multiprocessor walks the query tiles of a dense call (or one with
+a sliding window) in the grid's order (``device/prologue.block_tile``: heaviest first
+where causal). Statically, block ``c`` takes tiles ``c``, then one per pass over the
+blocks, each pass in the other direction (:func:`walk`). With ``HopperTiles.dynamic``
+each block takes, after its first, the next tile not yet taken from a counter the blocks
+share: a block that finishes early takes more, as the hardware's block scheduler would
+deal them (what balances heaviest-first causal tiles). The counters are 32-bit words
+after the launch's tensor maps (``tensor_maps``' slots, zero when copied); the last block
+to run out sets them to zero again, so that the next launch reading the slot (ordered
+after this one on its stream) starts from zero. Either way the producer publishes each
+tile's index to the consumers with its Q (a word per Q buffer, written before the arrival
+on "q full"); an index past the last tells them to stop.
 
 A block per query tile pays its start and end with nothing under them (one block per
 multiprocessor: 224 KiB of shared memory at D=128): Q and the first K and V tiles loaded
@@ -95,6 +97,14 @@ def query_tile(item, GX, GY, Hq, group, BM, CAUSAL):
 
 
 @device_function
+def walk(p, c, G):
+    """The tile block ``c`` of ``G`` takes on its pass ``p`` of a static walk: ``c`` on even
+    passes, ``G - 1 - c`` on odd ones (a snake), so that where tiles come heaviest first
+    (causal) no block takes the heaviest of every pass."""
+    return int32(p * G + (c if p % 2 == 0 else G - 1 - c))
+
+
+@device_function
 def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, LEFT, RIGHT, WINDOW, cls, csq):
     """``(n_begin, n_tiles, n_lo, n_full)``: the key tiles query rows ``q0 ..`` visit (from
     key ``n_begin``: 0 without a ``WINDOW``, compile-time) and the keys ``[n_lo, n_full)``
@@ -158,8 +168,10 @@ def make_attn_forward_wgmma_persistent(var):
     # setmaxnreg moves registers within what the block was launched with (168 a thread at
     # 384 threads): 40 + 2 x 232 <= 3 x 168 (32 + 2 x 240 waited forever on the GPU). The
     # producer's loop (tile indices from the counter, the last tile's word) spilled 40
-    # bytes at 24, the ping-pong producer's share; the consumers fit 232 (ptxas 13.0)
-    PRODUCER_REGS, CONSUMER_REGS = 40, 232
+    # bytes at 24, the ping-pong producer's share; the consumers fit 232 (ptxas 13.0). The
+    # static walk (no counter) keeps 24 and 240
+    DYNAMIC = bool(t.dynamic)
+    PRODUCER_REGS, CONSUMER_REGS = (40, 232) if DYNAMIC else (24, 240)
     assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
 
     @device_function
@@ -260,10 +272,13 @@ def make_attn_forward_wgmma_persistent(var):
                                        full_v, empty_v, STAGES, STAGE, BN, PANELS)
                     R += n_tiles
                     u += 1
-                    item = int32(G) + int32(counter_add(table, 0, 1))
+                    if DYNAMIC:
+                        item = int32(G) + int32(counter_add(table, 0, 1))
+                    else:
+                        item = walk(u, c, G)
                 # the last block to run out sets the counters to zero for the next launch
                 # that reads this slot (no block takes a tile after it ran out)
-                if int64(counter_add(table, 1, 1)) == G - 1:
+                if DYNAMIC and int64(counter_add(table, 1, 1)) == G - 1:
                     counter_store(table, 0, 0)
                     counter_store(table, 1, 0)
         else:

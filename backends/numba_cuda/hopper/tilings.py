@@ -57,7 +57,11 @@ class HopperTiles:
     makes: ``tensor_maps.py``) instead of 128 threads' ``cp.async`` copies. ``own_dq`` (the
     backward's dkdvq with a producer, ``hopper/backward_ws.py``): each consumer warpgroup
     adds the dQ part of its own 64 keys (two reductions a step), so the two never wait for
-    each other, instead of each adding half the queries' over both warpgroups' keys."""
+    each other, instead of each adding half the queries' over both warpgroups' keys.
+    ``dynamic`` (persistent): a block takes its next query tile from a counter the blocks
+    share, as the hardware's block scheduler deals blocks (a block that finishes early
+    takes more: heaviest-first causal tiles balance), instead of a static walk (every
+    ``G``-th tile, a snake)."""
 
     warpgroups: int
     block_n: int
@@ -70,6 +74,7 @@ class HopperTiles:
     persistent: bool = False
     tma: bool = False
     own_dq: bool = False
+    dynamic: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.block_n not in (32, 64, 128, 192, 256)
@@ -86,6 +91,8 @@ class HopperTiles:
                                     and self.block_n == self.block_m):
             raise ValueError(f"a persistent block takes the ping-pong schedule with a "
                              f"producer warpgroup of bulk copies, square tiles: {self}")
+        if self.dynamic and not self.persistent:
+            raise ValueError(f"a dynamic tile order serves a persistent tiling: {self}")
         if self.tma and not self.pingpong:
             raise ValueError(f"bulk tensor copies serve the ping-pong schedule: {self}")
         if self.own_dq and not (self.producer and not self.pingpong):
@@ -102,6 +109,7 @@ class HopperTiles:
         (ping-pong, 3 stages), ``g1n64od3`` (a backward kernel's last products retiring
         under the next step), ``g2n128op3w`` (and a producer warpgroup), ``g2n128op3x2``
         (every second n-tile's exp2 on the FMA pipe), ``g2n128op2wts`` (persistent),
+        ``g2n128op2wtsy`` (persistent, tiles from a counter),
         ``g2n128op3t`` (K and V by bulk tensor copies): names the tiling in kernel names and
         timings."""
         return (f"g{self.warpgroups}n{self.block_n}" + ("o" if self.overlap else "")
@@ -111,6 +119,7 @@ class HopperTiles:
                 + ("t" if self.tma else "")
                 + (f"x{self.poly}" if self.poly else "")
                 + ("s" if self.persistent else "")
+                + ("y" if self.dynamic else "")
                 + ("i" if self.own_dq else "")
                 + (f"b{self.min_blocks}" if self.min_blocks > 1 else ""))
 
@@ -175,6 +184,7 @@ _PP_TMA = HopperTiles(2, 128, True, pingpong=True, stages=3, producer=True, tma=
 _PP_TMA192 = HopperTiles(2, 192, True, pingpong=True, stages=3, producer=True, tma=True)
 _PS2 = HopperTiles(2, 128, True, pingpong=True, stages=2, producer=True, tma=True,
                    persistent=True)
+_PS2Y = replace(_PS2, dynamic=True)
 _G1N128B3 = HopperTiles(1, 128, True, 3)
 HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
                   (128, False): _PP_TMA, (128, True): _PP_TMA,
@@ -235,7 +245,7 @@ HOPPER_CANDIDATES = (HopperTiles(2, 128), HopperTiles(2, 128, True), HopperTiles
                      _POLY2, _PP2,
                      HopperTiles(2, 128, True, pingpong=True, stages=3, tma=True),
                      HopperTiles(2, 64, True, pingpong=True, stages=3, tma=True), _PP_TMA,
-                     _PP_TMA192, _G1N128B3, _PS2)
+                     _PP_TMA192, _G1N128B3, _PS2, _PS2Y)
 #: Tilings the tool times by name (``--tilings``) that are not candidates (the GPU tests do
 #: not run them): the persistent form with a producer of bulk copies on three-stage rings
 #: (one Q buffer, O stored from the registers), slower than :data:`PERSISTENT`'s
