@@ -77,6 +77,17 @@ def spy_launches(monkeypatch, fns=("launch_dkdv", "launch_dq"), name=lambda kern
     return ran
 
 
+def no_persistent(monkeypatch):
+    """Empty ``tilings.PERSISTENT`` and ``tilings.WINDOW_PERSISTENT`` for the test (in place:
+    the names are re-exported from ``hopper/tilings.py``, whose ``choose_hopper`` reads its
+    own, so setting the re-exported name would change nothing)."""
+    from flashcore.backends.numba_cuda import tilings
+
+    for table in (tilings.PERSISTENT, tilings.WINDOW_PERSISTENT):
+        for key in list(table):
+            monkeypatch.delitem(table, key)
+
+
 def gpu_inputs(torch, shape, head_dim, dtype, seed):
     """q, k, v, do of ``shape`` (B, Hq, Hkv, Nq, Nk, layout), standard normal from a CUDA
     generator seeded with ``seed``, in ``dtype`` and the shape's layout."""

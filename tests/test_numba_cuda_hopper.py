@@ -27,6 +27,7 @@ from hopper_helpers import (
     compile_sm90a,
     gpu_inputs,
     hopper_gpu_or_skip,
+    no_persistent,
     spy_launches,
 )
 
@@ -279,8 +280,11 @@ def test_exp2_on_the_fma_pipe():
     cap = launch.hopper_variant(128, "bfloat16", False, softcap=30.0)
     assert cap.tiles.poly == tilings.SOFTCAP_POLY and cap.tiles.pingpong
     # the exponentials stay on the MUFU unit but for the softcap: a window in the
-    # overlapped schedule (faster there), ALiBi in ping-pong (since 2026-11-27)
+    # persistent kernel (WINDOW_PERSISTENT) or, with other mods, the overlapped schedule,
+    # ALiBi in ping-pong (since 2026-11-27)
     v = launch.hopper_variant(128, "bfloat16", True, window=(512, 511))
+    assert v.tiles.persistent and not v.tiles.poly, v.tag
+    v = launch.hopper_variant(128, "bfloat16", True, window=(512, 511), tma_ok=False)
     assert v.tiles.overlap and not v.tiles.pingpong and not v.tiles.poly, v.tag
     v = launch.hopper_variant(128, "bfloat16", True, alibi=True)
     assert v.tiles.pingpong and not v.tiles.poly, v.tag
@@ -307,7 +311,21 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     ps = tilings.PERSISTENT[(d, False)]
     assert ps.persistent and ps.tma
     assert launch.hopper_variant(d, "bfloat16", False).tiles == ps
-    assert launch.hopper_variant(d, "bfloat16", True).tiles == tilings.HOPPER_FORWARD[d, True]
+    pc = tilings.PERSISTENT[(d, True)]  # (causal: the tiles from a counter)
+    assert pc.persistent and pc.dynamic and not ps.dynamic
+    assert launch.hopper_variant(d, "bfloat16", True).tiles == pc
+    # a window alone: WINDOW_PERSISTENT's (with the copies, dense rows), else WINDOW_TILES'
+    for c in (False, True):
+        w = dict(window=(100, 0))
+        assert launch.hopper_variant(d, "bfloat16", c, **w).tiles == \
+            tilings.WINDOW_PERSISTENT[d]
+        for kw in ({"tma_ok": False}, {"packed": "varlen"}, {"softcap": 30.0},
+                   {"alibi": True}):
+            assert not launch.hopper_variant(d, "bfloat16", c, **w, **kw).tiles.persistent
+        assert launch.hopper_variant(d, "bfloat16", c, **w, softcap=30.0).tiles == \
+            tilings.WINDOW_TILES[d]
+        assert launch.hopper_variant(d, "bfloat16", c, "dkdv", **w).tiles == \
+            launch.hopper_variant(d, "bfloat16", c, "dkdv", window=(100, 0), alibi=True).tiles
     assert launch.hopper_variant(d, "bfloat16", False, alibi=True).tiles == t
     assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
         tilings.NO_TMA[d]
@@ -343,7 +361,8 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
         for mask in ({"softcap": 30.0}, {"alibi": True}, {"window": (100, 0)}):
             assert launch.hopper_variant(d, "bfloat16", c, long_keys=True, **mask) == \
                 launch.hopper_variant(d, "bfloat16", c, **mask), mask
-        assert launch.hopper_variant(d, "bfloat16", c).tiles == tilings.HOPPER_FORWARD[d, c]
+        assert launch.hopper_variant(d, "bfloat16", c).tiles == \
+            tilings.choose_hopper(d, c, dense=True)
         assert launch.hopper_variant(d, "bfloat16", c, long_keys=True, tma_ok=False) == \
             launch.hopper_variant(d, "bfloat16", c, tma_ok=False)
     # which calls may: the work B Hq Nq Nk D (B=4 H=16 N=4096 D=64 is 2^36), views that
@@ -702,10 +721,11 @@ def test_ptx_sm90a(sm90, tiles, head_dim, dtype, causal):
 
 
 def _mod_variants():
-    """Variants with masks and score modifiers (at D=128 the softcap's tiling is ping-pong,
-    a score_mod's, the window's and ALiBi's the overlapped schedule, a mask_mod's one without
-    the overlap; at D=256 the overlapped 64-key tiles), one per kind, each on another head dim, dtype and causal mode; varlen rows
-    (packed sequences) too, at D=64 on the table's 192-key bulk copies."""
+    """Variants with masks and score modifiers (at D=128 the softcap's and ALiBi's tiling is
+    ping-pong, a window's alone the persistent one (WINDOW_PERSISTENT), a score_mod's the
+    overlapped schedule, a mask_mod's one without the overlap; at D=256 the overlapped
+    64-key tiles), one per kind, each on another head dim, dtype and causal mode; varlen
+    rows (packed sequences) too, at D=64 on the table's 192-key bulk copies."""
     from flashcore.backends.numba_cuda.variant import UserMods
     from test_numba_cuda_mods import _takes_all, prefix_lm, rel_bias
 
@@ -745,9 +765,12 @@ def test_ptx_sm90a_with_mods(sm90, which):
     user = opts.get("user")
     mm = user is not None and user.mask_mod is not None
     assert not (mm and v.tiles.overlap), v.tag
-    # ping-pong: D=128's table (D=64's is g1n128ob3), but a window (WINDOW_TILES) or user
-    # mods (the overlap)
-    assert v.tiles.pingpong == (d == 128 and user is None and "window" not in opts), v.tag
+    # ping-pong: D=128's table (D=64's is g1n128ob3), but a window with other mods
+    # (WINDOW_TILES) or user mods (the overlap); a window alone, WINDOW_PERSISTENT's
+    alone = set(opts) == {"window"}
+    assert v.tiles.pingpong == (d == 128 and user is None
+                                and ("window" not in opts or alone)), v.tag
+    assert v.tiles.persistent == (d == 128 and alone), v.tag
     assert v.packed == opts.get("packed", "")
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())
     ptx = compile_sm90a(v, sig)
@@ -814,7 +837,7 @@ def test_hopper_forward_on_gpu(hopper_gpu, monkeypatch, tiles, shape, head_dim, 
     B, Hq, Hkv, Nq, Nk, layout = shape
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     monkeypatch.setitem(tilings.HOPPER_FORWARD, (head_dim, causal), tiles)
-    monkeypatch.setattr(tilings, "PERSISTENT", {})  # (the dense calls: this tiling too)
+    no_persistent(monkeypatch)  # (the dense calls: this tiling too)
     monkeypatch.setattr(launch, "_PLANS", {})  # (plans do not key on the wgmma tiling)
     ran = spy_launches(monkeypatch, ("launch_forward",))
     q, k, v, _ = gpu_inputs(torch, shape, head_dim, dtype, Nq * 7 + Nk + head_dim)
@@ -918,7 +941,7 @@ def test_tensor_map_ring_reuses_slots_on_gpu(hopper_gpu, monkeypatch):
 def test_long_keys_take_their_tiling_on_gpu(hopper_gpu, monkeypatch, d, causal):
     """A forward of tilings.LONG_KEYS_MIN keys or more takes tilings.LONG_KEYS' tiling
     (GQA, a key count past a whole tile, few query rows aligned bottom-right), against the
-    float64 oracle; one key fewer, the table's."""
+    float64 oracle; one key fewer, the table's (PERSISTENT's where it has one)."""
     torch = hopper_gpu
     from helpers import TOL_FWD, oracle_forward, rel_err
 
@@ -939,7 +962,7 @@ def test_long_keys_take_their_tiling_on_gpu(hopper_gpu, monkeypatch, d, causal):
     m = tilings.LONG_KEYS_MIN - 1
     flashcore.attention_forward(q, k[:, :, :m], v[:, :, :m], causal=causal,
                                 backend="numba_cuda")
-    assert f"_{tilings.HOPPER_FORWARD[d, causal].tag}_" in tags[-1], tags
+    assert f"_{tilings.choose_hopper(d, causal, dense=True).tag}_" in tags[-1], tags
 
 
 @pytest.mark.gpu
@@ -1010,7 +1033,7 @@ def test_persistent_forward_walks_many_tiles_on_gpu(hopper_gpu, monkeypatch, hea
     B, Hq, Hkv, Nq, Nk, layout = shape
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     monkeypatch.setattr(launch, "_PLANS", {})
-    monkeypatch.setattr(tilings, "PERSISTENT", {})  # (HOPPER_FORWARD's tiling, as set)
+    no_persistent(monkeypatch)  # (HOPPER_FORWARD's tiling, as set)
     monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (a small call: the bulk copies)
     ran = spy_launches(monkeypatch, ("launch_forward",))
     q, k, v, _ = gpu_inputs(torch, shape, head_dim, "bfloat16", 5 + head_dim)
@@ -1154,4 +1177,5 @@ def test_warmup_compiles_every_forward_the_table_picks(monkeypatch):
         tags = {v.tiles.tag for v in _warmup.variants(d, "bfloat16", c)
                 if v.family == "hopper" and v.kernel == "forward"}
         small = launch.hopper_variant(d, "bfloat16", c, tma_ok=False).tiles
-        assert tags == {tilings.HOPPER_FORWARD[d, c].tag, small.tag, t.tag}, tags
+        dense = launch.hopper_variant(d, "bfloat16", c).tiles  # (PERSISTENT's at D=128)
+        assert tags == {dense.tag, small.tag, t.tag}, tags

@@ -98,11 +98,12 @@ else:
         device/sim_pipeline.py's. The table's tilings with a producer warpgroup run without
         it here, for time (the producer forms are PP_RUNS' and the varlen test's)."""
         import wgmma_emulator
+        from hopper_helpers import no_persistent
 
         wgmma_emulator.install(monkeypatch)
         monkeypatch.setattr(launch, "hopper_serves", lambda case, device: True)
         monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (the tests' calls are small)
-        monkeypatch.setattr(tilings, "PERSISTENT", {})  # (test_persistent_forward's)
+        no_persistent(monkeypatch)  # (test_persistent_forward's)
         for key, t in list(tilings.HOPPER_FORWARD.items()):  # (see PP_RUNS: the table's
             if t.producer:  # producer forms as their consumers' copies, bulk ones kept)
                 monkeypatch.setitem(tilings.HOPPER_FORWARD, key,

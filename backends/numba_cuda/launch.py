@@ -203,7 +203,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
     ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``, no masks): ``tilings.LONG_KEYS``'
     tiling where it has one. A forward of a dense batch without masks, with ``tma_ok``:
-    ``tilings.PERSISTENT``'s where it has one."""
+    ``tilings.PERSISTENT``'s where it has one; with a window alone,
+    ``tilings.WINDOW_PERSISTENT``'s."""
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
@@ -216,9 +217,13 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                               tma_ok and not (masked or packed))
     if t is None:
         return None
+    if (kernel == "forward" and window and not (mods or packed) and tma_ok
+            and head_dim in tilings.WINDOW_PERSISTENT):  # (a window alone: its query
+        # tiles' keys start at the window's first tile)
+        t = tilings.WINDOW_PERSISTENT[head_dim]
     if t.persistent and (mods or packed):  # (a persistent block walks dense tiles, a
         # window's too)
-        t = replace(t, persistent=False)
+        t = replace(t, persistent=False, dynamic=False)
     if t.tma and not tma_ok:  # (a small call would pay more host time for the tensor maps
         # than they save: TMA_MIN_WORK)
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False))

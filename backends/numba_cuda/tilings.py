@@ -499,6 +499,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     SOFTCAP_KEYS,
     SOFTCAP_POLY,
     TMA_MIN_WORK,
+    WINDOW_PERSISTENT,
     WINDOW_TILES,
     HopperTiles,
     choose_hopper,

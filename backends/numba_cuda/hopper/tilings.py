@@ -199,22 +199,31 @@ HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
 #: 471, 473 against 439, 453; B=1 N=16384 485 against 435). H200, two runs, TFLOP/s
 #: g2n192op3wt / g1n64ob2: B=1 H=16 N=16384 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 /
 #: 394, 391.
-LONG_KEYS = {(64, False): _PP_TMA192, (64, True): _PP_TMA192}
+#: At D=128 the table's ping-pong tiling: PERSISTENT's lose at 8192 keys and more (H200,
+#: bf16 H=16, three runs, TFLOP/s table g2n128op3wt / g2n128op2wts / g2n128op2wtsy, causal
+#: the last: B=4 N=8192 650, 644 / 618, 611 / 615, causal 598, 599 / 598, 575; B=1 N=16384
+#: 671, 635, 660 / 618, 623, 623, causal 607, 633 / 601, 600; notes/dynamic_2026-11-27.md).
+LONG_KEYS = {(64, False): _PP_TMA192, (64, True): _PP_TMA192,
+             (128, False): _PP_TMA, (128, True): _PP_TMA}
 LONG_KEYS_MIN = 8192
 #: Per (head dim, causal), the forward's tiling for dense calls without masks or modifiers
-#: that take the bulk tensor copies (:data:`TMA_MIN_WORK`) where it is not the table's
-#: (masked and varlen calls keep the table's, which their choices were timed on): one block
-#: per SM walks the query tiles (``hopper/persistent.py``'s producer form, g2n128op2wts):
-#: two-stage K/V rings, two Q buffers, so that the next tile's Q lands during the current
-#: one, O staged for 16-byte stores, the turns carried from tile to tile. A block's start
-#: and end (about 3 µs on the table's non-persistent tiling) are paid once per SM instead
-#: of once per query tile. H200, bf16 H=16, one run, TFLOP/s g2n128op2wts / g2n128op3wt
-#: (cuDNN): N=1024 B=16 588 / 527 (618), N=2048 B=8 647 / 608 (655), N=4096 B=4 676 / 653
-#: (675), N=16384 B=1 625 / 609 (636). Causal it loses (370 / 565 at N=4096): its static
-#: walk leaves the heaviest-first tiles unbalanced, where the hardware's block scheduler
-#: balances them. At D=64 it is level with g1n128ob3 (464 / 459 at N=4096, 390 / 404 at
-#: N=1024): not taken (notes/persistent_2026-11-27.md).
-PERSISTENT = {(128, False): _PS2}
+#: that take the bulk tensor copies (:data:`TMA_MIN_WORK`), below :data:`LONG_KEYS_MIN`
+#: keys, where it is not the table's (masked and varlen calls keep the table's, which their
+#: choices were timed on; a window alone: :data:`WINDOW_PERSISTENT`): one block per SM
+#: walks the query tiles (``hopper/persistent.py``'s producer form): two-stage K/V rings,
+#: two Q buffers, so that the next tile's Q lands during the current one, O staged for
+#: 16-byte stores, the turns carried from tile to tile. A block's start and end (about 3 µs
+#: on the table's non-persistent tiling) are paid once per SM instead of once per query
+#: tile. Non-causal, the static walk (g2n128op2wts); causal, the tiles from a counter
+#: (g2n128op2wtsy: heaviest first, a block that finishes early takes the next), where the
+#: static walk lost (387-392 against 573-576). H200, bf16 H=16, TFLOP/s table g2n128op3wt /
+#: g2n128op2wts / g2n128op2wtsy (cuDNN), two runs of one machine:
+#: N=1024 B=16 528, 523 / 596, 594 / 595, 591 (630), causal 355, 351 / 397, 399 / 405, 407
+#: (453); N=4096 B=4 656, 655 / 681, 675 / 678, 678 (678), causal 575, 576 / 389, 392 /
+#: 612, 607 (584); the static walk's N=4096 moved 657-681 over four runs, the table's
+#: 651-656 (notes/dynamic_2026-11-27.md). At D=64 they lose to g1n128ob3 (N=4096 438 / 463,
+#: causal 395 / 418): not taken.
+PERSISTENT = {(128, False): _PS2, (128, True): _PS2Y}
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
 #: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture): the ping-pong
 #: g2n128op3 (its consumers' cp.async copies) at D=128. (D=64's table, g1n128ob3, has no
@@ -454,6 +463,16 @@ SOFTCAP_KEYS = 128
 #: overlapped g2n64o that windows took before: 0.288 / 0.39); D=128 0.189 / 0.289
 #: (g2n128o: 0.228 / 0.323); the unmasked D=128 forward moved by 10% between runs.
 WINDOW_TILES = {64: HopperTiles(1, 64, True, 2), 128: HopperTiles(1, 64, True, 2)}
+#: Per head dim, the forward's tiling for a sliding window alone (no other mask or
+#: modifier; dense rows, with the bulk tensor copies): the persistent kernel taking its
+#: tiles from a counter, each query tile's keys from the window's first tile, its edge
+#: tiles masked. H200, bf16 H=16, window 1024, one run, TFLOP/s of the whole N² work
+#: g1n64ob2 (WINDOW_TILES') / g2n128op2wts / g2n128op2wtsy: D=128 B=4 N=4096 1599 / 1829 /
+#: 1864, causal 1171 / 1128 / 1180; N=8192 2884 / 3340 / 3408, causal 2257 / 2290 / 2321;
+#: B=1 N=16384 4991 / 5824 / 5998, causal 4154 / 4062 / 4225; B=16 N=1024 501 / 521 / 607,
+#: causal 356 / 362 / 348. At D=64 g1n64ob2 leads (N=8192 2483 / 2190 / 2199, causal 1905
+#: / 1335 / 1334): not taken.
+WINDOW_PERSISTENT = {128: _PS2Y}
 
 
 #: Per head dim, the overlapped tiling that masks other than the softcap and ALiBi take
