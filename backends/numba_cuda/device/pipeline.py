@@ -308,35 +308,32 @@ else:
         return builder.add(base, builder.add(ir.Constant(ir.IntType(64), COUNTERS_OFFSET),
                                              builder.mul(w, ir.Constant(ir.IntType(64), 4))))
 
-    @intrinsic
-    def counter_add(typingctx, maps, n, value):
-        """``atom.add.u32`` on counter ``n``: its old value."""
-        if not isinstance(maps, types.CPointer):
-            return None
+    def _counter_op(text, returns):
+        """An intrinsic ``fn(maps, n, value)``: inline PTX ``text`` on counter ``n`` (its
+        address, then ``value`` as a u32; ``returns``: the instruction's u32 result)."""
+        @intrinsic
+        def op(typingctx, maps, n, value):
+            if not isinstance(maps, types.CPointer):
+                return None
 
-        def codegen(context, builder, sig, args):
-            addr = _counter_address(context, builder, sig, args[0], args[1])
-            v = context.cast(builder, args[2], sig.args[2], types.uint32)
-            fty = ir.FunctionType(_I32, [addr.type, _I32])
-            return builder.call(ir.InlineAsm(fty, "atom.add.u32 $0, [$1], $2;",
-                                             "=r,l,r,~{memory}", side_effect=True),
-                                [addr, v])
+            def codegen(context, builder, sig, args):
+                addr = _counter_address(context, builder, sig, args[0], args[1])
+                v = context.cast(builder, args[2], sig.args[2], types.uint32)
+                if not returns:
+                    _asm(builder, [addr, v], text, "l,r,~{memory}")
+                    return context.get_dummy_value()
+                fty = ir.FunctionType(_I32, [addr.type, _I32])
+                return builder.call(ir.InlineAsm(fty, text, "=r,l,r,~{memory}",
+                                                 side_effect=True), [addr, v])
 
-        return types.uint32(maps, n, value), codegen
+            return (types.uint32 if returns else types.void)(maps, n, value), codegen
 
-    @intrinsic
-    def counter_store(typingctx, maps, n, value):
-        """``st.u32`` of ``value`` into counter ``n``."""
-        if not isinstance(maps, types.CPointer):
-            return None
+        return op
 
-        def codegen(context, builder, sig, args):
-            addr = _counter_address(context, builder, sig, args[0], args[1])
-            v = context.cast(builder, args[2], sig.args[2], types.uint32)
-            _asm(builder, [addr, v], "st.u32 [$0], $1;", "l,r,~{memory}")
-            return context.get_dummy_value()
-
-        return types.void(maps, n, value), codegen
+    #: ``atom.add.u32`` on counter ``n``: its old value.
+    counter_add = _counter_op("atom.add.u32 $0, [$1], $2;", True)
+    #: ``st.u32`` of ``value`` into counter ``n``.
+    counter_store = _counter_op("st.u32 [$0], $1;", False)
 
     def _st_shared(ty, kind, reg):
         """An intrinsic ``fn(smem, idx, value)``: ``st.shared.{kind}`` of a ``ty`` at 16-bit
