@@ -1083,6 +1083,7 @@ def test_persistent_forward_window_on_gpu(hopper_gpu, monkeypatch, causal, t):
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     monkeypatch.setattr(launch, "_PLANS", {})
     monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (a small call: the bulk copies)
+    no_persistent(monkeypatch)  # (WINDOW_PERSISTENT's would replace t)
     monkeypatch.setitem(tilings.HOPPER_FORWARD, (128, causal), t)
     tags = spy_launches(monkeypatch, ("launch_forward",),
                         name=lambda kern: kern._dispatcher.py_func.__qualname__)
