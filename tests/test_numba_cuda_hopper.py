@@ -303,8 +303,9 @@ def test_tilings_and_variants():
 
 def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     """Below tilings.TMA_MIN_WORK a forward whose table tiling has bulk tensor copies takes
-    NO_TMA's tiling; from it, the table's (varlen rows too: one tensor map over every
-    packed row), or PERSISTENT's for a dense batch without masks."""
+    NO_TMA's tiling; from it, the table's, or PERSISTENT's for a dense batch without
+    masks, VARLEN_PERSISTENT's for varlen rows (one tensor map over every packed row),
+    WINDOW_PERSISTENT's for a window alone."""
     d = 128  # (D=64's table has no copies: below)
     t = tilings.HOPPER_FORWARD[(d, False)]
     assert t.tma and not t.persistent
@@ -329,7 +330,14 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     assert launch.hopper_variant(d, "bfloat16", False, alibi=True).tiles == t
     assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
         tilings.NO_TMA[d]
-    assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
+    # varlen rows: VARLEN_PERSISTENT's (the tile counter), with a window the table's
+    for c in (False, True):
+        assert launch.hopper_variant(d, "bfloat16", c, packed="varlen").tiles == \
+            tilings.VARLEN_PERSISTENT[d, c]
+        assert tilings.VARLEN_PERSISTENT[d, c].dynamic
+        assert launch.hopper_variant(d, "bfloat16", c, packed="varlen",
+                                     window=(100, 0)).tiles == \
+            launch.hopper_variant(d, "bfloat16", c, window=(100, 0), softcap=30.0).tiles
     assert launch.hopper_variant(d, "bfloat16", False, packed="varlen",
                                  tma_ok=False).tiles == tilings.NO_TMA[d]
     assert not tilings.NO_TMA[d].tma

@@ -419,6 +419,33 @@ else:
         ro, rl = oracle_forward(q, k, v, **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
+    #: Varlen rows on the persistent forward with the tile counter (tilings.VARLEN_PERSISTENT):
+    #: an empty sequence, one with more queries than keys (rows that see no key, causal),
+    #: GQA, tiles past their sequence's end skipped, and the first sequence's last key tile
+    #: bringing the next ones' rows, one of whose values is inf (zeroed in the tile: it must
+    #: reach no output; that sequence has no queries).
+    @pytest.mark.slow
+    @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+    def test_persistent_forward_varlen(emulated, monkeypatch, causal):
+        from packed_helpers import oracle_varlen, packed
+
+        t = PERSISTENT_WS2Y
+        monkeypatch.setitem(tilings.HOPPER_FORWARD, (64, causal), t)
+        rng = np.random.default_rng(13 + causal)
+        q, k, v, cq, ck = packed(rng, [100, 0, 60, 40], [420, 9, 150, 20], Hq=2, Hkv=1, D=64,
+                                 dtype="bfloat16")
+        v[ck[1], 0, 5] = np.inf  # (row 36 of the first sequence's last 128-key tile)
+        o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=causal,
+                                                    backend="numba_cuda")
+        assert len(emulated.tags) == 1 and f"_d64_{t.tag}_" in emulated.tags[0], emulated.tags
+        ro, rl = oracle_varlen(q, k, v, cq, ck, causal=causal)
+        assert np.isfinite(ro).all()
+        assert np.isfinite(o).all()
+        assert rel_err(o, ro) < TOL_FWD["bfloat16"], rel_err(o, ro)
+        fin = np.isfinite(rl)
+        assert np.array_equal(np.isfinite(lse), fin)
+        assert np.abs(lse[fin] - rl[fin]).max() < 1e-4
+
     #: The persistent forward with a sliding window (each query tile's key tiles from the
     #: window's first, its edge tiles masked): more query tiles than blocks, a key tail,
     #: rows past the window's reach (causal, Nq > Nk) and both layouts.

@@ -31,7 +31,8 @@ import flashcore
 from flashcore._mods import options as _options
 from flashcore._packed_checks import make_kvcache_case, make_varlen_case
 
-#: PACKED_TILES=<tag>: the varlen forward (backend alone) timed on that wgmma tiling too;
+#: PACKED_TILES=<tag>: the varlen forward (backend alone) timed on that wgmma tiling too
+#: (tilings.VARLEN_PERSISTENT's set aside);
 #: PACKED_SKIP_DECODE=1: the varlen part only; PACKED_PROFILE=1: each kernel's time in one
 #: varlen and one padded forward+backward (torch.profiler), printed per causal mode.
 TILES = os.environ.get("PACKED_TILES", "")
@@ -193,12 +194,15 @@ def varlen(rows):
 
             known = {t.tag: t for t in tilings.HOPPER_CANDIDATES}
             saved = tilings.HOPPER_FORWARD[D, causal]
+            saved_vp = dict(tilings.VARLEN_PERSISTENT)  # (which would replace it)
             tilings.HOPPER_FORWARD[D, causal] = known[TILES]
+            tilings.VARLEN_PERSISTENT.clear()
             launch.forget_plans()
             try:
                 res["varlen_fwd_tiles"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
             finally:
                 tilings.HOPPER_FORWARD[D, causal] = saved
+                tilings.VARLEN_PERSISTENT.update(saved_vp)
                 launch.forget_plans()
         qr, kr, vr = (x.requires_grad_() for x in (q, k, v))
         qpr, kpr, vpr = (x.requires_grad_() for x in (qp, kp, vp))

@@ -204,7 +204,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``, no masks): ``tilings.LONG_KEYS``'
     tiling where it has one. A forward of a dense batch without masks, with ``tma_ok``:
     ``tilings.PERSISTENT``'s where it has one; with a window alone,
-    ``tilings.WINDOW_PERSISTENT``'s."""
+    ``tilings.WINDOW_PERSISTENT``'s; of varlen rows without masks,
+    ``tilings.VARLEN_PERSISTENT``'s."""
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
@@ -221,8 +222,10 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
             and head_dim in tilings.WINDOW_PERSISTENT):  # (a window alone: its query
         # tiles' keys start at the window's first tile)
         t = tilings.WINDOW_PERSISTENT[head_dim]
-    if t.persistent and (mods or packed):  # (a persistent block walks dense tiles, a
-        # window's too)
+    if kernel == "forward" and packed == "varlen" and not masked and tma_ok:
+        t = tilings.VARLEN_PERSISTENT.get((head_dim, bool(causal)), t)
+    if t.persistent and (mods or (packed and not t.dynamic)):  # (a persistent block walks
+        # dense tiles, a window's too, and varlen ones with the tile counter)
         t = replace(t, persistent=False, dynamic=False)
     if t.tma and not tma_ok:  # (a small call would pay more host time for the tensor maps
         # than they save: TMA_MIN_WORK)

@@ -499,6 +499,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     SOFTCAP_KEYS,
     SOFTCAP_POLY,
     TMA_MIN_WORK,
+    VARLEN_PERSISTENT,
     WINDOW_PERSISTENT,
     WINDOW_TILES,
     HopperTiles,

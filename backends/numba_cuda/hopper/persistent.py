@@ -24,14 +24,18 @@ the current one; the turns (named barriers 1 and 2) carry on across tiles, so th
 warpgroup starts the next tile while the second normalizes and stores; O's rows go through
 a tile of their own to 16-byte stores.
 
-Dense rows, no masks or score modifiers: ``launch.hopper_variant`` takes the table's
-tiling for the others. The launch passes the batch as ``nseq``.
+Dense rows, or varlen rows with the tile counter (:func:`tile_rows`: each sequence and
+head has ``ceil(max_seqlen_q / 128)`` tiles, as a padded batch would, heaviest first where
+causal across every sequence; the producer skips those past their sequence's end, and the
+first warpgroup zeroes the value rows past it that a last tile's bulk copy brings); a
+sliding window, no other mask or score modifier: ``launch.hopper_variant`` takes the
+table's tiling for the others. The launch passes the batch as ``nseq``.
 """
 from __future__ import annotations
 
 from numba import cuda, float32, int32, int64, uint16, uint32
 
-from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN
+from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN, VARLEN
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import warp_uniform
 from ..device.pipeline import (
@@ -51,11 +55,12 @@ from ..device.pipeline import (
     tma_load_4d,
 )
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import stat_rows, visited_keys
+from ..device.seams import sequence, stat_rows, visited_keys
 from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_from_local,
     acc_to_local,
+    fence_proxy_async,
     smem_address,
     wgmma_fence_acc,
     wgmma_wait_group_acc,
@@ -79,6 +84,7 @@ from .forward import (
 from .pingpong import (
     BAR,
     EMPTY_COUNT,
+    clear_rows,
     pass_turn,
     produce_tma_at,
     release,
@@ -94,6 +100,20 @@ def query_tile(item, GX, GY, Hq, group, BM, CAUSAL):
     qt, bh = block_tile(item % GX, item // GX, GX, GY, CAUSAL, True, HEAD_GROUP)
     b, h, hk = split_heads(bh, Hq, group)
     return b, h, hk, qt * BM
+
+
+@device_function
+def tile_rows(item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k, seqk, CAUSAL,
+              PACKED):
+    """``(b, h, hk, q0, q_row0, k_row0, nq, nk, causal_offset)`` of the launch's ``item``-th
+    query tile (:func:`query_tile`) and of its sequence (``seams.sequence``: a varlen
+    sequence's first rows and sizes, ``PACKED`` compile-time; the launch's for a dense
+    batch). Varlen tiles number ``ceil(max_seqlen_q / BM)`` per sequence and head, as a
+    padded batch's would; those past their sequence's end (``q0 >= nq``) are skipped by
+    the producer."""
+    b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
+    q_row0, k_row0, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q, cu_k, seqk, PACKED)
+    return b, h, hk, q0, q_row0, k_row0, nq, nk, co
 
 
 @device_function
@@ -141,7 +161,10 @@ def make_attn_forward_wgmma_persistent(var):
         raise ValueError(f"not a persistent tiling with a producer of bulk copies: {t}")
     BN, BM, STAGES = t.block_n, t.block_m, t.stages
     PACKED = PACKING[var.packed]
-    assert PACKED == DENSE
+    DYNAMIC = bool(t.dynamic)
+    if PACKED not in (DENSE, VARLEN) or (PACKED == VARLEN and not DYNAMIC):
+        raise ValueError(f"the persistent forward takes dense rows, or varlen rows with the "
+                         f"tile counter: {var.tag}")
     CH = D // 8
     PANELS = CH // 8  # 64-column boxes of a bulk tensor copy
     KSTEPS, PSTEPS = D // 16, BN // 16
@@ -170,7 +193,6 @@ def make_attn_forward_wgmma_persistent(var):
     # producer's loop (tile indices from the counter, the last tile's word) spilled 40
     # bytes at 24, the ping-pong producer's share; the consumers fit 232 (ptxas 13.0). The
     # static walk (no counter) keeps 24 and 240
-    DYNAMIC = bool(t.dynamic)
     PRODUCER_REGS, CONSUMER_REGS = (40, 232) if DYNAMIC else (24, 240)
     assert PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168
 
@@ -251,11 +273,20 @@ def make_attn_forward_wgmma_persistent(var):
                         st_shared_u32(smem, slot, uint32(N_ITEMS))
                         mbarrier_arrive(smem, q_full + BAR * qb)
                         break
-                    b, h, hk, q0 = query_tile(item, GX32, GY32, Hq, group, BM, CAUSAL)
-                    nb, n_tiles, _, _ = key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
-                                                  LEFT, RIGHT, WINDOW, cls, csq)
+                    b, h, hk, q0, q_row0, k_row0, nq, nk, co = tile_rows(
+                        item, GX32, GY32, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k,
+                        seqk, CAUSAL, PACKED)
+                    if PACKED == VARLEN and q0 >= nq:  # (compile-time test first) a tile
+                        # past its sequence's end: not handed over, the next one taken
+                        item = int32(G) + int32(counter_add(table, 0, 1))
+                        continue
+                    # (varlen rows: the maps hold every packed row as batch entry 0)
+                    tb = int64(0) if PACKED == VARLEN else int64(b)
+                    nb, n_tiles, _, _ = key_tiles(q0, BM, BN, nq, nk, co, CAUSAL, LEFT, RIGHT,
+                                                  WINDOW, cls, csq)
+                    kr = k_row0 + nb  # (the tile's first key row in the maps)
                     if n_tiles > 0:  # (its stage frees before the last tile's Q is done)
-                        produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, 0, R, nb,
+                        produce_tma_at(smem, el, K_OFF, table, 1, k, hk, tb, 0, R, kr,
                                        full_k, empty_k, STAGES, STAGE, BN, PANELS)
                     if u >= QBUFS:  # every consumer warp done with its last use's Q Kᵀ
                         mbarrier_wait(smem, q_empty + BAR * qb, (u // QBUFS - 1) & 1)
@@ -263,12 +294,13 @@ def make_attn_forward_wgmma_persistent(var):
                     mbarrier_expect_tx(smem, q_full + BAR * qb, QBYTES)
                     for pn in range(PANELS):
                         tma_load_4d(smem, el + (Q_OFF + qb * QBYTES) // 2 + pn * (BM * 64),
-                                    table, 0, q, 64 * pn, q0, h, b, q_full + BAR * qb)
+                                    table, 0, q, 64 * pn, q_row0 + q0, h, tb,
+                                    q_full + BAR * qb)
                     for tt in range(n_tiles):
                         if tt > 0:
-                            produce_tma_at(smem, el, K_OFF, table, 1, k, hk, b, tt, R + tt,
-                                           nb, full_k, empty_k, STAGES, STAGE, BN, PANELS)
-                        produce_tma_at(smem, el, V_OFF, table, 2, v, hk, b, tt, R + tt, nb,
+                            produce_tma_at(smem, el, K_OFF, table, 1, k, hk, tb, tt, R + tt,
+                                           kr, full_k, empty_k, STAGES, STAGE, BN, PANELS)
+                        produce_tma_at(smem, el, V_OFF, table, 2, v, hk, tb, tt, R + tt, kr,
                                        full_v, empty_v, STAGES, STAGE, BN, PANELS)
                     R += n_tiles
                     u += 1
@@ -303,10 +335,11 @@ def make_attn_forward_wgmma_persistent(var):
                 item = int64(ld_shared_u32(smem, el + ITEM_OFF // 2 + 2 * qb))
                 if item >= n_items:  # (the producer's: none left)
                     break
-                b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
-                n_begin, n_tiles, n_lo, n_full = key_tiles(q0, BM, BN, Nq, Nk, causal_offset,
-                                                           CAUSAL, LEFT, RIGHT, WINDOW, cls,
-                                                           csq)
+                b, h, hk, q0, q_row0, _, nq, nk, co = tile_rows(
+                    item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k, seqk,
+                    CAUSAL, PACKED)
+                n_begin, n_tiles, n_lo, n_full = key_tiles(q0, BM, BN, nq, nk, co, CAUSAL,
+                                                           LEFT, RIGHT, WINDOW, cls, csq)
                 qa = at + Q_OFF + qb * QBYTES + 64 * wg * LINE
                 acc = zero_accumulators(D)
                 ma = mb = NEG_INF
@@ -326,8 +359,8 @@ def make_attn_forward_wgmma_persistent(var):
                         mbarrier_arrive(smem, q_empty + BAR * qb)
                     acc_to_local(sacc, s)
                     ma, mb, la, lb, al0, al1 = step_softmax(s, n_begin, n_full, n_lo, i, w0,
-                                                            Nq, Nk, causal_offset, b, h, tq,
-                                                            ma, mb, la, lb, sl2, margs)
+                                                            nq, nk, co, b, h, tq, ma, mb, la,
+                                                            lb, sl2, margs)
                     pack_p(BF16, pf, s, NP)
                 else:  # (a tile that sees no key reads no Q) once every thread of the
                     # warpgroup has read the tile's word: the producer writes the buffer's
@@ -352,9 +385,9 @@ def make_attn_forward_wgmma_persistent(var):
                     if it == n_tiles - 1 and lane == 0:  # (this warp is done with Q)
                         mbarrier_arrive(smem, q_empty + BAR * qb)
                     acc_to_local(sacc, s)
-                    ma, mb, la, lb, al0, al1 = step_softmax(s, n0, n_full, n_lo, i, w0, Nq,
-                                                            Nk, causal_offset, b, h, tq, ma,
-                                                            mb, la, lb, sl2, margs)
+                    ma, mb, la, lb, al0, al1 = step_softmax(s, n0, n_full, n_lo, i, w0, nq,
+                                                            nk, co, b, h, tq, ma, mb, la, lb,
+                                                            sl2, margs)
                     acc = wgmma_wait_group_acc(0, acc)
                     release(smem, empty_v, r - 1, STAGES, lane)
                     acc_to_local(acc, oa)
@@ -364,6 +397,14 @@ def make_attn_forward_wgmma_persistent(var):
                 if n_tiles > 0:
                     last = R + n_tiles - 1
                     wait_full(smem, full_v, last, STAGES)
+                    if PACKED == VARLEN:  # (compile-time) the value rows past the sequence
+                        # (the next one's, by the bulk copy) zeroed by the first warpgroup
+                        # before its turn, which the second's waits for (pingpong.py's)
+                        nl = n_begin + (n_tiles - 1) * BN
+                        if wg == 0 and nl + BN > nk:
+                            clear_rows(smem, el + (V_OFF + stage_of(last, STAGES) * STAGE) // 2,
+                                       nk - nl, BN, PANELS, wtid)
+                        fence_proxy_async()
                     take_turn(wg)
                     acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
                                    at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
@@ -374,15 +415,15 @@ def make_attn_forward_wgmma_persistent(var):
                 u += 1
 
                 acc_to_local(acc, oa)
-                obase = b * osb + h * osh
-                lrow, _ = stat_rows(b, h, Hq, Nq, 0, TQ, PACKED)
-                inv0 = finish_row(lse, lrow, i, Nq, ma, sl2, la, tq)
-                inv1 = finish_row(lse, lrow, i + 8, Nq, mb, sl2, lb, tq)
+                obase = b * osb + h * osh + q_row0 * osn
+                lrow, _ = stat_rows(b, h, Hq, nq, q_row0, TQ, PACKED)
+                inv0 = finish_row(lse, lrow, i, nq, ma, sl2, la, tq)
+                inv1 = finish_row(lse, lrow, i + 8, nq, mb, sl2, lb, tq)
                 if STAGED:  # (compile-time) through the O tile, 16-byte stores
-                    store_o(BF16, smem, el + O_OFF // 2, o, obase, q0 + 64 * wg, i, Nq, osn,
+                    store_o(BF16, smem, el + O_OFF // 2, o, obase, q0 + 64 * wg, i, nq, osn,
                             osd, oa, inv0, inv1, D, BM, wg, warp, g, tq, wtid)
                 else:
-                    store_frags(o, obase, i, Nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
+                    store_frags(o, obase, i, nq, osn, osd, oa, 0, inv0, inv1, DTILES, tq)
             if wg == 0:  # the second's last pass, matched
                 take_turn(wg)
 

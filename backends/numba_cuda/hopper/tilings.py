@@ -224,6 +224,11 @@ LONG_KEYS_MIN = 8192
 #: 651-656 (notes/dynamic_2026-11-27.md). At D=64 they lose to g1n128ob3 (N=4096 438 / 463,
 #: causal 395 / 418): not taken.
 PERSISTENT = {(128, False): _PS2, (128, True): _PS2Y}
+#: Per (head dim, causal), the forward's tiling for varlen rows without masks (with the
+#: bulk tensor copies): the persistent kernel with the tile counter, which balances the
+#: sequences' ragged tiles as the hardware's block scheduler does a grid's, and pays a
+#: block's start and end once per SM (notes/dynamic_2026-11-27.md, section 6).
+VARLEN_PERSISTENT = {(128, False): _PS2Y, (128, True): _PS2Y}
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
 #: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture): the ping-pong
 #: g2n128op3 (its consumers' cp.async copies) at D=128. (D=64's table, g1n128ob3, has no
