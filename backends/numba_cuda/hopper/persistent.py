@@ -55,7 +55,7 @@ from ..device.pipeline import (
     tma_load_4d,
 )
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import sequence, stat_rows, visited_keys
+from ..device.seams import sequence, sequence_tiles, stat_rows, visited_keys
 from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_from_local,
@@ -106,14 +106,33 @@ def query_tile(item, GX, GY, Hq, group, BM, CAUSAL):
 def tile_rows(item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k, seqk, CAUSAL,
               PACKED):
     """``(b, h, hk, q0, q_row0, k_row0, nq, nk, causal_offset)`` of the launch's ``item``-th
-    query tile (:func:`query_tile`) and of its sequence (``seams.sequence``: a varlen
-    sequence's first rows and sizes, ``PACKED`` compile-time; the launch's for a dense
-    batch). Varlen tiles number ``ceil(max_seqlen_q / BM)`` per sequence and head, as a
-    padded batch's would; those past their sequence's end (``q0 >= nq``) are skipped by
-    the producer."""
+    query tile (:func:`query_tile`) and of its sequence (``seams.sequence``, ``PACKED``
+    compile-time: the launch's sizes for a dense batch)."""
     b, h, hk, q0 = query_tile(item, GX, GY, Hq, group, BM, CAUSAL)
     q_row0, k_row0, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q, cu_k, seqk, PACKED)
     return b, h, hk, q0, q_row0, k_row0, nq, nk, co
+
+
+@device_function
+def packed_item(item, n_tiles, CAUSAL, sc, bc, cu_q, BM):
+    """``(b, h, qt, sc, bc)`` of varlen ``item``: head ``item // n_tiles``, then tile ``x =
+    item % n_tiles`` of the packed tile axis (every sequence's ``BM``-row tiles in turn;
+    ``CAUSAL``: from the last, so that each sequence's heaviest tiles come first), found
+    from the scan's last position (sequence ``sc``, whose first tile is ``bc``: a block's
+    items grow, so the scan mostly moves on by a few sequences) and returned with it."""
+    h = item // n_tiles
+    x = item - h * n_tiles
+    if CAUSAL:
+        x = n_tiles - 1 - x
+    while x < bc:
+        sc -= 1
+        bc -= int32(sequence_tiles(cu_q, sc, BM))
+    n = int32(sequence_tiles(cu_q, sc, BM))
+    while x >= bc + n:
+        bc += n
+        sc += 1
+        n = int32(sequence_tiles(cu_q, sc, BM))
+    return sc, h, x - bc, sc, bc
 
 
 @device_function
@@ -183,8 +202,10 @@ def make_attn_forward_wgmma_persistent(var):
     V_OFF = K_OFF + STAGES * STAGE
     O_OFF = V_OFF + STAGES * STAGE
     BAR_OFF = O_OFF + (QBYTES if STAGED else 0)
-    # after the barriers, a 32-bit word per Q buffer: the query tile of its use
+    # after the barriers, four 32-bit words per Q buffer: the query tile of its use (dense:
+    # its item; varlen: its sequence, head and tile in the sequence)
     ITEM_OFF = BAR_OFF + (4 * STAGES + 2 * QBUFS) * BAR * 2
+    STOP = 0xFFFFFFFF  # (a varlen sequence word: no tile left)
     V_LBO = BN * LINE
     CAUSAL = bool(var.causal)
     BF16 = var.dtype == "bfloat16"
@@ -263,23 +284,35 @@ def make_attn_forward_wgmma_persistent(var):
                 R = 0  # ring index of the query tile's key tile 0
                 u = 0  # query tiles so far (Q in buffer u % QBUFS)
                 item = int32(c)  # (then the next not taken, from the launch's counter 0)
+                if PACKED == VARLEN:  # (compile-time) items: the packed tile axis by heads
+                    n_seq_tiles = int32(0)
+                    for sq in range(nseq):
+                        n_seq_tiles += int32(sequence_tiles(cu_q, sq, BM))
+                    N_ITEMS = n_seq_tiles * int32(Hq)
+                    sc = int32(0)  # the scan's sequence, and its first tile
+                    bc = int32(0)
                 while True:
                     qb = u % QBUFS  # (the buffer's (u // QBUFS)-th use)
-                    slot = el + ITEM_OFF // 2 + 2 * qb
+                    slot = el + ITEM_OFF // 2 + 8 * qb
                     if item >= N_ITEMS:  # none left: the consumers are told through
                         # Q's barrier, with no copy
                         if u >= QBUFS:
                             mbarrier_wait(smem, q_empty + BAR * qb, (u // QBUFS - 1) & 1)
-                        st_shared_u32(smem, slot, uint32(N_ITEMS))
+                        st_shared_u32(smem, slot, uint32(STOP if PACKED == VARLEN
+                                                         else N_ITEMS))
                         mbarrier_arrive(smem, q_full + BAR * qb)
                         break
-                    b, h, hk, q0, q_row0, k_row0, nq, nk, co = tile_rows(
-                        item, GX32, GY32, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k,
-                        seqk, CAUSAL, PACKED)
-                    if PACKED == VARLEN and q0 >= nq:  # (compile-time test first) a tile
-                        # past its sequence's end: not handed over, the next one taken
-                        item = int32(G) + int32(counter_add(table, 0, 1))
-                        continue
+                    if PACKED == VARLEN:
+                        b, h, qt, sc, bc = packed_item(item, n_seq_tiles, CAUSAL, sc, bc,
+                                                       cu_q, BM)
+                        hk = h // group
+                        q0 = qt * BM
+                        q_row0, k_row0, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q,
+                                                              cu_k, seqk, PACKED)
+                    else:
+                        b, h, hk, q0, q_row0, k_row0, nq, nk, co = tile_rows(
+                            item, GX32, GY32, Hq, group, BM, Nq, Nk, causal_offset, cu_q,
+                            cu_k, seqk, CAUSAL, PACKED)
                     # (varlen rows: the maps hold every packed row as batch entry 0)
                     tb = int64(0) if PACKED == VARLEN else int64(b)
                     nb, n_tiles, _, _ = key_tiles(q0, BM, BN, nq, nk, co, CAUSAL, LEFT, RIGHT,
@@ -290,7 +323,13 @@ def make_attn_forward_wgmma_persistent(var):
                                        full_k, empty_k, STAGES, STAGE, BN, PANELS)
                     if u >= QBUFS:  # every consumer warp done with its last use's Q Kᵀ
                         mbarrier_wait(smem, q_empty + BAR * qb, (u // QBUFS - 1) & 1)
-                    st_shared_u32(smem, slot, uint32(item))  # (published by the arrival)
+                    # (published by the arrival)
+                    if PACKED == VARLEN:
+                        st_shared_u32(smem, slot, uint32(b))
+                        st_shared_u32(smem, slot + 2, uint32(h))
+                        st_shared_u32(smem, slot + 4, uint32(q0))
+                    else:
+                        st_shared_u32(smem, slot, uint32(item))
                     mbarrier_expect_tx(smem, q_full + BAR * qb, QBYTES)
                     for pn in range(PANELS):
                         tma_load_4d(smem, el + (Q_OFF + qb * QBYTES) // 2 + pn * (BM * 64),
@@ -332,12 +371,24 @@ def make_attn_forward_wgmma_persistent(var):
             while True:
                 qb = u % QBUFS
                 mbarrier_wait(smem, q_full + BAR * qb, (u // QBUFS) & 1)
-                item = int64(ld_shared_u32(smem, el + ITEM_OFF // 2 + 2 * qb))
-                if item >= n_items:  # (the producer's: none left)
-                    break
-                b, h, hk, q0, q_row0, _, nq, nk, co = tile_rows(
-                    item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k, seqk,
-                    CAUSAL, PACKED)
+                slot = el + ITEM_OFF // 2 + 8 * qb
+                if PACKED == VARLEN:  # (compile-time) the tile, as the producer found it
+                    word = ld_shared_u32(smem, slot)
+                    if word == uint32(STOP):  # (the producer's: none left)
+                        break
+                    b = int64(word)
+                    h = int64(ld_shared_u32(smem, slot + 2))
+                    q0 = int64(ld_shared_u32(smem, slot + 4))
+                    hk = h // group
+                    q_row0, _, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q, cu_k,
+                                                     seqk, PACKED)
+                else:
+                    item = int64(ld_shared_u32(smem, slot))
+                    if item >= n_items:  # (the producer's: none left)
+                        break
+                    b, h, hk, q0, q_row0, _, nq, nk, co = tile_rows(
+                        item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k,
+                        seqk, CAUSAL, PACKED)
                 n_begin, n_tiles, n_lo, n_full = key_tiles(q0, BM, BN, nq, nk, co, CAUSAL,
                                                            LEFT, RIGHT, WINDOW, cls, csq)
                 qa = at + Q_OFF + qb * QBYTES + 64 * wg * LINE

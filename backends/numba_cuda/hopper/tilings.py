@@ -388,7 +388,7 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
                 * head_dim * 2
                 + ((4 * t.stages + t.producer * (1 + t.persistent) * (1 + staged)) * 8
                    if t.pingpong else 0)
-                + 16 * t.persistent)  # (a word per Q buffer: the tile its Q is of)
+                + 32 * t.persistent)  # (four words per Q buffer: the tile its Q is of)
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
     if kernel == "dkdvq" and t.producer:  # (hopper/backward_ws.py's layout)
         stats = -(-t.stages * 8 * t.block_n // HOPPER_ALIGN) * HOPPER_ALIGN
