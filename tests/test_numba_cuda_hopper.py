@@ -330,11 +330,13 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     assert launch.hopper_variant(d, "bfloat16", False, alibi=True).tiles == t
     assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
         tilings.NO_TMA[d]
-    # varlen rows: VARLEN_PERSISTENT's (the tile counter), with a window the table's
+    # varlen rows: VARLEN_PERSISTENT's (the tile counter) causal, else the table's; with a
+    # window the table's
+    assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
+    assert tilings.VARLEN_PERSISTENT[d, True].dynamic
     for c in (False, True):
         assert launch.hopper_variant(d, "bfloat16", c, packed="varlen").tiles == \
-            tilings.VARLEN_PERSISTENT[d, c]
-        assert tilings.VARLEN_PERSISTENT[d, c].dynamic
+            tilings.VARLEN_PERSISTENT.get((d, c), t)
         assert launch.hopper_variant(d, "bfloat16", c, packed="varlen",
                                      window=(100, 0)).tiles == \
             launch.hopper_variant(d, "bfloat16", c, window=(100, 0), softcap=30.0).tiles
