@@ -350,6 +350,22 @@ else:
         assert rel_err(o, ro) < TOL_FWD[dtype], rel_err(o, ro)
         assert rel_err(lse, rl) < 1e-5
 
+    def _varlen_inf(emulated, monkeypatch, t, causal, seed, lq, lk):
+        """The varlen forward on tiling ``t`` (D=64 bf16, Hq=2 Hkv=1, sequences of ``lq``
+        queries and ``lk`` keys) with an inf in the second sequence's first value row, which
+        the first sequence's last 128-key tile also brings: ``(o, lse, ro, rl, cq)``, the
+        kernel's and the float64 oracle's."""
+        from packed_helpers import oracle_varlen, packed
+
+        monkeypatch.setitem(tilings.HOPPER_FORWARD, (64, causal), t)
+        q, k, v, cq, ck = packed(np.random.default_rng(seed), lq, lk, Hq=2, Hkv=1, D=64,
+                                 dtype="bfloat16")
+        v[ck[1], 0, 5] = np.inf  # (row lk[0] % 128 of the first sequence's last key tile)
+        o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=causal,
+                                                    backend="numba_cuda")
+        assert len(emulated.tags) == 1 and f"_d64_{t.tag}_" in emulated.tags[0], emulated.tags
+        return (o, lse, *oracle_varlen(q, k, v, cq, ck, causal=causal), cq)
+
     @pytest.mark.parametrize("producer", [False, pytest.param(True, marks=_PRODUCER)],
                              ids=["tma", "producer+tma"])
     def test_varlen_pingpong_bulk_copies(emulated, monkeypatch, producer):
@@ -359,18 +375,9 @@ else:
         their values must reach only the second sequence's outputs (the tile's rows past
         its sequence are zeroed: without that, 0 x inf made that column NaN in the first
         sequence's rows)."""
-        from packed_helpers import oracle_varlen, packed
-
         t = dataclasses.replace(PINGPONG, tma=True, producer=producer)
-        monkeypatch.setitem(tilings.HOPPER_FORWARD, (64, True), t)
-        rng = np.random.default_rng(11)
-        q, k, v, cq, ck = packed(rng, [100, 60], [420, 150], Hq=2, Hkv=1, D=64,
-                                 dtype="bfloat16")
-        v[ck[1], 0, 5] = np.inf  # (row 36 of the first sequence's last 128-key tile)
-        o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=True,
-                                                    backend="numba_cuda")
-        assert len(emulated.tags) == 1 and f"_d64_{t.tag}_" in emulated.tags[0], emulated.tags
-        ro, rl = oracle_varlen(q, k, v, cq, ck, causal=True)
+        o, lse, ro, rl, cq = _varlen_inf(emulated, monkeypatch, t, True, 11, [100, 60],
+                                         [420, 150])
         fin = np.isfinite(ro)
         assert not fin[cq[1]:, :, 5].any() and fin[:cq[1]].all() and fin[:, :, :5].all()
         assert np.array_equal(np.isfinite(o), fin)
@@ -427,18 +434,8 @@ else:
     @pytest.mark.slow
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
     def test_persistent_forward_varlen(emulated, monkeypatch, causal):
-        from packed_helpers import oracle_varlen, packed
-
-        t = PERSISTENT_WS2Y
-        monkeypatch.setitem(tilings.HOPPER_FORWARD, (64, causal), t)
-        rng = np.random.default_rng(13 + causal)
-        q, k, v, cq, ck = packed(rng, [100, 0, 60, 40], [420, 9, 150, 20], Hq=2, Hkv=1, D=64,
-                                 dtype="bfloat16")
-        v[ck[1], 0, 5] = np.inf  # (row 36 of the first sequence's last 128-key tile)
-        o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, causal=causal,
-                                                    backend="numba_cuda")
-        assert len(emulated.tags) == 1 and f"_d64_{t.tag}_" in emulated.tags[0], emulated.tags
-        ro, rl = oracle_varlen(q, k, v, cq, ck, causal=causal)
+        o, lse, ro, rl, _ = _varlen_inf(emulated, monkeypatch, PERSISTENT_WS2Y, causal,
+                                        13 + causal, [100, 0, 60, 40], [420, 9, 150, 20])
         assert np.isfinite(ro).all()
         assert np.isfinite(o).all()
         assert rel_err(o, ro) < TOL_FWD["bfloat16"], rel_err(o, ro)
