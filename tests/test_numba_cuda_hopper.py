@@ -776,11 +776,13 @@ def test_ptx_sm90a_with_mods(sm90, which):
     mm = user is not None and user.mask_mod is not None
     assert not (mm and v.tiles.overlap), v.tag
     # ping-pong: D=128's table (D=64's is g1n128ob3), but a window with other mods
-    # (WINDOW_TILES) or user mods (the overlap); a window alone, WINDOW_PERSISTENT's
+    # (WINDOW_TILES) or user mods (the overlap); a window alone, WINDOW_PERSISTENT's, and
+    # varlen rows alone VARLEN_PERSISTENT's where it has one (causal)
     alone = set(opts) == {"window"}
+    varlen = set(opts) == {"packed"} and (d, causal) in tilings.VARLEN_PERSISTENT
     assert v.tiles.pingpong == (d == 128 and user is None
                                 and ("window" not in opts or alone)), v.tag
-    assert v.tiles.persistent == (d == 128 and alone), v.tag
+    assert v.tiles.persistent == (d == 128 and (alone or varlen)), v.tag
     assert v.packed == opts.get("packed", "")
     sig = launch.signature(v.entry, dtype, user.args if user is not None else ())
     ptx = compile_sm90a(v, sig)
