@@ -426,8 +426,9 @@ else:
         ro, rl = oracle_forward(q, k, v, **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
-    #: Varlen rows on the persistent forward with the tile counter (tilings.VARLEN_PERSISTENT):
-    #: an empty sequence, one with more queries than keys (rows that see no key, causal),
+    #: Varlen rows on the persistent forward with the tile counter
+    #: (tilings.VARLEN_PERSISTENT_TRIAL): a sequence of three query tiles, an empty
+    #: sequence, one with more queries than keys (rows that see no key, causal),
     #: GQA, tiles past their sequence's end skipped, and the first sequence's last key tile
     #: bringing the next ones' rows, one of whose values is inf (zeroed in the tile: it must
     #: reach no output; that sequence has no queries).
@@ -435,7 +436,7 @@ else:
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
     def test_persistent_forward_varlen(emulated, monkeypatch, causal):
         o, lse, ro, rl, _ = _varlen_inf(emulated, monkeypatch, PERSISTENT_WS2Y, causal,
-                                        13 + causal, [100, 0, 60, 40], [420, 9, 150, 20])
+                                        13 + causal, [300, 0, 60, 40], [420, 9, 150, 20])
         assert np.isfinite(ro).all()
         assert np.isfinite(o).all()
         assert rel_err(o, ro) < TOL_FWD["bfloat16"], rel_err(o, ro)

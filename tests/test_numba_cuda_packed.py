@@ -303,6 +303,47 @@ def test_packed_varlen_many_sequences_on_gpu(dtype, D, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_persistent_forward_varlen_walks_many_tiles_on_gpu(causal, monkeypatch):
+    """The persistent forward on varlen rows (tilings.VARLEN_PERSISTENT_TRIAL, the tile
+    counter) with several tiles a block: 16 heads over sequences of up to 40 tiles (an
+    empty one, one-row ones, more queries than keys, GQA), more items than the GPU has
+    blocks, so each block walks several, reusing each Q buffer and its words, its scan of
+    the sequences moving on from one item to the next (and back to the first at each new
+    head): forward and backward against the oracle; then three more forwards on the same
+    arrays (the same tensor-map slot's counters, set back to zero by each launch) equal to
+    the first. The GPU tests of 2026-11-27 gave each block one varlen tile."""
+    torch = _cuda_torch()
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    from flashcore.backends.numba_cuda import launch, tilings
+
+    t = tilings.VARLEN_PERSISTENT_TRIAL
+    monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.delenv(launch.HOPPER_ENV, raising=False)
+    monkeypatch.setitem(tilings.VARLEN_PERSISTENT, (128, causal), t)
+    tags = []
+    real = launch.launch_forward
+    monkeypatch.setattr(launch, "launch_forward", lambda kern, *a, **kw: tags.append(
+        kern._dispatcher.py_func.__qualname__) or real(kern, *a, **kw))
+    lq, lk = [5000, 0, 300, 1, 129, 2000, 40], [5000, 7, 280, 1, 400, 2100, 10]
+    rng = np.random.default_rng(71 + causal)
+    _varlen_on_gpu(torch, rng, lq, lk, 16, 4, 128, "bfloat16", causal)
+    assert f"_{t.tag}_" in tags[0], tags
+    q, k, v, cq, ck = packed(rng, lq, lk, Hq=16, Hkv=4, D=128, dtype="bfloat16")
+    dev = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to(  # noqa: E731
+        "cuda", torch.bfloat16)
+    args = (dev(q), dev(k), dev(v), torch.from_numpy(cq).cuda(), torch.from_numpy(ck).cuda())
+    runs = [flashcore.attention_varlen_forward(*args, causal=causal, backend="numba_cuda")
+            for _ in range(4)]
+    torch.cuda.synchronize()
+    assert all(f"_{t.tag}_" in x for x in tags[-4:]), tags
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("D, causal", [(128, False), (128, True), (64, False)])
 def test_packed_varlen_bulk_copies_on_gpu(D, causal, monkeypatch):
     """The wgmma forward's bulk tensor copies on varlen rows (``TMA_MIN_WORK`` 0: the

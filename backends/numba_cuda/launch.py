@@ -229,7 +229,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         t = replace(t, persistent=False, dynamic=False)
     if t.tma and not tma_ok:  # (a small call would pay more host time for the tensor maps
         # than they save: TMA_MIN_WORK)
-        t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False))
+        t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False,
+                                                   persistent=False, dynamic=False))
     if masked and kernel == "forward":  # (a producer of cp.async copies takes no masks)
         t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
                                  bool(softcap), bool(window), head_dim, alibi=alibi)

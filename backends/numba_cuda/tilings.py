@@ -500,6 +500,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     SOFTCAP_POLY,
     TMA_MIN_WORK,
     VARLEN_PERSISTENT,
+    VARLEN_PERSISTENT_TRIAL,
     WINDOW_PERSISTENT,
     WINDOW_TILES,
     HopperTiles,

@@ -230,8 +230,14 @@ PERSISTENT = {(128, False): _PS2, (128, True): _PS2Y}
 #: which pays a block's start and end once per SM. H200, 16 sequences of 128..4096 tokens,
 #: H=16 D=128 bf16, the backend alone, ms (÷ the padded call's time x the work share):
 #: causal 0.62 (1.25) against the table's g2n128op3wt 0.69 (1.38); non-causal it lost,
-#: 1.06 (1.20) against 1.01 (1.15): not taken (notes/dynamic_2026-11-27.md, section 6).
-VARLEN_PERSISTENT = {(128, True): _PS2Y}
+#: 1.06 (1.20) against 1.01 (1.15) (notes/dynamic_2026-11-27.md, section 6). Empty until
+#: a GPU test checks the outputs of blocks that take several varlen tiles (the GPU tests
+#: that passed gave each block one; the timed runs checked no output), and the producer's
+#: scan is bounded for many sequences (it restarts at every head: section 9): then
+#: ``{(128, True): _PS2Y}`` (test_persistent_forward_varlen_walks_many_tiles_on_gpu).
+VARLEN_PERSISTENT: dict = {}
+#: The persistent varlen tiling the GPU test checks and the tools time.
+VARLEN_PERSISTENT_TRIAL = _PS2Y
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
 #: take them (:data:`TMA_MIN_WORK`, broadcast views, CUDA-graph capture): the ping-pong
 #: g2n128op3 (its consumers' cp.async copies) at D=128. (D=64's table, g1n128ob3, has no
@@ -512,9 +518,10 @@ def masked_tiles(t: HopperTiles, score_mod: bool = False, softcap: bool = False,
     1.10 of the table's unmasked time (notes/long_tiles_2026-11-27.md). A ``window``
     takes :data:`WINDOW_TILES` where it has one for ``head_dim`` (but with a mask_mod,
     whose empty tiles are skipped in :data:`HOPPER_MASK_MOD`'s schedule)."""
-    if t.persistent and not (score_mod or softcap or alibi):  # (the persistent kernel
-        # takes a window: branch persistent-dynamic, for the tool)
-        return t
+    if t.persistent:  # (the persistent kernel takes a window, no other mask)
+        if not (score_mod or softcap or alibi):
+            return t
+        t = replace(t, persistent=False, dynamic=False)
     if window and head_dim in WINDOW_TILES and t.overlap:  # (not a mask_mod's schedule)
         return WINDOW_TILES[head_dim]
     spills = score_mod and (t.pingpong or t.min_blocks > 2)  # (a user's score_mod there)
