@@ -199,7 +199,7 @@ HOPPER_FORWARD = {(64, False): _G1N128B3, (64, True): _G1N128B3,
 #: 471, 473 against 439, 453; B=1 N=16384 485 against 435). H200, two runs, TFLOP/s
 #: g2n192op3wt / g1n64ob2: B=1 H=16 N=16384 454, 461 / 411, 398; B=4 H=16 N=4096 376, 373 /
 #: 394, 391.
-#: At D=128 the table's ping-pong tiling: PERSISTENT's lose at 8192 keys and more (H200,
+#: At D=128 the table's ping-pong tiling: PERSISTENT's lose (or tie) at 8192 keys and more (H200,
 #: bf16 H=16, three runs, TFLOP/s table g2n128op3wt / g2n128op2wts / g2n128op2wtsy, causal
 #: the last: B=4 N=8192 650, 644 / 618, 611 / 615, causal 598, 599 / 598, 575; B=1 N=16384
 #: 671, 635, 660 / 618, 623, 623, causal 607, 633 / 601, 600; notes/dynamic_2026-11-27.md).
