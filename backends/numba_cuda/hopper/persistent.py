@@ -9,8 +9,9 @@ deal them (what balances heaviest-first causal tiles). The counters are 32-bit w
 after the launch's tensor maps (``tensor_maps``' slots, zero when copied); the last block
 to run out sets them to zero again, so that the next launch reading the slot (ordered
 after this one on its stream) starts from zero. Either way the producer publishes each
-tile's index to the consumers with its Q (a word per Q buffer, written before the arrival
-on "q full"); an index past the last tells them to stop.
+tile to the consumers with its Q (words per Q buffer, written before the arrival on "q
+full": a dense tile's index, an index past the last telling them to stop; a varlen
+tile's sequence, head and first row, the sequence word ``STOP`` telling them to stop).
 
 A block per query tile pays its start and end with nothing under them (one block per
 multiprocessor: 224 KiB of shared memory at D=128): Q and the first K and V tiles loaded
@@ -24,10 +25,10 @@ the current one; the turns (named barriers 1 and 2) carry on across tiles, so th
 warpgroup starts the next tile while the second normalizes and stores; O's rows go through
 a tile of their own to 16-byte stores.
 
-Dense rows, or varlen rows with the tile counter (:func:`tile_rows`: each sequence and
-head has ``ceil(max_seqlen_q / 128)`` tiles, as a padded batch would, heaviest first where
-causal across every sequence; the producer skips those past their sequence's end, and the
-first warpgroup zeroes the value rows past it that a last tile's bulk copy brings); a
+Dense rows, or varlen rows with the tile counter (:func:`packed_item`: the items number
+every sequence's tiles in turn, head by head, causal from each sequence's last tile; the
+producer's thread finds a tile's sequence by scanning on from its last one, and the first
+warpgroup zeroes the value rows past the sequence that a last tile's bulk copy brings); a
 sliding window, no other mask or score modifier: ``launch.hopper_variant`` takes the
 table's tiling for the others. The launch passes the batch as ``nseq``.
 """
@@ -203,7 +204,7 @@ def make_attn_forward_wgmma_persistent(var):
     O_OFF = V_OFF + STAGES * STAGE
     BAR_OFF = O_OFF + (QBYTES if STAGED else 0)
     # after the barriers, four 32-bit words per Q buffer: the query tile of its use (dense:
-    # its item; varlen: its sequence, head and tile in the sequence)
+    # its item; varlen: its sequence, head and first row in the sequence)
     ITEM_OFF = BAR_OFF + (4 * STAGES + 2 * QBUFS) * BAR * 2
     STOP = 0xFFFFFFFF  # (a varlen sequence word: no tile left)
     V_LBO = BN * LINE
@@ -276,7 +277,7 @@ def make_attn_forward_wgmma_persistent(var):
             setmaxnreg_dec(PRODUCER_REGS)
             if wtid == 0:  # (the other 127 threads are done: no warp spins beside the
                 # consumers' on their schedulers)
-                # (32-bit tile indices: the producer has 24 registers)
+                # (32-bit tile indices: the producer has 24 or 40 registers)
                 GX32, GY32, N_ITEMS = int32(GX), int32(GY), int32(n_items)
                 fence_tensormap(table, 0)
                 fence_tensormap(table, 1)
