@@ -78,13 +78,13 @@ def spy_launches(monkeypatch, fns=("launch_dkdv", "launch_dq"), name=lambda kern
 
 
 def no_persistent(monkeypatch):
-    """Empty ``tilings.PERSISTENT``, ``tilings.WINDOW_PERSISTENT`` and
-    ``tilings.VARLEN_PERSISTENT`` for the test (in place:
-    the names are re-exported from ``hopper/tilings.py``, whose ``choose_hopper`` reads its
-    own, so setting the re-exported name would change nothing)."""
+    """Empty ``tilings.PERSISTENT_TABLES`` (PERSISTENT, WINDOW_PERSISTENT,
+    VARLEN_PERSISTENT) for the test (in place: the names are re-exported from
+    ``hopper/tilings.py``, whose ``choose_hopper`` reads its own, so setting the
+    re-exported name would change nothing)."""
     from flashcore.backends.numba_cuda import tilings
 
-    for table in (tilings.PERSISTENT, tilings.WINDOW_PERSISTENT, tilings.VARLEN_PERSISTENT):
+    for table in tilings.PERSISTENT_TABLES:
         for key in list(table):
             monkeypatch.delitem(table, key)
 

@@ -123,14 +123,14 @@ def variants(launch, tilings, candidates, head_dims, masks):
 def use_tiling(launch, tilings, t):
     """Make the plans pick tiling ``t`` for the wgmma forward (plans do not key on it), at
     any size (a tiling of bulk tensor copies is otherwise replaced below
-    ``tilings.TMA_MIN_WORK``, by ``tilings.LONG_KEYS``' on long key sequences, by
-    ``tilings.PERSISTENT``'s on dense calls and by ``tilings.WINDOW_PERSISTENT``'s on a
-    window's: the times would carry the wrong name)."""
+    ``tilings.TMA_MIN_WORK``, by ``tilings.LONG_KEYS``' on long key sequences and by
+    ``tilings.PERSISTENT_TABLES``' on dense calls, a window's and varlen rows: the times
+    would carry the wrong name)."""
     for key in list(tilings.HOPPER_FORWARD):
         tilings.HOPPER_FORWARD[key] = t
     tilings.LONG_KEYS.clear()
-    tilings.PERSISTENT.clear()
-    tilings.WINDOW_PERSISTENT.clear()
+    for table in tilings.PERSISTENT_TABLES:
+        table.clear()
     tilings.TMA_MIN_WORK = 0
     launch._PLANS.clear()
 

@@ -30,6 +30,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .device.convert import SIMULATOR
+from .device.pipeline import COUNTERS_OFFSET
 
 #: CUtensorMapDataType of the 16-bit dtypes; CUtensorMapSwizzle 128B; L2 promotion 256B.
 _DTYPE = {"float16": 6, "bfloat16": 9}
@@ -43,7 +44,7 @@ MAX_KEPT = 256
 #: forward's scheduling counters, zero when copied: ``device/pipeline.counter_add``; the
 #: kernel that counts on them sets them to zero again before it ends).
 SLOTS = 1024
-_MAPS = 3 * 128
+_MAPS = COUNTERS_OFFSET  # (the three maps, before the counters the kernel reads)
 _SET = _MAPS + 128
 #: CUevent flag: no timing (cheaper to record).
 _EVENT_DISABLE_TIMING = 2

@@ -496,6 +496,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     MASKED_OVERLAP,
     NO_TMA,
     PERSISTENT,
+    PERSISTENT_TABLES,
     SOFTCAP_KEYS,
     SOFTCAP_POLY,
     TMA_MIN_WORK,

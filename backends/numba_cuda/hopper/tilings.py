@@ -487,6 +487,9 @@ WINDOW_TILES = {64: HopperTiles(1, 64, True, 2), 128: HopperTiles(1, 64, True, 2
 #: causal 356 / 362 / 348. At D=64 g1n64ob2 leads (N=8192 2483 / 2190 / 2199, causal 1905
 #: / 1335 / 1334): not taken.
 WINDOW_PERSISTENT = {128: _PS2Y}
+#: The tables whose tiling replaces the table's for some calls with the persistent kernel
+#: (tests and tools that time or check a named tiling empty them).
+PERSISTENT_TABLES = (PERSISTENT, WINDOW_PERSISTENT, VARLEN_PERSISTENT)
 
 
 #: Per head dim, the overlapped tiling that masks other than the softcap and ALiBi take
