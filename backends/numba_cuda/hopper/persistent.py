@@ -115,14 +115,15 @@ def tile_rows(item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k, se
 
 
 @device_function
-def packed_item(item, n_tiles, CAUSAL, sc, bc, cu_q, BM):
-    """``(b, h, qt, sc, bc)`` of varlen ``item``: head ``item // n_tiles``, then tile ``x =
-    item % n_tiles`` of the packed tile axis (every sequence's ``BM``-row tiles in turn;
-    ``CAUSAL``: from the last, so that each sequence's heaviest tiles come first), found
-    from the scan's last position (sequence ``sc``, whose first tile is ``bc``: a block's
-    items grow, so the scan mostly moves on by a few sequences) and returned with it."""
-    h = item // n_tiles
-    x = item - h * n_tiles
+def packed_item(item, n_tiles, Hq, CAUSAL, sc, bc, cu_q, BM):
+    """``(b, h, qt, sc, bc)`` of varlen ``item``: tile ``x = item // Hq`` of the packed tile
+    axis (every sequence's ``BM``-row tiles in turn; ``CAUSAL``: from the last, so that each
+    sequence's heaviest tiles come first), head ``item % Hq`` (heads innermost: a block's
+    next item is about ``G / Hq`` tiles on, so the scan moves by a few sequences at most
+    and never starts over), the tile's sequence found from the scan's last position
+    (sequence ``sc``, whose first tile is ``bc``) and returned with it."""
+    x = item // Hq
+    h = item - x * Hq
     if CAUSAL:
         x = n_tiles - 1 - x
     while x < bc:
@@ -304,8 +305,8 @@ def make_attn_forward_wgmma_persistent(var):
                         mbarrier_arrive(smem, q_full + BAR * qb)
                         break
                     if PACKED == VARLEN:
-                        b, h, qt, sc, bc = packed_item(item, n_seq_tiles, CAUSAL, sc, bc,
-                                                       cu_q, BM)
+                        b, h, qt, sc, bc = packed_item(item, n_seq_tiles, int32(Hq), CAUSAL,
+                                                       sc, bc, cu_q, BM)
                         hk = h // group
                         q0 = qt * BM
                         q_row0, k_row0, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q,
