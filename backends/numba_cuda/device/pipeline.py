@@ -23,7 +23,8 @@ PTX), and the ring of shared-memory stages they guard, as plain index arithmetic
   ``ld_shared_u32(smem, idx)`` a 32-bit word.
 - ``counter_add(maps, n, value)``: ``atom.add.u32`` on the launch's scheduling counter
   ``n`` (32-bit words after the three tensor maps at ``maps``: ``COUNTERS_OFFSET``),
-  returning the old value; ``counter_store(maps, n, value)`` writes one (``st.u32``).
+  returning the old value; ``counter_add_acq_rel`` the same with ``.acq_rel.gpu``
+  semantics; ``counter_store(maps, n, value)`` writes one (``st.u32``).
 - ``bulk_reduce_add_f32(dst, didx, smem, sidx, nbytes)``:
   ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: ``nbytes`` (a multiple
   of 16) of fp32 from shared element ``sidx`` added, element by element and atomically,
@@ -85,6 +86,7 @@ __all__ = [
     "ld_shared_f32",
     "ld_shared_u32",
     "counter_add",
+    "counter_add_acq_rel",
     "counter_store",
     "COUNTERS_OFFSET",
     "full_parity",
@@ -141,6 +143,7 @@ if SIMULATOR:
         bulk_wait,
         bulk_wait_read,
         counter_add,
+        counter_add_acq_rel,
         counter_store,
         cp_async_arrive,
         fence_tensormap,
@@ -332,6 +335,9 @@ else:
 
     #: ``atom.add.u32`` on counter ``n``: its old value.
     counter_add = _counter_op("atom.add.u32 $0, [$1], $2;", True)
+    #: the same with acquire-release semantics at GPU scope (a block's count of its end,
+    #: ordered after its own takes from counter 0 for the last block's reset)
+    counter_add_acq_rel = _counter_op("atom.acq_rel.gpu.add.u32 $0, [$1], $2;", True)
     #: ``st.u32`` of ``value`` into counter ``n``.
     counter_store = _counter_op("st.u32 [$0], $1;", False)
 

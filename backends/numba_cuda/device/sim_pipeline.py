@@ -380,6 +380,10 @@ def counter_add(maps, n, value):
     return np.uint32(old)
 
 
+#: (the simulator's lock already orders every counter operation)
+counter_add_acq_rel = counter_add
+
+
 def counter_store(maps, n, value):
     with _red_lock:
         maps[SIM_COUNTERS + int(n)] = int(value)

@@ -41,6 +41,7 @@ from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import warp_uniform
 from ..device.pipeline import (
     counter_add,
+    counter_add_acq_rel,
     counter_store,
     fence_tensormap,
     ld_shared_u32,
@@ -116,12 +117,13 @@ def tile_rows(item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k, se
 
 @device_function
 def packed_item(item, n_tiles, Hq, CAUSAL, sc, bc, cu_q, BM):
-    """``(b, h, qt, sc, bc)`` of varlen ``item``: tile ``x = item // Hq`` of the packed tile
+    """``(sc, h, qt, bc)`` of varlen ``item``: tile ``x = item // Hq`` of the packed tile
     axis (every sequence's ``BM``-row tiles in turn; ``CAUSAL``: from the last, so that each
     sequence's heaviest tiles come first), head ``item % Hq`` (heads innermost: a block's
     next item is about ``G / Hq`` tiles on, so the scan moves by a few sequences at most
     and never starts over), the tile's sequence found from the scan's last position
-    (sequence ``sc``, whose first tile is ``bc``) and returned with it."""
+    (sequence ``sc``, whose first tile is ``bc``): the tile's sequence and its first tile,
+    the scan's position for the next item."""
     x = item // Hq
     h = item - x * Hq
     if CAUSAL:
@@ -134,7 +136,7 @@ def packed_item(item, n_tiles, Hq, CAUSAL, sc, bc, cu_q, BM):
         bc += n
         sc += 1
         n = int32(sequence_tiles(cu_q, sc, BM))
-    return sc, h, x - bc, sc, bc
+    return sc, h, x - bc, bc
 
 
 @device_function
@@ -305,8 +307,9 @@ def make_attn_forward_wgmma_persistent(var):
                         mbarrier_arrive(smem, q_full + BAR * qb)
                         break
                     if PACKED == VARLEN:
-                        b, h, qt, sc, bc = packed_item(item, n_seq_tiles, int32(Hq), CAUSAL,
-                                                       sc, bc, cu_q, BM)
+                        sc, h, qt, bc = packed_item(item, n_seq_tiles, int32(Hq), CAUSAL, sc,
+                                                    bc, cu_q, BM)
+                        b = sc
                         hk = h // group
                         q0 = qt * BM
                         q_row0, k_row0, nq, nk, co = sequence(b, Nq, Nk, causal_offset, cu_q,
@@ -351,7 +354,8 @@ def make_attn_forward_wgmma_persistent(var):
                         item = walk(u, c, G)
                 # the last block to run out sets the counters to zero for the next launch
                 # that reads this slot (no block takes a tile after it ran out)
-                if DYNAMIC and int64(counter_add(table, 1, 1)) == G - 1:
+                # (acquire-release: every block's counter-0 atomics precede the reset)
+                if DYNAMIC and int64(counter_add_acq_rel(table, 1, 1)) == G - 1:
                     counter_store(table, 0, 0)
                     counter_store(table, 1, 0)
         else:
@@ -454,10 +458,11 @@ def make_attn_forward_wgmma_persistent(var):
                         # (the next one's, by the bulk copy) zeroed by the first warpgroup
                         # before its turn, which the second's waits for (pingpong.py's)
                         nl = n_begin + (n_tiles - 1) * BN
+                        # (then fenced for the products' async proxy: only those writes)
                         if wg == 0 and nl + BN > nk:
                             clear_rows(smem, el + (V_OFF + stage_of(last, STAGES) * STAGE) // 2,
                                        nk - nl, BN, PANELS, wtid)
-                        fence_proxy_async()
+                            fence_proxy_async()
                     take_turn(wg)
                     acc = issue_pv(BF16, wgmma_fence_acc(acc), pf,
                                    at + V_OFF + stage_of(last, STAGES) * STAGE, PSTEPS, V_LBO)
