@@ -334,7 +334,8 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     # window the table's
     assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
     assert tilings.VARLEN_PERSISTENT_TRIAL.dynamic
-    monkeypatch.setitem(tilings.VARLEN_PERSISTENT, (d, True), tilings.VARLEN_PERSISTENT_TRIAL)
+    assert tilings.VARLEN_PERSISTENT[(d, True)] == tilings.VARLEN_PERSISTENT_TRIAL
+    assert (d, False) not in tilings.VARLEN_PERSISTENT
     assert launch.hopper_variant(d, "bfloat16", True, packed="varlen").tiles == \
         tilings.VARLEN_PERSISTENT_TRIAL
     assert launch.hopper_variant(d, "bfloat16", True, packed="varlen", tma_ok=False).tiles \

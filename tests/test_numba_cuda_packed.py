@@ -309,10 +309,10 @@ def test_persistent_forward_varlen_walks_many_tiles_on_gpu(causal, monkeypatch):
     counter) with several tiles a block: 16 heads over sequences of up to 40 tiles (an
     empty one, one-row ones, more queries than keys, GQA), more items than the GPU has
     blocks, so each block walks several, reusing each Q buffer and its words, its scan of
-    the sequences moving on from one item to the next (and back to the first at each new
-    head): forward and backward against the oracle; then three more forwards on the same
-    arrays (the same tensor-map slot's counters, set back to zero by each launch) equal to
-    the first. The GPU tests of 2026-11-27 gave each block one varlen tile."""
+    the sequences moving on from one item to the next (heads innermost): forward and
+    backward against the oracle; then three more forwards on the same arrays (the same
+    tensor-map slot's counters, set back to zero by each launch) equal to the first. (First
+    passed on an H200 at 84fb6da; the GPU tests before gave each block one varlen tile.)"""
     torch = _cuda_torch()
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("the wgmma kernels need compute capability 9.0")

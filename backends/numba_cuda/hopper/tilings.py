@@ -230,12 +230,12 @@ PERSISTENT = {(128, False): _PS2, (128, True): _PS2Y}
 #: which pays a block's start and end once per SM. H200, 16 sequences of 128..4096 tokens,
 #: H=16 D=128 bf16, the backend alone, ms (÷ the padded call's time x the work share):
 #: causal 0.62 (1.25) against the table's g2n128op3wt 0.69 (1.38); non-causal it lost,
-#: 1.06 (1.20) against 1.01 (1.15) (notes/dynamic_2026-11-27.md, section 6). Empty until
-#: a GPU test checks the outputs of blocks that take several varlen tiles (the GPU tests
-#: that passed gave each block one; the timed runs checked no output), and the producer's
-#: scan is bounded for many sequences (it restarts at every head: section 9): then
-#: ``{(128, True): _PS2Y}`` (test_persistent_forward_varlen_walks_many_tiles_on_gpu).
-VARLEN_PERSISTENT: dict = {}
+#: 1.06 (1.20) against 1.01 (1.15) (notes/dynamic_2026-11-27.md, section 6). Taken causal
+#: since 84fb6da: blocks that take many varlen tiles passed on the GPU
+#: (test_persistent_forward_varlen_walks_many_tiles_on_gpu), heads are the items' innermost
+#: axis (the producer's scan never starts over), and a second H200 run gave 0.65 against
+#: 0.73 ms (non-causal 1.14 each; notes/varlen_persistent_2026-11-27.md).
+VARLEN_PERSISTENT = {(128, True): _PS2Y}
 #: The persistent varlen tiling the GPU test checks and the tools time.
 VARLEN_PERSISTENT_TRIAL = _PS2Y
 #: Per head dim, the table's tilings before the bulk tensor copies, for calls that do not
