@@ -813,32 +813,31 @@ def test_ptx_sm90a_with_mods(sm90, which):
     assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
 
 
+@pytest.mark.parametrize("dynamic", [True, False], ids=["counter", "static"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ptx_sm90a_persistent_varlen(sm90, causal):
-    """The persistent forward on varlen rows (tilings.VARLEN_PERSISTENT_TRIAL: the tile
-    counter; the producer's scan of the sequences, the tile's words for the consumers, the
-    value rows past a sequence zeroed) compiles for sm_90a with the launch's parameters, no
-    local memory, and (ptxas) no spills nor serialized wgmmas; the persistent tilings
-    refuse varlen rows without the counter and masks other than a window."""
+def test_ptx_sm90a_persistent_varlen(sm90, causal, dynamic):
+    """The persistent forward on varlen rows (the tile counter, tilings.
+    VARLEN_PERSISTENT_TRIAL, or the static walk: the producer's scan of the sequences, the
+    tile's words for the consumers, the value rows past a sequence zeroed) compiles for
+    sm_90a with the launch's parameters, no local memory, and (ptxas) no spills nor
+    serialized wgmmas; the persistent tilings refuse masks other than a window."""
     from dataclasses import replace
 
     from test_numba_cuda_wgmma import _ptxas
 
-    t = tilings.VARLEN_PERSISTENT_TRIAL
+    t = replace(tilings.VARLEN_PERSISTENT_TRIAL, dynamic=dynamic)
     v = Variant("forward", "hopper", 128, "bfloat16", causal, t, packed="varlen")
     ptx = compile_sm90a(v, launch.signature(v.entry, "bfloat16"))
-    assert "atom.add.u32" in ptx and ".local" not in ptx
+    assert ("atom.add.u32" in ptx) == dynamic and ".local" not in ptx
     res = _ptxas(ptx, "sm_90a")
     if res is not None:
         rc, report = res
         assert rc == 0, f"ptxas failed:\n{report[-3000:]}"
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
         assert "C7519" not in report and "C7512" not in report
-    for bad in (Variant("forward", "hopper", 128, "bfloat16", causal,
-                        replace(t, dynamic=False), packed="varlen"),
-                Variant("forward", "hopper", 128, "bfloat16", causal, t, softcap=30.0)):
-        with pytest.raises(ValueError):
-            compile_sm90a(bad, launch.signature(bad.entry, "bfloat16"))
+    bad = Variant("forward", "hopper", 128, "bfloat16", causal, t, softcap=30.0)
+    with pytest.raises(ValueError):
+        compile_sm90a(bad, launch.signature(bad.entry, "bfloat16"))
     # (masked_tiles gives a persistent tiling with the softcap or ALiBi the table's form)
     for kw in ({"softcap": True}, {"alibi": True}):
         assert not tilings.masked_tiles(t, head_dim=128, **kw).persistent

@@ -431,11 +431,13 @@ else:
     #: sequence, one with more queries than keys (rows that see no key, causal),
     #: GQA, tiles past their sequence's end skipped, and the first sequence's last key tile
     #: bringing the next ones' rows, one of whose values is inf (zeroed in the tile: it must
-    #: reach no output; that sequence has no queries).
+    #: reach no output; that sequence has no queries). The static walk (no counter) too.
     @pytest.mark.slow
-    @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-    def test_persistent_forward_varlen(emulated, monkeypatch, causal):
-        o, lse, ro, rl, _ = _varlen_inf(emulated, monkeypatch, PERSISTENT_WS2Y, causal,
+    @pytest.mark.parametrize("causal,t", [(True, PERSISTENT_WS2Y), (False, PERSISTENT_WS2Y),
+                                          (False, PERSISTENT_WS2)],
+                             ids=["causal", "full", "full-static"])
+    def test_persistent_forward_varlen(emulated, monkeypatch, causal, t):
+        o, lse, ro, rl, _ = _varlen_inf(emulated, monkeypatch, t, causal,
                                         13 + causal, [300, 0, 60, 40], [420, 9, 150, 20])
         assert np.isfinite(ro).all()
         assert np.isfinite(o).all()

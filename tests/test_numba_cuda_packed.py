@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -129,8 +130,6 @@ def _run_cache_lengths_paths():
     """The lengths given on the host (the front end's NumPy copy, uploaded by the adapter's
     ``host_lengths``) and as a device array (read through ``int32``; a list stands for one
     under the simulator) give the same appends and results, bit for bit."""
-    from dataclasses import replace
-
     import test_kvcache as T
     from flashcore.backends import numba_cuda
     from flashcore.backends.numba_cuda import adapters
@@ -303,10 +302,11 @@ def test_packed_varlen_many_sequences_on_gpu(dtype, D, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_persistent_forward_varlen_walks_many_tiles_on_gpu(causal, monkeypatch):
+@pytest.mark.parametrize("causal,dynamic", [(True, True), (False, True), (False, False)],
+                         ids=["causal", "full", "full-static"])
+def test_persistent_forward_varlen_walks_many_tiles_on_gpu(causal, dynamic, monkeypatch):
     """The persistent forward on varlen rows (tilings.VARLEN_PERSISTENT_TRIAL, the tile
-    counter) with several tiles a block: 16 heads over sequences of up to 40 tiles (an
+    counter, or the static walk) with several tiles a block: 16 heads over sequences of up to 40 tiles (an
     empty one, one-row ones, more queries than keys, GQA), more items than the GPU has
     blocks, so each block walks several, reusing each Q buffer and its words, its scan of
     the sequences moving on from one item to the next (heads innermost): forward and
@@ -318,7 +318,7 @@ def test_persistent_forward_varlen_walks_many_tiles_on_gpu(causal, monkeypatch):
         pytest.skip("the wgmma kernels need compute capability 9.0")
     from flashcore.backends.numba_cuda import launch, tilings
 
-    t = tilings.VARLEN_PERSISTENT_TRIAL
+    t = replace(tilings.VARLEN_PERSISTENT_TRIAL, dynamic=dynamic)
     monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)
     monkeypatch.setattr(launch, "_PLANS", {})
     monkeypatch.delenv(launch.HOPPER_ENV, raising=False)

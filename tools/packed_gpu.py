@@ -199,11 +199,19 @@ def varlen(rows):
             tilings.VARLEN_PERSISTENT.clear()
             launch.forget_plans()
             try:
+                o_t, lse_t = numba_cuda.forward(q, k, v, vcase)
                 res["varlen_fwd_tiles"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
             finally:
                 tilings.HOPPER_FORWARD[D, causal] = saved
                 tilings.VARLEN_PERSISTENT.update(saved_vp)
                 launch.forget_plans()
+            # checked against the default tiling's outputs (lse: finite rows)
+            o_d, lse_d = numba_cuda.forward(q, k, v, vcase)
+            fin = torch.isfinite(lse_d)
+            res["tiles_err"] = [float((o_t.float() - o_d.float()).abs().max()),
+                                float((lse_t[fin] - lse_d[fin]).abs().max()),
+                                bool(torch.equal(fin, torch.isfinite(lse_t)))]
+            res["varlen_fwd_backend2"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
         qr, kr, vr = (x.requires_grad_() for x in (q, k, v))
         qpr, kpr, vpr = (x.requires_grad_() for x in (qp, kp, vp))
 
@@ -271,7 +279,10 @@ def main():
               "padded call")
         if "varlen_fwd_tiles" in r:
             print(f"       the same on tiling {TILES}: {r['varlen_fwd_tiles'] * 1e3:.2f}ms, "
-                  f"{r['varlen_fwd_tiles'] / pf:.2f}x pad*share")
+                  f"{r['varlen_fwd_tiles'] / pf:.2f}x pad*share (the default again after "
+                  f"it: {r['varlen_fwd_backend2'] * 1e3:.2f}ms); against the default's "
+                  f"outputs: o within {r['tiles_err'][0]:.2e}, lse {r['tiles_err'][1]:.2e}, "
+                  f"same empty rows {r['tiles_err'][2]}")
     if not os.environ.get("PACKED_SKIP_DECODE"):
         decode_table(out, bw)
     if os.environ.get("PACKED_JSON"):

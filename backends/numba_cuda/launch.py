@@ -224,8 +224,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         t = tilings.WINDOW_PERSISTENT[head_dim]
     if kernel == "forward" and packed == "varlen" and not masked and tma_ok:
         t = tilings.VARLEN_PERSISTENT.get((head_dim, bool(causal)), t)
-    if t.persistent and (mods or (packed and not t.dynamic)):  # (a persistent block walks
-        # dense tiles, a window's too, and varlen ones with the tile counter)
+    if t.persistent and (mods or packed not in ("", "varlen")):  # (a persistent block
+        # walks dense tiles, a window's too, and varlen ones)
         t = replace(t, persistent=False, dynamic=False)
     if t.tma and not tma_ok:  # (a small call would pay more host time for the tensor maps
         # than they save: TMA_MIN_WORK)

@@ -185,9 +185,8 @@ def make_attn_forward_wgmma_persistent(var):
     BN, BM, STAGES = t.block_n, t.block_m, t.stages
     PACKED = PACKING[var.packed]
     DYNAMIC = bool(t.dynamic)
-    if PACKED not in (DENSE, VARLEN) or (PACKED == VARLEN and not DYNAMIC):
-        raise ValueError(f"the persistent forward takes dense rows, or varlen rows with the "
-                         f"tile counter: {var.tag}")
+    if PACKED not in (DENSE, VARLEN):
+        raise ValueError(f"the persistent forward takes dense or varlen rows: {var.tag}")
     CH = D // 8
     PANELS = CH // 8  # 64-column boxes of a bulk tensor copy
     KSTEPS, PSTEPS = D // 16, BN // 16
