@@ -189,6 +189,19 @@ def varlen(rows):
         cu_u = torch.arange(nseq + 1, dtype=torch.int32, device="cuda") * longest
         res["uniform_fwd"] = timed(lambda: flashcore.attention_varlen(
             qu, ku, vu, cu_u, cu_u, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal))
+        # the same equal lengths, the backends alone back to back (no host checks, host
+        # work under the GPU's), varlen and dense in turns: the kernels' own difference
+        from flashcore._api import _plan
+
+        ucase = make_varlen_case(qu, ku, vu, cu_u, cu_u, max_seqlen_q=longest,
+                                 max_seqlen_k=longest, causal=causal, scale=None,
+                                 need_lse=True)
+        pcase, _ = _plan(qp, kp, vp, causal, None, "bnhd", True, "numba_cuda")
+        ub, pb = [], []
+        for _ in range(3):
+            ub.append(timed(lambda: numba_cuda.forward(qu, ku, vu, ucase), reps=5, inner=10))
+            pb.append(timed(lambda: numba_cuda.forward(qp, kp, vp, pcase), reps=5, inner=10))
+        res["uniform_backend_b2b"], res["padded_backend_b2b"] = min(ub), min(pb)
         if TILES:  # the backend alone again, the wgmma forward on another tiling
             from flashcore.backends.numba_cuda import launch, tilings
 
@@ -201,6 +214,8 @@ def varlen(rows):
             try:
                 o_t, lse_t = numba_cuda.forward(q, k, v, vcase)
                 res["varlen_fwd_tiles"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
+                res["uniform_backend_tiles"] = timed(
+                    lambda: numba_cuda.forward(qu, ku, vu, ucase), reps=5, inner=10)
             finally:
                 tilings.HOPPER_FORWARD[D, causal] = saved
                 tilings.VARLEN_PERSISTENT.update(saved_vp)
@@ -277,12 +292,17 @@ def main():
         print(f"       equal lengths ({r['longest']} x 16) as varlen: "
               f"{r['uniform_fwd'] * 1e3:.2f}ms, {r['uniform_fwd'] / r['padded_fwd']:.2f}x the "
               "padded call")
+        print(f"       the same, the backends alone back to back (best of 3 turns): varlen "
+              f"{r['uniform_backend_b2b'] * 1e3:.3f}ms, dense "
+              f"{r['padded_backend_b2b'] * 1e3:.3f}ms = "
+              f"{r['uniform_backend_b2b'] / r['padded_backend_b2b']:.3f}")
         if "varlen_fwd_tiles" in r:
             print(f"       the same on tiling {TILES}: {r['varlen_fwd_tiles'] * 1e3:.2f}ms, "
                   f"{r['varlen_fwd_tiles'] / pf:.2f}x pad*share (the default again after "
                   f"it: {r['varlen_fwd_backend2'] * 1e3:.2f}ms); against the default's "
                   f"outputs: o within {r['tiles_err'][0]:.2e}, lse {r['tiles_err'][1]:.2e}, "
-                  f"same empty rows {r['tiles_err'][2]}")
+                  f"same empty rows {r['tiles_err'][2]}; equal lengths, back to back: "
+                  f"{r['uniform_backend_tiles'] * 1e3:.3f}ms")
     if not os.environ.get("PACKED_SKIP_DECODE"):
         decode_table(out, bw)
     if os.environ.get("PACKED_JSON"):
