@@ -302,12 +302,13 @@ def test_packed_varlen_many_sequences_on_gpu(dtype, D, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal,dynamic", [(True, True), (False, True), (False, False)],
-                         ids=["causal", "full", "full-static"])
+@pytest.mark.parametrize("causal,dynamic", [(True, True), (False, True), (False, False),
+                                            (True, False)],
+                         ids=["causal", "full", "full-static", "causal-static"])
 def test_persistent_forward_varlen_walks_many_tiles_on_gpu(causal, dynamic, monkeypatch):
     """The persistent forward on varlen rows (tilings.VARLEN_PERSISTENT_TRIAL, the tile
-    counter, or the static walk) with several tiles a block: 16 heads over sequences of up to 40 tiles (an
-    empty one, one-row ones, more queries than keys, GQA), more items than the GPU has
+    counter, or the static walk) with several tiles a block: 16 heads over sequences of up
+    to 40 tiles (an empty one, one-row ones, more queries than keys, GQA), more items than the GPU has
     blocks, so each block walks several, reusing each Q buffer and its words, its scan of
     the sequences moving on from one item to the next (heads innermost): forward and
     backward against the oracle; then three more forwards on the same arrays (the same

@@ -25,12 +25,12 @@ the current one; the turns (named barriers 1 and 2) carry on across tiles, so th
 warpgroup starts the next tile while the second normalizes and stores; O's rows go through
 a tile of their own to 16-byte stores.
 
-Dense rows, or varlen rows with the tile counter (:func:`packed_item`: the items number
-every sequence's tiles in turn, head by head, causal from each sequence's last tile; the
-producer's thread finds a tile's sequence by scanning on from its last one, and the first
-warpgroup zeroes the value rows past the sequence that a last tile's bulk copy brings); a
-sliding window, no other mask or score modifier: ``launch.hopper_variant`` takes the
-table's tiling for the others. The launch passes the batch as ``nseq``.
+Dense rows, or varlen rows (:func:`packed_item`: the items number every sequence's tiles
+in turn, heads innermost, causal from each sequence's last tile; with the counter or the
+static walk; the producer's thread finds a tile's sequence by scanning from its last one,
+and the first warpgroup zeroes the value rows past the sequence that a last tile's bulk
+copy brings); a sliding window, no other mask or score modifier: ``launch.hopper_variant``
+takes the table's tiling for the others. The launch passes the batch as ``nseq``.
 """
 from __future__ import annotations
 
@@ -287,7 +287,8 @@ def make_attn_forward_wgmma_persistent(var):
                 R = 0  # ring index of the query tile's key tile 0
                 u = 0  # query tiles so far (Q in buffer u % QBUFS)
                 item = int32(c)  # (then the next not taken, from the launch's counter 0)
-                if PACKED == VARLEN:  # (compile-time) items: the packed tile axis by heads
+                if PACKED == VARLEN:  # (compile-time) items: the packed tile axis, heads
+                    # innermost
                     n_seq_tiles = int32(0)
                     for sq in range(nseq):
                         n_seq_tiles += int32(sequence_tiles(cu_q, sq, BM))
