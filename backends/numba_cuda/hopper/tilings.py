@@ -234,7 +234,9 @@ PERSISTENT = {(128, False): _PS2, (128, True): _PS2Y}
 #: since 84fb6da: blocks that take many varlen tiles passed on the GPU
 #: (test_persistent_forward_varlen_walks_many_tiles_on_gpu), heads are the items' innermost
 #: axis (the producer's scan never starts over), and a second H200 run gave 0.65 against
-#: 0.73 ms (non-causal 1.14 each; notes/varlen_persistent_2026-11-27.md).
+#: 0.73 ms (non-causal 1.14 each; notes/varlen_persistent_2026-11-27.md). Non-causal the
+#: static walk (g2n128op2wts, allowed on varlen rows since 2d453ab) tied the table: 1.00-1.02
+#: against 1.03 ms in two runs.
 VARLEN_PERSISTENT = {(128, True): _PS2Y}
 #: The persistent varlen tiling the GPU test checks and the tools time.
 VARLEN_PERSISTENT_TRIAL = _PS2Y
