@@ -11,8 +11,10 @@ Usage: python tools/ncu_attention.py [head_dim] [causal|full] [dtype] [peer: cud
 $NCU_DKDVQ (a tag of ``HOPPER_DKDVQ_CANDIDATES``, e.g. g2n64ow) runs the non-deterministic
 backward (its one kernel, dkdvq) on that tiling instead of the deterministic pair.
 $NCU_FORWARD (a tag of ``HOPPER_CANDIDATES``, or of ``HOPPER_TRIALS`` where a branch has
-them, e.g. g2n128op3wt) runs the forward on that tiling, and no backward. $NCU_SHAPE
-(BxHxN, default 4x16x4096) sets the shape.
+them, e.g. g2n128op3wt) runs the forward on that tiling, and no backward; ``windowW`` runs
+the forward with a sliding window of W keys, ``(W // 2, W // 2 - 1)`` as the bench's
+``window:W``, on the tiling the launch chooses. $NCU_SHAPE (BxHxN, default 4x16x4096)
+sets the shape.
 """
 from __future__ import annotations
 
@@ -38,7 +40,11 @@ if os.environ.get("NCU_DKDVQ"):
     launch.forget_plans()
     os.environ[launch.DETERMINISTIC_ENV] = "0"
 FORWARD_ONLY = bool(os.environ.get("NCU_FORWARD"))
-if FORWARD_ONLY:
+WINDOW = None
+if FORWARD_ONLY and os.environ["NCU_FORWARD"].startswith("window"):
+    w = int(os.environ["NCU_FORWARD"][len("window"):])
+    WINDOW = (w // 2, w // 2 - 1)
+elif FORWARD_ONLY:
     from flashcore.backends.numba_cuda import launch, tilings
 
     tag = os.environ["NCU_FORWARD"]
@@ -55,7 +61,8 @@ B, H, N = (int(x) for x in os.environ.get("NCU_SHAPE", "4x16x4096").split("x"))
 q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g, dtype=DTYPE)
                for _ in range(4))
 for _ in range(3):
-    o, lse = flashcore.attention_forward(q, k, v, causal=CAUSAL, backend="numba_cuda")
+    o, lse = flashcore.attention_forward(q, k, v, causal=CAUSAL, window=WINDOW,
+                                         backend="numba_cuda")
     if FORWARD_ONLY:
         continue
     flashcore.attention_backward(do, q, k, v, o, lse, causal=CAUSAL, backend="numba_cuda")
