@@ -10,7 +10,8 @@ same two in ``numba_cpu/seams.py``).
    ``j`` as the kernel holds it (SIMT kernels fold the scale and log2 e into Q when it is
    loaded; tensor-core kernels scale in the softmax) and returns what the softmax sees,
    ``-inf`` where ``j`` is masked; :func:`visible` is the mask with the key bound, as the
-   backward passes use it (P = 0 where not visible), :func:`hides` the mask alone.
+   backward passes use it (P = 0 where not visible), :func:`hides` the mask alone;
+   :func:`row_keys` the same for a row's run of keys at once (two bounds).
 
 The variant's mask options arrive as compile-time arguments (``CAUSAL``; the window's
 ``LEFT``/``RIGHT``, -1 for an unbounded side or no window), so after inlining each kernel
@@ -275,6 +276,23 @@ def hides(i, j, causal_offset, CAUSAL, LEFT, RIGHT):
 def visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT):
     """Whether query ``i`` sees key ``j``: ``j`` is a key, and the mask does not hide it."""
     return j < Nk and not hides(i, j, causal_offset, CAUSAL, LEFT, RIGHT)
+
+
+@device_function
+def row_keys(i, j0, Nk, causal_offset, CAUSAL, LEFT, RIGHT, SPAN):
+    """``(lo, hi)``, int32: the keys query ``i`` sees, as offsets ``c`` from key ``j0``
+    (``j0 + c`` is :func:`visible` exactly where ``lo <= c <= hi``), clamped to ``[-1,
+    SPAN]`` for offsets ``0 <= c < SPAN``. A tile's mask then compares each score's offset, a
+    constant after unrolling, with two 32-bit bounds of its row, where :func:`score` adds
+    and compares 64-bit indices per score."""
+    d = i + causal_offset - j0  # (the diagonal's offset)
+    hi = Nk - 1 - j0
+    if CAUSAL:
+        hi = min(hi, d)
+    if RIGHT >= 0:
+        hi = min(hi, d + RIGHT)
+    lo = d - LEFT if LEFT >= 0 else -1
+    return int32(max(min(lo, SPAN), -1)), int32(max(min(hi, SPAN), -1))
 
 
 @device_function

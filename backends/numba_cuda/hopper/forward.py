@@ -9,7 +9,7 @@ of ``block_n`` keys:
   tile's rows as Bᵀ. The accumulators (a tuple, ``device/wgmma.py``) are stored into a
   local array whose layout is mma.sync's C fragments n-tile by n-tile (wgmma's accumulator
   layout repeats m16n8 per warp), so the row code of the mma.sync forward serves as it is:
-  the seam's mask (``score``) on diagonal and tail tiles, ``softmax_row``, ``finish_row``.
+  the seam's mask (``row_keys``) on diagonal and tail tiles, ``softmax_row``, ``finish_row``.
 - ``O += P V``: ``block_n / 16`` wgmma with A from registers: the fp32 P of two adjacent
   8-key n-tiles, rounded and packed in pairs, is exactly the register A fragment of one
   k-step (rows ``g`` and ``g + 8`` of the warp's 16, as mma.sync's m16n8k16 A), so P never
@@ -59,7 +59,7 @@ from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     distance,
     packed_tile,
-    score,
+    row_keys,
     sequence,
     slope_of,
     softcap,
@@ -185,11 +185,13 @@ def pv_step(BF16, acc, a0, a1, a2, a3, db):
 def mask_scores(s, base, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
     """One of this thread's rows of the score tile (``s[base + 4 jn + e]``, key ``n0 + 8 jn
     + 2 tq + e``) through the seam's mask: ``-inf`` past ``Nk`` and where causal hides the
-    key (diagonal and tail tiles only)."""
+    key (diagonal and tail tiles only; the row's two bounds: ``seams.row_keys``)."""
+    lo, hi = row_keys(i, n0 + 2 * tq, Nk, causal_offset, CAUSAL, -1, -1, 8 * NTILES)
     for jn in range(NTILES):
         for e in range(2):
-            x = base + 4 * jn + e
-            s[x] = score(s[x], i, n0 + 8 * jn + 2 * tq + e, Nk, causal_offset, CAUSAL, -1, -1)
+            c = 8 * jn + e
+            if c < lo or c > hi:
+                s[base + 4 * jn + e] = NEG_INF
 
 
 @device_function

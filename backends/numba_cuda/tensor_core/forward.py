@@ -57,6 +57,7 @@ from ..device.seams import (
     alibi,
     distance,
     packed_tile,
+    row_keys,
     score,
     sequence_rows,
     slope_of,
@@ -77,14 +78,27 @@ def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
              args, b, h, Nq):
     """Scores of one of this lane's rows (``s[base + 4 jn + e]``) at keys past ``Nk`` or
     hidden by the mask (causal, the window, the user's mask_mod ``keeps`` where ``MMOD``)
-    set to -inf (diagonal, edge and tail tiles; every tile with a mask_mod)."""
+    set to -inf (diagonal, edge and tail tiles; every tile with a mask_mod). Without the
+    mask_mod (``MMOD``: the tile is one of its partial ones) the bounds, causal and the
+    window take the row's two bounds (``seams.row_keys``); with it, each score its own
+    test, as the mask_mod needs its key anyway (the two bounds' registers made D=256's
+    varlen variant with user mods spill 12 bytes more)."""
+    j0 = n0 + 2 * tq
+    if MMOD:
+        for jn in range(NTILES):
+            for e in range(2):
+                j = j0 + 8 * jn + e
+                x = score(s[base + 4 * jn + e], i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT)
+                if not user_keeps(b, h, i, j, Nq, Nk, keeps, args):
+                    x = NEG_INF
+                s[base + 4 * jn + e] = x
+        return
+    lo, hi = row_keys(i, j0, Nk, causal_offset, CAUSAL, LEFT, RIGHT, 8 * NTILES)
     for jn in range(NTILES):
         for e in range(2):
-            j = n0 + 8 * jn + 2 * tq + e
-            x = score(s[base + 4 * jn + e], i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT)
-            if MMOD and not user_keeps(b, h, i, j, Nq, Nk, keeps, args):
-                x = NEG_INF
-            s[base + 4 * jn + e] = x
+            c = 8 * jn + e
+            if c < lo or c > hi:
+                s[base + 4 * jn + e] = NEG_INF
 
 
 @device_function
