@@ -9,7 +9,7 @@ of ``block_n`` keys:
   tile's rows as Bᵀ. The accumulators (a tuple, ``device/wgmma.py``) are stored into a
   local array whose layout is mma.sync's C fragments n-tile by n-tile (wgmma's accumulator
   layout repeats m16n8 per warp), so the row code of the mma.sync forward serves as it is:
-  the seam's mask (``row_keys``) on diagonal and tail tiles, ``softmax_row``, ``finish_row``.
+  the seam's mask (``mask_bounds``) on diagonal and tail tiles, ``softmax_row``, ``finish_row``.
 - ``O += P V``: ``block_n / 16`` wgmma with A from registers: the fp32 P of two adjacent
   8-key n-tiles, rounded and packed in pairs, is exactly the register A fragment of one
   k-step (rows ``g`` and ``g + 8`` of the warp's 16, as mma.sync's m16n8k16 A), so P never
@@ -59,7 +59,6 @@ from ..device.prologue import block_tile, split_heads
 from ..device.seams import (
     distance,
     packed_tile,
-    row_keys,
     sequence,
     slope_of,
     softcap,
@@ -88,6 +87,7 @@ from ..tensor_core.forward import (
     alibi_row,
     alibi_side,
     finish_row,
+    mask_bounds,
     mask_row,
     rescale_row,
     softmax_row,
@@ -182,19 +182,6 @@ def pv_step(BF16, acc, a0, a1, a2, a3, db):
 
 
 @device_function
-def mask_scores(s, base, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq):
-    """One of this thread's rows of the score tile (``s[base + 4 jn + e]``, key ``n0 + 8 jn
-    + 2 tq + e``) through the seam's mask: ``-inf`` past ``Nk`` and where causal hides the
-    key (diagonal and tail tiles only; the row's two bounds: ``seams.row_keys``)."""
-    lo, hi = row_keys(i, n0 + 2 * tq, Nk, causal_offset, CAUSAL, -1, -1, 8 * NTILES)
-    for jn in range(NTILES):
-        for e in range(2):
-            c = 8 * jn + e
-            if c < lo or c > hi:
-                s[base + 4 * jn + e] = NEG_INF
-
-
-@device_function
 def issue_qk(BF16, sacc, qa, kb, KSTEPS, BM, BN):
     """Issue ``S = Q Kᵀ`` (``KSTEPS`` wgmmas, K-major descriptors of Q's 64 rows at shared
     address ``qa`` in a ``BM``-line tile and of the key tile at ``kb``, ``BN`` lines) as one
@@ -243,8 +230,8 @@ def softmax_tile(s, n0, BN, n_full, i, Nk, causal_offset, CAUSAL, NTILES, tq, ma
     through the mask first; ``s`` becomes P (fp32). Returns the new ``(ma, mb, la, lb)``
     and the factors ``(al0, al1)`` that rescale the rows' accumulators."""
     if n0 + BN > n_full:
-        mask_scores(s, 0, n0, i, Nk, causal_offset, CAUSAL, NTILES, tq)
-        mask_scores(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, NTILES, tq)
+        mask_bounds(s, 0, n0, i, Nk, causal_offset, CAUSAL, -1, -1, NTILES, tq)
+        mask_bounds(s, 2, n0, i + 8, Nk, causal_offset, CAUSAL, -1, -1, NTILES, tq)
     ma, al0, ps = softmax_row(s, 0, ma, sl2, NTILES, float32(0.0), False, 0)
     la = la * al0 + ps
     mb, al1, ps = softmax_row(s, 2, mb, sl2, NTILES, float32(0.0), False, 0)

@@ -80,11 +80,11 @@ def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
     hidden by the mask (causal, the window, the user's mask_mod ``keeps`` where ``MMOD``)
     set to -inf (diagonal, edge and tail tiles; every tile with a mask_mod). Without the
     mask_mod (``MMOD``: the tile is one of its partial ones) the bounds, causal and the
-    window take the row's two bounds (``seams.row_keys``); with it, each score its own
+    window take the row's two bounds (:func:`mask_bounds`); with it, each score its own
     test, as the mask_mod needs its key anyway (the two bounds' registers made D=256's
     varlen variant with user mods spill 12 bytes more)."""
-    j0 = n0 + 2 * tq
     if MMOD:
+        j0 = n0 + 2 * tq
         for jn in range(NTILES):
             for e in range(2):
                 j = j0 + 8 * jn + e
@@ -93,7 +93,15 @@ def mask_row(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq,
                     x = NEG_INF
                 s[base + 4 * jn + e] = x
         return
-    lo, hi = row_keys(i, j0, Nk, causal_offset, CAUSAL, LEFT, RIGHT, 8 * NTILES)
+    mask_bounds(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq)
+
+
+@device_function
+def mask_bounds(s, base, n0, i, Nk, causal_offset, CAUSAL, LEFT, RIGHT, NTILES, tq):
+    """Scores of one of this lane's rows (``s[base + 4 jn + e]``, key ``n0 + 8 jn + 2 tq +
+    e``) past ``Nk`` or hidden by causal or the window set to -inf: each score's offset, a
+    constant after unrolling, against the row's two bounds (``seams.row_keys``)."""
+    lo, hi = row_keys(i, n0 + 2 * tq, Nk, causal_offset, CAUSAL, LEFT, RIGHT, 8 * NTILES)
     for jn in range(NTILES):
         for e in range(2):
             c = 8 * jn + e
