@@ -28,6 +28,7 @@ import torch
 from flashcore.backends import numba_cuda
 
 import flashcore
+from flashcore._api import _plan
 from flashcore._mods import options as _options
 from flashcore._packed_checks import make_kvcache_case, make_varlen_case
 
@@ -191,8 +192,6 @@ def varlen(rows):
             qu, ku, vu, cu_u, cu_u, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal))
         # the same equal lengths, the backends alone back to back (no host checks, host
         # work under the GPU's), varlen and dense in turns: the kernels' own difference
-        from flashcore._api import _plan
-
         ucase = make_varlen_case(qu, ku, vu, cu_u, cu_u, max_seqlen_q=longest,
                                  max_seqlen_k=longest, causal=causal, scale=None,
                                  need_lse=True)
