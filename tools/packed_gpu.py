@@ -34,8 +34,9 @@ from flashcore._packed_checks import make_kvcache_case, make_varlen_case
 
 #: PACKED_TILES=<tag>: the varlen forward (backend alone) timed on that wgmma tiling too
 #: (tilings.VARLEN_PERSISTENT's set aside);
-#: PACKED_SKIP_DECODE=1: the varlen part only; PACKED_PROFILE=1: each kernel's time in one
-#: varlen and one padded forward+backward (torch.profiler), printed per causal mode.
+#: PACKED_SKIP_DECODE=1: the varlen part only; PACKED_SKIP_VARLEN=1: the decode part only;
+#: PACKED_PROFILE=1: each kernel's time in one varlen and one padded forward+backward
+#: (torch.profiler), printed per causal mode, and in one decode call per cache length.
 TILES = os.environ.get("PACKED_TILES", "")
 PROFILE = os.environ.get("PACKED_PROFILE", "") == "1"
 
@@ -127,6 +128,12 @@ def decode(rows):
         host = seqlens.cpu().numpy()  # the same lengths given on the host: no read-back
         res["contig_host"] = timed(lambda: flashcore.attention_with_kvcache(
             q, kc, vc, cache_seqlens=host))
+        res["contig_host_b2b"] = timed(lambda: flashcore.attention_with_kvcache(
+            q, kc, vc, cache_seqlens=host), inner=10)
+        if PROFILE:
+            kernel_times(lambda: flashcore.attention_with_kvcache(q, kc, vc,
+                                                                  cache_seqlens=host),
+                         f"decode L={L}")
         res["loop_device"], res["loop_host"] = (decode_loop(q, kc, vc, L, on_host)
                                                 for on_host in (False, True))
         os.environ["FLASHCORE_DECODE_TILES"] = "0"  # the forward table's 128-row tiling
@@ -268,7 +275,8 @@ def main():
     bw = copy_bandwidth()
     print(f"copy bandwidth (read + write of a 2 GiB device copy): {bw / 1e9:.0f} GB/s")
     out = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "decode": [], "varlen": []}
-    varlen(out["varlen"])
+    if not os.environ.get("PACKED_SKIP_VARLEN"):
+        varlen(out["varlen"])
     print("\nvarlen: 16 sequences 128..4096, H=16 D=128 bf16; padded x share = the padded "
           "call's time scaled to the real work")
     print(f"{'causal':>6} {'tokens':>7} {'share':>6} {'varlen fwd':>11} {'pad*share':>10} "
@@ -328,7 +336,8 @@ def decode_table(out, bw):
         print("        contiguous, split, cache_seqlens on the host: "
               f"{r['contig_host'] * 1e3:.3f}ms {gb(r['contig_host']):.0f} "
               f"({per_copy(r['contig_host']):.2f} of copy; lengths on the GPU "
-              f"{per_copy(r['contig_s0']):.2f})")
+              f"{per_copy(r['contig_s0']):.2f}); back to back "
+              f"{r['contig_host_b2b'] * 1e3:.3f}ms ({per_copy(r['contig_host_b2b']):.2f})")
         print(f"        decode loop, {LOOP_STEPS} steps appending a key, per step: lengths on "
               f"the GPU {r['loop_device'] * 1e3:.3f}ms {gb(r['loop_device']):.0f} "
               f"({per_copy(r['loop_device']):.2f}); on the host "

@@ -6,9 +6,11 @@ measures.
 With ``--kvcache``: one decoding step of ``flashcore.attention_with_kvcache`` instead
 (B=8, Hq=32, Hkv=8, D=128, bf16, 4096 cached keys, one new token appended each call with
 ``cache_seqlens`` unchanged, as a step after the lengths were read once), timed per call
-with and without a synchronization after each.
+with and without a synchronization after each; ``--host-lengths``: ``cache_seqlens`` as a
+NumPy array (a decode loop's way of not waiting for the GPU).
 
 Usage: python tools/profile_glue.py [--device cuda|cpu] [--calls 300] [--top 30] [--kvcache]
+       [--host-lengths]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--kvcache", action="store_true")
+    p.add_argument("--host-lengths", action="store_true")
     a = p.parse_args(argv)
     import torch
 
@@ -68,6 +71,8 @@ def kvcache(a, torch, flashcore):
     vc = torch.randn_like(kc)
     kn, vn = (torch.randn(B, 1, Hkv, D, device=a.device, dtype=dt) for _ in range(2))
     seqlens = torch.full((B,), L, dtype=torch.int32, device=a.device)
+    if a.host_lengths:
+        seqlens = seqlens.cpu().numpy()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
     def step():
