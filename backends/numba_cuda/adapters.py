@@ -38,6 +38,7 @@ class _Adapter:
 
     synchronous = False  # JAX: wait for the kernels before handing buffers back
     fused_ok = True  # the backward may allocate a dQ accumulator (launch.fused_backward)
+    allocates = True  # ``empty`` makes buffers of any shape (not lent ones, in order)
 
     def forward(self, q, k, v, case):
         if case.packed:  # varlen or a KV cache (packed.py)
@@ -237,7 +238,7 @@ class BufferLauncher(_Adapter):
     are read through ``view(x, keep) -> (address, strides)``, outputs are ``outputs`` taken
     in order (o, lse; or dq, dk, dv, delta), kernels go on raw stream ``stream``."""
 
-    fused_ok = False  # (the buffers are the framework's: no accumulator to allocate)
+    fused_ok = allocates = False  # (the framework's buffers: no accumulator, no workspace)
 
     def __init__(self, view, outputs, stream):
         self._view = view
@@ -345,10 +346,9 @@ class _Torch(_Adapter):
         return _torch().from_numpy(host).to(like.device)
 
     def host_lengths(self, lengths, n_new, like, keep):
-        """Both arrays in one pinned staging tensor from torch's caching host allocator,
-        copied with ``non_blocking=True`` on the current stream: the host does not wait,
-        and torch records an event for the copy, so the allocator hands that pinned block
-        out again only once the copy has read it (no later call overwrites it early)."""
+        """Both arrays in one pinned tensor from torch's caching host allocator, copied
+        with ``non_blocking=True`` on the current stream: the host does not wait, and the
+        allocator hands that block out again only once the copy has read it."""
         torch = _torch()
         B = lengths.shape[0]
         stage = torch.empty(2 * B, dtype=torch.int32, pin_memory=True)

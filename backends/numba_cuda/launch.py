@@ -502,15 +502,16 @@ def forward_shape(case, device, q, k, v, tc_ok=True) -> tuple:
 SPLIT_WARPS_PER_SM = 8
 
 
-def split_plan(case, shape, want, sms) -> tuple:
+def split_plan(case, shape, want, sms, longest=None) -> tuple:
     """``(splits, chunk)`` for a KV-cache forward whose kernel has ``shape`` (of
     :func:`forward_shape`): ``want`` splits (0: the heuristic) of ``chunk`` keys each, a
-    multiple of the key tile. The heuristic: enough splits that the blocks put
+    multiple of the key tile, over the ``longest`` key range (None: the case's
+    ``max_seqlen_k``). The heuristic: enough splits that the blocks put
     ``SPLIT_WARPS_PER_SM`` warps on every one of the GPU's ``sms`` multiprocessors, at
     most 64, and at least 4 key tiles per split; 1 (no split) when the (query tile, head)
     blocks alone do."""
     block_m, block_n, warps = shape
-    longest = max(1, case.kvcache.max_seqlen_k)
+    longest = max(1, case.kvcache.max_seqlen_k if longest is None else longest)
     tiles = -(-longest // block_n)
     if want == 0:
         blocks = case.batch * case.heads_q * -(-case.seqlen_q // block_m)
@@ -532,21 +533,26 @@ def run_merge(case, device, stream, opart, lpart, o, lse, splits):
          (opart, lpart, o[0], lse, splits, rows, case.heads_q, case.seqlen_q, *o[1]))
 
 
-def run_append(case, device, stream, src, dst, seqlens, table, page):
-    """Write ``src`` (a (handle, strides in (B, N, H, D) order) pair) into the cache ``dst``
-    (likewise; a paged pool's page stride first) at each sequence's ``seqlens[b]`` onward:
-    ``table`` is ``(handle, batch stride)`` of the block table where the cache is paged."""
+def run_append(case, device, stream, ksrc, kdst, vsrc, vdst, seqlens, table, page,
+               ends=None):
+    """Write ``ksrc`` and ``vsrc`` (handle, strides in (B, N, H, D) order) pairs into the
+    caches ``kdst`` and ``vdst`` (likewise; a paged pool's page stride first) at each
+    sequence's ``seqlens[b]`` onward, in one launch: ``table`` is ``(handle, batch stride)``
+    of the block table where the cache is paged. ``ends``: the handle of an int32 ``(B,)``
+    buffer the kernel fills with ``seqlens + Nnew`` (None: the caller has them)."""
     kc = case.kvcache
     v = Variant("append", "simt", case.head_dim, case.dtype, False, 256,
                 packed="paged" if kc.paged else "cache")
     kern = kernel(v, device)
     B, H, D = case.batch, case.heads_kv, case.head_dim
     n = B * kc.n_new * H * D
-    ds = dst[1]
-    psp = ds[0] if kc.paged else 0
+    pg = kc.paged  # (then the batch strides are 0, the page strides apart)
+    kds, vds = ((0, *x[1][1:]) if pg else x[1] for x in (kdst, vdst))
+    kpsp, vpsp = (x[1][0] if pg else 0 for x in (kdst, vdst))
     kern(((n + 255) // 256, 1), stream,
-         (src[0], dst[0], seqlens, table[0], B, kc.n_new, H, D, *src[1],
-          0 if kc.paged else ds[0], *ds[1:], table[1], page, psp))
+         (ksrc[0], kdst[0], vsrc[0], vdst[0], seqlens, seqlens if ends is None else ends,
+          table[0], B, kc.n_new, H, D, *ksrc[1], *kds, *vsrc[1], *vds, table[1], page, kpsp,
+          vpsp, int(ends is not None)))
 
 
 def run_backward(case, device, stream, do, q, k, v, o, lse, delta, dq, dk, dv, tiles=None,

@@ -58,7 +58,7 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
         "attn_backward_dq": ((e, e, e, e, f32, f32, e) + (_I64,) * 28 + (_F64,) + mods
                              + PACKED_SIG),
         "attn_merge_splits": (f32, f32, e, f32) + (_I64,) * 8,
-        "cache_append": (e, e, _I32P, _I32P) + (_I64,) * 15,
+        "cache_append": (e, e, e, e, _I32P, _I32P, _I32P) + (_I64,) * 25,
     }[kernel]
 
 

@@ -20,11 +20,15 @@ The kernels are the dense ones compiled for a row layout (``Variant.packed``; th
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import numpy as np
 
-from . import launch
+from flashcore._memo import Memo
+
+from . import launch, tilings
+from .device.convert import SIMULATOR
 from .driver import sm_count, synchronize
 
 
@@ -114,37 +118,116 @@ def packs_heads(case) -> bool:
 
 def _lengths(ad, kc, like, keep):
     """Handles of int32 device arrays of ``cache_seqlens`` (where the append writes) and of
-    ``cache_seqlens + n_new`` (the keys attended). Lengths given on the host (a NumPy array:
-    the front end's copy) are uploaded on the call's stream (:meth:`host_lengths`), so
-    nothing waits for the GPU; lengths on the device are used there."""
+    ``cache_seqlens + n_new`` (the keys attended; None where the append kernel is to write
+    it, into a buffer of :func:`_workspace`). Lengths given on the host (a NumPy array: the
+    front end's copy) are uploaded on the call's stream (:meth:`host_lengths`), so nothing
+    waits for the GPU; lengths on the device are used there."""
     if isinstance(kc.cache_seqlens, np.ndarray):
         return ad.host_lengths(kc.cache_seqlens, kc.n_new, like, keep)
     seqlens = ad.int32(kc.cache_seqlens, keep)
-    return seqlens, ad.int32(kc.cache_seqlens, keep, plus=kc.n_new) if kc.n_new else seqlens
+    if not kc.n_new:
+        return seqlens, seqlens
+    return seqlens, None if ad.allocates else ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
+
+
+#: Per kind of KV-cache call (what the case says but its arrays and lengths, its views'
+#: strides and alignment, the switches): ``(packs, lcase, shape)`` of :func:`_plan_now`.
+#: In a decode loop every step is one kind, so each step looks its plan up.
+_PLANS = Memo(64)
+
+
+def _plan(case, dev, qv, kv, vv, tc_ok):
+    """:func:`_plan_now`, kept per kind of call. The key names the case's fields rather
+    than holding the case, which carries the call's arrays (the new keys, the lengths)."""
+    if SIMULATOR:  # (a view's handle is an array there: no key)
+        return _plan_now(case, dev, qv, kv, vv, tc_ok)
+    kc = case.kvcache
+    key = (case.library, case.device, case.dtype, case.batch, case.heads_q, case.heads_kv,
+           case.seqlen_q, case.seqlen_k, case.head_dim, case.causal, case.scale,
+           case.need_lse, case.explicit, case.mods, kc.paged, kc.page_size, kc.num_pages,
+           kc.pages_per_seq, kc.n_new, kc.num_splits, dev, qv[1], kv[1], vv[1], qv[0] & 15,
+           kv[0] & 15, vv[0] & 15, tc_ok, os.environ.get(launch.TC_ENV),
+           os.environ.get(launch.HOPPER_ENV), os.environ.get(tilings.DECODE_ENV))
+    return _PLANS.get_or_build(key, _plan_now, case, dev, qv, kv, vv, tc_ok)
+
+
+def _plan_now(case, dev, qv, kv, vv, tc_ok):
+    """``(packs, lcase, shape)``: whether a group's query heads become the rows of one
+    block (:func:`packs_heads`); the case the kernels then see (``Hkv`` heads of ``group``
+    rows, not causal, without the call's arrays: only its kind is read), else None (they
+    see the call's case); and the forward kernel's shape (:func:`launch.forward_shape`)."""
+    packs = packs_heads(case)
+    lcase = None
+    if packs:
+        kc = case.kvcache
+        lcase = replace(case, heads_q=case.heads_kv, seqlen_q=case.group, causal=False,
+                        alibi_slopes=None, mod_args=(),
+                        kvcache=replace(kc, cache_seqlens=None, block_table=None,
+                                        k_new=None, v_new=None))
+        qv, _ = _grouped(qv, None, case.group)
+    return packs, lcase, launch.forward_shape(lcase or case, dev, qv, kv, vv, tc_ok)
+
+
+def _grouped(qv, ov, g):
+    """q and o as ``Hkv`` heads of ``g`` rows each (the group's query heads): no copy."""
+    qh, (qsb, qsh, _, qsd) = qv
+    qv = (qh, (qsb, g * qsh, qsh, qsd))
+    if ov is not None:
+        oh, (osb, osh, _, osd) = ov
+        ov = (oh, (osb, g * osh, osh, osd))
+    return qv, ov
+
+
+def _workspace(ad, like, dev, splits, rows, D, ends, keep):
+    """Handles ``(opart, lpart, ends)``: the split-KV partials ``(splits, rows, D)`` and
+    ``(splits, rows)``, float32, where ``splits > 1`` (else None), and an int32 ``(B,)``
+    buffer for the key counts the append writes where ``ends`` is that B (else None). One
+    allocation where handles are addresses; an adapter that lends its buffers lends the
+    partials as two (and never needs ``ends``), and the simulator's handles are arrays of
+    their own dtype."""
+    part = splits * rows * (D + 1) if splits > 1 else 0
+    if SIMULATOR or not ad.allocates:
+        bufs = [ad.empty(like, (splits, rows, D), "float32", dev),
+                ad.empty(like, (splits, rows), "float32", dev)] if part else [None, None]
+        bufs.append(ad.empty(like, (ends,), "int32", dev, poison=False) if ends else None)
+        return tuple(None if b is None else ad.address(b, keep) for b in bufs)
+    words = part + (ends or 0)
+    if not words:
+        return None, None, None
+    buf = ad.empty(like, (words,), "float32", dev)
+    keep.append(buf)  # (until the kernels that use it are queued)
+    at = ad.address(buf, keep)
+    ph = at if part else None
+    lph = at + 4 * splits * rows * D if part else None
+    return ph, lph, at + 4 * part if ends else None
 
 
 def _kvcache_forward(ad, q, k_cache, v_cache, case):
     dev = ad.device_index(case)
     kc = case.kvcache
-    B, Nq, Hq, Hkv, D = case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim
+    B, Nq, Hq, D = case.batch, case.seqlen_q, case.heads_q, case.head_dim
+    rows = B * Hq * Nq
     keep = []
     stream = ad.stream(q, dev)
     o = ad.empty(q, None, None, dev)
-    lse = ad.empty(q, (B, Hq, Nq), "float32", dev)
+    # lse that nobody asked for goes to the adapter's scratch buffer where it keeps one
+    lse = None
+    at = None if case.need_lse else ad.scratch(q, rows, dev)
+    if at is None:
+        lse = ad.empty(q, (B, Hq, Nq), "float32", dev)
     seqlens, seqk = _lengths(ad, kc, q, keep) if B else (None, None)
     table, tsb = 0, 0
     if kc.paged and B:
         table, tsb = ad.int32(kc.block_table, keep), kc.pages_per_seq
-    page = kc.page_size if kc.paged else 1
-    if kc.n_new and B * Hkv * D:  # 1. the new keys and values, in place
-        for src, dst in ((kc.k_new, k_cache), (kc.v_new, v_cache)):
-            launch.run_append(case, dev, stream, ad.raw(src, keep), ad.raw(dst, keep),
-                              seqlens, (table, tsb), page)
-    if B * Hq * Nq == 0:
+    if rows == 0:  # (no query rows: the append alone)
+        if kc.n_new and B:
+            _append(ad, case, dev, stream, k_cache, v_cache, seqlens, (table, tsb), None,
+                    keep)
         if ad.synchronous:
             synchronize(stream, dev)
         return o, lse
-    at = ad.address(lse, keep)
+    if at is None:
+        at = ad.address(lse, keep)
     qv, ov = _bhnd(ad, q, keep), _bhnd(ad, o, keep)
     kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
     psp = 0
@@ -155,30 +238,27 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
         tc_ok = psp % elems == 0 and vv[1][0] == psp
         kv = (kv[0], (0, *kv[1][1:]))
         vv = (vv[0], (0, *vv[1][1:]))
-    lcase = case
-    if packs_heads(case):
-        g = case.group
-        qh, (qsb, qsh, _, qsd) = qv
-        oh, (osb, osh, _, osd) = ov
-        qv = (qh, (qsb, g * qsh, qsh, qsd))
-        ov = (oh, (osb, g * osh, osh, osd))
-        lcase = replace(case, heads_q=Hkv, seqlen_q=g, causal=False)
-    base = {"seqk": seqk, "table": table if kc.paged else None, "tsb": tsb, "page": page, "psp": psp,
-            "buffer": at}
-    shape = launch.forward_shape(lcase, dev, qv, kv, vv, tc_ok)
-    splits, chunk = launch.split_plan(lcase, shape, kc.num_splits, sm_count(dev))
+    packs, lcase, shape = _plan(case, dev, qv, kv, vv, tc_ok)
+    if packs:
+        qv, ov = _grouped(qv, ov, case.group)
+    lcase = lcase or case
+    sms = sm_count(dev)
+    splits, chunk = launch.split_plan(lcase, shape, kc.num_splits, sms, kc.max_seqlen_k)
     most = ad.max_splits()  # (lent partials, sized before the lengths were known)
     if most is not None and splits > most:
-        splits, chunk = launch.split_plan(lcase, shape, most, sm_count(dev))
+        splits, chunk = launch.split_plan(lcase, shape, most, sms, kc.max_seqlen_k)
+    ph, lph, ends = _workspace(ad, q, dev, splits, rows, D,
+                               B if kc.n_new and seqk is None else 0, keep)
+    if kc.n_new:  # 1. the new keys and values, in place (and where asked, their ends)
+        _append(ad, case, dev, stream, k_cache, v_cache, seqlens, (table, tsb), ends, keep)
+        seqk = ends if seqk is None else seqk
+    base = {"seqk": seqk, "table": table if kc.paged else None, "tsb": tsb,
+            "page": kc.page_size if kc.paged else 1, "psp": psp, "buffer": at}
     inputs = _inputs(ad, case, q, keep)
     if splits == 1:
         launch.run_forward(lcase, dev, stream, qv, kv, vv, ov, at,
                            packed=launch.packed_args(**base), tc_ok=tc_ok, **inputs)
     else:  # 2. split-KV: float32 partials, then the merge
-        rows = B * Hq * Nq
-        opart = ad.empty(q, (splits, rows, D), "float32", dev)
-        lpart = ad.empty(q, (splits, rows), "float32", dev)
-        ph, lph = ad.address(opart, keep), ad.address(lpart, keep)
         hq, nq = lcase.heads_q, lcase.seqlen_q
         pview = (ph, (hq * nq * D, nq * D, D, 1))
         pk = launch.packed_args(**base, chunk=chunk, oss=rows * D, lss=rows)
@@ -188,3 +268,12 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
     if ad.synchronous:
         synchronize(stream, dev)
     return o, lse
+
+
+def _append(ad, case, dev, stream, k_cache, v_cache, seqlens, table, ends, keep):
+    """The call's new keys and values into the caches, in one launch (``ends``: where it
+    writes ``cache_seqlens + n_new`` too, or None)."""
+    kc = case.kvcache
+    launch.run_append(case, dev, stream, ad.raw(kc.k_new, keep), ad.raw(k_cache, keep),
+                      ad.raw(kc.v_new, keep), ad.raw(v_cache, keep), seqlens, table,
+                      kc.page_size if kc.paged else 1, ends)

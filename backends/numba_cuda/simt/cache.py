@@ -1,5 +1,5 @@
 """The two steps of KV-cache attention around the forward kernel: ``cache_append`` writes
-the new keys (or values) into the cache in place, and ``attn_merge_splits`` combines the
+the new keys and values into the caches in place, and ``attn_merge_splits`` combines the
 float32 partial outputs of split-KV ("flash-decoding") by their lse.
 
 Both are element-wise: one thread per element, ``v.tiles`` threads per block, no shared
@@ -63,16 +63,21 @@ def make_attn_merge_splits(v):
 
 def make_cache_append(v):
     """The append of variant ``v`` (dtype; ``v.packed`` "cache" or "paged"; ``v.tiles``
-    threads per block): ``src`` ``(B, Nnew, H, D)`` (strides ``ssb, ssn, ssh, ssd``) goes to
-    positions ``seqlens[b] .. + Nnew - 1`` of the cache ``dst`` (strides ``dsb, dsn, dsh,
-    dsd``; paged: slots of the pages ``table[b * tsb + p // page]``, ``psp`` apart, and
-    ``dsb`` 0)."""
+    threads per block), keys and values in one launch: ``ksrc`` and ``vsrc`` ``(B, Nnew, H,
+    D)`` (strides ``k*`` and ``v*`` in (B, N, H, D) order) go to positions ``seqlens[b] .. +
+    Nnew - 1`` of the caches ``kdst`` and ``vdst`` (strides ``K*`` and ``V*``; paged: slots
+    of the pages ``table[b * tsb + p // page]``, ``kpsp`` / ``vpsp`` apart, and ``Kb``,
+    ``Vb`` 0). Where ``write_ends``, thread ``b < B`` also writes ``ends[b] = seqlens[b] +
+    Nnew``, the key counts the attention then reads (so no other launch computes them)."""
     NT = v.tiles
     PAGEDK = PACKING[v.packed] == PAGED
 
-    def cache_append(src, dst, seqlens, table, B, Nnew, H, D, ssb, ssn, ssh, ssd, dsb, dsn,
-                     dsh, dsd, tsb, page, psp):
+    def cache_append(ksrc, kdst, vsrc, vdst, seqlens, ends, table, B, Nnew, H, D,
+                     kb, kn, kh, kd, Kb, Kn, Kh, Kd, vb, vn, vh, vd, Vb, Vn, Vh, Vd,
+                     tsb, page, kpsp, vpsp, write_ends):
         t = cuda.blockIdx.x * NT + cuda.threadIdx.x
+        if write_ends != 0 and t < B:  # (the grid has B Nnew H D >= B threads)
+            ends[t] = seqlens[t] + Nnew
         if t >= B * Nnew * H * D:
             return
         row = t // D
@@ -82,9 +87,11 @@ def make_cache_append(v):
         b = bn // Nnew
         n = bn - b * Nnew
         p = seqlens[b] + n
-        at = key_row(b * dsb + h * dsh, p, dsn, table, b * tsb, page, psp, PAGEDK)
-        dst[at + d * dsd] = src[b * ssb + n * ssn + h * ssh + d * ssd]
+        tb = b * tsb
+        at = key_row(b * Kb + h * Kh, p, Kn, table, tb, page, kpsp, PAGEDK)
+        kdst[at + d * Kd] = ksrc[b * kb + n * kn + h * kh + d * kd]
+        at = key_row(b * Vb + h * Vh, p, Vn, table, tb, page, vpsp, PAGEDK)
+        vdst[at + d * Vd] = vsrc[b * vb + n * vn + h * vh + d * vd]
 
     cache_append.__qualname__ = v.tag
     return cache_append
-
