@@ -7,10 +7,9 @@ sequence's keys into ``num_splits`` ranges computed in parallel and merged by th
 """
 from __future__ import annotations
 
-from . import _dispatch
 from ._api import _framework, _torch_compiling
 from ._mods import options as _options
-from ._packed_checks import make_kvcache_case
+from ._packed_checks import kvcache_plan
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None,
@@ -92,8 +91,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
         o, lse = _torch_varlen.kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                                        backend=backend, options=options, **kw)
         return (o, lse) if return_lse else o
-    case = make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                             need_lse=return_lse, explicit=backend != "auto", options=options,
-                             **kw)
-    o, lse = _dispatch.select(case, backend).forward(q, k_cache, v_cache, case)
+    case, impl = kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
+                              need_lse=return_lse, explicit=backend != "auto", options=options,
+                              **kw)
+    o, lse = impl.forward(q, k_cache, v_cache, case)
     return (o, lse) if return_lse else o

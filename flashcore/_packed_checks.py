@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 
 from . import _dispatch, _interop
-from ._case import Case, KVCache, Varlen
+from ._case import Case, KVCache, Varlen, evolve
 from ._checks import _arrays, _dtype, check_backward_inputs, check_options
 from ._memo import Memo
 from ._mods import check_mods, options_key, with_arrays
@@ -225,6 +225,61 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
                       values=True, in_place=True) -> Case:
     """Check a KV-cache call and describe it (``values=False``: shapes and dtypes only;
     ``in_place=False``: the caller appends the new keys itself, as the JAX glue does)."""
+    kind, on_host = _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                  causal=causal, scale=scale, num_splits=num_splits,
+                                  need_lse=need_lse, explicit=explicit, options=options,
+                                  in_place=in_place)
+    case = kvcache_values(kind, on_host, cache_seqlens, k, v, block_table, values)
+    return case if options is None else with_arrays(case, options)
+
+
+#: Checked KV-cache calls: key (see _kvcache_key) -> (the call's kind, lengths on the
+#: host, backend module)
+_KVCACHE_PLANS = Memo(64)
+
+
+def kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, **kw):
+    """``(case, backend module)`` of a KV-cache call (``kw``: :func:`make_kvcache_case`'s
+    keywords but ``values``): its shapes, dtypes, devices and options checked and its
+    backend selected once per kind of call, then looked up (in a decode loop every step is
+    one kind: on a GPU they were a third of a step's host time); the values (lengths
+    within the capacity, pages inside the pool) checked on every call, since they change
+    from step to step. The arrays join the case per call."""
+    key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw)
+    kind, on_host, impl = _KVCACHE_PLANS.get_or_build(
+        key, _kvcache_build, q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
+        kw)
+    case = kvcache_values(kind, on_host, cache_seqlens, k, v, block_table)
+    options = kw.get("options")
+    return (case if options is None else with_arrays(case, options)), impl
+
+
+def _kvcache_build(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw):
+    kind, on_host = _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k, v, block_table, **kw)
+    return kind, on_host, _dispatch.select(kind, backend)
+
+
+def _kvcache_key(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw):
+    """The memo key of a KV-cache call (what :func:`_kvcache_kind` reads: the arrays'
+    types, shapes, dtypes and devices, whether NumPy caches are writable, the keywords),
+    or None where one part cannot key it."""
+    try:
+        arrays = tuple(None if x is None else (type(x), x.shape, x.dtype, x.device)
+                       for x in (q, k_cache, v_cache, cache_seqlens, k, v, block_table))
+        writable = tuple(x.flags.writeable for x in (k_cache, v_cache)
+                         if isinstance(x, np.ndarray))
+        return (arrays, writable, backend, kw["causal"], kw["scale"], kw["num_splits"],
+                kw.get("need_lse", False), kw.get("explicit", False),
+                kw.get("in_place", True), options_key(kw.get("options")))
+    except (AttributeError, TypeError):
+        return None
+
+
+def _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, *,
+                  causal, scale, num_splits, need_lse=False, explicit=False, options=None,
+                  in_place=True) -> tuple:
+    """``(case, on_host)``: the call's case without its arrays and values (the checks that
+    read neither), and whether ``cache_seqlens`` is read on the host (:func:`_on_host`)."""
     if (k is None) != (v is None):
         raise ValueError(f"k and v must be given together; got k={_what(k)}, v={_what(v)}")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
@@ -233,8 +288,8 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
     everything = dict(named)
     if block_table is not None:
         everything["block_table"] = block_table
-    host = _host_lengths(cache_seqlens, everything)
-    if host is None:
+    on_host = _on_host(cache_seqlens, everything)
+    if not on_host:
         everything["cache_seqlens"] = cache_seqlens
     library, device = _arrays(everything)
     dtype = _dtype(named)
@@ -275,45 +330,50 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
             raise ValueError(f"block_table must have shape (B, max_pages_per_seq) with B={B}; "
                              f"got block_table.shape={bs}")
         paged, page_size, num_pages, pages_per_seq = True, cs[1], cs[0], bs[1]
-    capacity = page_size * pages_per_seq
-    max_k = 0
-    if host is not None:
-        cache_seqlens = host
-    if values:
-        lengths = host if host is not None else host_ints(cache_seqlens, library)
-        max_k = _check_cache_values(lengths, n_new, capacity, paged, page_size, num_pages,
-                                    block_table, library)
     scale = check_options(causal=causal, scale=scale, layout="bnhd", head_dim=D)
     num_splits = check_num_splits(num_splits)
-    mods, arrays = _mods_of(options, library, device, B, Hq, Nq, capacity)
+    mods, _ = _mods_of(options, library, device, B, Hq, Nq, page_size * pages_per_seq)
     kv = KVCache(paged=paged, page_size=page_size, num_pages=num_pages,
-                 pages_per_seq=pages_per_seq, n_new=n_new, num_splits=num_splits,
-                 cache_seqlens=cache_seqlens, block_table=block_table, k_new=k, v_new=v,
-                 max_seqlen_k=max_k)
+                 pages_per_seq=pages_per_seq, n_new=n_new, num_splits=num_splits)
     return Case(library=library, device=device, dtype=dtype, batch=B, heads_q=Hq,
-                heads_kv=Hkv, seqlen_q=Nq, seqlen_k=capacity, head_dim=D, causal=bool(causal),
-                scale=scale, layout="bnhd", need_lse=need_lse, explicit=explicit, mods=mods,
-                **arrays, kvcache=kv)
+                heads_kv=Hkv, seqlen_q=Nq, seqlen_k=page_size * pages_per_seq, head_dim=D,
+                causal=bool(causal), scale=scale, layout="bnhd", need_lse=need_lse,
+                explicit=explicit, mods=mods, kvcache=kv), on_host
 
 
-def _host_lengths(x, named):
-    """``cache_seqlens`` given on the host for arrays elsewhere (a NumPy array beside any
-    library's arrays, or a CPU torch tensor beside torch GPU tensors): a read-only int64
-    NumPy copy of its values, read with no synchronization (a GPU backend uploads them on
-    the call's stream); None where it is checked like the other arrays (same library and
-    device)."""
+def kvcache_values(kind, on_host, cache_seqlens, k, v, block_table, values=True) -> Case:
+    """The case of one call of ``kind`` (:func:`_kvcache_kind`): its arrays, and where
+    ``values``, its lengths and pages checked (``max_seqlen_k`` then their longest key
+    range; 0 without). Lengths on the host become a read-only int64 NumPy copy."""
+    kc = kind.kvcache
+    max_k = 0
+    if on_host:
+        cache_seqlens = np.array(cache_seqlens if isinstance(cache_seqlens, np.ndarray)
+                                 else cache_seqlens.detach().numpy(), dtype=np.int64)
+        cache_seqlens.flags.writeable = False
+    if values:
+        lengths = cache_seqlens if on_host else host_ints(cache_seqlens, kind.library)
+        max_k = _check_cache_values(lengths, kc.n_new, kind.seqlen_k, kc.paged, kc.page_size,
+                                    kc.num_pages, block_table, kind.library)
+    return evolve(kind, kvcache=evolve(kc, cache_seqlens=cache_seqlens, block_table=block_table,
+                                       k_new=k, v_new=v, max_seqlen_k=max_k))
+
+
+def _on_host(x, named) -> bool:
+    """Whether ``cache_seqlens`` is given on the host for arrays elsewhere (a NumPy array
+    beside any library's arrays, or a CPU torch tensor beside torch GPU tensors): its
+    values are then read with no synchronization (a GPU backend uploads them on the call's
+    stream); False where it is checked like the other arrays (same library and device)."""
     lib = _interop.library_of(x)
     library = _interop.library_of(named["q"])
     if lib == "numpy":
         if library in ("numpy", None):
-            return None
+            return False
     elif lib != "torch" or library != "torch" or x.device.type != "cpu" or \
             named["q"].device.type == "cpu":
-        return None
+        return False
     _index_array("cache_seqlens", x, 1, "(B,)")
-    vals = np.array(x if lib == "numpy" else x.detach().numpy(), dtype=np.int64)
-    vals.flags.writeable = False
-    return vals
+    return True
 
 
 def _what(x):

@@ -181,6 +181,42 @@ def test_bad_inputs_leave_the_cache_untouched(change, error, match):
     assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
 
 
+def test_a_kind_of_call_is_checked_once_and_its_values_every_call(monkeypatch):
+    """The shape checks and the backend's selection run once per kind of call
+    (``_packed_checks.kvcache_plan``); every call still checks its own lengths and pages
+    (a bad length after good calls of the same kind is refused, the cache untouched), and
+    the memo keeps none of a call's arrays (the new keys die with the call)."""
+    import gc
+    import weakref
+
+    from flashcore import _packed_checks as pc
+
+    kinds = []
+    real = pc._kvcache_kind
+    monkeypatch.setattr(pc, "_kvcache_kind", lambda *a, **kw: kinds.append(1) or real(*a, **kw))
+    pc._KVCACHE_PLANS.clear()
+    kc, vc, table, q, k, v, want_k, want_v = inputs(11, True)
+    kc0, vc0 = kc.copy(), vc.copy()
+    step = lambda lens, k, v: flashcore.attention_with_kvcache(  # noqa: E731
+        q, kc, vc, cache_seqlens=lens, k=k, v=v, block_table=table, backend="numba_cpu")
+    o = step(SEQLENS, k, v)
+    assert np.array_equal(kc, want_k) and np.array_equal(vc, want_v)
+    kc[...], vc[...] = kc0, vc0
+    o2 = step(SEQLENS.copy(), k, v)
+    assert len(kinds) == 1 and np.array_equal(o, o2)
+    bad = SEQLENS.copy()
+    bad[2] = PAGE * PAGES_PER_SEQ - 1  # + Nnew = 2: one key past the block table's pages
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] \+ Nnew"):
+        step(bad, np.zeros_like(k), np.zeros_like(v))
+    assert np.array_equal(kc, want_k) and np.array_equal(vc, want_v)
+    k2, v2 = k.copy(), v.copy()
+    gone = weakref.ref(k2)
+    step(SEQLENS, k2, v2)
+    del k2, v2
+    gc.collect()
+    assert gone() is None and len(kinds) == 1
+
+
 def test_read_only_cache_is_refused():
     rng = np.random.default_rng(5)
     kc, vc, _ = make_cache(rng, False)
