@@ -382,23 +382,51 @@ def _what(x):
 
 def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, block_table,
                         library) -> int:
-    """Lengths within the capacity and used pages inside the pool; the longest key range."""
-    if np.any(seqlens < 0):
-        b = int(np.argmax(seqlens < 0))
-        raise ValueError(f"cache_seqlens must be >= 0; got cache_seqlens[{b}]={int(seqlens[b])}")
-    ends = seqlens + n_new
-    if np.any(ends > capacity):
-        b = int(np.argmax(ends > capacity))
+    """Lengths within the capacity and used pages inside the pool; the longest key range.
+    (In Python over the lengths' list: a decode step has a few of them, for which NumPy's
+    per-operation cost is most of the checks' time; the page table's check per row is
+    kept per read-only table, :func:`_first_bad_pages`.)"""
+    lens = seqlens.tolist()
+    if not lens:
+        return 0
+    if min(lens) < 0:
+        b = next(b for b, n in enumerate(lens) if n < 0)
+        raise ValueError(f"cache_seqlens must be >= 0; got cache_seqlens[{b}]={lens[b]}")
+    if max(lens) + n_new > capacity:
+        b = next(b for b, n in enumerate(lens) if n + n_new > capacity)
         where = (f"the pages of the block table ({capacity // page_size} pages of "
                  f"{page_size})" if paged else "the cache's capacity")
-        raise ValueError(f"cache_seqlens[{b}] + Nnew = {int(seqlens[b])} + {n_new} = "
-                         f"{int(ends[b])} keys exceed {where}: {capacity}")
+        raise ValueError(f"cache_seqlens[{b}] + Nnew = {lens[b]} + {n_new} = "
+                         f"{lens[b] + n_new} keys exceed {where}: {capacity}")
     if paged:
         table = host_ints(block_table, library)
-        used = np.arange(table.shape[1])[None, :] < -(-ends[:, None] // page_size)
-        bad = used & ((table < 0) | (table >= num_pages))
-        if np.any(bad):
-            b, p = (int(t[0]) for t in np.nonzero(bad))
-            raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside the page "
-                             f"pool of k_cache (pages 0..{num_pages - 1})")
-    return int(ends.max()) if ends.size else 0
+        first = _first_bad_pages(table, num_pages)
+        for b, (n, p) in enumerate(zip(lens, first)):
+            if -(-(n + n_new) // page_size) > p:  # (row b uses page p, outside the pool)
+                raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside "
+                                 f"the page pool of k_cache (pages 0..{num_pages - 1})")
+    return max(lens) + n_new
+
+
+#: id of a read-only host table (host_ints' copy of a device table, kept while unchanged)
+#: and the pool size -> (the table, its rows' first page outside the pool)
+_BAD_PAGES = Memo(16, plans=False)
+
+
+def _first_bad_pages(table, num_pages) -> list:
+    """Per row of ``table``, the first column whose page lies outside ``0..num_pages-1``
+    (the row's width where none does): a row is valid for a sequence using fewer pages.
+    Kept for a read-only table (one that host_ints keeps for an unchanged device table,
+    whose object then stays the same from step to step)."""
+    key = None if table.flags.writeable else (id(table), num_pages)
+    hit = None if key is None else _BAD_PAGES.get(key)
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    bad = (table < 0) | (table >= num_pages)
+    first = np.where(bad.any(axis=1), bad.argmax(axis=1), table.shape[1]).tolist()
+    if key is not None:
+        if len(_BAD_PAGES) >= _BAD_PAGES.max_size:
+            _BAD_PAGES.clear()
+        _BAD_PAGES[key] = (table, first)
+    return first
+

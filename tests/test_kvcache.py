@@ -217,6 +217,25 @@ def test_a_kind_of_call_is_checked_once_and_its_values_every_call(monkeypatch):
     assert gone() is None and len(kinds) == 1
 
 
+def test_first_bad_pages_per_row():
+    """``_first_bad_pages``: per row the first page outside the pool (the width where none
+    is), against a plain loop; kept for a read-only table, computed anew for a writable
+    one (whose values may change under the same object)."""
+    from flashcore._packed_checks import _first_bad_pages
+
+    rng = np.random.default_rng(12)
+    table = rng.integers(-3, 40, (6, 9)).astype(np.int64)
+    table[2] = 5  # a row with no bad page
+    want = [next((p for p, t in enumerate(row) if not 0 <= t < 32), 9) for row in table]
+    assert _first_bad_pages(table, 32) == want
+    table[2, 0] = 99
+    want[2] = 0
+    assert _first_bad_pages(table, 32) == want  # (writable: not kept)
+    table.flags.writeable = False
+    first = _first_bad_pages(table, 32)
+    assert first == want and _first_bad_pages(table, 32) is first
+
+
 def test_read_only_cache_is_refused():
     rng = np.random.default_rng(5)
     kc, vc, _ = make_cache(rng, False)
