@@ -498,6 +498,34 @@ def test_packed_kvcache_host_lengths_on_gpu(where, paged):
 
 
 @pytest.mark.gpu
+def test_host_lengths_go_through_the_ring_on_gpu(monkeypatch):
+    """Host lengths beside torch CUDA tensors are copied through a slot of tensor_maps'
+    ring (packed._lengths), one put per call, with or without new keys; the results equal
+    the same calls with the lengths on the GPU, bit for bit."""
+    torch = _cuda_torch()
+    from flashcore.backends.numba_cuda import tensor_maps
+
+    puts = []
+    real = tensor_maps.put_values
+    monkeypatch.setattr(tensor_maps, "put_values",
+                        lambda *a: puts.append(len(a[2])) or real(*a))
+    kc, vc, table, lengths, (B, Hq, Hkv, D) = _paged_decode_inputs(torch, seed=3)
+    q = torch.randn(B, 1, Hq, D, device="cuda").to(torch.bfloat16)
+    kn, vn = (torch.randn(B, 1, Hkv, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    outs = []
+    for given in (lengths, torch.from_numpy(lengths).cuda()):
+        k2, v2 = kc.clone(), vc.clone()
+        outs.append([flashcore.attention_with_kvcache(q, k2, v2, cache_seqlens=given, k=kn,
+                                                      v=vn, block_table=table),
+                     flashcore.attention_with_kvcache(q, k2, v2, cache_seqlens=given + 1,
+                                                      block_table=table), k2, v2])
+    torch.cuda.synchronize()
+    assert puts == [8 * B, 8 * B]  # (the host calls only: lengths and their ends, int32)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_decode_steps_with_host_lengths_do_not_synchronize(monkeypatch):
     """A decode loop with host lengths (changed every step) and an unchanged device block
     table: after a first step (compiles, reads the table once), no step synchronizes:

@@ -20,7 +20,7 @@ from flashcore._memo import Memo
 
 from . import launch, launch_args
 from .device.convert import SIMULATOR
-from .driver import synchronize
+from .driver import stream_capturing, synchronize
 
 
 @functools.cache
@@ -39,6 +39,7 @@ class _Adapter:
     synchronous = False  # JAX: wait for the kernels before handing buffers back
     fused_ok = True  # the backward may allocate a dQ accumulator (launch.fused_backward)
     allocates = True  # ``empty`` makes buffers of any shape (not lent ones, in order)
+    stages_lengths = False  # host lengths by tensor_maps' ring (then: capturing(stream, dev))
 
     def forward(self, q, k, v, case):
         if case.packed:  # varlen or a KV cache (packed.py)
@@ -107,15 +108,13 @@ class _Adapter:
         return _device_index(case.device)
 
     def int32(self, x, keep, plus=0):
-        """The handle of a C-contiguous int32 copy of ``x`` plus ``plus`` on its device
-        (offsets, lengths, block tables; ``x`` itself where it already is one and ``plus``
-        is 0), kept alive in ``keep``."""
+        """The handle of a C-contiguous int32 copy of ``x`` + ``plus`` on its device (``x``
+        itself where it is one and ``plus`` is 0): offsets, lengths, tables; kept in keep."""
         raise NotImplementedError
 
     def host_lengths(self, lengths, n_new, like, keep):
         """Handles of int32 copies on ``like``'s device of the host array ``lengths`` and of
-        ``lengths + n_new`` (a KV-cache call's lengths given on the host), kept alive in
-        ``keep``; in stream order before the kernels that read them."""
+        ``lengths + n_new``, kept in ``keep``, in stream order before the kernels."""
         a = self.upload(np.ascontiguousarray(lengths, dtype=np.int32), like)
         b = a if not n_new else self.upload(
             np.ascontiguousarray(lengths + n_new, dtype=np.int32), like)
@@ -158,9 +157,8 @@ class _Adapter:
         """The mask_mod's tile classes as the kernels take them, ``(handle, batch stride,
         head stride, query-block stride)``, or None without a mask_mod: the BlockMask's, or
         (without one) those flashcore._mods.block_classes computes from host copies of
-        the mod_args (kept by their contents, so a repeated mask costs one copy to the
-        host per call and no evaluation). Each host array of classes is uploaded once
-        per GPU and adapter (:data:`_UPLOADED`)."""
+        the mod_args (kept by their contents: a repeated mask costs one copy to the host
+        and no evaluation), uploaded once per GPU and adapter (:data:`_UPLOADED`)."""
         m = case.mods
         if m is None or m.mask_mod is None:
             return None
@@ -195,18 +193,15 @@ class _Adapter:
         return self.raw(x, keep)[0]
 
     def max_splits(self):
-        """The most split-KV ranges a KV-cache call may use here (None: any number, the
-        partials being allocated per call): a framework that lends its buffers lends
-        partials of a size fixed before the plan is made."""
+        """The most split-KV ranges a KV-cache call may use here (None: any number): a
+        framework that lends its buffers lends partials sized before the plan is made."""
         return None
 
     def scratch(self, like, n, dev):
         """The handle of a float32 buffer of at least ``n`` words on GPU ``dev`` that the
         kernels may write and nobody reads (an lse the caller did not ask for), kept for
-        the process; None where this adapter keeps none or ``n`` exceeds
-        :data:`SCRATCH_WORDS`. Concurrent kernels on any streams may write it: its
-        contents are never read, and it is never freed, so no write lands in memory that
-        was handed to another tensor."""
+        the process (None: none kept, or ``n`` > :data:`SCRATCH_WORDS`); kernels on any
+        streams may write it: never read nor freed, it is no other tensor's memory."""
         return None
 
 
@@ -345,6 +340,14 @@ class _Torch(_Adapter):
     def upload(self, host, like):
         return _torch().from_numpy(host).to(like.device)
 
+    stages_lengths = True
+
+    def capturing(self, stream, dev):  # (torch's answer, cheap, is the current device's)
+        cuda = _torch().cuda
+        if cuda.current_device() == dev:
+            return cuda.is_current_stream_capturing()
+        return stream_capturing(stream)
+
     def host_lengths(self, lengths, n_new, like, keep):
         """Both arrays in one pinned tensor from torch's caching host allocator, copied
         with ``non_blocking=True`` on the current stream: the host does not wait, and the
@@ -352,13 +355,10 @@ class _Torch(_Adapter):
         torch = _torch()
         B = lengths.shape[0]
         stage = torch.empty(2 * B, dtype=torch.int32, pin_memory=True)
-        host = stage.numpy()
-        host[:B] = lengths
-        host[B:] = lengths + n_new
+        stage.numpy()[:] = np.concatenate((lengths, lengths + n_new))
         dev = stage.to(like.device, non_blocking=True)
         keep.append(dev)
-        at = dev.data_ptr()
-        return at, at + 4 * B
+        return dev.data_ptr(), dev.data_ptr() + 4 * B
 
     def scratch(self, like, n, dev):
         if n > SCRATCH_WORDS:

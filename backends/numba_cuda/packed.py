@@ -27,7 +27,7 @@ import numpy as np
 
 from flashcore._memo import Memo
 
-from . import launch, tilings
+from . import launch, tensor_maps, tilings
 from .device.convert import SIMULATOR
 from .driver import sm_count, synchronize
 
@@ -116,18 +116,30 @@ def packs_heads(case) -> bool:
     return case.seqlen_q == 1 and case.group > 1 and plain
 
 
-def _lengths(ad, kc, like, keep):
-    """Handles of int32 device arrays of ``cache_seqlens`` (where the append writes) and of
-    ``cache_seqlens + n_new`` (the keys attended; None where the append kernel is to write
-    it, into a buffer of :func:`_workspace`). Lengths given on the host (a NumPy array: the
-    front end's copy) are uploaded on the call's stream (:meth:`host_lengths`), so nothing
-    waits for the GPU; lengths on the device are used there."""
-    if isinstance(kc.cache_seqlens, np.ndarray):
-        return ad.host_lengths(kc.cache_seqlens, kc.n_new, like, keep)
-    seqlens = ad.int32(kc.cache_seqlens, keep)
+def _lengths(ad, kc, like, keep, dev, stream):
+    """``(seqlens, seqk, slot)``: handles of int32 device arrays of ``cache_seqlens`` (where
+    the append writes) and of ``cache_seqlens + n_new`` (the keys attended; None where the
+    append kernel is to write it, into a buffer of :func:`_workspace`), and a slot of
+    ``tensor_maps``' ring holding them (None: not there; else :func:`tensor_maps.used`
+    after the last launch that reads them). Lengths given on the host (a NumPy array: the
+    front end's copy) are copied to the GPU on the call's stream, so nothing waits for it:
+    through the ring where the adapter ``stages_lengths`` (one small copy from a pinned
+    slot, no allocation; not while the stream is captured into a graph, whose replays
+    would read a slot rewritten since), else by the adapter's :meth:`host_lengths`.
+    Lengths on the device are used there."""
+    lens = kc.cache_seqlens
+    if isinstance(lens, np.ndarray):
+        B = lens.shape[0]
+        if (ad.stages_lengths and not SIMULATOR and 8 * B <= tensor_maps.VALUES_BYTES
+                and not ad.capturing(stream, dev)):
+            data = np.concatenate((lens, lens + kc.n_new)).astype(np.int32).tobytes()
+            at, slot = tensor_maps.put_values(dev, stream, data)
+            return at, at + 4 * B, slot
+        return (*ad.host_lengths(lens, kc.n_new, like, keep), None)
+    seqlens = ad.int32(lens, keep)
     if not kc.n_new:
-        return seqlens, seqlens
-    return seqlens, None if ad.allocates else ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
+        return seqlens, seqlens, None
+    return (seqlens, None if ad.allocates else ad.int32(lens, keep, plus=kc.n_new), None)
 
 
 #: Per kind of KV-cache call (what the case says but its arrays and lengths, its views'
@@ -205,7 +217,7 @@ def _workspace(ad, like, dev, splits, rows, D, ends, keep):
 def _kvcache_forward(ad, q, k_cache, v_cache, case):
     dev = ad.device_index(case)
     kc = case.kvcache
-    B, Nq, Hq, D = case.batch, case.seqlen_q, case.heads_q, case.head_dim
+    B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
     rows = B * Hq * Nq
     keep = []
     stream = ad.stream(q, dev)
@@ -215,7 +227,20 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
     at = None if case.need_lse else ad.scratch(q, rows, dev)
     if at is None:
         lse = ad.empty(q, (B, Hq, Nq), "float32", dev)
-    seqlens, seqk = _lengths(ad, kc, q, keep) if B else (None, None)
+    seqlens, seqk, slot = _lengths(ad, kc, q, keep, dev, stream) if B else (None, None, None)
+    try:
+        return _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seqk,
+                       keep)
+    finally:  # (the slot holding host lengths is read by the launches queued above)
+        tensor_maps.used(dev, stream, slot)
+
+
+def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seqk, keep):
+    """The append (where there are new keys) and the attention of a KV-cache call whose
+    outputs and lengths :func:`_kvcache_forward` made; returns ``(o, lse)``."""
+    kc = case.kvcache
+    B, Nq, Hq, D = case.batch, case.seqlen_q, case.heads_q, case.head_dim
+    rows = B * Hq * Nq
     table, tsb = 0, 0
     if kc.paged and B:
         table, tsb = ad.int32(kc.block_table, keep), kc.pages_per_seq

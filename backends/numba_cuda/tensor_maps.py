@@ -286,6 +286,19 @@ def put(case, device, stream, q, k, v, block_n):
     return _ring(device).put(_encoded(case, q, k, v, block_n), stream)
 
 
+#: Bytes :func:`put_values` takes (a slot's size).
+VALUES_BYTES = _SET
+
+
+def put_values(device, stream, data: bytes) -> tuple:
+    """``(address, slot)``: up to :data:`VALUES_BYTES` bytes of small per-call values (a
+    KV-cache call's lengths given on the host) in a slot of ``device``'s ring, copied on
+    ``stream`` as :func:`put` copies maps (a slot holding the same bytes, written on that
+    stream, is read again); :func:`used` after the last launch that reads them. Slots are
+    found by their bytes, so maps and values never share one unless equal."""
+    return _ring(device).put(data.ljust(_SET, b"\0"), stream)
+
+
 def used(device, stream, slot):
     """The launch that reads ``slot`` (of :func:`put`) is queued on ``stream``."""
     if slot is not None:
