@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import _dispatch
 from ._checks import make_case
-from ._memo import Memo
+from ._memo import Memo, typed
 from ._mods import options as _options
 from ._mods import options_key, with_arrays
 
@@ -35,8 +35,9 @@ def _plan(q, k, v, causal, scale, layout, need_lse, backend, options=None):
     The arrays the options carry (alibi slopes, mod_args) join the case per call."""
     try:
         key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype,
-               v.dtype, q.device, k.device, v.device, causal, scale, layout, need_lse, backend,
-               options_key(options))
+               v.dtype, q.device, k.device, v.device, typed(causal), typed(scale), layout,
+               need_lse, backend, options_key(options),
+               None if options is None else typed((options["window"], options["softcap"])))
     except (AttributeError, TypeError):  # no .device, or a mod_args entry that is no array
         key = None
     case, impl = _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout,

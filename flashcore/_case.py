@@ -142,5 +142,7 @@ def evolve(obj, **changes):
     new = object.__new__(type(obj))
     fields = new.__dict__
     fields.update(obj.__dict__)
+    if not fields.keys() >= changes.keys():
+        raise TypeError(f"{type(obj).__name__} has no field {set(changes) - set(fields)}")
     fields.update(changes)
     return new

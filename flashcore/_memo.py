@@ -49,6 +49,15 @@ class Memo(dict):
         return hit
 
 
+def typed(x):
+    """``x`` with its type, for a key: ``True``, ``1`` and ``1.0`` are equal and hash
+    alike, yet the checks refuse some of them where they take others (a plan kept for one
+    must not serve the other). Tuples and lists element by element."""
+    if isinstance(x, (tuple, list)):
+        return type(x), tuple(typed(y) for y in x)
+    return type(x), x
+
+
 def clear_all() -> None:
     """Empty every memo the front end holds."""
     for memo in _ALL:

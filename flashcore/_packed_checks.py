@@ -12,7 +12,7 @@ import numpy as np
 from . import _dispatch, _interop
 from ._case import Case, KVCache, Varlen, evolve
 from ._checks import _arrays, _dtype, check_backward_inputs, check_options
-from ._memo import Memo
+from ._memo import Memo, typed
 from ._mods import check_mods, options_key, with_arrays
 
 #: Integer dtypes accepted for offsets, lengths and page tables (int32 is FA2's; int64 is
@@ -54,7 +54,7 @@ def host_ints(x, library) -> np.ndarray:
     counter, which every in-place write bumps) gives the values read then, without a
     copy and the synchronization it costs: the backward of a varlen call, or a decode
     loop's block table, reads them once."""
-    if isinstance(x, np.ndarray):  # (host lengths of a call on a GPU: see _host_lengths)
+    if isinstance(x, np.ndarray):  # (host lengths of a call on a GPU: see _on_host)
         return np.asarray(x, dtype=np.int64)
     if library == "torch" and getattr(x, "is_cuda", False):
         key = (id(x), x.data_ptr(), x._version, tuple(x.shape), str(x.dtype))
@@ -188,9 +188,11 @@ def _varlen_key(q, k, v, cu_q, cu_k, backend, kw):
         extra = kw.get("extra") or {}
         arrays = tuple((n, type(x), tuple(x.shape), x.dtype, x.device) for n, x in
                        (("q", q), ("k", k), ("v", v), *sorted(extra.items())))
-        rest = tuple((n, kw[n]) for n in sorted(kw) if n not in ("extra", "options"))
+        rest = tuple((n, typed(kw[n])) for n in sorted(kw) if n not in ("extra", "options"))
+        options = kw.get("options")
         return (arrays, _offsets_key(cu_q), _offsets_key(cu_k), backend, rest,
-                options_key(kw.get("options")))
+                options_key(options),
+                None if options is None else typed((options["window"], options["softcap"])))
     except (AttributeError, TypeError):
         return None
 
@@ -225,11 +227,11 @@ def make_kvcache_case(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_
                       values=True, in_place=True) -> Case:
     """Check a KV-cache call and describe it (``values=False``: shapes and dtypes only;
     ``in_place=False``: the caller appends the new keys itself, as the JAX glue does)."""
-    kind, on_host = _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                  causal=causal, scale=scale, num_splits=num_splits,
-                                  need_lse=need_lse, explicit=explicit, options=options,
-                                  in_place=in_place)
-    case = kvcache_values(kind, on_host, cache_seqlens, k, v, block_table, values)
+    kind, on_host, lengths, max_k = _kvcache_kind(
+        q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal=causal, scale=scale,
+        num_splits=num_splits, need_lse=need_lse, explicit=explicit, options=options,
+        in_place=in_place, values=values)
+    case = _attach(kind, lengths, k, v, block_table, max_k)
     return case if options is None else with_arrays(case, options)
 
 
@@ -244,7 +246,8 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
     backend selected once per kind of call, then looked up (in a decode loop every step is
     one kind: on a GPU they were a third of a step's host time); the values (lengths
     within the capacity, pages inside the pool) checked on every call, since they change
-    from step to step. The arrays join the case per call."""
+    from step to step. The arrays join the case per call. The first call of a kind is
+    checked in :func:`make_kvcache_case`'s order (its errors are the same)."""
     key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw)
     kind, on_host, impl = _KVCACHE_PLANS.get_or_build(
         key, _kvcache_build, q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
@@ -255,31 +258,40 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
 
 
 def _kvcache_build(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw):
-    kind, on_host = _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k, v, block_table, **kw)
-    return kind, on_host, _dispatch.select(kind, backend)
+    kind, on_host, lengths, max_k = _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k, v,
+                                                  block_table, **kw)
+    case = _attach(kind, lengths, k, v, block_table, max_k)  # (what select reads: the
+    options = kw.get("options")                              # kinds of the option arrays)
+    return kind, on_host, _dispatch.select(
+        case if options is None else with_arrays(case, options), backend)
 
 
 def _kvcache_key(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw):
     """The memo key of a KV-cache call (what :func:`_kvcache_kind` reads: the arrays'
-    types, shapes, dtypes and devices, whether NumPy caches are writable, the keywords),
-    or None where one part cannot key it."""
+    types, shapes, dtypes and devices, whether NumPy caches are writable, the keywords and
+    their types), or None where one part cannot key it."""
     try:
         arrays = tuple(None if x is None else (type(x), x.shape, x.dtype, x.device)
                        for x in (q, k_cache, v_cache, cache_seqlens, k, v, block_table))
         writable = tuple(x.flags.writeable for x in (k_cache, v_cache)
                          if isinstance(x, np.ndarray))
-        return (arrays, writable, backend, kw["causal"], kw["scale"], kw["num_splits"],
-                kw.get("need_lse", False), kw.get("explicit", False),
-                kw.get("in_place", True), options_key(kw.get("options")))
+        options = kw.get("options")
+        return (arrays, writable, backend, typed(kw["causal"]), typed(kw["scale"]),
+                typed(kw["num_splits"]), kw.get("need_lse", False), kw.get("explicit", False),
+                kw.get("in_place", True), options_key(options),
+                None if options is None else typed((options["window"], options["softcap"])))
     except (AttributeError, TypeError):
         return None
 
 
 def _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, *,
                   causal, scale, num_splits, need_lse=False, explicit=False, options=None,
-                  in_place=True) -> tuple:
-    """``(case, on_host)``: the call's case without its arrays and values (the checks that
-    read neither), and whether ``cache_seqlens`` is read on the host (:func:`_on_host`)."""
+                  in_place=True, values=True) -> tuple:
+    """``(case, on_host, lengths, max_k)``: the call's case without its arrays and values;
+    whether ``cache_seqlens`` is read on the host (:func:`_on_host`); the lengths the
+    case is to carry (:func:`_host_copy` of host lengths, else ``cache_seqlens``); and
+    where ``values``, their longest key range, checked after the shapes and before the
+    options (0 without)."""
     if (k is None) != (v is None):
         raise ValueError(f"k and v must be given together; got k={_what(k)}, v={_what(v)}")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
@@ -330,6 +342,12 @@ def _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_tabl
             raise ValueError(f"block_table must have shape (B, max_pages_per_seq) with B={B}; "
                              f"got block_table.shape={bs}")
         paged, page_size, num_pages, pages_per_seq = True, cs[1], cs[0], bs[1]
+    lengths = _host_copy(cache_seqlens) if on_host else cache_seqlens
+    max_k = 0
+    if values:
+        max_k = _check_cache_values(lengths if on_host else host_ints(lengths, library), n_new,
+                                    page_size * pages_per_seq, paged, page_size, num_pages,
+                                    block_table, library)
     scale = check_options(causal=causal, scale=scale, layout="bnhd", head_dim=D)
     num_splits = check_num_splits(num_splits)
     mods, _ = _mods_of(options, library, device, B, Hq, Nq, page_size * pages_per_seq)
@@ -338,25 +356,31 @@ def _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_tabl
     return Case(library=library, device=device, dtype=dtype, batch=B, heads_q=Hq,
                 heads_kv=Hkv, seqlen_q=Nq, seqlen_k=page_size * pages_per_seq, head_dim=D,
                 causal=bool(causal), scale=scale, layout="bnhd", need_lse=need_lse,
-                explicit=explicit, mods=mods, kvcache=kv), on_host
+                explicit=explicit, mods=mods, kvcache=kv), on_host, lengths, max_k
 
 
-def kvcache_values(kind, on_host, cache_seqlens, k, v, block_table, values=True) -> Case:
-    """The case of one call of ``kind`` (:func:`_kvcache_kind`): its arrays, and where
-    ``values``, its lengths and pages checked (``max_seqlen_k`` then their longest key
-    range; 0 without). Lengths on the host become a read-only int64 NumPy copy."""
+def kvcache_values(kind, on_host, cache_seqlens, k, v, block_table) -> Case:
+    """The case of one call of ``kind`` (:func:`_kvcache_kind`): its lengths and pages
+    checked, its arrays attached (lengths on the host as :func:`_host_copy`)."""
     kc = kind.kvcache
-    max_k = 0
-    if on_host:
-        cache_seqlens = np.array(cache_seqlens if isinstance(cache_seqlens, np.ndarray)
-                                 else cache_seqlens.detach().numpy(), dtype=np.int64)
-        cache_seqlens.flags.writeable = False
-    if values:
-        lengths = cache_seqlens if on_host else host_ints(cache_seqlens, kind.library)
-        max_k = _check_cache_values(lengths, kc.n_new, kind.seqlen_k, kc.paged, kc.page_size,
-                                    kc.num_pages, block_table, kind.library)
-    return evolve(kind, kvcache=evolve(kc, cache_seqlens=cache_seqlens, block_table=block_table,
-                                       k_new=k, v_new=v, max_seqlen_k=max_k))
+    lengths = _host_copy(cache_seqlens) if on_host else cache_seqlens
+    max_k = _check_cache_values(lengths if on_host else host_ints(lengths, kind.library),
+                                kc.n_new, kind.seqlen_k, kc.paged, kc.page_size, kc.num_pages,
+                                block_table, kind.library)
+    return _attach(kind, lengths, k, v, block_table, max_k)
+
+
+def _attach(kind, lengths, k, v, block_table, max_k) -> Case:
+    return evolve(kind, kvcache=evolve(kind.kvcache, cache_seqlens=lengths,
+                                       block_table=block_table, k_new=k, v_new=v,
+                                       max_seqlen_k=max_k))
+
+
+def _host_copy(x) -> np.ndarray:
+    """Host lengths (a NumPy array or a CPU torch tensor) as a read-only int64 copy."""
+    out = np.array(x if isinstance(x, np.ndarray) else x.detach().numpy(), dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def _on_host(x, named) -> bool:
@@ -398,9 +422,9 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
                  f"{page_size})" if paged else "the cache's capacity")
         raise ValueError(f"cache_seqlens[{b}] + Nnew = {lens[b]} + {n_new} = "
                          f"{lens[b] + n_new} keys exceed {where}: {capacity}")
-    if paged:
+    if paged and page_size:  # (pages of 0 keys: a capacity of 0, no page used)
         table = host_ints(block_table, library)
-        first = _first_bad_pages(table, num_pages)
+        first = _first_bad_pages(table, num_pages, block_table)
         for b, (n, p) in enumerate(zip(lens, first)):
             if -(-(n + n_new) // page_size) > p:  # (row b uses page p, outside the pool)
                 raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside "
@@ -408,25 +432,30 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
     return max(lens) + n_new
 
 
-#: id of a read-only host table (host_ints' copy of a device table, kept while unchanged)
-#: and the pool size -> (the table, its rows' first page outside the pool)
-_BAD_PAGES = Memo(16, plans=False)
+#: (a torch GPU block table's id, address and version counter, the pool's pages) ->
+#: (host_ints' copy of it, its rows' first page outside the pool)
+_BAD_PAGES = Memo(16)
 
 
-def _first_bad_pages(table, num_pages) -> list:
-    """Per row of ``table``, the first column whose page lies outside ``0..num_pages-1``
-    (the row's width where none does): a row is valid for a sequence using fewer pages.
-    Kept for a read-only table (one that host_ints keeps for an unchanged device table,
-    whose object then stays the same from step to step)."""
-    key = None if table.flags.writeable else (id(table), num_pages)
-    hit = None if key is None else _BAD_PAGES.get(key)
-    if hit is not None and hit[0] is table:
-        return hit[1]
+def _first_bad_pages(table, num_pages, source) -> list:
+    """Per row of ``table`` (the host values of the block table ``source``), the first
+    column whose page lies outside ``0..num_pages-1`` (the row's width where none does): a
+    row is valid for a sequence using fewer pages. Kept where ``source`` is a torch GPU
+    tensor, by the key host_ints reads it by (any in-place write bumps its version), for
+    host_ints' own copy of it; an array the caller holds may change under the same
+    object, so it is read every call."""
+    key = None
+    if getattr(source, "is_cuda", False) and hasattr(source, "_version"):
+        key = (id(source), source.data_ptr(), source._version, num_pages)
+        hit = _BAD_PAGES.get(key)
+        if hit is not None and hit[0] is table:
+            return hit[1]
     bad = (table < 0) | (table >= num_pages)
-    first = np.where(bad.any(axis=1), bad.argmax(axis=1), table.shape[1]).tolist()
+    first = [table.shape[1]] * table.shape[0]
+    if table.shape[1]:
+        first = np.where(bad.any(axis=1), bad.argmax(axis=1), table.shape[1]).tolist()
     if key is not None:
         if len(_BAD_PAGES) >= _BAD_PAGES.max_size:
             _BAD_PAGES.clear()
         _BAD_PAGES[key] = (table, first)
     return first
-

@@ -191,6 +191,13 @@ def test_checked_calls_are_planned_once_per_kind(rng):
     with pytest.raises(ValueError, match="scale"):
         flashcore.attention(q, k, v, scale=-1.0)
     assert len(_api._PLANS) == 3
+    # options equal to planned ones (1 == True == 1.0) but of types the checks refuse
+    good = {"causal": True, "softcap": 1.0, "window": (1, 0), "scale": 1.0}
+    flashcore.attention(q, k, v, **good)
+    for bad, match in [({"causal": 1}, "causal"), ({"scale": True}, "scale"),
+                       ({"softcap": True}, "softcap"), ({"window": (True, 0)}, "window")]:
+        with pytest.raises(TypeError, match=match):
+            flashcore.attention(q, k, v, **{**good, **bad})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -219,21 +219,57 @@ def test_a_kind_of_call_is_checked_once_and_its_values_every_call(monkeypatch):
 
 def test_first_bad_pages_per_row():
     """``_first_bad_pages``: per row the first page outside the pool (the width where none
-    is), against a plain loop; kept for a read-only table, computed anew for a writable
-    one (whose values may change under the same object)."""
+    is), against a plain loop; a table of no columns."""
     from flashcore._packed_checks import _first_bad_pages
 
     rng = np.random.default_rng(12)
     table = rng.integers(-3, 40, (6, 9)).astype(np.int64)
     table[2] = 5  # a row with no bad page
     want = [next((p for p, t in enumerate(row) if not 0 <= t < 32), 9) for row in table]
-    assert _first_bad_pages(table, 32) == want
-    table[2, 0] = 99
-    want[2] = 0
-    assert _first_bad_pages(table, 32) == want  # (writable: not kept)
-    table.flags.writeable = False
-    first = _first_bad_pages(table, 32)
-    assert first == want and _first_bad_pages(table, 32) is first
+    assert _first_bad_pages(table, 32, table) == want
+    assert _first_bad_pages(np.zeros((3, 0), np.int64), 32, None) == [0, 0, 0]
+
+
+def test_a_read_only_view_of_a_table_is_read_every_call():
+    """A block table the caller holds may change under the same object (a read-only view
+    of memory written elsewhere): each call checks its pages again."""
+    kc, vc, table, q, k, v, _, _ = inputs(13, True)
+    base = table.astype(np.int64)
+    view = base.view()
+    view.flags.writeable = False
+    flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=SEQLENS, k=k, v=v,
+                                     block_table=view, backend="numba_cpu")
+    base[0, 0] = -1
+    before = kc.copy(), vc.copy()
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\]=-1 points outside"):
+        flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=SEQLENS, k=k, v=v,
+                                         block_table=view, backend="numba_cpu")
+    assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ({"causal": 1}, TypeError, "causal must be True or False"),
+    ({"num_splits": 1.0}, TypeError, "num_splits must be an int"),
+    ({"scale": True}, TypeError, "scale must be a real number"),
+    ({"softcap": True}, TypeError, "softcap"),
+    ({"num_splits": -1, "cache_seqlens": np.array([0, -1, 3], np.int32)}, ValueError,
+     r"cache_seqlens must be >= 0"),
+])
+def test_a_known_kind_does_not_let_bad_options_through(bad, error, match):
+    """A call whose options equal a checked one's (``1 == True == 1.0``) but are of a type
+    the checks refuse is refused, also after good calls; a call with bad lengths and bad
+    options reports the lengths first (as on its first call)."""
+    kc, vc, table, q, k, v, _, _ = inputs(14, True)
+    good = {"causal": True, "num_splits": 1, "scale": 1.0, "softcap": 1.0,
+            "cache_seqlens": SEQLENS, "k": k, "v": v}
+    call = lambda **kw: flashcore.attention_with_kvcache(  # noqa: E731
+        q, kc, vc, block_table=table, backend="numba_cpu", **{**good, **kw})
+    call()
+    call()
+    before = kc.copy(), vc.copy()
+    with pytest.raises(error, match=match):
+        call(k=np.zeros_like(k), v=np.zeros_like(v), **bad)
+    assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
 
 
 def test_read_only_cache_is_refused():

@@ -161,6 +161,36 @@ def _run_cache_lengths_paths():
     _check("float32", runs[0][0], runs[0][1], ro, rl)
 
 
+def _run_cache_other_page_strides():
+    """A v_cache whose page stride differs from k_cache's (a view of a wider pool): the
+    append writes both in place (nothing past the view), and the attention, which reads
+    both pools with one page stride, is right (it reads copies), with the lengths on the
+    host and (a list, the device path under the simulator) with the append writing them."""
+    import test_kvcache as T
+    from flashcore.backends import numba_cuda
+
+    from flashcore._packed_checks import make_kvcache_case
+
+    for paged in (True, False):
+        for lengths in ("host", "device"):
+            kc, vc, table, q, k, v, want_k, want_v = T.inputs(4, paged, nq=1, n_new=2,
+                                                              dtype="float32")
+            wide = np.full((vc.shape[0], vc.shape[1] + 3, *vc.shape[2:]), 7.0, np.float32)
+            wide[:, :vc.shape[1]] = vc
+            vc2 = wide[:, :vc.shape[1]]
+            case = make_kvcache_case(q, kc, vc2, T.SEQLENS, k, v, table, causal=True,
+                                     scale=None, num_splits=2, need_lse=True, explicit=True)
+            if lengths == "device":
+                case = replace(case, kvcache=replace(case.kvcache, cache_seqlens=[
+                    int(n) for n in T.SEQLENS]))
+            o, lse = numba_cuda.forward(q, kc, vc2, case)
+            assert np.array_equal(kc, want_k) and np.array_equal(vc2, want_v)
+            assert np.all(wide[:, vc.shape[1]:] == 7)
+            ro, rl = oracle_kvcache(q, want_k, want_v, T.SEQLENS + 2, table, T.PAGE,
+                                    causal=True)
+            _check("float32", o, lse, ro, rl)
+
+
 if not SIM:
 
     @pytest.mark.cudasim
@@ -227,6 +257,10 @@ else:
     @pytest.mark.cudasim
     def test_sim_simt_cache_lengths_on_host_or_device():
         _run_cache_lengths_paths()
+
+    @pytest.mark.cudasim
+    def test_sim_simt_cache_other_page_strides():
+        _run_cache_other_page_strides()
 
     @pytest.mark.cudasim
     @pytest.mark.parametrize("c", CACHE_TC, ids=lambda c: f"paged{c['paged']}-nq{c['nq']}")

@@ -16,7 +16,7 @@ import functools
 import os
 from dataclasses import replace
 
-from flashcore._memo import Memo
+from flashcore._memo import Memo, clear_all
 
 from . import driver, tensor_maps, tilings
 from .device.convert import SIMULATOR
@@ -442,9 +442,10 @@ def mod_arg_kinds(mod_args) -> tuple:
 
 
 def forget_plans():
-    """Drop the cached plans (after the autotuner wrote new tilings)."""
+    """Drop the cached plans (after the autotuner wrote new tilings): also every Memo's
+    (_SERVES, packed's kernel shapes, the front end's)."""
     _PLANS.clear()
-    _SERVES.clear()
+    clear_all()
     _tc_tiles.cache_clear()
     tilings.forget_tuned()
 

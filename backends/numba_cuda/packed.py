@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from flashcore._case import evolve
 from flashcore._memo import Memo
 
 from . import launch, tensor_maps, tilings
@@ -175,7 +176,7 @@ def _plan_now(case, dev, qv, kv, vv, tc_ok):
         lcase = replace(case, heads_q=case.heads_kv, seqlen_q=case.group, causal=False,
                         alibi_slopes=None, mod_args=(),
                         kvcache=replace(kc, cache_seqlens=None, block_table=None,
-                                        k_new=None, v_new=None))
+                                        k_new=None, v_new=None, max_seqlen_k=0))
         qv, _ = _grouped(qv, None, case.group)
     return packs, lcase, launch.forward_shape(lcase or case, dev, qv, kv, vv, tc_ok)
 
@@ -253,8 +254,20 @@ def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seq
         return o, lse
     if at is None:
         at = ad.address(lse, keep)
+    inputs = _inputs(ad, case, q, keep)  # (before anything is written: its errors too)
     qv, ov = _bhnd(ad, q, keep), _bhnd(ad, o, keep)
     kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
+    if kc.paged and kc.n_new and kv[1][0] != vv[1][0]:
+        # The kernels read both pools with one page stride: the new keys go in first, then
+        # the attention reads C-contiguous copies (a rare layout, paid for by a copy).
+        _append(ad, case, dev, stream, k_cache, v_cache, seqlens, (table, tsb), None, keep)
+        if seqk is None:
+            seqk = ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
+        kc = evolve(kc, n_new=0)  # (appended)
+    if kc.paged and kv[1][0] != vv[1][0]:
+        k_cache, v_cache = ad.contiguous(k_cache), ad.contiguous(v_cache)
+        keep.extend((k_cache, v_cache))
+        kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
     psp = 0
     tc_ok = True
     if kc.paged:  # pages through the table: batch strides 0, the page stride apart
@@ -279,7 +292,6 @@ def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seq
         seqk = ends if seqk is None else seqk
     base = {"seqk": seqk, "table": table if kc.paged else None, "tsb": tsb,
             "page": kc.page_size if kc.paged else 1, "psp": psp, "buffer": at}
-    inputs = _inputs(ad, case, q, keep)
     if splits == 1:
         launch.run_forward(lcase, dev, stream, qv, kv, vv, ov, at,
                            packed=launch.packed_args(**base), tc_ok=tc_ok, **inputs)
