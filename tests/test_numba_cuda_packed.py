@@ -263,6 +263,25 @@ else:
         _run_cache_other_page_strides()
 
     @pytest.mark.cudasim
+    def test_sim_cache_with_too_many_mod_args_is_declined_untouched():
+        """numba_cuda declines a score_mod of 5 mod_args (its kernels take 4) when the
+        call is planned, with the call's arrays: before the append writes anything."""
+        import test_kvcache as T
+
+        kc, vc, table, q, k, v, _, _ = T.inputs(1, True, nq=1, n_new=2, dtype="float32")
+        before = kc.copy(), vc.copy()
+
+        def sm(s, b, h, i, j, a0, a1, a2, a3, a4):
+            return s + a0[0]
+
+        with pytest.raises(flashcore.BackendUnavailableError, match="at most 4 mod_args"):
+            flashcore.attention_with_kvcache(
+                q, kc, vc, cache_seqlens=T.SEQLENS, k=k, v=v, block_table=table, score_mod=sm,
+                mod_args=tuple(np.zeros(1, np.float32) for _ in range(5)),
+                backend="numba_cuda")
+        assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
+
+    @pytest.mark.cudasim
     @pytest.mark.parametrize("c", CACHE_TC, ids=lambda c: f"paged{c['paged']}-nq{c['nq']}")
     def test_sim_tensor_core_cache(c, monkeypatch):
         _run_cache(c, monkeypatch, "tensor_core")
