@@ -20,7 +20,7 @@ from flashcore._memo import Memo
 
 from . import launch, launch_args
 from .device.convert import SIMULATOR
-from .driver import stream_capturing, synchronize
+from .driver import copy_to_host, stream_capturing, synchronize
 
 
 @functools.cache
@@ -39,7 +39,11 @@ class _Adapter:
     synchronous = False  # JAX: wait for the kernels before handing buffers back
     fused_ok = True  # the backward may allocate a dQ accumulator (launch.fused_backward)
     allocates = True  # ``empty`` makes buffers of any shape (not lent ones, in order)
-    stages_lengths = False  # host lengths by tensor_maps' ring (then: capturing(stream, dev))
+    stages_lengths = False  # host lengths by tensor_maps' ring (packed._lengths)
+
+    def capturing(self, stream, dev):
+        """Whether ``stream`` (of GPU ``dev``) is being captured into a CUDA graph."""
+        return not SIMULATOR and stream_capturing(stream)
 
     def forward(self, q, k, v, case):
         if case.packed:  # varlen or a KV cache (packed.py)
@@ -249,9 +253,8 @@ class BufferLauncher(_Adapter):
         return self.raw(x, keep)[0]
 
     def upload(self, host, like):
-        # A numba device array, kept by _UPLOADED: calling back into JAX from inside
-        # XLA's callback to allocate is not an option. (Synchronous: done before the
-        # kernels that read it are queued.)
+        # A numba device array, kept by _UPLOADED (JAX cannot allocate from inside XLA's
+        # callback); synchronous: done before the kernels that read it are queued.
         from numba import cuda
 
         return cuda.to_device(host)
@@ -272,8 +275,6 @@ class BufferLauncher(_Adapter):
         if out.nbytes:
             if SIMULATOR:  # (ptr: a flat view of host memory)
                 return np.array(ptr[:out.size]).view(out.dtype).reshape(out.shape)
-            from .driver import copy_to_host
-
             copy_to_host(out.ctypes.data, ptr, out.nbytes, self._stream, device)
         return out
 
@@ -344,9 +345,8 @@ class _Torch(_Adapter):
 
     def capturing(self, stream, dev):  # (torch's answer, cheap, is the current device's)
         cuda = _torch().cuda
-        if cuda.current_device() == dev:
-            return cuda.is_current_stream_capturing()
-        return stream_capturing(stream)
+        return (cuda.is_current_stream_capturing() if cuda.current_device() == dev
+                else stream_capturing(stream))
 
     def host_lengths(self, lengths, n_new, like, keep):
         """Both arrays in one pinned tensor from torch's caching host allocator, copied

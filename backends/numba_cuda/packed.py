@@ -117,7 +117,7 @@ def packs_heads(case) -> bool:
     return case.seqlen_q == 1 and case.group > 1 and plain
 
 
-def _lengths(ad, kc, like, keep, dev, stream):
+def _lengths(ad, kc, like, keep, dev, stream, capturing):
     """``(seqlens, seqk, slot)``: handles of int32 device arrays of ``cache_seqlens`` (where
     the append writes) and of ``cache_seqlens + n_new`` (the keys attended; None where the
     append kernel is to write it, into a buffer of :func:`_workspace`), and a slot of
@@ -132,7 +132,7 @@ def _lengths(ad, kc, like, keep, dev, stream):
     if isinstance(lens, np.ndarray):
         B = lens.shape[0]
         if (ad.stages_lengths and not SIMULATOR and 8 * B <= tensor_maps.VALUES_BYTES
-                and not ad.capturing(stream, dev)):
+                and not capturing):
             data = np.concatenate((lens, lens + kc.n_new)).astype(np.int32).tobytes()
             at, slot = tensor_maps.put_values(dev, stream, data)
             return at, at + 4 * B, slot
@@ -228,17 +228,23 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
     at = None if case.need_lse else ad.scratch(q, rows, dev)
     if at is None:
         lse = ad.empty(q, (B, Hq, Nq), "float32", dev)
-    seqlens, seqk, slot = _lengths(ad, kc, q, keep, dev, stream) if B else (None, None, None)
+    capturing = ad.capturing(stream, dev)
+    seqlens, seqk, slot = (_lengths(ad, kc, q, keep, dev, stream, capturing) if B else
+                           (None, None, None))
     try:
         return _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seqk,
-                       keep)
+                       keep, capturing)
     finally:  # (the slot holding host lengths is read by the launches queued above)
         tensor_maps.used(dev, stream, slot)
 
 
-def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seqk, keep):
+def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seqk, keep,
+            capturing):
     """The append (where there are new keys) and the attention of a KV-cache call whose
-    outputs and lengths :func:`_kvcache_forward` made; returns ``(o, lse)``."""
+    outputs and lengths :func:`_kvcache_forward` made; returns ``(o, lse)``. A call captured
+    into a CUDA graph splits the keys for the cache's capacity, not for the lengths it
+    was checked with: its replays read the lengths then (the graph's queries see every
+    key up to the capacity, however far the lengths have grown)."""
     kc = case.kvcache
     B, Nq, Hq, D = case.batch, case.seqlen_q, case.heads_q, case.head_dim
     rows = B * Hq * Nq
@@ -281,10 +287,11 @@ def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seq
         qv, ov = _grouped(qv, ov, case.group)
     lcase = lcase or case
     sms = sm_count(dev)
-    splits, chunk = launch.split_plan(lcase, shape, kc.num_splits, sms, kc.max_seqlen_k)
+    longest = case.seqlen_k if capturing else kc.max_seqlen_k
+    splits, chunk = launch.split_plan(lcase, shape, kc.num_splits, sms, longest)
     most = ad.max_splits()  # (lent partials, sized before the lengths were known)
     if most is not None and splits > most:
-        splits, chunk = launch.split_plan(lcase, shape, most, sms, kc.max_seqlen_k)
+        splits, chunk = launch.split_plan(lcase, shape, most, sms, longest)
     ph, lph, ends = _workspace(ad, q, dev, splits, rows, D,
                                B if kc.n_new and seqk is None else 0, keep)
     if kc.n_new:  # 1. the new keys and values, in place (and where asked, their ends)
