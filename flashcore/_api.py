@@ -36,8 +36,7 @@ def _plan(q, k, v, causal, scale, layout, need_lse, backend, options=None):
     try:
         key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, typed(causal), typed(scale), layout,
-               need_lse, backend, options_key(options),
-               None if options is None else typed((options["window"], options["softcap"])))
+               need_lse, backend, options_key(options))
     except (AttributeError, TypeError):  # no .device, or a mod_args entry that is no array
         key = None
     case, impl = _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout,

@@ -36,7 +36,7 @@ import numpy as np
 from . import _dispatch, _interop, _mods, _rules
 from ._checks import make_case
 from ._errors import BackendUnavailableError
-from ._memo import Memo
+from ._memo import Memo, typed
 
 #: Backends written in JAX-traceable array code: called directly, differentiated by JAX.
 _TRACEABLE = ("jax", "reference")
@@ -144,7 +144,8 @@ def plan(q, k, v, causal, scale, layout, backend, options=None):
         devices = None
     key = None if devices is None else (
         tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, devices,
-        causal, scale, layout, backend, jax.default_backend(), _options_key(options))
+        typed(causal), typed(scale), layout, backend, jax.default_backend(),
+        _options_key(options))
     traced = devices is not None and None in devices
     return _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, backend,
                                traced, options)

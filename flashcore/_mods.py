@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import _interop
-from ._memo import Memo
+from ._memo import Memo, typed
 
 #: Relative step of the finite-difference derivative of score_mod (see the module doc).
 FD_STEP = 1e-3
@@ -82,8 +82,7 @@ def options_key(opts):
     if opts is None:
         return None
     a = opts["alibi_slopes"]
-    window = opts["window"]
-    return (tuple(window) if isinstance(window, list) else window, opts["softcap"],
+    return (typed(opts["window"]), typed(opts["softcap"]),  # (1 == True, yet one is refused)
             None if a is None else mod_args_key((a,)), opts["score_mod"], opts["mask_mod"],
             mod_args_key(opts["mod_args"]), opts["block_mask"])
 

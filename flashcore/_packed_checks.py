@@ -191,8 +191,7 @@ def _varlen_key(q, k, v, cu_q, cu_k, backend, kw):
         rest = tuple((n, typed(kw[n])) for n in sorted(kw) if n not in ("extra", "options"))
         options = kw.get("options")
         return (arrays, _offsets_key(cu_q), _offsets_key(cu_k), backend, rest,
-                options_key(options),
-                None if options is None else typed((options["window"], options["softcap"])))
+                options_key(options))
     except (AttributeError, TypeError):
         return None
 
@@ -278,8 +277,7 @@ def _kvcache_key(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
         options = kw.get("options")
         return (arrays, writable, backend, typed(kw["causal"]), typed(kw["scale"]),
                 typed(kw["num_splits"]), kw.get("need_lse", False), kw.get("explicit", False),
-                kw.get("in_place", True), options_key(options),
-                None if options is None else typed((options["window"], options["softcap"])))
+                kw.get("in_place", True), options_key(options))
     except (AttributeError, TypeError):
         return None
 

@@ -38,7 +38,7 @@ import torch
 from . import _dispatch, _mods, _rules
 from ._checks import check_options, make_case
 from ._errors import BackendUnavailableError
-from ._memo import Memo
+from ._memo import Memo, typed
 
 Tensor = torch.Tensor
 
@@ -76,8 +76,8 @@ _PLANS = Memo(512)
 def _plan(q, k, v, causal, scale, layout, backend, return_lse, options=None) -> _Plan:
     try:
         key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype,
-               v.dtype, q.device, k.device, v.device, causal, scale, layout, backend,
-               return_lse, _mods.options_key(options))
+               v.dtype, q.device, k.device, v.device, typed(causal), typed(scale), layout,
+               backend, return_lse, _mods.options_key(options))
     except TypeError:  # an option that cannot key a dict: checked every time
         key = None
     plan = _PLANS.get_or_build(key, _make_plan, q, k, v, causal, scale, layout, backend,

@@ -208,3 +208,24 @@ def test_nan_reaches_exactly_the_rows_that_see_it(rng, backend, shape, causal):
     q, k, v, bad = nan_inputs(rng, *shape, causal)
     o, lse = flashcore.attention_forward(q, k, v, causal=causal, backend=backend)
     assert_nan_rows(o, lse, bad)
+
+
+@pytest.mark.torch
+@pytest.mark.jax
+@pytest.mark.parametrize("lib", ["torch", "jax"])
+def test_framework_plans_refuse_options_of_refused_types(lib):
+    """torch's autograd path and JAX's path keep plans too: an option equal to a planned
+    one (1 == True) but of a type the checks refuse is refused after the good call."""
+    mod = pytest.importorskip(lib)
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((1, 2, 8, 16)).astype(np.float32) for _ in range(3)]
+    if lib == "torch":
+        q, k, v = (mod.tensor(a, requires_grad=True) for a in arrays)
+    else:
+        q, k, v = (mod.numpy.asarray(a) for a in arrays)
+    good = {"causal": True, "scale": 1.0, "softcap": 1.0}
+    flashcore.attention(q, k, v, **good)
+    for bad, match in [({"causal": 1}, "causal"), ({"scale": True}, "scale"),
+                       ({"softcap": True}, "softcap")]:
+        with pytest.raises(TypeError, match=match):
+            flashcore.attention(q, k, v, **{**good, **bad})

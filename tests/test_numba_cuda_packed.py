@@ -661,3 +661,10 @@ def test_decode_step_with_device_lengths_captures_in_a_cuda_graph():
         torch.cuda.synchronize()
         ro, rl = oracle_kvcache(f(q), f(kc), f(vc), np.array(new), host_table, 16)
         _check("bfloat16", f(o), f(lse), ro, rl)
+    # lengths on the host cannot be captured (the graph would replay those of its capture
+    # from a host buffer freed since): refused before anything is queued
+    with pytest.raises(ValueError, match="cannot be captured into a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([1, 2, 3],
+                                                                            np.int32),
+                                             block_table=table, backend="numba_cuda")

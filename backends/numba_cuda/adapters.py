@@ -187,10 +187,10 @@ class _Adapter:
     def host_copy(self, x, case):
         """A NumPy copy of the option array ``x`` (a mod_args array), for the host's
         evaluation of a mask_mod's tile classes."""
-        from flashcore._interop import copy_to_host
+        from flashcore._interop import copy_to_host as to_host
 
         return (x.copy_to_host() if hasattr(x, "copy_to_host")  # (numba device arrays:
-                else copy_to_host(x, case.library))           # NumPy inputs on a GPU)
+                else to_host(x, case.library))                # NumPy inputs on a GPU)
 
     def address(self, x, keep):
         """The handle of a contiguous buffer (lse, delta) the kernels index flat."""
@@ -404,8 +404,8 @@ class _CuPy(_Adapter):
 
     def contiguous(self, x):
         import cupy
-
-        return cupy.ascontiguousarray(x)
+        with x.device:  # (on x's GPU, not the current one)
+            return cupy.ascontiguousarray(x)
 
     def int32(self, x, keep, plus=0):
         import cupy

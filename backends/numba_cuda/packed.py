@@ -125,14 +125,17 @@ def _lengths(ad, kc, like, keep, dev, stream, capturing):
     after the last launch that reads them). Lengths given on the host (a NumPy array: the
     front end's copy) are copied to the GPU on the call's stream, so nothing waits for it:
     through the ring where the adapter ``stages_lengths`` (one small copy from a pinned
-    slot, no allocation; not while the stream is captured into a graph, whose replays
-    would read a slot rewritten since), else by the adapter's :meth:`host_lengths`.
-    Lengths on the device are used there."""
+    slot, no allocation), else by the adapter's :meth:`host_lengths`; refused while the
+    stream is captured into a graph. Lengths on the device are used there."""
     lens = kc.cache_seqlens
     if isinstance(lens, np.ndarray):
+        if capturing:
+            raise ValueError(
+                "cache_seqlens given on the host cannot be captured into a CUDA graph (the "
+                "graph would replay the lengths of its capture, from a host buffer freed "
+                "since): give the graph's step its lengths on the GPU")
         B = lens.shape[0]
-        if (ad.stages_lengths and not SIMULATOR and 8 * B <= tensor_maps.VALUES_BYTES
-                and not capturing):
+        if ad.stages_lengths and not SIMULATOR and 8 * B <= tensor_maps.VALUES_BYTES:
             data = np.concatenate((lens, lens + kc.n_new)).astype(np.int32).tobytes()
             at, slot = tensor_maps.put_values(dev, stream, data)
             return at, at + 4 * B, slot
@@ -235,7 +238,7 @@ def _kvcache_forward(ad, q, k_cache, v_cache, case):
         return _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seqk,
                        keep, capturing)
     finally:  # (the slot holding host lengths is read by the launches queued above)
-        tensor_maps.used(dev, stream, slot)
+        tensor_maps.used(dev, stream, slot, values=True)
 
 
 def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seqk, keep,

@@ -220,7 +220,6 @@ class _Ring:
         """Slot ``i`` is read by the launch just queued on ``stream`` (or that failed)."""
         lib = self.lib
         with self.lock:
-            self.pending[i] -= 1
             pushed = self._enter()
             try:
                 ev = self.events[i]
@@ -230,17 +229,24 @@ class _Ring:
                            "cuEventCreate")
                     ev = self.events[i] = e.value
                 _check(lib.cuEventRecord(ev, stream), "cuEventRecord")
+                # (only once the event marks the launch: a failed record leaves the slot
+                # held, never rewritten under a launch that may still read it)
+                self.pending[i] -= 1
             finally:
                 self._exit(pushed)
 
 
-def _ring(device) -> _Ring:
-    ring = _rings.get(device)
+def _ring(device, values=False) -> _Ring:
+    """GPU ``device``'s ring of tensor maps, or (``values``) of :func:`put_values`' values:
+    one of their own, so a decode loop's slot per step never wraps onto the slot a
+    training loop's maps are read again from (whose event may be of its latest launch)."""
+    key = (device, "values") if values else device
+    ring = _rings.get(key)
     if ring is None:
         with _rings_lock:
-            ring = _rings.get(device)
+            ring = _rings.get(key)
             if ring is None:
-                ring = _rings[device] = _Ring.on(device)
+                ring = _rings[key] = _Ring.on(device)
     return ring
 
 
@@ -294,12 +300,13 @@ def put_values(device, stream, data: bytes) -> tuple:
     """``(address, slot)``: up to :data:`VALUES_BYTES` bytes of small per-call values (a
     KV-cache call's lengths given on the host) in a slot of ``device``'s ring, copied on
     ``stream`` as :func:`put` copies maps (a slot holding the same bytes, written on that
-    stream, is read again); :func:`used` after the last launch that reads them. Slots are
-    found by their bytes, so maps and values never share one unless equal."""
-    return _ring(device).put(data.ljust(_SET, b"\0"), stream)
+    stream, is read again), in a ring of their own; :func:`used` (``values=True``) after
+    the last launch that reads them."""
+    return _ring(device, True).put(data.ljust(_SET, b"\0"), stream)
 
 
-def used(device, stream, slot):
-    """The launch that reads ``slot`` (of :func:`put`) is queued on ``stream``."""
+def used(device, stream, slot, values=False):
+    """The launch that reads ``slot`` (of :func:`put`; ``values``: of :func:`put_values`)
+    is queued on ``stream``."""
     if slot is not None:
-        _ring(device).used(slot, stream)
+        _ring(device, values).used(slot, stream)
