@@ -28,10 +28,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
         How many keys each sequence has cached (before the append). On the caches' device,
         or **on the host**: a NumPy array (beside any library's arrays) or a CPU torch
         tensor (beside torch GPU tensors). Host lengths are read where they are and copied
-        to the GPU on the call's stream (torch: through pinned memory, ``non_blocking``),
+        to the GPU on the call's stream (torch: through a pinned ring, ``non_blocking``),
         so a decode loop that keeps them on the host never waits for the GPU; lengths on
         the GPU are read back for the checks (a synchronization whenever the tensor was
         written since the last call). Python lists are not taken (pass ``np.asarray``).
+        A step captured in a CUDA graph takes its lengths on the GPU (host ones are
+        refused there) and splits the keys for the capacity, so that its replays are
+        right for any lengths up to it.
     k, v : arrays ``(B, Nnew, Hkv, D)``, optional (both or neither)
         New keys and values, written **in place** into the caches at positions
         ``cache_seqlens[b] ... cache_seqlens[b] + Nnew - 1`` (through the block table when
