@@ -485,3 +485,23 @@ def test_tensor_maps_are_encoded_once_per_views(monkeypatch):
     longer = SimpleNamespace(**{**vars(case), "seqlen_k": 512})
     tensor_maps._encoded(longer, q, k, v, 128)
     assert len(encoded) == 9 and encoded[-1][1] == (64, 512, 2, 2)
+
+
+@pytest.mark.parametrize("err, status, unknown, want", [
+    (0, 0, True, False), (0, 1, False, True), (1, 0, True, True), (1, 0, False, False),
+    ("raise", 0, True, True), ("raise", 0, False, False)])
+def test_stream_capturing_says_unknown_where_the_driver_cannot_say(monkeypatch, err, status,
+                                                                   unknown, want):
+    """``driver.stream_capturing``: the driver's status where it answers; ``unknown``
+    where it fails (no context, the legacy stream in an implicit capture) or cannot be
+    called: True for the tensor maps' safe path, False for a KV-cache call's question
+    (which would refuse host lengths on a spurious True)."""
+    class Lib:
+        def cuStreamIsCapturing(self, stream, out):
+            if err == "raise":
+                raise OSError("no libcuda")
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = status
+            return err
+
+    monkeypatch.setattr(driver, "_LIBCUDA", Lib())
+    assert driver.stream_capturing(7, unknown=unknown) is want

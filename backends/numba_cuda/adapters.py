@@ -42,8 +42,8 @@ class _Adapter:
     stages_lengths = False  # host lengths by tensor_maps' ring (packed._lengths)
 
     def capturing(self, stream, dev):
-        """Whether ``stream`` (of GPU ``dev``) is being captured into a CUDA graph."""
-        return not SIMULATOR and stream_capturing(stream)
+        """Whether ``stream`` (of GPU ``dev``) is known to be captured into a CUDA graph."""
+        return not SIMULATOR and stream_capturing(stream, unknown=False)
 
     def forward(self, q, k, v, case):
         if case.packed:  # varlen or a KV cache (packed.py)
@@ -346,7 +346,7 @@ class _Torch(_Adapter):
     def capturing(self, stream, dev):  # (torch's answer, cheap, is the current device's)
         cuda = _torch().cuda
         return (cuda.is_current_stream_capturing() if cuda.current_device() == dev
-                else stream_capturing(stream))
+                else stream_capturing(stream, unknown=False))
 
     def host_lengths(self, lengths, n_new, like, keep):
         """Both arrays in one pinned tensor from torch's caching host allocator, copied

@@ -353,16 +353,16 @@ def copy_to_host(dst: int, src: int, nbytes: int, stream: int, device: int):
         raise RuntimeError(f"copying {nbytes} bytes to the host failed: {error_text(err)}")
 
 
-def stream_capturing(stream: int) -> bool:
+def stream_capturing(stream: int, unknown: bool = True) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph (``cuStreamIsCapturing``);
-    True too where the driver cannot say (an implicit capture of the legacy stream, no
-    context): the caller then takes the path that is safe under capture."""
+    ``unknown`` where the driver cannot say (an implicit capture of the legacy stream, no
+    context): True for a caller that then takes the path that is safe under capture."""
     status = ctypes.c_int(-1)
     try:
         err = (_LIBCUDA or _libcuda()).cuStreamIsCapturing(stream, ctypes.byref(status))
-    except Exception:  # noqa: BLE001  (the safe answer)
-        return True
-    return err != _CUDA_SUCCESS or status.value != 0
+    except Exception:  # noqa: BLE001
+        return unknown
+    return unknown if err != _CUDA_SUCCESS else status.value != 0
 
 
 def synchronize(stream: int, device: int = 0):
