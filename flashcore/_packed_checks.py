@@ -174,8 +174,8 @@ def _varlen_build(q, k, v, cu_seqlens_q, cu_seqlens_k, backend, kw):
 
 
 def _offsets_key(x):
-    """What keys a torch GPU offsets tensor (its values were read for the checks; any
-    in-place write bumps the version); TypeError for any other array."""
+    """What keys a torch GPU index tensor (offsets, a block table: its values were read
+    for the checks; any in-place write bumps the version); TypeError for any other array."""
     if not getattr(x, "is_cuda", False) or not hasattr(x, "_version"):
         raise TypeError("offsets without a version counter")
     return (id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype)
@@ -248,21 +248,26 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
     from step to step. The arrays join the case per call. The first call of a kind is
     checked in :func:`make_kvcache_case`'s order (its errors are the same)."""
     key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw)
+    built = []  # (the first call of a kind: its case, checked by the build)
     kind, on_host, impl = _KVCACHE_PLANS.get_or_build(
         key, _kvcache_build, q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend,
-        kw)
+        kw, built)
+    if built:
+        return built[0], impl
     case = kvcache_values(kind, on_host, cache_seqlens, k, v, block_table)
     options = kw.get("options")
     return (case if options is None else with_arrays(case, options)), impl
 
 
-def _kvcache_build(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw):
+def _kvcache_build(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw,
+                   built):
     kind, on_host, lengths, max_k = _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k, v,
                                                   block_table, **kw)
-    case = _attach(kind, lengths, k, v, block_table, max_k)  # (what select reads: the
-    options = kw.get("options")                              # kinds of the option arrays)
-    return kind, on_host, _dispatch.select(
-        case if options is None else with_arrays(case, options), backend)
+    case = _attach(kind, lengths, k, v, block_table, max_k)
+    options = kw.get("options")
+    case = case if options is None else with_arrays(case, options)
+    built.append(case)
+    return kind, on_host, _dispatch.select(case, backend)  # (it reads the option arrays)
 
 
 def _kvcache_key(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, kw):
@@ -340,12 +345,9 @@ def _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_tabl
             raise ValueError(f"block_table must have shape (B, max_pages_per_seq) with B={B}; "
                              f"got block_table.shape={bs}")
         paged, page_size, num_pages, pages_per_seq = True, cs[1], cs[0], bs[1]
-    lengths = _host_copy(cache_seqlens) if on_host else cache_seqlens
-    max_k = 0
-    if values:
-        max_k = _check_cache_values(lengths if on_host else host_ints(lengths, library), n_new,
-                                    page_size * pages_per_seq, paged, page_size, num_pages,
-                                    block_table, library)
+    lengths, max_k = _checked_lengths(cache_seqlens, on_host, library, n_new,
+                                      page_size * pages_per_seq, paged, page_size, num_pages,
+                                      block_table, values)
     scale = check_options(causal=causal, scale=scale, layout="bnhd", head_dim=D)
     num_splits = check_num_splits(num_splits)
     mods, _ = _mods_of(options, library, device, B, Hq, Nq, page_size * pages_per_seq)
@@ -361,11 +363,23 @@ def kvcache_values(kind, on_host, cache_seqlens, k, v, block_table) -> Case:
     """The case of one call of ``kind`` (:func:`_kvcache_kind`): its lengths and pages
     checked, its arrays attached (lengths on the host as :func:`_host_copy`)."""
     kc = kind.kvcache
-    lengths = _host_copy(cache_seqlens) if on_host else cache_seqlens
-    max_k = _check_cache_values(lengths if on_host else host_ints(lengths, kind.library),
-                                kc.n_new, kind.seqlen_k, kc.paged, kc.page_size, kc.num_pages,
-                                block_table, kind.library)
+    lengths, max_k = _checked_lengths(cache_seqlens, on_host, kind.library, kc.n_new,
+                                      kind.seqlen_k, kc.paged, kc.page_size, kc.num_pages,
+                                      block_table)
     return _attach(kind, lengths, k, v, block_table, max_k)
+
+
+def _checked_lengths(cache_seqlens, on_host, library, n_new, capacity, paged, page_size,
+                     num_pages, block_table, values=True) -> tuple:
+    """``(lengths, max_k)``: the lengths a case carries (:func:`_host_copy` of host ones,
+    else ``cache_seqlens``) and, where ``values``, their longest key range after the
+    checks of :func:`_check_cache_values` (0 without)."""
+    lengths = _host_copy(cache_seqlens) if on_host else cache_seqlens
+    if not values:
+        return lengths, 0
+    return lengths, _check_cache_values(lengths if on_host else host_ints(lengths, library),
+                                        n_new, capacity, paged, page_size, num_pages,
+                                        block_table, library)
 
 
 def _attach(kind, lengths, k, v, block_table, max_k) -> Case:
@@ -414,7 +428,8 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
     if min(lens) < 0:
         b = next(b for b, n in enumerate(lens) if n < 0)
         raise ValueError(f"cache_seqlens must be >= 0; got cache_seqlens[{b}]={lens[b]}")
-    if max(lens) + n_new > capacity:
+    longest = max(lens) + n_new
+    if longest > capacity:
         b = next(b for b, n in enumerate(lens) if n + n_new > capacity)
         where = (f"the pages of the block table ({capacity // page_size} pages of "
                  f"{page_size})" if paged else "the cache's capacity")
@@ -427,7 +442,7 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
             if -(-(n + n_new) // page_size) > p:  # (row b uses page p, outside the pool)
                 raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside "
                                  f"the page pool of k_cache (pages 0..{num_pages - 1})")
-    return max(lens) + n_new
+    return longest
 
 
 #: (a torch GPU block table's id, address and version counter, the pool's pages) ->
@@ -442,12 +457,13 @@ def _first_bad_pages(table, num_pages, source) -> list:
     tensor, by the key host_ints reads it by (any in-place write bumps its version), for
     host_ints' own copy of it; an array the caller holds may change under the same
     object, so it is read every call."""
-    key = None
-    if getattr(source, "is_cuda", False) and hasattr(source, "_version"):
-        key = (id(source), source.data_ptr(), source._version, num_pages)
-        hit = _BAD_PAGES.get(key)
-        if hit is not None and hit[0] is table:
-            return hit[1]
+    try:
+        key = (_offsets_key(source), num_pages)
+    except TypeError:  # (not a torch GPU tensor)
+        key = None
+    hit = None if key is None else _BAD_PAGES.get(key)
+    if hit is not None and hit[0] is table:
+        return hit[1]
     bad = (table < 0) | (table >= num_pages)
     first = [table.shape[1]] * table.shape[0]
     if table.shape[1]:

@@ -121,8 +121,8 @@ def _lengths(ad, kc, like, keep, dev, stream, capturing):
     """``(seqlens, seqk, slot)``: handles of int32 device arrays of ``cache_seqlens`` (where
     the append writes) and of ``cache_seqlens + n_new`` (the keys attended; None where the
     append kernel is to write it, into a buffer of :func:`_workspace`), and a slot of
-    ``tensor_maps``' ring holding them (None: not there; else :func:`tensor_maps.used`
-    after the last launch that reads them). Lengths given on the host (a NumPy array: the
+    ``tensor_maps``' values ring holding them (None: not there; else
+    :func:`tensor_maps.used` after the last launch that reads them). Lengths given on the host (a NumPy array: the
     front end's copy) are copied to the GPU on the call's stream, so nothing waits for it:
     through the ring where the adapter ``stages_lengths`` (one small copy from a pinned
     slot, no allocation), else by the adapter's :meth:`host_lengths`; refused while the
@@ -180,18 +180,15 @@ def _plan_now(case, dev, qv, kv, vv, tc_ok):
                         alibi_slopes=None, mod_args=(),
                         kvcache=replace(kc, cache_seqlens=None, block_table=None,
                                         k_new=None, v_new=None, max_seqlen_k=0))
-        qv, _ = _grouped(qv, None, case.group)
+        qv = _grouped(qv, case.group)
     return packs, lcase, launch.forward_shape(lcase or case, dev, qv, kv, vv, tc_ok)
 
 
-def _grouped(qv, ov, g):
-    """q and o as ``Hkv`` heads of ``g`` rows each (the group's query heads): no copy."""
-    qh, (qsb, qsh, _, qsd) = qv
-    qv = (qh, (qsb, g * qsh, qsh, qsd))
-    if ov is not None:
-        oh, (osb, osh, _, osd) = ov
-        ov = (oh, (osb, g * osh, osh, osd))
-    return qv, ov
+def _grouped(view, g):
+    """q's or o's view as ``Hkv`` heads of ``g`` rows each (the group's query heads): no
+    copy."""
+    h, (sb, sh, _, sd) = view
+    return h, (sb, g * sh, sh, sd)
 
 
 def _workspace(ad, like, dev, splits, rows, D, ends, keep):
@@ -266,14 +263,15 @@ def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seq
     inputs = _inputs(ad, case, q, keep)  # (before anything is written: its errors too)
     qv, ov = _bhnd(ad, q, keep), _bhnd(ad, o, keep)
     kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
-    if kc.paged and kc.n_new and kv[1][0] != vv[1][0]:
+    if kc.paged and kv[1][0] != vv[1][0]:
         # The kernels read both pools with one page stride: the new keys go in first, then
         # the attention reads C-contiguous copies (a rare layout, paid for by a copy).
-        _append(ad, case, dev, stream, k_cache, v_cache, seqlens, (table, tsb), None, keep)
-        if seqk is None:
-            seqk = ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
-        kc = evolve(kc, n_new=0)  # (appended)
-    if kc.paged and kv[1][0] != vv[1][0]:
+        if kc.n_new:
+            _append(ad, case, dev, stream, k_cache, v_cache, seqlens, (table, tsb), None,
+                    keep)
+            if seqk is None:
+                seqk = ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
+            kc = evolve(kc, n_new=0)  # (appended)
         k_cache, v_cache = ad.contiguous(k_cache), ad.contiguous(v_cache)
         keep.extend((k_cache, v_cache))
         kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
@@ -287,7 +285,7 @@ def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seq
         vv = (vv[0], (0, *vv[1][1:]))
     packs, lcase, shape = _plan(case, dev, qv, kv, vv, tc_ok)
     if packs:
-        qv, ov = _grouped(qv, ov, case.group)
+        qv, ov = _grouped(qv, case.group), _grouped(ov, case.group)
     lcase = lcase or case
     sms = sm_count(dev)
     longest = case.seqlen_k if capturing else kc.max_seqlen_k
