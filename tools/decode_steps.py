@@ -4,7 +4,8 @@ tensors): one call between CUDA events (the host's work counted, the GPU idle be
 and 20 calls back to back, both appending a key with the lengths on the host; a 32-step
 decode loop appending a key per step (lengths on the host, ``+= 1``); one call and calls
 back to back with the lengths on the GPU and no append. Medians over repetitions, then
-the best of ``REPS`` turns (the host's speed drifts between and within processes).
+the best of ``REPS`` turns (the host's speed drifts between and within processes). The
+timing and the loop are tools/packed_gpu.py's (``timed``, ``decode_loop``).
 
 For a before/after comparison run two trees in turns in one device call, e.g.::
 
@@ -15,29 +16,18 @@ For a before/after comparison run two trees in turns in one device call, e.g.::
 (notes/decode_host_2026-11-27.md).
 """
 import os
-import statistics
 import sys
 
 import numpy as np
 import torch
+from packed_gpu import decode_loop, timed  # (tools/: the decode measurements' own timing)
 
 import flashcore
 
 
 def ev(fn, inner=1, reps=30):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(out)
+    """Median µs per call (packed_gpu.timed: CUDA events, the host's work counted)."""
+    return timed(fn, reps=reps, inner=inner) * 1e6
 
 
 def main():
@@ -53,14 +43,8 @@ def main():
         dev = torch.from_numpy(host).cuda()
         app = lambda: flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=host, k=kn, v=vn)  # noqa
         plain_dev = lambda: flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=dev)  # noqa
-
-        def loop():
-            lens = np.full(B, L - 32, np.int32)
-            for _ in range(32):
-                flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=kn, v=vn)
-                lens += 1
-
-        runs = [[ev(app), ev(app, inner=20, reps=10), ev(loop, reps=5) / 32, ev(plain_dev),
+        runs = [[ev(app), ev(app, inner=20, reps=10),
+                 decode_loop(q, kc, vc, L, on_host=True) * 1e6, ev(plain_dev),
                  ev(plain_dev, inner=20, reps=10)] for _ in range(int(os.environ.get("REPS", 1)))]
         r = [min(x) for x in zip(*runs)]  # (the best of the turns: the host's speed drifts)
         byts = 2 * B * L * Hkv * D * 2
@@ -70,4 +54,5 @@ def main():
               flush=True)
 
 
-main()
+if __name__ == "__main__":
+    main()
