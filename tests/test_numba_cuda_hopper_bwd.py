@@ -22,6 +22,7 @@ import math
 import os
 import re
 import types as pytypes
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -94,6 +95,9 @@ def on_host(monkeypatch):
     monkeypatch.setattr(hb, "hides", seams.hides.py_func)
     monkeypatch.setattr(seams, "hides", seams.hides.py_func)
     monkeypatch.setattr(hb, "visible", seams.visible.py_func)
+    monkeypatch.setattr(hb, "user_hides", hb.user_hides.py_func)
+    monkeypatch.setattr(hb, "user_keeps", seams.user_keeps.py_func)
+    monkeypatch.setattr(hb, "user_score_slope", seams.user_score_slope.py_func)
     monkeypatch.setattr(hb, "prob", hb.prob.py_func)
     monkeypatch.setattr(hb, "grad", hb.grad.py_func)
     monkeypatch.setattr(hb, "distance", seams.distance.py_func)
@@ -110,28 +114,55 @@ def on_host(monkeypatch):
         np.float32(cap * math.tanh(x * inv)), np.float32(1.0 - math.tanh(x * inv) ** 2)))
 
 
-#: (softcap c, ALiBi slope) of the host step tests, in natural units: neither, and both
-HOST_MODS = {"plain": (0.0, 0.0), "cap+alibi": (3.0, 0.05)}
+#: (softcap c, ALiBi slope, the user's mods) of the host step tests, in natural units:
+#: none, the softcap and ALiBi, and both with a score_mod and a mask_mod after them
+HOST_MODS = {"plain": (0.0, 0.0, False), "cap+alibi": (3.0, 0.05, False),
+             "cap+alibi+user": (3.0, 0.05, True)}
+#: The user's mods of the host tests (natural units): a score_mod reading an array by key
+#: (with its derivative, as device/user_mods' value_slope gives it) and a mask_mod
+HOST_BIAS = np.array([0.5, -1.0, 0.25, 2.0, -0.75], np.float32)
 
 
-def _modded_reference(s, scale, cap, slope, dist):
-    """The scores (raw units) through the softcap and ALiBi, and the softcap's derivative
-    ``d score / d raw``, in float64 (``dist``: query position minus key position)."""
+def _host_value_slope(s, b, h, i, j, a):
+    return (np.float32(s + 0.3 * math.sin(s) + a[0][j % 5] * (h + 1)),
+            np.float32(1.0 + 0.3 * math.cos(s)))
+
+
+def _host_keeps(b, h, i, j, a):
+    return (i + 2 * j + h) % 7 != 0
+
+
+def _user_seen(qi, kj, h):
+    """Where the host tests' mask_mod keeps (queries x keys)."""
+    return (qi[:, None] + 2 * kj[None, :] + h) % 7 != 0
+
+
+def _modded_reference(s, scale, cap, slope, user, dist, qi, kj, h):
+    """The scores (raw units) through the softcap, ALiBi and the host tests' score_mod, and
+    their derivative ``d score / d raw``, in float64 (``dist``: query position minus key
+    position; ``qi``, ``kj``: the tile's queries and keys, ``h`` the query head)."""
     if cap:
         t = np.tanh(s * scale / cap)
         s, g = t * cap / scale, 1.0 - t * t
     else:
         g = np.ones_like(s)
-    return s - slope / scale * np.abs(dist), g
+    s = s - slope / scale * np.abs(dist)
+    if user:
+        x = s * scale
+        bias = HOST_BIAS.astype(np.float64)[kj % 5][None, :] * (h + 1)
+        s = (x + 0.3 * np.sin(x) + bias) / scale
+        g = g * (1.0 + 0.3 * np.cos(x))
+    return s, g
 
 
-def _host_mods(mods, scale):
-    """``(mods array, CAP, ALIBI)`` for the step functions: ``HOST_MODS[mods]`` in raw
-    units."""
-    cap, slope = HOST_MODS[mods]
-    arr = np.array([cap / scale if cap else 1.0, scale / cap if cap else 1.0, slope / scale],
-                   np.float32)
-    return arr, bool(cap), bool(slope)
+def _host_mods(mods, scale, b, h, Nq, Nk):
+    """The step functions' mods arguments for ``HOST_MODS[mods]``: ``(mods array, CAP,
+    ALIBI, SMOD, MMOD, value_slope, keeps, user)``, in raw units."""
+    cap, slope, user = HOST_MODS[mods]
+    arr = np.array([cap / scale if cap else 1.0, scale / cap if cap else 1.0, slope / scale,
+                    1.0 / scale, scale], np.float32)
+    return (arr, bool(cap), bool(slope), user, user, _host_value_slope, _host_keeps,
+            (b, h, Nq, Nk, (HOST_BIAS,)))
 
 
 def _reference(s, lse, dp, delta, scale, seen):
@@ -175,7 +206,9 @@ def test_dkdv_step_on_the_host(on_host, BN, step, mods):
     out_ds = np.full((64, BN), np.nan)
     one_p, one_ds = np.full((64, BN), np.nan), np.full((64, BN), np.nan)
     NT = BN // 8
-    marr, CAP, ALIBI = _host_mods(mods, scale)
+    h = 1
+    um = _host_mods(mods, scale, 0, h, Nq, 10 ** 6)
+    SMOD = um[3]
     e0 = 6  # (the stats' first element in the shared array)
     smem = np.full(e0 + 4 * BN, 0x7FC0, np.uint16)  # (NaN until written)
     for t in range(128):
@@ -191,13 +224,12 @@ def test_dkdv_step_on_the_host(on_host, BN, step, mods):
         hb.read_stats.py_func(ls, dl, smem, e0, BN, NT, tq)
         s1, d1 = sv.copy(), dv.copy()
         gc = np.full(len(sv), np.nan, np.float32)
-        hb.probs_t.py_func(sv, gc, ls, m, j0, causal_offset, sl2, mask, True, -1, -1, NT, tq,
-                           marr, CAP, ALIBI)
-        hb.grads_t.py_func(sv, gc, dv, dl, NT, CAP)
+        hb.probs_t.py_func(sv, gc, ls, m, j0, causal_offset, sl2, mask or SMOD, True, -1, -1,
+                           NT, tq, *um)
+        hb.grads_t.py_func(sv, gc, dv, dl, NT, um[1] or SMOD)
         packed = np.zeros(BN // 4, np.uint32)
         hb.probs_grads_t.py_func(None, s1, d1, packed, packed.copy(), ls, dl, m, j0,
-                                 causal_offset, sl2, mask, True, -1, -1, NT, tq, marr, CAP,
-                                 ALIBI)
+                                 causal_offset, sl2, mask or SMOD, True, -1, -1, NT, tq, *um)
         for x, (r, c) in enumerate(coords):
             out_p[r, c], out_ds[r, c] = sv[x], dv[x]
             one_p[r, c], one_ds[r, c] = s1[x], d1[x]
@@ -206,9 +238,11 @@ def test_dkdv_step_on_the_host(on_host, BN, step, mods):
     seen = (qi[:, None] < Nq) & (kj[None, :] <= qi[:, None] + causal_offset)
     if not mask:  # (inner and tail steps lie wholly below the diagonal)
         assert seen[qi < Nq].all()
+    if SMOD:  # (and the mask_mod, on every step: the step functions' MASK)
+        seen &= _user_seen(qi, kj, h)
     lq = np.where(qi < Nq, lse[qi], np.inf)
     sm, gm = _modded_reference(s.T.astype(np.float64), scale, *HOST_MODS[mods],
-                               qi[:, None] + causal_offset - kj[None, :])
+                               qi[:, None] + causal_offset - kj[None, :], qi, kj, h)
     p, ds = _reference(sm, lq, dp.T.astype(np.float64),
                        np.where(qi < Nq, delta[qi], 0.0), scale, seen)
     ds = ds * gm
@@ -239,7 +273,9 @@ def test_dq_step_on_the_host(on_host, BN, mask, mods):
     sl2 = np.float32(scale * math.log2(math.e))
     out_p = np.full((64, BN), np.nan)
     out_ds = np.full((64, BN), np.nan)
-    marr, CAP, ALIBI = _host_mods(mods, scale)
+    h = 2
+    um = _host_mods(mods, scale, 0, h, 10 ** 6, Nk)
+    SMOD = um[3]
     for t in range(128):
         coords = w.acc_coords(t, BN)
         sv = np.array([s[r, c] for r, c in coords], np.float32)
@@ -249,9 +285,9 @@ def test_dq_step_on_the_host(on_host, BN, mask, mods):
         r0 = 16 * warp + g
         for base, r in ((0, r0), (2, r0 + 8)):
             ls, dl = prologue.query_stats.py_func(lse, delta, r, r, True)
-            hb.probs_row.py_func(sv, gc, base, ls, n0, q0 + r, Nk, causal_offset, sl2, mask,
-                                 True, -1, -1, BN // 8, tq, marr, CAP, ALIBI)
-            hb.grads_row.py_func(sv, gc, dv, base, dl, BN // 8, CAP)
+            hb.probs_row.py_func(sv, gc, base, ls, n0, q0 + r, Nk, causal_offset, sl2,
+                                 mask or SMOD, True, -1, -1, BN // 8, tq, *um)
+            hb.grads_row.py_func(sv, gc, dv, base, dl, BN // 8, um[1] or SMOD)
         for x, (r, c) in enumerate(coords):
             out_p[r, c], out_ds[r, c] = sv[x], dv[x]
     qi = q0 + np.arange(64)
@@ -259,8 +295,10 @@ def test_dq_step_on_the_host(on_host, BN, mask, mods):
     seen = (kj[None, :] < Nk) & (kj[None, :] <= qi[:, None] + causal_offset)
     if mask:
         assert not seen.all() and seen.any()
+    if SMOD:  # (and the mask_mod: the step functions' MASK)
+        seen &= _user_seen(qi, kj, h)
     sm, gm = _modded_reference(s.astype(np.float64), scale, *HOST_MODS[mods],
-                               qi[:, None] + causal_offset - kj[None, :])
+                               qi[:, None] + causal_offset - kj[None, :], qi, kj, h)
     p, ds = _reference(sm, lse.astype(np.float64), dp.astype(np.float64),
                        delta.astype(np.float64), scale, seen)
     np.testing.assert_allclose(out_p, p, rtol=2e-5, atol=1e-30)
@@ -332,12 +370,14 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
         with pytest.raises(ValueError):
             launch.build(Variant(kernel, "hopper", d, "bfloat16", False, ws))
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
-    # the softcap and ALiBi: the wgmma kernels, deterministic; a user mod: mma.sync
+    # the softcap, ALiBi and the user's mods: the wgmma kernels, deterministic
     assert launch.hopper_bwd_serves(_case(softcap=20.0), 0)
     assert launch.hopper_bwd_serves(_case(alibi_slopes=np.ones(2, np.float32)), 0)
-    assert not launch.hopper_bwd_serves(_case(score_mod=lambda s, b, h, i, j: s), 0)
+    user = _case(score_mod=lambda s, b, h, i, j: s)
+    assert launch.hopper_bwd_serves(user, 0)
     monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")
     assert not launch.fused_backward(_case(softcap=20.0), 0)
+    assert not launch.fused_backward(user, 0)
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
     # the softcap's backward tilings leave the forward's alone: with a mask_mod it keeps
     # the schedule without the overlap
@@ -399,8 +439,6 @@ def test_ptx_sm90a(sm90, kernel, tiles, head_dim, dtype, causal, packed):
 
     v = _variant(kernel, head_dim, dtype, causal, tiles)
     if packed:
-        from dataclasses import replace
-
         v = replace(v, packed=packed)
     sig = launch.signature(v.entry, dtype)
     ptx = compile_sm90a(v, sig)
@@ -488,6 +526,64 @@ def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal,
     assert ("tanh.approx.f32" in ptx) == bool(softcap)
     assert ".local" not in ptx, "register tiles went to local memory"
     _assembles_clean(ptx)
+
+
+def _rel_bias(s, b, h, i, j, table, doc):
+    """A relative-position bias per query head (a score_mod reading an array)."""
+    return s + table[h, i - j + table.shape[1] // 2]
+
+
+def _capped(s, b, h, i, j, table, doc):
+    """The softcap as a score_mod (its tanh the approximate one at 16 bits)."""
+    return 1.7 * math.tanh(s / 1.7)
+
+
+def _same_doc(b, h, i, j, table, doc):
+    """Document masking (a mask_mod reading per-token ids)."""
+    return doc[b, i] == doc[b, j]
+
+
+#: score_mod, mask_mod of the user mods' PTX test
+USER_MODS = {"rel+doc": ("_rel_bias", "_same_doc"), "cap": ("_capped", None),
+             "doc": (None, "_same_doc")}
+#: (kernel, D, dtype, causal, mods) of the user mods' PTX test; the first two in CI
+USER_PTX = [("dkdv", 64, "bfloat16", True, "rel+doc"), ("dq", 64, "float16", False, "doc"),
+            ("dkdv", 128, "float16", False, "rel+doc"), ("dq", 128, "bfloat16", True, "rel+doc"),
+            ("dkdv", 64, "float16", False, "cap"), ("dq", 128, "bfloat16", False, "cap"),
+            ("dkdv", 256, "bfloat16", True, "rel+doc"), ("dq", 256, "float16", True, "doc")]
+#: Bytes of stack and spills ptxas may take with the user's mods: how many registers a mod
+#: holds is the user's; with these (a table and document ids read per score) ptxas 13.0
+#: spills 8-84 bytes in a few causal kernels at D=128 and 256 (tilings.HOPPER_BWD_USER)
+USER_SPILL = 96
+
+
+@pytest.mark.parametrize("kernel,head_dim,dtype,causal,mods", [
+    pytest.param(*x, id=f"{x[0]}-D{x[1]}-{x[2]}-{'causal' if x[3] else 'full'}-{x[4]}",
+                 marks=() if i < 2 else pytest.mark.slow) for i, x in enumerate(USER_PTX)])
+def test_ptx_sm90a_with_user_mods(sm90, kernel, head_dim, dtype, causal, mods):
+    """The wgmma backward with the user's score_mod and mask_mod (and their arrays) compiles
+    for sm_90a in the tiling the launch picks (tilings.HOPPER_BWD_USER at D=64), the mods'
+    arithmetic in float32, the wgmma counts of the kernel without them, no local memory and
+    no serialized wgmmas; the non-deterministic mode's kernel takes no mods."""
+    from flashcore.backends.numba_cuda.variant import UserMods
+    from test_numba_cuda_wgmma import _assembles_clean
+
+    sm, mm = (globals()[n] if n else None for n in USER_MODS[mods])
+    user = UserMods(sm, mm, (("float32", 2), ("int32", 2)))
+    v = launch.hopper_variant(head_dim, dtype, causal, kernel, user=user)
+    assert v.user == user and v.tiles.stages == 2
+    want = tilings.HOPPER_BWD_USER.get((kernel, head_dim)) or tilings.choose_hopper(
+        head_dim, causal, kernel, softcap=sm is not None, masked=True)
+    assert v.tiles == want, v.tag
+    assert launch.hopper_variant(head_dim, dtype, causal, "dkdvq", user=user) is None
+    plain = launch.hopper_variant(head_dim, dtype, causal, kernel, window=(64, 64))
+    sig = launch.signature(v.entry, dtype, user.args)
+    ptx = compile_sm90a(v, sig)
+    base = compile_sm90a(replace(plain, tiles=v.tiles), launch.signature(v.entry, dtype))
+    assert ptx.count("wgmma.mma_async") == base.count("wgmma.mma_async")
+    assert "cvt.f64.f32" not in ptx
+    assert ".local" not in ptx, "register tiles went to local memory"
+    _assembles_clean(ptx, USER_SPILL)
 
 
 # --- on an H100/H200 ----------------------------------------------------------------------

@@ -59,12 +59,13 @@ if not SIM:
         # which the varlen GPU tests and PTX checks cover there; and the ping-pong forward
         # at D=64, about 10-40 s on a loaded 2-core host, and the barriers' own tests,
         # about 5 s; the non-deterministic backward's first case, about 50 s; the
-        # windowed backward's, about 50 s; the softcap forward's first case, about 20 s)
+        # windowed backward's, about 50 s; the softcap forward's first case, about 20 s;
+        # the user's mods' backward, its first case)
         pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
                      f"not slow) or (varlen_pingpong_bulk_copies and not producer) or "
                      f"barrier or (fused_backward and not slow) or "
                      f"(window_backward and not slow) or (softcap_forward and not slow) or "
-                     f"wgmma_emulation", id="ci"),
+                     f"(user_mods_backward and not slow) or wgmma_emulation", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only, request):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
@@ -225,16 +226,25 @@ else:
     def test_window_backward(emulated, c, window):
         B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
         q, k, v, do = _inputs(c)
-        opts = dict(causal=causal, layout=layout, window=window)
-        x64 = [x.astype(np.float64) for x in (do, q, k, v)]  # the float64 oracle
+        # (every row sees many keys: no floor for cancellations)
+        _backward_against_oracle(emulated, (do, q, k, v), dtype,
+                                 dict(causal=causal, layout=layout, window=window))
+
+    def _backward_against_oracle(emulated, inputs, dtype, opts, floors=False):
+        """The wgmma backward (o and lse from the float64 reference) against the float64
+        oracle's gradients; with ``floors``, each relative to its cancellation floor."""
+        do, q, k, v = inputs
+        x64 = [x.astype(np.float64) for x in inputs]  # the float64 oracle
         o, lse = flashcore.attention_forward(*x64[1:], backend="reference", **opts)
         refs = flashcore.attention_backward(*x64, o, lse, backend="reference", **opts)
         grads = flashcore.attention_backward(do, q, k, v, o.astype(q.dtype),
                                              lse.astype(np.float32), backend="numba_cuda",
                                              **opts)
         assert emulated == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"], emulated
-        for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-            e = rel_err(g, r)  # (every row sees many keys: no floor for cancellations)
+        fl = (grad_floor(*x64, causal=opts["causal"], layout=opts["layout"]) if floors
+              else (None,) * 3)
+        for name, g, r, f in zip(("dq", "dk", "dv"), grads, refs, fl):
+            e = rel_err(g, r) if f is None else rel_err(g, r, f)
             assert e < TOL_BWD[dtype], f"{name}: {e}"
 
     #: The non-deterministic mode (FLASHCORE_DETERMINISTIC=0): dK, dV and dQ's parts in one
@@ -496,6 +506,40 @@ else:
         ro, rl = flashcore.attention_forward(*(to64(x) for x in (q, k, v)),
                                              backend="reference", **opts)
         _check_forward(o, lse, ro, rl, dtype)
+
+    def _rel_bias(s, b, h, i, j, table, doc):
+        """A relative-position bias per query head (a score_mod reading an array)."""
+        return s + table[h, i - j + table.shape[1] // 2]
+
+    def _same_doc(b, h, i, j, table, doc):
+        """Document masking (a mask_mod reading per-token ids)."""
+        return doc[b, i] == doc[b, j]
+
+    #: The user's mods on the wgmma backward (dK/dV and dQ): a score_mod (its derivative
+    #: from the forward-mode twin), a mask_mod whose documents ([0, 100), [100, 256),
+    #: [256, 300)) leave empty tiles (skipped: the dK/dV kernel's class range and steps,
+    #: the dQ kernel's visited keys and tiles), full ones and partial ones; GQA. (B, Hq,
+    #: Hkv, Nq, Nk, D, dtype, causal, layout), mods.
+    USER_RUNS = [((1, 2, 1, 300, 300, 64, "bfloat16", False, "bhnd"), "rel+doc"),
+                 pytest.param((1, 2, 1, 300, 300, 128, "float16", True, "bnhd"), "doc",
+                              marks=pytest.mark.slow),
+                 pytest.param((1, 2, 2, 150, 200, 64, "float16", True, "bhnd"), "rel",
+                              marks=pytest.mark.slow)]
+
+    @pytest.mark.parametrize("c,mods", USER_RUNS, ids=lambda x: (
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) else x))
+    def test_user_mods_backward(emulated, c, mods):
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        q, k, v, do = _inputs(c)
+        rng = np.random.default_rng(7)
+        table = rng.standard_normal((Hq, 2 * max(Nq, Nk) + 1)).astype(np.float32)
+        doc = np.zeros((B, max(Nq, Nk)), np.int32)
+        doc[:, 100:256] = 1
+        doc[:, 256:] = 2
+        opts = dict(causal=causal, layout=layout, mod_args=(table, doc),
+                    score_mod=_rel_bias if "rel" in mods else None,
+                    mask_mod=_same_doc if "doc" in mods else None)
+        _backward_against_oracle(emulated, (do, q, k, v), dtype, opts, floors=True)
 
     # --- device/sim_pipeline.py's barriers and the wgmma emulation, on their own ------
 

@@ -387,20 +387,37 @@ GPU_CASES = [
          layout="bhnd", mods="hyp"),
     dict(B=1, Hq=2, Hkv=1, Nq=200, Nk=260, D=64, dtype="float32", causal=False,
          layout="bhnd", mods="hyp"),
+    # documents per query head (a GQA group's heads leave different tiles empty: the
+    # dK/dV kernel's steps of each head), and two documents with empty, full and partial
+    # tiles; causal, a score_mod beside it (on an H100/H200 the wgmma backward)
+    dict(B=1, Hq=4, Hkv=2, Nq=640, Nk=640, D=64, dtype="bfloat16", causal=False,
+         layout="bhnd", mods="hdocs", cuts=((200, 400), (100, 300), (300, 520), (150, 450))),
+    dict(B=2, Hq=2, Hkv=1, Nq=520, Nk=520, D=128, dtype="float16", causal=True,
+         layout="bnhd", mods="blocks+rel", split=384),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_CASES, ids=_case_id)
-def test_user_mods_on_gpu(c):
+def test_user_mods_on_gpu(c, monkeypatch):
     """Forward and backward with the user's mods on torch CUDA tensors (tensor cores for
-    fp16/bf16, CUDA cores for fp32) against the float64 reference."""
+    fp16/bf16, CUDA cores for fp32; on an H100/H200 the wgmma backward at head dims 64 and
+    128) against the float64 reference."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    from flashcore.backends.numba_cuda import launch
+    from hopper_helpers import spy_launches
+
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV, launch.DETERMINISTIC_ENV):
+        monkeypatch.delenv(name, raising=False)
+    ran = spy_launches(monkeypatch)
     (q, k, v, do), host, mods, opts = _torch_case(c, torch)
     o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
     grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
+    hopper = (torch.cuda.get_device_capability() == (9, 0) and c["dtype"] != "float32"
+              and c["D"] in (64, 128))
+    assert (ran == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"]) == hopper, ran
     torch.cuda.synchronize()
     hq, hk, hv, hdo = (x.float().cpu().numpy() for x in (q, k, v, do))
     _check(hq, hk, hv, hdo, c, mods, o.float().cpu().numpy(), lse.cpu().numpy(),

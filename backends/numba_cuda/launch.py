@@ -172,12 +172,10 @@ def hopper_bwd_serves(case, device) -> bool:
     """Whether the wgmma dK/dV and dQ kernels (hopper/backward.py) take a backward the
     tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
     at a head dim it is built for (``HOPPER_BWD_HEAD_DIMS``), for calls with causal, a
-    sliding window, the softcap and ALiBi (the user's mods: the mma.sync backward), unless
+    sliding window, the softcap, ALiBi and the user's mods (dense rows), unless
     ``FLASHCORE_HOPPER_BWD=0``."""
-    if (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device)
-            or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS):
-        return False
-    return mask_options(case)["user"] is None
+    return not (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device)
+                or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS)
 
 
 def fused_backward(case, device) -> bool:
@@ -185,11 +183,12 @@ def fused_backward(case, device) -> bool:
     wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows, head dims up to 128
     (the dkdvq kernel has no two-pass form), no window (the
     window's dkdvq kernel has not run on a GPU), no ALiBi (its slopes' arguments carry the
-    dQ accumulator there) and no softcap (not run on a GPU in that kernel either)."""
+    dQ accumulator there), no softcap (not run on a GPU in that kernel either) and no user
+    mods (the dkdvq kernel takes none)."""
     m = mask_options(case)
     return (os.environ.get(DETERMINISTIC_ENV, "1") == "0" and not case.packed
             and case.head_dim <= 128 and hopper_bwd_serves(case, device) and m["window"] == ()
-            and m["softcap"] == 0.0 and not m["alibi"])
+            and m["softcap"] == 0.0 and not m["alibi"] and m["user"] is None)
 
 
 def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap=0.0,
@@ -197,8 +196,9 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                    long_keys=False):
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
-    cache and split-KV; the backward varlen rows, a window, the softcap and ALiBi, no user
-    mods, and the dkdvq kernel neither softcap nor ALiBi), or None where it has no tiling.
+    cache and split-KV; the backward varlen rows, a window, the softcap, ALiBi and the
+    user's mods (with dense rows), and the dkdvq kernel none of the modifiers), or None
+    where it has no tiling.
     ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
     copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
     ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``, no masks): ``tilings.LONG_KEYS``'
@@ -209,13 +209,15 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
-            or (kernel != "forward" and user is not None)  # (the backward takes no user mods)
-            or (kernel == "dkdvq" and (alibi or softcap or head_dim > 128))):
+            or (kernel != "forward" and user is not None and packed)  # (dense rows only)
+            or (kernel == "dkdvq" and (mods or head_dim > 128))):
         return None
+    score_mod = user is not None and user.score_mod is not None
     t = tilings.choose_hopper(head_dim, causal, kernel,
-                              user is not None and user.mask_mod is not None, bool(softcap),
+                              user is not None and user.mask_mod is not None,
+                              bool(softcap) or (score_mod and kernel != "forward"),
                               masked, long_keys and tma_ok and not masked,
-                              tma_ok and not (masked or packed))
+                              tma_ok and not (masked or packed), user is not None)
     if t is None:
         return None
     if (kernel == "forward" and window and not (mods or packed) and tma_ok
@@ -232,8 +234,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False,
                                                    persistent=False, dynamic=False))
     if masked and kernel == "forward":  # (a producer of cp.async copies takes no masks)
-        t = tilings.masked_tiles(t, user is not None and user.score_mod is not None,
-                                 bool(softcap), bool(window), head_dim, alibi=alibi)
+        t = tilings.masked_tiles(t, score_mod, bool(softcap), bool(window), head_dim,
+                                 alibi=alibi)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user, packed=packed)
 
@@ -387,9 +389,7 @@ def _plan(direction, case, device, tiles, aligned, tc, split=False, hopper=False
             pair = ("dkdvq", None) if direction == "fused" else ("dkdv", "dq")
             fam = ([hopper_variant(d, dt, c, **mask, tma_ok=tma_ok, long_keys=long_keys)]
                    if direction == "forward" else
-                   [hopper_variant(d, dt, c, k_, window=mask["window"],
-                                   softcap=mask["softcap"], alibi=mask["alibi"],
-                                   packed=mask["packed"]) if k_ else
+                   [hopper_variant(d, dt, c, k_, **mask) if k_ else
                     Variant("dqconvert", "simt", d, dt, False, 256) for k_ in pair])
         chosen = [fam[0]] if direction == "forward" else [simt[1]] + fam[-2:]
         plan = tuple(x for v in chosen for x in (kernel(v, device), v.block_m))

@@ -43,10 +43,11 @@ two steps back. The causal mask and a sliding window apply through the seams (``
 steps to its range (``window_query_range`` in the dK/dV kernel, ``visited_keys`` in the dQ
 kernel), so a window of W keys costs O(N W). Keys past Nk are masked in the dQ kernel (in
 the dK/dV kernel they only reach rows of dK and dV that are never stored). The softcap and
-ALiBi (second seam, the forward's order: ``backward_scores.prob``) rework each recomputed score before
-its exponential, and dS takes the softcap's derivative ``1 - tanh^2``. Serves dense and
-varlen rows, causal or not, with a window, the softcap and ALiBi; the user's mods take the
-mma.sync backward (``launch.hopper_bwd_serves``).
+ALiBi and the user's score_mod (second seam, the forward's order: ``backward_scores.prob``)
+rework each recomputed score before its exponential, and dS takes their derivative. A
+mask_mod: steps and tiles its BlockMask's classes leave empty are skipped (with the query or
+key range cut to them), partial ones masked per score. Serves dense and varlen rows (the
+user's mods: dense), causal or not.
 """
 from __future__ import annotations
 
@@ -60,12 +61,17 @@ from ..device.intrinsics import cp_async_commit, cp_async_wait, warp_uniform
 from ..device.pipeline import bulk_wait, bulk_wait_read, named_sync
 from ..device.prologue import block_tile, query_stats, split_heads
 from ..device.seams import (
+    EMPTY,
+    PARTIAL,
+    class_query_range,
     packed_tile,
     query_range,
     sequence_rows,
+    tile_class,
     visited_keys,
     window_query_range,
 )
+from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_to_local,
     fence_proxy_async,
@@ -138,11 +144,12 @@ def _sizes(var, kernel):
     if var.tiles.producer and var.kernel != "dkdvq":
         raise ValueError(f"a producer warpgroup serves the dkdvq kernel only "
                          f"(hopper/backward_ws.py): {var.tag}")
-    if (var.user is not None or var.packed not in HOPPER_ROWS or var.split
-            or (var.alibi and var.kernel == "dkdvq")):
-        raise ValueError(f"the wgmma backward takes causal, a window, the softcap and ALiBi "
-                         f"(not in the dkdvq kernel, whose dQ accumulator takes the slopes' "
-                         f"arguments), no user mods, and dense or varlen rows: {var.tag}")
+    if (var.packed not in HOPPER_ROWS or var.split
+            or ((var.alibi or var.user is not None) and var.kernel == "dkdvq")
+            or (var.user is not None and (var.packed or t.stages != 2))):
+        raise ValueError(f"the wgmma backward takes dense or varlen rows, causal, a window, "
+                         f"the softcap, ALiBi and user mods (those two not in dkdvq; user mods "
+                         f"with dense rows and two buffers): {var.tag}")
     CH = D // 8  # 16-byte chunks per row
     if kernel == "dkdv" and 2 * t.block_n > t.threads:  # (backward_scores.stage_stats)
         raise ValueError(f"dkdv: a step's lse and delta take 2 x {t.block_n} copying threads, "
@@ -176,6 +183,8 @@ def make_attn_backward_dkdv_wgmma(var):
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dkdv")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)
+    SMOD, MMOD, VIEWS, _, VS, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
+    GRAD = CAP or SMOD  # (dS takes the scores' derivative)
     # Q and dO in STAGES buffers: 3, a step's dV and dK products retire under the next
     # step's copies and score products (the wait that takes S of step it + 1 takes them,
     # wgmma groups completing in order), its buffers rewritten one step later
@@ -248,6 +257,8 @@ def make_attn_backward_dkdv_wgmma(var):
         gb0 = b * gsb + q_row0 * gsn
         lb0 = b * lsb + q_row0 * lsn
         sl2 = float32(scale * LOG2E)
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
 
         raw = int64(smem_address(smem, 0))
         pad = (HOPPER_ALIGN - (raw & (HOPPER_ALIGN - 1))) & (HOPPER_ALIGN - 1)
@@ -260,6 +271,9 @@ def make_attn_backward_dkdv_wgmma(var):
         if WINDOW:  # (compile-time) the window ends the rows too; [m_full, m_last]: whole
             m_begin, m_end, m_full, m_last = window_query_range(k0, BM, BN, Nq, causal_offset,
                                                                 CAUSAL, LEFT, RIGHT)
+        if MMOD:  # (compile-time) only the query tiles the group's classes leave
+            m_begin, m_end = class_query_range(cls, b * csb + hk * group * csh, csh, group,
+                                               csq, k0, BM, Nq, Nk, BN, m_begin, m_end)
         per_head = (m_end - m_begin + BN - 1) // BN if m_end > m_begin else 0
         n_steps = group * per_head
 
@@ -284,7 +298,7 @@ def make_attn_backward_dkdv_wgmma(var):
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
         gc = cuda.local.array(NS, float32)  # (CAP) the softcap's derivative
-        mods = cuda.local.array(3, float32)  # (CAP, ALIBI) score_mods
+        mods = cuda.local.array(5, float32)  # (CAP, ALIBI) score_mods
         ls = cuda.local.array(NP, float32)
         dl = cuda.local.array(NP, float32)
         pf = cuda.local.array(NP, uint32)  # Pᵀ, packed: 4 per k-step of dV += Pᵀ dO
@@ -298,10 +312,12 @@ def make_attn_backward_dkdv_wgmma(var):
         mq = m_begin
         for it in range(n_steps):
             h = hk * group + gi
+            mc = mq  # this step's rows
             gn, mn = gi, mq + BN  # the next step's head and rows
             if mn >= m_end:
                 gn, mn = gi + 1, m_begin
             hn = hk * group + gn
+            gi, mq = gn, mn
             buf = (it % STAGES) * TILE
             cp_async_wait(0)  # Q, dO of step it (K and V with the first)
             publish()
@@ -317,37 +333,45 @@ def make_attn_backward_dkdv_wgmma(var):
                 stage_stats(smem, el + (STATS_OFF + ((it + 1) & 1) * STATS) // 2, lse, delta,
                             lb0 + hn * lsh, lsn, sb0 + hn * sstep, mn, Nq, BN, tid)
             cp_async_commit()
+            partial = False
+            if MMOD:  # (compile-time) the step's class under the mask_mod
+                cl = tile_class(cls, b * csb + h * csh, csq, mc, BN, Nq, k0, BM, Nk)
+                if cl == EMPTY:  # (no wgmma in flight; the next wait takes the copies)
+                    continue
+                partial = cl == PARTIAL
             qb = at + Q_OFF + buf
             gb = at + DO_OFF + buf
             hb = half * HALF  # (the block's columns of Q and dO, as dK's and dV's B)
+            user = (b, h, Nq, Nk, margs)  # (SMOD, MMOD) what the user's mods take
 
             # (K's and V's descriptors made here, not hoisted out of the loop: opaque)
             sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(ka), qb,
                             KSTEPS, BM, BN)
             pacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), opaque(va), gb,
                             KSTEPS, BM, BN)
-            if CAP or ALIBI:  # (compile-time) this query head's modifiers
+            if CAP or ALIBI or SMOD:  # (compile-time) this query head's modifiers
                 score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI)
             # this step's column statistics, copied with its tiles
             read_stats(ls, dl, smem, el + (STATS_OFF + (it & 1) * STATS) // 2, BN, NTILES, tq)
             # a step across the diagonal, or (a window) across one of its edges
-            mask = (CAUSAL and mq < m_full) or (WINDOW and (mq < m_full
-                                                           or mq + BN - 1 > m_last))
+            # (or partial under the mask_mod)
+            mask = partial or (CAUSAL and mc < m_full) or (WINDOW and (mc < m_full
+                                                                      or mc + BN - 1 > m_last))
             if OVERLAP:
                 sacc = wgmma_wait_group_acc(1, sacc)  # Sᵀ (dPᵀ may still run)
                 acc_to_local(sacc, s)
                 if mask:
-                    probs_t(s, gc, ls, mq, j0, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
-                            NTILES, tq, mods, CAP, ALIBI)
+                    probs_t(s, gc, ls, mc, j0, causal_offset, sl2, True, CAUSAL, LEFT, RIGHT,
+                            NTILES, tq, mods, CAP, ALIBI, SMOD, MMOD, VS, KEEPS, user)
                 else:
-                    probs_t(s, gc, ls, mq, j0, causal_offset, sl2, False, CAUSAL, LEFT,
-                            RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                    probs_t(s, gc, ls, mc, j0, causal_offset, sl2, False, CAUSAL, LEFT,
+                            RIGHT, NTILES, tq, mods, CAP, ALIBI, SMOD, MMOD, VS, KEEPS, user)
                 pack_p(BF16, pf, s, NP)
                 # dV's wgmmas run while dSᵀ is computed
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb + hb, PSTEPS, B_LBO)
                 pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)
                 acc_to_local(pacc, dp)
-                grads_t(s, gc, dp, dl, NTILES, CAP)
+                grads_t(s, gc, dp, dl, NTILES, GRAD)
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
@@ -359,11 +383,13 @@ def make_attn_backward_dkdv_wgmma(var):
                 acc_to_local(sacc, s)
                 acc_to_local(pacc, dp)
                 if mask:
-                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, mq, j0, causal_offset, sl2,
-                                  True, CAUSAL, LEFT, RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, mc, j0, causal_offset, sl2,
+                                  True, CAUSAL, LEFT, RIGHT, NTILES, tq, mods, CAP, ALIBI,
+                                  SMOD, MMOD, VS, KEEPS, user)
                 else:
-                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, mq, j0, causal_offset, sl2,
-                                  False, CAUSAL, LEFT, RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                    probs_grads_t(BF16, s, dp, pf, dsf, ls, dl, mc, j0, causal_offset, sl2,
+                                  False, CAUSAL, LEFT, RIGHT, NTILES, tq, mods, CAP, ALIBI,
+                                  SMOD, MMOD, VS, KEEPS, user)
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb + hb, PSTEPS, B_LBO)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb + hb, PSTEPS, B_LBO)
                 if DQ:  # (compile-time)
@@ -385,9 +411,8 @@ def make_attn_backward_dkdv_wgmma(var):
                 wg_sync(wg)
                 if warp == 0 and lane == 0:
                     reduce_dq(smem, stage, slopes,
-                              b * ssb + h * ssh + (q_row0 + mq + wg * QN) * D, D,
-                              Nq - mq - wg * QN, QN)
-            gi, mq = gn, mn
+                              b * ssb + h * ssh + (q_row0 + mc + wg * QN) * D, D,
+                              Nq - mc - wg * QN, QN)
         if DEFER:  # (compile-time) the last step's dV and dK
             dka = wgmma_wait_group_acc(0, dka)
             dva = wgmma_wait_group_acc(0, dva)
@@ -421,6 +446,8 @@ def make_attn_backward_dq_wgmma(var):
      PACKED, CAP, CAP_C, ALIBI) = _sizes(var, "dq")
     LEFT, RIGHT = var.bounds  # a sliding window (-1: an unbounded side)
     WINDOW = bool(var.window)
+    SMOD, MMOD, VIEWS, _, VS, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
+    GRAD = CAP or SMOD  # (dS takes the scores' derivative)
     # K in STAGES buffers: 3, a step's dQ += dS K retires under the next step's copies and
     # score products (the wait that takes S of step it + 1 takes it), its K buffer
     # rewritten one step later (V, which only the step's dP reads, keeps two)
@@ -470,8 +497,12 @@ def make_attn_backward_dq_wgmma(var):
         at = raw + pad
         el = pad >> 1
 
+        cbase = b * csb + h * csh  # (MMOD) this head's tile classes
         n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
-                                                    LEFT, RIGHT, WINDOW, False, cls, 0, csq)
+                                                    LEFT, RIGHT, WINDOW, MMOD, cls, cbase, csq)
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
+        user = (b, h, Nq, Nk, margs)  # (SMOD, MMOD) what the user's mods take
         n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
 
         load_tile(smem, el + Q_OFF // 2, q, b * qsb + h * qsh + q_row0 * qsn, q0, Nq, qsn, BM,
@@ -493,8 +524,8 @@ def make_attn_backward_dq_wgmma(var):
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
         gc = cuda.local.array(NS, float32)  # (CAP) the softcap's derivative
-        mods = cuda.local.array(3, float32)  # (CAP, ALIBI) score_mods
-        if CAP or ALIBI:  # (compile-time)
+        mods = cuda.local.array(5, float32)  # (CAP, ALIBI) score_mods
+        if CAP or ALIBI or SMOD:  # (compile-time)
             score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI)
         dsf = cuda.local.array(NP, uint32)  # dS, packed: 4 per k-step of dQ += dS K
         dqa = zero_accumulators(D)
@@ -514,6 +545,12 @@ def make_attn_backward_dq_wgmma(var):
                 load_tile(smem, el + V_OFF // 2 + nb, v, vbase, n0 + BN, Nk, vsn, BN, CH, tid,
                           NT)
             cp_async_commit()
+            partial = False
+            if MMOD:  # (compile-time) an empty tile is skipped, as a step in dK/dV
+                cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
+                if cl == EMPTY:
+                    continue
+                partial = cl == PARTIAL
             kb = at + K_OFF + kbuf
 
             # (Q's and dO's descriptors made here, not hoisted out of the loop: opaque)
@@ -527,20 +564,21 @@ def make_attn_backward_dq_wgmma(var):
                 sacc = wgmma_wait_group_acc(0, sacc)  # S and dP
             acc_to_local(sacc, s)
             # Zero K rows past the end give S = 0, whose P may overflow: mask them too.
-            if n0 + BN > n_full or (WINDOW and n0 < n_lo):  # a diagonal, edge or tail tile
+            # (a diagonal, edge or tail tile, or one partial under the mask_mod)
+            if partial or n0 + BN > n_full or (WINDOW and n0 < n_lo):
                 probs_row(s, gc, 0, ls0, n0, i0, Nk, causal_offset, sl2, True, CAUSAL, LEFT,
-                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI, SMOD, MMOD, VS, KEEPS, user)
                 probs_row(s, gc, 2, ls1, n0, i1, Nk, causal_offset, sl2, True, CAUSAL, LEFT,
-                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI, SMOD, MMOD, VS, KEEPS, user)
             else:
                 probs_row(s, gc, 0, ls0, n0, i0, Nk, causal_offset, sl2, False, CAUSAL, LEFT,
-                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI, SMOD, MMOD, VS, KEEPS, user)
                 probs_row(s, gc, 2, ls1, n0, i1, Nk, causal_offset, sl2, False, CAUSAL, LEFT,
-                          RIGHT, NTILES, tq, mods, CAP, ALIBI)
+                          RIGHT, NTILES, tq, mods, CAP, ALIBI, SMOD, MMOD, VS, KEEPS, user)
             pacc = wgmma_wait_group_acc(0, pacc)
             acc_to_local(pacc, dp)
-            grads_row(s, gc, dp, 0, dl0, NTILES, CAP)
-            grads_row(s, gc, dp, 2, dl1, NTILES, CAP)
+            grads_row(s, gc, dp, 0, dl0, NTILES, GRAD)
+            grads_row(s, gc, dp, 2, dl1, NTILES, GRAD)
             pack_p(BF16, dsf, dp, NP)
             dqa = issue_pv(BF16, wgmma_fence_acc(dqa), dsf, kb, PSTEPS, B_LBO)
             if not DEFER:  # (compile-time; DEFER: retired by the next tile's first wait)

@@ -56,6 +56,7 @@ from ..device.pipeline import (
 )
 from ..device.prologue import block_tile, split_heads
 from ..device.seams import query_range, sequence_rows
+from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_to_local,
     fence_proxy_async,
@@ -139,6 +140,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
         raise ValueError(f"the warp-specialized dkdvq kernel takes two consumer warpgroups "
                          f"with the overlap, dense rows, no window or modifiers, head dim "
                          f"64 or 128, query steps of 16..64: {var.tag}")
+    _, _, _, _, VS, KEEPS = kernel_mods(var)  # (none here: device_mods' trivial ones)
     STAGES = t.stages
     OWN = t.own_dq  # (compile-time) each consumer adds its own keys' dQ part
     WGQ = 1 if OWN else 2  # consumers whose dQ parts share a staging buffer
@@ -281,7 +283,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
             s = cuda.local.array(NS, float32)
             dp = cuda.local.array(NS, float32)
             gc = cuda.local.array(NS, float32)
-            mods = cuda.local.array(3, float32)
+            mods = cuda.local.array(5, float32)
             ls = cuda.local.array(NP, float32)
             dl = cuda.local.array(NP, float32)
             pf = cuda.local.array(NP, uint32)
@@ -305,10 +307,12 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                 acc_to_local(sacc, s)
                 if mask:
                     probs_t(s, gc, ls, mq, j0, causal_offset, sl2, True, CAUSAL, -1, -1,
-                            NTILES, tq, mods, False, False)
+                            NTILES, tq, mods, False, False, False, False, VS, KEEPS,
+                            (0, 0, 0, 0, ()))
                 else:
                     probs_t(s, gc, ls, mq, j0, causal_offset, sl2, False, CAUSAL, -1, -1,
-                            NTILES, tq, mods, False, False)
+                            NTILES, tq, mods, False, False, False, False, VS, KEEPS,
+                            (0, 0, 0, 0, ()))
                 pack_p(BF16, pf, s, NP)
                 dva = issue_pv(BF16, wgmma_fence_acc(dva), pf, gb, PSTEPS, B_LBO)
                 pacc = wgmma_wait_group_acc(1, pacc)  # dPᵀ (dV += Pᵀ dO may still run)

@@ -434,19 +434,30 @@ HOPPER_BWD_SOFTCAP = {("dq", 64): HopperTiles(1, 64, True)}
 #: registers), which spills 12-152 bytes with them (ptxas 13.0), and so does causal (its
 #: 12 bytes without them); they keep the 32-query steps (g1n32o).
 HOPPER_BWD_MASKED = {("dkdv", 128): HopperTiles(1, 32, True)}
+#: The wgmma backward's tilings with the user's mods, per (kernel, head dim) where the
+#: masked ones above do not take them (ptxas 13.0, bf16, a score_mod reading a table and a
+#: mask_mod reading document ids): the dK/dV kernel at D=64 steps 32 queries (g1n32o, 254
+#: registers, no spills; 64-query steps spilled 16-48 bytes, and ptxas serialized their
+#: wgmmas non-causal), the dQ kernel 64 keys (g1n64o, 246-254; a mask_mod alone on the
+#: table's 128-key steps spilled 40-48 bytes). Causal at D=128 and 256 ptxas still spills
+#: 8-84 bytes in some of them (how many registers a mod takes is the user's): the PTX
+#: test's budget, ``USER_SPILL``.
+HOPPER_BWD_USER = {("dkdv", 64): HopperTiles(1, 32, True), ("dq", 64): HopperTiles(1, 64, True)}
 
 
 def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   mask_mod: bool = False, softcap: bool = False,
                   masked: bool = False, long_keys: bool = False,
-                  dense: bool = False) -> HopperTiles | None:
+                  dense: bool = False, user: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
-    (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one;
-    ``masked``: of a backward kernel with a window, the softcap or ALiBi (a forward's masks
-    and modifiers: :func:`masked_tiles`); ``long_keys``: of
-    a forward of :data:`LONG_KEYS_MIN` keys or more; ``dense``: of a forward of a dense
-    batch without masks that takes the bulk tensor copies: :data:`PERSISTENT`'s), or None
-    where it has none."""
+    (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one or
+    with a score_mod (both keep each score's derivative through the step); ``masked``: of
+    a backward kernel with a window, the softcap, ALiBi or the user's mods (a forward's
+    masks and modifiers: :func:`masked_tiles`); ``long_keys``: of a forward of
+    :data:`LONG_KEYS_MIN` keys or more; ``dense``: of a forward of a dense
+    batch without masks that takes the bulk tensor copies: :data:`PERSISTENT`'s; ``user``:
+    of a backward kernel with the user's mods, :data:`HOPPER_BWD_USER`'s), or None where
+    it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
     if dense and kernel == "forward":
         t = PERSISTENT.get((head_dim, bool(causal)), t)
@@ -456,7 +467,11 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
         t = HOPPER_BWD_SOFTCAP.get((kernel, head_dim), t)
     if t is not None and (masked or softcap) and kernel != "forward":
         t = HOPPER_BWD_MASKED.get((kernel, head_dim), t)
-    return HOPPER_MASK_MOD if t is not None and mask_mod and t.overlap else t
+    if t is not None and user and kernel != "forward":
+        t = HOPPER_BWD_USER.get((kernel, head_dim), t)
+    if t is not None and mask_mod and t.overlap and kernel == "forward":
+        t = HOPPER_MASK_MOD
+    return t
 
 
 #: ``HopperTiles.poly`` of a forward with a softcap (0: every exp2 on the MUFU unit). On an
