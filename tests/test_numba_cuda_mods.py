@@ -181,6 +181,11 @@ def _takes_all(fn, which, n):
             return s + table[h, i - j + table.shape[1] // 2]
         return rel_bias_all
 
+    if fn is same_doc:
+        def same_doc_all(b, h, i, j, table, doc):
+            return doc[b, i] == doc[b, j]
+        return same_doc_all
+
     def prefix_lm_all(b, h, i, j, table, prefix):
         return j <= i or j < prefix[b]
     return prefix_lm_all
@@ -394,6 +399,9 @@ GPU_CASES = [
          layout="bhnd", mods="hdocs", cuts=((200, 400), (100, 300), (300, 520), (150, 450))),
     dict(B=2, Hq=2, Hkv=1, Nq=520, Nk=520, D=128, dtype="float16", causal=True,
          layout="bnhd", mods="blocks+rel", split=384),
+    # head dim 256: the wgmma dK/dV kernel's two blocks per key tile, each half the columns
+    dict(B=1, Hq=2, Hkv=1, Nq=300, Nk=330, D=256, dtype="bfloat16", causal=True,
+         layout="bhnd", mods="doc"),
 ]
 
 
@@ -401,8 +409,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("c", GPU_CASES, ids=_case_id)
 def test_user_mods_on_gpu(c, monkeypatch):
     """Forward and backward with the user's mods on torch CUDA tensors (tensor cores for
-    fp16/bf16, CUDA cores for fp32; on an H100/H200 the wgmma backward at head dims 64 and
-    128) against the float64 reference."""
+    fp16/bf16, CUDA cores for fp32; on an H100/H200 the wgmma backward at head dims 64, 128
+    and 256) against the float64 reference."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
@@ -416,7 +424,7 @@ def test_user_mods_on_gpu(c, monkeypatch):
     o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
     grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
     hopper = (torch.cuda.get_device_capability() == (9, 0) and c["dtype"] != "float32"
-              and c["D"] in (64, 128))
+              and c["D"] in (64, 128, 256))
     assert (ran == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"]) == hopper, ran
     torch.cuda.synchronize()
     hq, hk, hv, hdo = (x.float().cpu().numpy() for x in (q, k, v, do))
