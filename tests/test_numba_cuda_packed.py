@@ -189,6 +189,28 @@ def _run_cache_other_page_strides():
             ro, rl = oracle_kvcache(q, want_k, want_v, T.SEQLENS + 2, table, T.PAGE,
                                     causal=True)
             _check("float32", o, lse, ro, rl)
+    # every buffer (the copies, the partials) is allocated before the append writes: a
+    # call that runs out of memory leaves the caches as they were
+    from flashcore.backends.numba_cuda import packed
+
+    kc, vc, table, q, k, v, _, _ = T.inputs(4, True, nq=1, n_new=2, dtype="float32")
+    wide = np.zeros((vc.shape[0], vc.shape[1] + 3, *vc.shape[2:]), np.float32)
+    wide[:, :vc.shape[1]] = vc
+    vc2 = wide[:, :vc.shape[1]]
+    before = kc.copy(), vc2.copy()
+    case = make_kvcache_case(q, kc, vc2, T.SEQLENS, k, v, table, causal=True, scale=None,
+                             num_splits=2, need_lse=True, explicit=True)
+
+    def no_memory(*a, **kw):
+        raise MemoryError("out of memory (test)")
+
+    real, packed._workspace = packed._workspace, no_memory
+    try:
+        with pytest.raises(MemoryError):
+            numba_cuda.forward(q, kc, vc2, case)
+    finally:
+        packed._workspace = real
+    assert np.array_equal(kc, before[0]) and np.array_equal(vc2, before[1])
 
 
 if not SIM:

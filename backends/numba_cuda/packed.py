@@ -25,7 +25,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from flashcore._case import evolve
 from flashcore._memo import Memo
 
 from . import launch, tensor_maps, tilings
@@ -263,15 +262,12 @@ def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seq
     inputs = _inputs(ad, case, q, keep)  # (before anything is written: its errors too)
     qv, ov = _bhnd(ad, q, keep), _bhnd(ad, o, keep)
     kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
+    caches = None  # (the caller's caches, where the attention reads copies)
     if kc.paged and kv[1][0] != vv[1][0]:
-        # The kernels read both pools with one page stride: the new keys go in first, then
-        # the attention reads C-contiguous copies (a rare layout, paid for by a copy).
-        if kc.n_new:
-            _append(ad, case, dev, stream, k_cache, v_cache, seqlens, (table, tsb), None,
-                    keep)
-            if seqk is None:
-                seqk = ad.int32(kc.cache_seqlens, keep, plus=kc.n_new)
-            kc = evolve(kc, n_new=0)  # (appended)
+        # The kernels read both pools with one page stride: the attention reads C-contiguous
+        # copies (a rare layout, paid for by a copy), and the new keys go into both the
+        # caller's caches and the copies, once every buffer is allocated (below).
+        caches = (k_cache, v_cache)
         k_cache, v_cache = ad.contiguous(k_cache), ad.contiguous(v_cache)
         keep.extend((k_cache, v_cache))
         kv, vv = _bhnd(ad, k_cache, keep), _bhnd(ad, v_cache, keep)
@@ -296,6 +292,8 @@ def _attend(ad, q, k_cache, v_cache, case, dev, stream, o, lse, at, seqlens, seq
     ph, lph, ends = _workspace(ad, q, dev, splits, rows, D,
                                B if kc.n_new and seqk is None else 0, keep)
     if kc.n_new:  # 1. the new keys and values, in place (and where asked, their ends)
+        if caches is not None:  # (the caller's, then the copies the attention reads)
+            _append(ad, case, dev, stream, *caches, seqlens, (table, tsb), None, keep)
         _append(ad, case, dev, stream, k_cache, v_cache, seqlens, (table, tsb), ends, keep)
         seqk = ends if seqk is None else seqk
     base = {"seqk": seqk, "table": table if kc.paged else None, "tsb": tsb,
