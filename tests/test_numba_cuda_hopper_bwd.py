@@ -338,6 +338,19 @@ def _case(dtype="float16", D=64, **options):
                      options={**full, **options} if options else None)
 
 
+def _varlen_case(D=64, **options):
+    """A case of a varlen call of two fp16 sequences with ``options``."""
+    from flashcore._packed_checks import make_varlen_case
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((50, 2, D)).astype(np.float16) for _ in range(3))
+    cu = np.array([0, 20, 50], np.int32)
+    full = {"window": None, "softcap": None, "alibi_slopes": None, "score_mod": None,
+            "mask_mod": None, "mod_args": (), "block_mask": None}
+    return make_varlen_case(q, k, v, cu, cu, max_seqlen_q=30, max_seqlen_k=30, causal=True,
+                            scale=None, explicit=True, options={**full, **options})
+
+
 def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     monkeypatch.setattr(launch, "device_cc", lambda device: (9, 0))
     case = _case()
@@ -375,6 +388,19 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     assert launch.hopper_bwd_serves(_case(alibi_slopes=np.ones(2, np.float32)), 0)
     user = _case(score_mod=lambda s, b, h, i, j: s)
     assert launch.hopper_bwd_serves(user, 0)
+    # (varlen rows with the user's mods: the mma.sync backward, whose classes are per
+    # sequence; and a user-mods tiling keeps two buffers, an empty step being skipped)
+    assert not launch.hopper_bwd_serves(_varlen_case(score_mod=lambda s, b, h, i, j: s), 0)
+    assert launch.hopper_bwd_serves(_varlen_case(softcap=5.0), 0)
+    from flashcore.backends.numba_cuda.variant import UserMods
+
+    monkeypatch.setitem(tilings.HOPPER_DQ, (128, True), tilings.HopperTiles(1, 64, True,
+                                                                            stages=3))
+    mods = UserMods(None, abs, ())
+    assert launch.hopper_variant(128, "bfloat16", True, "dq").tiles.stages == 3
+    assert launch.hopper_variant(128, "bfloat16", True, "dq", user=mods).tiles.stages == 2
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "device_cc", lambda device: (9, 0))
     monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")
     assert not launch.fused_backward(_case(softcap=20.0), 0)
     assert not launch.fused_backward(user, 0)

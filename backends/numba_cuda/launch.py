@@ -3,12 +3,12 @@ and the launches on the caller's stream.
 
 A launch goes (case, buffers) -> plan -> :class:`driver.Prepared` kernels -> launch. The
 plan picks the family: the tensor-core kernels (``tensor_core/``) for fp16/bf16 where
-:func:`tc_serves` (the wgmma kernels, ``hopper/``, where also :func:`hopper_serves`, and
-for the backward :func:`hopper_bwd_serves`), else the SIMT kernels (``simt/``), whose tiles stream by cp.async for
-fp32 rows that are 16-byte aligned; it is cached per kind of call (:data:`_PLANS`), so a
-repeated call only looks it up. Both families take the same launch arguments. Buffers are
-``(handle, strides)`` views: an address (on the GPU) or a flat NumPy array (under the
-simulator) plus strides in elements in (B, H, N, D) order, whatever the caller's layout.
+:func:`tc_serves` (the wgmma ones, ``hopper/``, where also :func:`hopper_serves` or
+:func:`hopper_bwd_serves`), else the SIMT kernels (``simt/``; cp.async tiles for aligned
+fp32 rows); it is cached per kind of call (:data:`_PLANS`), so a repeated call only looks
+it up. Both families take the same launch arguments. Buffers are ``(handle, strides)``
+views: an address (on the GPU) or a flat NumPy array (under the simulator) plus strides in
+elements in (B, H, N, D) order, whatever the caller's layout.
 """
 from __future__ import annotations
 
@@ -170,21 +170,20 @@ def hopper_serves(case, device) -> bool:
 
 def hopper_bwd_serves(case, device) -> bool:
     """Whether the wgmma dK/dV and dQ kernels (hopper/backward.py) take a backward the
-    tensor-core kernels take: where the wgmma forward would serve (:func:`hopper_serves`),
-    at a head dim it is built for (``HOPPER_BWD_HEAD_DIMS``), for calls with causal, a
-    sliding window, the softcap, ALiBi and the user's mods (dense rows), unless
-    ``FLASHCORE_HOPPER_BWD=0``."""
+    tensor-core kernels take: where the wgmma forward serves (:func:`hopper_serves`), at a
+    head dim they are built for (``HOPPER_BWD_HEAD_DIMS``), masks and modifiers included
+    (the user's mods with dense rows only), unless ``FLASHCORE_HOPPER_BWD=0``."""
     return not (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device)
-                or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS)
+                or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS
+                or (packing(case) and mask_options(case)["user"] is not None))
 
 
 def fused_backward(case, device) -> bool:
     """Whether a backward takes the non-deterministic mode (:data:`DETERMINISTIC_ENV`): the
     wgmma backward serves it (:func:`hopper_bwd_serves`), dense rows, head dims up to 128
-    (the dkdvq kernel has no two-pass form), no window (the
-    window's dkdvq kernel has not run on a GPU), no ALiBi (its slopes' arguments carry the
-    dQ accumulator there), no softcap (not run on a GPU in that kernel either) and no user
-    mods (the dkdvq kernel takes none)."""
+    (the dkdvq kernel has no two-pass form), no window (its dkdvq kernel has not run on a
+    GPU), no ALiBi (its slopes' arguments carry the dQ accumulator there), no softcap (not
+    run on a GPU in that kernel either) and no user mods (it takes none)."""
     m = mask_options(case)
     return (os.environ.get(DETERMINISTIC_ENV, "1") == "0" and not case.packed
             and case.head_dim <= 128 and hopper_bwd_serves(case, device) and m["window"] == ()
@@ -220,6 +219,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                               tma_ok and not (masked or packed), user is not None)
     if t is None:
         return None
+    if kernel != "forward" and user is not None:  # (two buffers: an empty step is skipped)
+        t = replace(t, stages=2)
     if (kernel == "forward" and window and not (mods or packed) and tma_ok
             and head_dim in tilings.WINDOW_PERSISTENT):  # (a window alone: its query
         # tiles' keys start at the window's first tile)
