@@ -432,6 +432,46 @@ def test_user_mods_on_gpu(c, monkeypatch):
            [g.float().cpu().numpy() for g in grads])
 
 
+def thirds(b, h, i, j):
+    """A mask_mod of no arrays: every third (query, key) pair hidden."""
+    return (i + j) % 3 != 0
+
+
+@pytest.mark.gpu
+def test_varlen_user_mods_on_gpu(monkeypatch):
+    """Packed sequences with a score_mod and a mask_mod on torch CUDA tensors, forward and
+    backward, against the float64 reference; on an H100/H200 their backward keeps the
+    mma.sync kernels (the wgmma ones take the user's mods on dense rows only)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from flashcore.backends.numba_cuda import launch
+    from hopper_helpers import spy_launches
+
+    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV, launch.DETERMINISTIC_ENV):
+        monkeypatch.delenv(name, raising=False)
+    ran = spy_launches(monkeypatch)
+    rng = np.random.default_rng(11)
+    cu = np.array([0, 70, 70, 260, 300], np.int32)
+    host = [rng.standard_normal((300, h, 64)).astype(np.float32) for h in (4, 2, 2, 4)]
+    q, k, v, do = (torch.from_numpy(x).cuda().half() for x in host)
+    opts = dict(causal=True, score_mod=capped, mask_mod=thirds)
+    cut = torch.from_numpy(cu).cuda()
+    o, lse = flashcore.attention_varlen_forward(q, k, v, cut, cut, backend="numba_cuda",
+                                                **opts)
+    grads = flashcore.attention_varlen_backward(do, q, k, v, o, lse, cut, cut,
+                                                backend="numba_cuda", **opts)
+    assert ran == ["attn_backward_dkdv_tc", "attn_backward_dq_tc"], ran
+    x64 = [x.half().double().cpu().numpy() for x in (q, k, v, do)]
+    ro, rl = flashcore.attention_varlen_forward(*x64[:3], cu, cu, backend="reference", **opts)
+    refs = flashcore.attention_varlen_backward(x64[3], *x64[:3], ro, rl, cu, cu,
+                                               backend="reference", **opts)
+    assert rel_err(o.double().cpu().numpy(), ro) < TOL_FWD["float16"]
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        e = rel_err(g.double().cpu().numpy(), r)
+        assert e < TOL_BWD["float16"], f"{name}: {e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_softcap_as_score_mod_matches_builtin_on_gpu(dtype):
