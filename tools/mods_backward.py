@@ -2,7 +2,7 @@
 forward+backward and the backward alone, each mask on the wgmma backward and on the
 mma.sync one (``FLASHCORE_HOPPER_BWD=0``), side by side in one process.
 
-Masks (bf16, B=4 H=16 N=8192 D=128, non-causal unless ``--causal``; as the bench's
+Masks (bf16, B=4 H=16 N=8192 D=128 unless given, non-causal unless ``--causal``; as the bench's
 ``--masks``): none; the built-in softcap 30; the same softcap written as a Python
 ``score_mod``; a relative-position ``score_mod`` ``s + 0.01 (j - i)``; 8 equal documents by
 a ``mask_mod`` with a ``block_mask`` made once, untimed. Each is checked first: the wgmma
@@ -14,7 +14,7 @@ front end's host time included. The table comes last: ms, then the time over the
 softcap's in the same backward (the issue: a score_mod softcap within 1.15x) and over no
 mask.
 
-Usage: python tools/mods_backward.py [--repeat 10] [--causal] [--seqlen 8192]
+Usage: python tools/mods_backward.py [--repeat 10] [--causal] [--seqlen 8192] [--head-dim 128]
 """
 from __future__ import annotations
 
@@ -62,9 +62,10 @@ def run(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args(argv)
     torch, flashcore, launch = environment()
-    B, H, N, D = 4, 16, args.seqlen, 128
+    B, H, N, D = 4, 16, args.seqlen, args.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g, dtype=torch.bfloat16)
                    for _ in range(4))
