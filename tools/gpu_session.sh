@@ -34,6 +34,9 @@
 #   hopper_bwd  tools/hopper_backward.py: the sm_90a wgmma backward (FLASHCORE_HOPPER_BWD=0
 #           turns it off) checked against the mma.sync backward, then forward+backward
 #           timed beside SDPA's flash and cuDNN backends; $HOPPER_BWD_ARGS (e.g. --quick)
+#   mods    tools/mods_backward.py: the user's score_mod / mask_mod and the built-in softcap,
+#           forward+backward on the wgmma backward and on the mma.sync one, checked against
+#           each other (issue 14); $MODS_ARGS (e.g. --head-dim 64 --repeat 5)
 #   cpu     the host CPU: tools/cpu_scaling.py $CPU_ARGS (numba_cpu and SDPA by thread count),
 #           then python -m flashcore bench --device cpu $CPU_BENCH_ARGS (empty: skip)
 #   compile tools/compile_times.py $COMPILE_ARGS: each kernel variant's cold compile and warm
@@ -53,7 +56,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd cpu compile"
+STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd mods cpu compile"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -233,6 +236,10 @@ stage_hopper_bwd() {
       python3 tools/hopper_backward.py ${HOPPER_BWD_ARGS:-}
 }
 
+stage_mods() {
+  timeout "${MODS_TIMEOUT:-300}" python3 tools/mods_backward.py ${MODS_ARGS:-}
+}
+
 stage_cpu() {
   timeout "${CPU_TIMEOUT:-300}" python3 tools/cpu_scaling.py ${CPU_ARGS:-} || return
   if [ -n "${CPU_BENCH_ARGS:-}" ]; then
@@ -272,6 +279,8 @@ result() {  # one line for the summary table
   compile) grep -hE "^(cold|warm):|^main job" "$log" | cut -c1-40 | xargs ;;
   hopper) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                "$(grep -cE '^check .*: FAIL' "$log") failed (hopper.json)" ;;
+  mods)  echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
+              "$(grep -cE '^check .*: FAIL' "$log") failed" ;;
   hopper_bwd) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                    "$(grep -cE '^check .*: (FAIL|ERROR)' "$log") failed (hopper_bwd.json)" ;;
   wgmma) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
