@@ -19,7 +19,6 @@ Usage: python tools/mods_backward.py [--repeat 10] [--causal] [--seqlen 8192] [-
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -29,30 +28,15 @@ HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
 TOL = 2e-2
 
 
-def softcap_py(s, b, h, i, j):
-    """The softcap 30 as a Python score_mod."""
-    return 30.0 * math.tanh(s / 30.0)
-
-
-def relpos(s, b, h, i, j):
-    """A bias linear in the distance (the bench's ``relpos``)."""
-    return s + 0.01 * (j - i)
-
-
-def same_doc(b, h, i, j, doc):
-    """Query ``i`` sees the keys of its own document."""
-    return doc[b, i] == doc[b, j]
-
-
 def masks(flashcore, torch, B, H, N):
-    """``(label, options)`` of each case."""
-    import numpy as np
+    """``(label, options)`` of each case: the bench's mods (``flashcore.bench.masks``)."""
+    from flashcore.bench.masks import doc_ids, relpos, same_doc, softcap_mod
 
-    doc = np.repeat((np.arange(N) * 8 // N)[None, :], B, axis=0).astype(np.int64)
+    doc = doc_ids(B, N, 8)
     bm = flashcore.create_block_mask(same_doc, B, None, N, N, mod_args=(doc,))
     doc = torch.from_numpy(doc).cuda()
     return [("none", {}), ("softcap 30", {"softcap": 30.0}),
-            ("softcap 30 as score_mod", {"score_mod": softcap_py}),
+            ("softcap 30 as score_mod", {"score_mod": softcap_mod(30.0)}),
             ("relpos score_mod", {"score_mod": relpos}),
             ("8 docs mask_mod", {"mask_mod": same_doc, "mod_args": (doc,), "block_mask": bm})]
 
