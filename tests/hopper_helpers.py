@@ -1,7 +1,8 @@
 """What the wgmma kernels' GPU tests share (test_numba_cuda_hopper for the forward,
 test_numba_cuda_hopper_bwd for the backward): the skip where there is no cc 9.0 GPU, the
 shapes, compiling the variants a module runs once per machine under pytest-xdist, the
-inputs on the GPU and a spy on the launches."""
+inputs on the GPU and a spy on the launches; and the user's mods of the backward's tests
+(taking both of their mod_args: a bias table and per-token document ids)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,16 @@ import pytest
 #: ways (Nq > Nk causal: rows that see no key), several tiles, both layouts.
 SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
           (1, 2, 2, 333, 200, "bhnd"), (1, 2, 1, 1024, 1024, "bnhd"), (1, 1, 1, 1, 77, "bhnd")]
+
+def rel_bias(s, b, h, i, j, table, doc):
+    """A relative-position bias per query head (a score_mod reading an array)."""
+    return s + table[h, i - j + table.shape[1] // 2]
+
+
+def same_doc(b, h, i, j, table, doc):
+    """Document masking (a mask_mod reading per-token ids)."""
+    return doc[b, i] == doc[b, j]
+
 
 #: One lock for every module's compiles: one pool of compiling processes (each with a CUDA
 #: context) on the machine at a time; a pool per xdist worker at once ran the GPU out of

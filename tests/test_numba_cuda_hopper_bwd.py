@@ -32,6 +32,8 @@ from hopper_helpers import (
     compile_sm90a,
     gpu_inputs,
     hopper_gpu_or_skip,
+    rel_bias,
+    same_doc,
     spy_launches,
 )
 
@@ -554,24 +556,13 @@ def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal,
     _assembles_clean(ptx)
 
 
-def _rel_bias(s, b, h, i, j, table, doc):
-    """A relative-position bias per query head (a score_mod reading an array)."""
-    return s + table[h, i - j + table.shape[1] // 2]
-
-
 def _capped(s, b, h, i, j, table, doc):
     """The softcap as a score_mod (its tanh the approximate one at 16 bits)."""
     return 1.7 * math.tanh(s / 1.7)
 
 
-def _same_doc(b, h, i, j, table, doc):
-    """Document masking (a mask_mod reading per-token ids)."""
-    return doc[b, i] == doc[b, j]
-
-
 #: score_mod, mask_mod of the user mods' PTX test
-USER_MODS = {"rel+doc": ("_rel_bias", "_same_doc"), "cap": ("_capped", None),
-             "doc": (None, "_same_doc")}
+USER_MODS = {"rel+doc": (rel_bias, same_doc), "cap": (_capped, None), "doc": (None, same_doc)}
 #: (kernel, D, dtype, causal, mods) of the user mods' PTX test; the first two in CI
 USER_PTX = [("dkdv", 64, "bfloat16", True, "rel+doc"), ("dq", 64, "float16", False, "doc"),
             ("dkdv", 128, "float16", False, "rel+doc"), ("dq", 128, "bfloat16", True, "rel+doc"),
@@ -594,7 +585,7 @@ def test_ptx_sm90a_with_user_mods(sm90, kernel, head_dim, dtype, causal, mods):
     from flashcore.backends.numba_cuda.variant import UserMods
     from test_numba_cuda_wgmma import _assembles_clean
 
-    sm, mm = (globals()[n] if n else None for n in USER_MODS[mods])
+    sm, mm = USER_MODS[mods]
     user = UserMods(sm, mm, (("float32", 2), ("int32", 2)))
     v = launch.hopper_variant(head_dim, dtype, causal, kernel, user=user)
     assert v.user == user and v.tiles.stages == 2

@@ -83,6 +83,7 @@ else:
         rel_err,
         to64,
     )
+    from hopper_helpers import rel_bias, same_doc
 
     import flashcore
 
@@ -507,14 +508,6 @@ else:
                                              backend="reference", **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
-    def _rel_bias(s, b, h, i, j, table, doc):
-        """A relative-position bias per query head (a score_mod reading an array)."""
-        return s + table[h, i - j + table.shape[1] // 2]
-
-    def _same_doc(b, h, i, j, table, doc):
-        """Document masking (a mask_mod reading per-token ids)."""
-        return doc[b, i] == doc[b, j]
-
     #: The user's mods on the wgmma backward (dK/dV and dQ): a score_mod (its derivative
     #: from the forward-mode twin), a mask_mod whose documents ([0, 100), [100, 256),
     #: [256, 300)) leave empty tiles (skipped: the dK/dV kernel's class range and steps,
@@ -537,8 +530,8 @@ else:
         doc[:, 100:256] = 1
         doc[:, 256:] = 2
         opts = dict(causal=causal, layout=layout, mod_args=(table, doc),
-                    score_mod=_rel_bias if "rel" in mods else None,
-                    mask_mod=_same_doc if "doc" in mods else None)
+                    score_mod=rel_bias if "rel" in mods else None,
+                    mask_mod=same_doc if "doc" in mods else None)
         _backward_against_oracle(emulated, (do, q, k, v), dtype, opts, floors=True)
 
     # --- device/sim_pipeline.py's barriers and the wgmma emulation, on their own ------

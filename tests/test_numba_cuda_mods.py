@@ -405,12 +405,10 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", GPU_CASES, ids=_case_id)
-def test_user_mods_on_gpu(c, monkeypatch):
-    """Forward and backward with the user's mods on torch CUDA tensors (tensor cores for
-    fp16/bf16, CUDA cores for fp32; on an H100/H200 the wgmma backward at head dims 64, 128
-    and 256) against the float64 reference."""
+def _gpu_and_backward_launches(monkeypatch):
+    """``(torch, ran)`` on a CUDA GPU (else the test skipped), with the default kernel
+    choice (no FLASHCORE_HOPPER, _HOPPER_BWD or _DETERMINISTIC) and ``ran`` the names of
+    the dK/dV and dQ kernels launched."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
@@ -419,7 +417,16 @@ def test_user_mods_on_gpu(c, monkeypatch):
 
     for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV, launch.DETERMINISTIC_ENV):
         monkeypatch.delenv(name, raising=False)
-    ran = spy_launches(monkeypatch)
+    return torch, spy_launches(monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=_case_id)
+def test_user_mods_on_gpu(c, monkeypatch):
+    """Forward and backward with the user's mods on torch CUDA tensors (tensor cores for
+    fp16/bf16, CUDA cores for fp32; on an H100/H200 the wgmma backward at head dims 64, 128
+    and 256) against the float64 reference."""
+    torch, ran = _gpu_and_backward_launches(monkeypatch)
     (q, k, v, do), host, mods, opts = _torch_case(c, torch)
     o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
     grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
@@ -442,15 +449,7 @@ def test_varlen_user_mods_on_gpu(monkeypatch):
     """Packed sequences with a score_mod and a mask_mod on torch CUDA tensors, forward and
     backward, against the float64 reference; on an H100/H200 their backward keeps the
     mma.sync kernels (the wgmma ones take the user's mods on dense rows only)."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    from flashcore.backends.numba_cuda import launch
-    from hopper_helpers import spy_launches
-
-    for name in (launch.HOPPER_ENV, launch.HOPPER_BWD_ENV, launch.DETERMINISTIC_ENV):
-        monkeypatch.delenv(name, raising=False)
-    ran = spy_launches(monkeypatch)
+    torch, ran = _gpu_and_backward_launches(monkeypatch)
     rng = np.random.default_rng(11)
     cu = np.array([0, 70, 70, 260, 300], np.int32)
     host = [rng.standard_normal((300, h, 64)).astype(np.float32) for h in (4, 2, 2, 4)]

@@ -297,8 +297,8 @@ def make_attn_backward_dkdv_wgmma(var):
         j0 = k0 + 64 * wg + 16 * warp + g  # this thread's keys: j0, j0 + 8
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
-        gc = cuda.local.array(NS, float32)  # (CAP) the softcap's derivative
-        mods = cuda.local.array(5, float32)  # (CAP, ALIBI) score_mods
+        gc = cuda.local.array(NS, float32)  # (CAP, SMOD) the scores' derivative
+        mods = cuda.local.array(5, float32)  # (CAP, ALIBI, SMOD) score_mods
         ls = cuda.local.array(NP, float32)
         dl = cuda.local.array(NP, float32)
         pf = cuda.local.array(NP, uint32)  # Pᵀ, packed: 4 per k-step of dV += Pᵀ dO
@@ -523,8 +523,8 @@ def make_attn_backward_dq_wgmma(var):
         ls1, dl1 = query_stats(lse, delta, lbase + i1 * lsn, srow + i1, i1 < Nq)
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
-        gc = cuda.local.array(NS, float32)  # (CAP) the softcap's derivative
-        mods = cuda.local.array(5, float32)  # (CAP, ALIBI) score_mods
+        gc = cuda.local.array(NS, float32)  # (CAP, SMOD) the scores' derivative
+        mods = cuda.local.array(5, float32)  # (CAP, ALIBI, SMOD) score_mods
         if CAP or ALIBI or SMOD:  # (compile-time)
             score_mods(mods, scale, slopes, b, h, ssb, ssh, CAP_C, ALIBI)
         dsf = cuda.local.array(NP, uint32)  # dS, packed: 4 per k-step of dQ += dS K
