@@ -390,9 +390,14 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     assert launch.hopper_bwd_serves(_case(alibi_slopes=np.ones(2, np.float32)), 0)
     user = _case(score_mod=lambda s, b, h, i, j: s)
     assert launch.hopper_bwd_serves(user, 0)
-    # (varlen rows with the user's mods: the mma.sync backward, whose classes are per
-    # sequence; and a user-mods tiling keeps two buffers, an empty step being skipped)
-    assert not launch.hopper_bwd_serves(_varlen_case(score_mod=lambda s, b, h, i, j: s), 0)
+    # (varlen rows with the user's mods too, their classes per sequence; and a user-mods
+    # tiling keeps two buffers, an empty step being skipped)
+    varlen_user = _varlen_case(score_mod=lambda s, b, h, i, j: s)
+    assert launch.hopper_bwd_serves(varlen_user, 0)
+    for kernel in ("dkdv", "dq"):
+        var = launch.hopper_variant(64, "float16", True, kernel, packed="varlen",
+                                    user=launch.mask_options(varlen_user)["user"])
+        assert var is not None and var.tiles.stages == 2, kernel
     assert launch.hopper_bwd_serves(_varlen_case(softcap=5.0), 0)
     from flashcore.backends.numba_cuda.variant import UserMods
 
@@ -563,44 +568,56 @@ def _capped(s, b, h, i, j, table, doc):
 
 #: score_mod, mask_mod of the user mods' PTX test
 USER_MODS = {"rel+doc": (rel_bias, same_doc), "cap": (_capped, None), "doc": (None, same_doc)}
-#: (kernel, D, dtype, causal, mods) of the user mods' PTX test; the first two in CI
-USER_PTX = [("dkdv", 64, "bfloat16", True, "rel+doc"), ("dq", 64, "float16", False, "doc"),
-            ("dkdv", 128, "float16", False, "rel+doc"), ("dq", 128, "bfloat16", True, "rel+doc"),
-            ("dkdv", 64, "float16", False, "cap"), ("dq", 128, "bfloat16", False, "cap"),
-            ("dkdv", 256, "bfloat16", True, "rel+doc"), ("dq", 256, "float16", True, "doc")]
+#: (kernel, D, dtype, causal, mods, rows) of the user mods' PTX test; the first two in CI
+USER_PTX = [("dkdv", 64, "bfloat16", True, "rel+doc", ""), ("dq", 64, "float16", False, "doc", ""),
+            ("dkdv", 128, "float16", False, "rel+doc", ""),
+            ("dq", 128, "bfloat16", True, "rel+doc", ""),
+            ("dkdv", 64, "float16", False, "cap", ""), ("dq", 128, "bfloat16", False, "cap", ""),
+            ("dkdv", 256, "bfloat16", True, "rel+doc", ""), ("dq", 256, "float16", True, "doc", ""),
+            ("dkdv", 64, "bfloat16", True, "rel+doc", "varlen"),
+            ("dq", 128, "float16", True, "rel+doc", "varlen"),
+            ("dkdv", 128, "float16", True, "rel+doc", "varlen")]
 #: Bytes of stack and spills ptxas may take with the user's mods: how many registers a mod
 #: holds is the user's; with these (a table and document ids read per score) ptxas 13.0
 #: spills 8-84 bytes in a few causal kernels at D=128 and 256 (tilings.HOPPER_BWD_USER)
 USER_SPILL = 96
+#: The same with varlen rows (their sequence offsets held too): causal dK/dV at D=128
+#: spills 120 bytes, and D=256 76-116 (tilings.HOPPER_BWD_USER_VARLEN)
+USER_SPILL_VARLEN = 128
 
 
-@pytest.mark.parametrize("kernel,head_dim,dtype,causal,mods", [
-    pytest.param(*x, id=f"{x[0]}-D{x[1]}-{x[2]}-{'causal' if x[3] else 'full'}-{x[4]}",
+@pytest.mark.parametrize("kernel,head_dim,dtype,causal,mods,rows", [
+    pytest.param(*x, id=f"{x[0]}-D{x[1]}-{x[2]}-{'causal' if x[3] else 'full'}-{x[4]}"
+                 + (f"-{x[5]}" if x[5] else ""),
                  marks=() if i < 2 else pytest.mark.slow) for i, x in enumerate(USER_PTX)])
-def test_ptx_sm90a_with_user_mods(sm90, kernel, head_dim, dtype, causal, mods):
+def test_ptx_sm90a_with_user_mods(sm90, kernel, head_dim, dtype, causal, mods, rows):
     """The wgmma backward with the user's score_mod and mask_mod (and their arrays) compiles
-    for sm_90a in the tiling the launch picks (tilings.HOPPER_BWD_USER at D=64), the mods'
-    arithmetic in float32, the wgmma counts of the kernel without them, no local memory and
-    no serialized wgmmas; the non-deterministic mode's kernel takes no mods."""
+    for sm_90a in the tiling the launch picks (tilings.HOPPER_BWD_USER at D=64), dense or
+    varlen rows, the mods' arithmetic in float32, the wgmma counts of the kernel without
+    them, no local memory and no serialized wgmmas; the non-deterministic mode's kernel
+    takes no mods."""
     from flashcore.backends.numba_cuda.variant import UserMods
     from test_numba_cuda_wgmma import _assembles_clean
 
     sm, mm = USER_MODS[mods]
     user = UserMods(sm, mm, (("float32", 2), ("int32", 2)))
-    v = launch.hopper_variant(head_dim, dtype, causal, kernel, user=user)
-    assert v.user == user and v.tiles.stages == 2
+    v = launch.hopper_variant(head_dim, dtype, causal, kernel, user=user, packed=rows)
+    assert v.user == user and v.tiles.stages == 2 and v.packed == rows
     want = tilings.HOPPER_BWD_USER.get((kernel, head_dim)) or tilings.choose_hopper(
         head_dim, causal, kernel, softcap=sm is not None, masked=True)
+    if rows:
+        want = tilings.HOPPER_BWD_USER_VARLEN.get((kernel, head_dim, causal), want)
     assert v.tiles == want, v.tag
     assert launch.hopper_variant(head_dim, dtype, causal, "dkdvq", user=user) is None
-    plain = launch.hopper_variant(head_dim, dtype, causal, kernel, window=(64, 64))
+    plain = launch.hopper_variant(head_dim, dtype, causal, kernel, window=(64, 64),
+                                  packed=rows)
     sig = launch.signature(v.entry, dtype, user.args)
     ptx = compile_sm90a(v, sig)
     base = compile_sm90a(replace(plain, tiles=v.tiles), launch.signature(v.entry, dtype))
     assert ptx.count("wgmma.mma_async") == base.count("wgmma.mma_async")
     assert "cvt.f64.f32" not in ptx
     assert ".local" not in ptx, "register tiles went to local memory"
-    _assembles_clean(ptx, USER_SPILL)
+    _assembles_clean(ptx, USER_SPILL_VARLEN if rows else USER_SPILL)
 
 
 # --- on an H100/H200 ----------------------------------------------------------------------

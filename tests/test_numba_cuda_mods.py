@@ -444,31 +444,62 @@ def thirds(b, h, i, j):
     return (i + j) % 3 != 0
 
 
+def doc_and_bias(s, b, h, i, j, docs, bias):
+    """A per-sequence bias table read by a score_mod (``bias[b, h]``)."""
+    return s + bias[b, h]
+
+
+def same_sequence_doc(b, h, i, j, docs, bias):
+    """Documents inside each packed sequence (ids per sequence row)."""
+    return docs[b, i] == docs[b, j]
+
+
+#: (sequence offsets, heads q/kv, D, dtype, mods) of the varlen GPU test: a mask_mod of
+#: no arrays (every tile partial), and documents inside the sequences (empty, full and
+#: partial tiles per sequence) with a per-sequence bias at D=128
+VARLEN_MODS = {"thirds": ([0, 70, 70, 260, 300], (4, 2), 64, "float16"),
+               "docs": ([0, 40, 340, 900], (4, 1), 128, "bfloat16")}
+
+
 @pytest.mark.gpu
-def test_varlen_user_mods_on_gpu(monkeypatch):
+@pytest.mark.parametrize("name", list(VARLEN_MODS))
+def test_varlen_user_mods_on_gpu(monkeypatch, name):
     """Packed sequences with a score_mod and a mask_mod on torch CUDA tensors, forward and
-    backward, against the float64 reference; on an H100/H200 their backward keeps the
-    mma.sync kernels (the wgmma ones take the user's mods on dense rows only)."""
+    backward, against the float64 reference; on an H100/H200 their backward runs the
+    wgmma kernels (tile classes per sequence), elsewhere the mma.sync ones."""
     torch, ran = _gpu_and_backward_launches(monkeypatch)
     rng = np.random.default_rng(11)
-    cu = np.array([0, 70, 70, 260, 300], np.int32)
-    host = [rng.standard_normal((300, h, 64)).astype(np.float32) for h in (4, 2, 2, 4)]
-    q, k, v, do = (torch.from_numpy(x).cuda().half() for x in host)
-    opts = dict(causal=True, score_mod=capped, mask_mod=thirds)
+    offsets, (hq, hkv), D, dtype = VARLEN_MODS[name]
+    cu = np.array(offsets, np.int32)
+    total = int(cu[-1])
+    dt = getattr(torch, dtype)
+    host = [rng.standard_normal((total, h, D)).astype(np.float32) for h in (hq, hkv, hkv, hq)]
+    q, k, v, do = (torch.from_numpy(x).cuda().to(dt) for x in host)
+    if name == "thirds":
+        opts, args = dict(causal=True, score_mod=capped, mask_mod=thirds), ()
+    else:
+        longest = int(np.diff(cu).max())
+        docs = (np.arange(longest)[None, :] * np.array([[1], [3], [5]]) // 400).astype(np.int32)
+        bias = rng.standard_normal((len(cu) - 1, hq)).astype(np.float32)
+        args = (docs, bias)
+        opts = dict(causal=False, score_mod=doc_and_bias, mask_mod=same_sequence_doc)
     cut = torch.from_numpy(cu).cuda()
+    dev_args = tuple(torch.from_numpy(a).cuda() for a in args)
     o, lse = flashcore.attention_varlen_forward(q, k, v, cut, cut, backend="numba_cuda",
-                                                **opts)
+                                                mod_args=dev_args, **opts)
     grads = flashcore.attention_varlen_backward(do, q, k, v, o, lse, cut, cut,
-                                                backend="numba_cuda", **opts)
-    assert ran == ["attn_backward_dkdv_tc", "attn_backward_dq_tc"], ran
-    x64 = [x.half().double().cpu().numpy() for x in (q, k, v, do)]
-    ro, rl = flashcore.attention_varlen_forward(*x64[:3], cu, cu, backend="reference", **opts)
+                                                backend="numba_cuda", mod_args=dev_args, **opts)
+    kind = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "tc"
+    assert ran == [f"attn_backward_dkdv_{kind}", f"attn_backward_dq_{kind}"], ran
+    x64 = [x.double().cpu().numpy() for x in (q, k, v, do)]
+    ro, rl = flashcore.attention_varlen_forward(*x64[:3], cu, cu, backend="reference",
+                                                mod_args=args, **opts)
     refs = flashcore.attention_varlen_backward(x64[3], *x64[:3], ro, rl, cu, cu,
-                                               backend="reference", **opts)
-    assert rel_err(o.double().cpu().numpy(), ro) < TOL_FWD["float16"]
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+                                               backend="reference", mod_args=args, **opts)
+    assert rel_err(o.double().cpu().numpy(), ro) < TOL_FWD[dtype]
+    for gname, g, r in zip(("dq", "dk", "dv"), grads, refs):
         e = rel_err(g.double().cpu().numpy(), r)
-        assert e < TOL_BWD["float16"], f"{name}: {e}"
+        assert e < TOL_BWD[dtype], f"{gname}: {e}"
 
 
 @pytest.mark.gpu

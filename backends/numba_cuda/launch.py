@@ -172,10 +172,9 @@ def hopper_bwd_serves(case, device) -> bool:
     """Whether the wgmma dK/dV and dQ kernels (hopper/backward.py) take a backward the
     tensor-core kernels take: where the wgmma forward serves (:func:`hopper_serves`), at a
     head dim they are built for (``HOPPER_BWD_HEAD_DIMS``), masks and modifiers included
-    (the user's mods with dense rows only), unless ``FLASHCORE_HOPPER_BWD=0``."""
+    and the user's mods (dense and varlen rows), unless ``FLASHCORE_HOPPER_BWD=0``."""
     return not (os.environ.get(HOPPER_BWD_ENV, "1") == "0" or not hopper_serves(case, device)
-                or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS
-                or (packing(case) and mask_options(case)["user"] is not None))
+                or case.head_dim not in tilings.HOPPER_BWD_HEAD_DIMS)
 
 
 def fused_backward(case, device) -> bool:
@@ -196,7 +195,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
     cache and split-KV; the backward varlen rows, a window, the softcap, ALiBi and the
-    user's mods (with dense rows), and the dkdvq kernel none of the modifiers), or None
+    user's mods, and the dkdvq kernel none of the modifiers), or None
     where it has no tiling.
     ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
     copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
@@ -208,7 +207,6 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
-            or (kernel != "forward" and user is not None and packed)  # (dense rows only)
             or (kernel == "dkdvq" and (mods or head_dim > 128))):
         return None
     score_mod = user is not None and user.score_mod is not None
@@ -216,7 +214,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
                               user is not None and user.mask_mod is not None,
                               bool(softcap) or (score_mod and kernel != "forward"),
                               masked, long_keys and tma_ok and not masked,
-                              tma_ok and not (masked or packed), user is not None)
+                              tma_ok and not (masked or packed), user is not None,
+                              packed == "varlen")
     if t is None:
         return None
     if kernel != "forward" and user is not None:  # (two buffers: an empty step is skipped)

@@ -46,8 +46,8 @@ the dK/dV kernel they only reach rows of dK and dV that are never stored). The s
 ALiBi and the user's score_mod (second seam, the forward's order: ``backward_scores.prob``)
 rework each recomputed score before its exponential, and dS takes their derivative. A
 mask_mod: steps and tiles its BlockMask's classes leave empty are skipped (with the query or
-key range cut to them), partial ones masked per score. Serves dense and varlen rows (the
-user's mods: dense), causal or not.
+key range cut to them), partial ones masked per score. Serves dense and varlen rows (a
+varlen call's classes are per sequence), causal or not.
 """
 from __future__ import annotations
 
@@ -146,10 +146,10 @@ def _sizes(var, kernel):
                          f"(hopper/backward_ws.py): {var.tag}")
     if (var.packed not in HOPPER_ROWS or var.split
             or ((var.alibi or var.user is not None) and var.kernel == "dkdvq")
-            or (var.user is not None and (var.packed or t.stages != 2))):
+            or (var.user is not None and t.stages != 2)):
         raise ValueError(f"the wgmma backward takes dense or varlen rows, causal, a window, "
                          f"the softcap, ALiBi and user mods (those two not in dkdvq; user mods "
-                         f"with dense rows and two buffers): {var.tag}")
+                         f"with two buffers): {var.tag}")
     CH = D // 8  # 16-byte chunks per row
     if kernel == "dkdv" and 2 * t.block_n > t.threads:  # (backward_scores.stage_stats)
         raise ValueError(f"dkdv: a step's lse and delta take 2 x {t.block_n} copying threads, "

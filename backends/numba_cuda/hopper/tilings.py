@@ -443,12 +443,19 @@ HOPPER_BWD_MASKED = {("dkdv", 128): HopperTiles(1, 32, True)}
 #: 8-84 bytes in some of them (how many registers a mod takes is the user's): the PTX
 #: test's budget, ``USER_SPILL``.
 HOPPER_BWD_USER = {("dkdv", 64): HopperTiles(1, 32, True), ("dq", 64): HopperTiles(1, 64, True)}
+#: Of varlen rows with the user's mods, per (kernel, head dim, causal), where
+#: :data:`HOPPER_BWD_USER`'s do not take them (the sequence offsets hold registers too;
+#: ptxas 13.0, fp16, the same two mods): the causal dQ kernel at D=128 takes 32-key tiles
+#: (g1n32o, 232 registers, no spills; g1n64o spilled 224 bytes). Causal D=128 dK/dV
+#: (g1n32o) spills 120 bytes and D=256 76-116: the PTX test's ``USER_SPILL_VARLEN``.
+HOPPER_BWD_USER_VARLEN = {("dq", 128, True): HopperTiles(1, 32, True)}
 
 
 def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   mask_mod: bool = False, softcap: bool = False,
                   masked: bool = False, long_keys: bool = False,
-                  dense: bool = False, user: bool = False) -> HopperTiles | None:
+                  dense: bool = False, user: bool = False,
+                  varlen: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
     (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one or
     with a score_mod (both keep each score's derivative through the step); ``masked``: of
@@ -456,8 +463,8 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
     masks and modifiers: :func:`masked_tiles`); ``long_keys``: of a forward of
     :data:`LONG_KEYS_MIN` keys or more; ``dense``: of a forward of a dense
     batch without masks that takes the bulk tensor copies: :data:`PERSISTENT`'s; ``user``:
-    of a backward kernel with the user's mods, :data:`HOPPER_BWD_USER`'s), or None where
-    it has none."""
+    of a backward kernel with the user's mods, :data:`HOPPER_BWD_USER`'s; and ``varlen``
+    rows, :data:`HOPPER_BWD_USER_VARLEN`'s), or None where it has none."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
     if dense and kernel == "forward":
         t = PERSISTENT.get((head_dim, bool(causal)), t)
@@ -469,6 +476,8 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
         t = HOPPER_BWD_MASKED.get((kernel, head_dim), t)
     if t is not None and user and kernel != "forward":
         t = HOPPER_BWD_USER.get((kernel, head_dim), t)
+        if varlen:
+            t = HOPPER_BWD_USER_VARLEN.get((kernel, head_dim, bool(causal)), t)
     if t is not None and mask_mod and t.overlap and kernel == "forward":
         t = HOPPER_MASK_MOD
     return t
