@@ -14,7 +14,13 @@ front end's host time included. The table comes last: ms, then the time over the
 softcap's in the same backward (the issue: a score_mod softcap within 1.15x) and over no
 mask.
 
+``--varlen``: packed sequences instead (``attention_varlen_forward`` / ``_backward``): 16 of
+random lengths 128..4096 (seed 0; issue 15's varlen case), H=16, the same masks but the
+documents (8 per sequence, ids per sequence row) without a block_mask, which packed calls
+do not take.
+
 Usage: python tools/mods_backward.py [--repeat 10] [--causal] [--seqlen 8192] [--head-dim 128]
+                                     [--varlen]
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import argparse
 import os
 import sys
 
+import numpy as np
 from hopper_forward import environment, timer  # (tools/ is the script's directory)
 
 HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
@@ -41,22 +48,63 @@ def masks(flashcore, torch, B, H, N):
             ("8 docs mask_mod", {"mask_mod": same_doc, "mod_args": (doc,), "block_mask": bm})]
 
 
+def varlen_masks(flashcore, torch, lengths):
+    """:func:`masks` of packed sequences of ``lengths``: documents per sequence, no
+    block_mask."""
+    from flashcore.bench.masks import relpos, same_doc, softcap_mod
+
+    longest = int(max(lengths))
+    doc = np.zeros((len(lengths), longest), np.int64)
+    for s, n in enumerate(lengths):
+        doc[s, :n] = np.arange(n) * 8 // n
+    doc = torch.from_numpy(doc).cuda()
+    return [("none", {}), ("softcap 30", {"softcap": 30.0}),
+            ("softcap 30 as score_mod", {"score_mod": softcap_mod(30.0)}),
+            ("relpos score_mod", {"score_mod": relpos}),
+            ("8 docs mask_mod", {"mask_mod": same_doc, "mod_args": (doc,)})]
+
+
+def calls(flashcore, torch, args):
+    """``(shape label, forward(opts), backward(o, lse, opts), cases)`` of dense or packed
+    inputs."""
+    H, D = 16, args.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if not args.varlen:
+        B, N = 4, args.seqlen
+        q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g,
+                                   dtype=torch.bfloat16) for _ in range(4))
+        return (f"B={B} H={H} N={N} D={D}", lambda o: flashcore.attention_forward(q, k, v, **o),
+                lambda o_, l_, o: flashcore.attention_backward(do, q, k, v, o_, l_, **o),
+                masks(flashcore, torch, B, H, N))
+    lengths = np.random.default_rng(0).integers(128, 4097, 16)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32,
+                      device="cuda")
+    total = int(lengths.sum())
+    q, k, v, do = (torch.randn(total, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                   for _ in range(4))
+    m = int(lengths.max())
+    kw = {"max_seqlen_q": m, "max_seqlen_k": m}
+    return (f"varlen 16 sequences 128..4096 ({total} tokens) H={H} D={D}",
+            lambda o: flashcore.attention_varlen_forward(q, k, v, cu, cu, **kw, **o),
+            lambda o_, l_, o: flashcore.attention_varlen_backward(do, q, k, v, o_, l_, cu, cu,
+                                                                  **kw, **o),
+            varlen_masks(flashcore, torch, lengths))
+
+
 def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--varlen", action="store_true")
     args = ap.parse_args(argv)
     torch, flashcore, launch = environment()
-    B, H, N, D = 4, 16, args.seqlen, args.head_dim
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g, dtype=torch.bfloat16)
-                   for _ in range(4))
+    shape, forward, backward, cases = calls(flashcore, torch, args)
     rows, failed = [], False
-    for label, opts in masks(flashcore, torch, B, H, N):
+    for label, opts in cases:
         opts = dict(opts, causal=args.causal, backend="numba_cuda")
-        o, lse = flashcore.attention_forward(q, k, v, **opts)
+        o, lse = forward(opts)
         grads, times = {}, {}
         for mode, env in (("wgmma", "1"), ("mma.sync", "0")):
             os.environ[HOPPER_BWD_ENV] = env
@@ -68,7 +116,7 @@ def run(argv=None) -> int:
                 return real(kern, *a, **kw)
 
             launch.launch_dkdv = spy
-            grads[mode] = flashcore.attention_backward(do, q, k, v, o, lse, **opts)
+            grads[mode] = backward(o, lse, opts)
             launch.launch_dkdv = real
             want = "attn_backward_dkdv_wgmma" if mode == "wgmma" else "attn_backward_dkdv_tc"
             if ran != [want]:
@@ -76,11 +124,10 @@ def run(argv=None) -> int:
                 failed = True
 
             def fb(opts=opts):
-                o2, l2 = flashcore.attention_forward(q, k, v, **opts)
-                flashcore.attention_backward(do, q, k, v, o2, l2, **opts)
+                backward(*forward(opts), opts)
 
-            def bwd(opts=opts):
-                flashcore.attention_backward(do, q, k, v, o, lse, **opts)
+            def bwd(opts=opts, o=o, lse=lse):
+                backward(o, lse, opts)
 
             times[mode] = (timer(torch, fb, args.repeat), timer(torch, bwd, args.repeat))
         os.environ.pop(HOPPER_BWD_ENV, None)
@@ -93,7 +140,7 @@ def run(argv=None) -> int:
         rows.append((label, times))
     base = {m: dict(rows)["softcap 30"][m] for m in ("wgmma", "mma.sync")}
     none = {m: dict(rows)["none"][m] for m in ("wgmma", "mma.sync")}
-    print(f"\nbf16 B={B} H={H} N={N} D={D} {'causal' if args.causal else 'non-causal'}, "
+    print(f"\nbf16 {shape} {'causal' if args.causal else 'non-causal'}, "
           f"{torch.cuda.get_device_name(0)}; ms (median of {args.repeat}); ratios: over the "
           "built-in softcap's / over no mask's, same backward")
     print("| mask | f+b wgmma | f+b mma.sync | bwd wgmma | bwd mma.sync | f+b wgmma ÷ softcap "
