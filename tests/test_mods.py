@@ -300,6 +300,38 @@ def test_block_mask():
                             mod_args=(doc,))
 
 
+def test_classes_of_calls_without_block_mask_are_remembered_by_contents(monkeypatch):
+    """A call without a BlockMask evaluates the mask once per contents of its arrays: the
+    same ids again (another array, equal bits) reuse the classes; the caller's array
+    written in place, or one differing only in a zero's sign, are evaluated anew."""
+    from flashcore import _block_eval
+
+    monkeypatch.setattr(_mods, "_CLASSES", {})
+    runs = []
+    real = _block_eval.classify
+
+    def counting(*a):
+        runs.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(_block_eval, "classify", counting)
+    doc = docs(1, 300, [100, 200])
+    first = _mods.block_classes(same_doc, 1, 1, 300, 300, 128, (doc,), remember=True)
+    again = _mods.block_classes(same_doc, 1, 1, 300, 300, 128, (doc.copy(),), remember=True)
+    assert again is first and len(runs) == 1
+    doc[0, 100:] = 0  # (in place: one document now)
+    one = _mods.block_classes(same_doc, 1, 1, 300, 300, 128, (doc,), remember=True)
+    assert len(runs) == 2 and (one == _mods.FULL).all() and not (first == _mods.FULL).all()
+
+    def nonneg(b, h, i, j, x):
+        return math.copysign(1.0, x[0]) > 0
+
+    zeros = [np.zeros(1), -np.zeros(1)]
+    got = [_mods.block_classes(nonneg, 1, 1, 10, 10, 128, (z,), remember=True) for z in zeros]
+    assert len(runs) == 4 and got[0][0, 0, 0, 0] == _mods.FULL
+    assert got[1][0, 0, 0, 0] == _mods.EMPTY
+
+
 # --- bad inputs --------------------------------------------------------------------------
 
 BAD = [
