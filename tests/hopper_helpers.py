@@ -5,6 +5,7 @@ inputs on the GPU and a spy on the launches; and the user's mods of the backward
 (taking both of their mod_args: a bias table and per-token document ids)."""
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -18,6 +19,11 @@ SHAPES = [(2, 4, 2, 300, 300, "bhnd"), (1, 4, 2, 200, 333, "bnhd"),
 def rel_bias(s, b, h, i, j, table, doc):
     """A relative-position bias per query head (a score_mod reading an array)."""
     return s + table[h, i - j + table.shape[1] // 2]
+
+
+def kink(s, b, h, i, j, table, doc):
+    """The identity but for an infinite slope at s = 0 exactly (the padding's score)."""
+    return s + math.sqrt(abs(s)) * (s == 0.0)
 
 
 def same_doc(b, h, i, j, table, doc):

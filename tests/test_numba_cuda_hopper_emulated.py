@@ -83,7 +83,7 @@ else:
         rel_err,
         to64,
     )
-    from hopper_helpers import rel_bias, same_doc
+    from hopper_helpers import kink, rel_bias, same_doc
 
     import flashcore
 
@@ -517,6 +517,9 @@ else:
                  pytest.param((1, 2, 1, 300, 300, 128, "float16", True, "bnhd"), "doc",
                               marks=pytest.mark.slow),
                  pytest.param((1, 2, 2, 150, 200, 64, "float16", True, "bhnd"), "rel",
+                              marks=pytest.mark.slow),
+                 # (an infinite slope at the padding's score 0: rows past Nq, keys past Nk)
+                 pytest.param((1, 2, 1, 150, 170, 64, "float16", True, "bhnd"), "kink",
                               marks=pytest.mark.slow)]
 
     @pytest.mark.parametrize("c,mods", USER_RUNS, ids=lambda x: (
@@ -530,7 +533,8 @@ else:
         doc[:, 100:256] = 1
         doc[:, 256:] = 2
         opts = dict(causal=causal, layout=layout, mod_args=(table, doc),
-                    score_mod=rel_bias if "rel" in mods else None,
+                    score_mod=(rel_bias if "rel" in mods else kink if mods == "kink"
+                               else None),
                     mask_mod=same_doc if "doc" in mods else None)
         _backward_against_oracle(emulated, (do, q, k, v), dtype, opts, floors=True)
 

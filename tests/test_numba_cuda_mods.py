@@ -63,12 +63,20 @@ def squared(s, b, h, i, j, doc):
     return s * s * 0.25 + (0.5 if doc[b, j] == 0 else 0.0)
 
 
+def kink(s, b, h, i, j):
+    """The identity, but for a slope that is infinite at s = 0 exactly: the score of a
+    tile's padding (zero rows of Q or K) and of nothing else here. What a kernel computes
+    past the ends or under a mask must not reach the gradients (0 x inf)."""
+    return s + math.sqrt(abs(s)) * (s == 0.0)
+
+
 #: "hdocs": the two cuts between each query head's three documents (shifted by the batch
 #: index): within a GQA group of two, each head sees block rows the other does not.
 HEAD_CUTS = ((16, 32), (8, 24), (12, 28), (20, 35))
 
 # (shapes; mods: "rel" bias table, "cap", "doc" ids, "prefix" lengths, "sq" nonlinear,
-# "hdocs" documents per query head; built-ins: causal, window, softcap, alibi)
+# "hdocs" documents per query head, "kink" an infinite slope at 0; built-ins: causal,
+# window, softcap, alibi)
 SIMT_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=13, Nk=19, D=8, dtype="float32", causal=True, layout="bhnd",
          mods="rel"),
@@ -92,6 +100,10 @@ SIMT_CASES = [
          mods="hdocs", cuts=HEAD_CUTS, cb=8),
     dict(B=2, Hq=4, Hkv=2, Nq=40, Nk=40, D=4, dtype="float32", causal=False, layout="bnhd",
          mods="blocks", split=18, cb=8, block_mask=True),
+    # (tails: Nq, Nk past a tile's end; causal: masked scores. fp16: the float32 twin, whose
+    # NumPy scalars divide by zero as a GPU does, where the simulator's Python floats raise)
+    dict(B=1, Hq=2, Hkv=1, Nq=21, Nk=27, D=8, dtype="float16", causal=True, layout="bhnd",
+         mods="kink"),
 ]
 TC_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=52, D=32, dtype="bfloat16", causal=True, layout="bhnd",
@@ -107,6 +119,8 @@ TC_CASES = [
     # (cb 8 below the 16-row steps: a narrowed query range starts on its step's grid)
     dict(B=1, Hq=4, Hkv=2, Nq=48, Nk=48, D=32, dtype="bfloat16", causal=False, layout="bhnd",
          mods="hdocs", cuts=HEAD_CUTS, cb=8, block_mask="heads"),
+    dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=70, D=32, dtype="float16", causal=True, layout="bhnd",
+         mods="kink"),
 ]
 
 
@@ -162,6 +176,8 @@ def _mods(c, rng):
         args.append(np.arange(3, 3 + 4 * B, 4).astype(np.int64))
     if "hyp" in names:
         score_mod = hypot_mod
+    if "kink" in names:
+        score_mod = kink
     if "sq" in names:
         score_mod = squared
         args.append((rng.random((B, Nk)) < 0.5).astype(np.int32))
@@ -402,6 +418,12 @@ GPU_CASES = [
     # head dim 256: the wgmma dK/dV kernel's two blocks per key tile, each half the columns
     dict(B=1, Hq=2, Hkv=1, Nq=300, Nk=330, D=256, dtype="bfloat16", causal=True,
          layout="bhnd", mods="doc"),
+    # an infinite slope at the padding's score 0 (rows and keys past a tile's end; causal):
+    # wgmma at D=128 on an H100/H200, mma.sync elsewhere, and SIMT fp32
+    dict(B=1, Hq=2, Hkv=1, Nq=300, Nk=333, D=128, dtype="bfloat16", causal=True,
+         layout="bhnd", mods="kink"),
+    dict(B=1, Hq=2, Hkv=1, Nq=77, Nk=90, D=64, dtype="float32", causal=True,
+         layout="bhnd", mods="kink"),
 ]
 
 

@@ -321,8 +321,13 @@ def user_score(x, b, h, i, j, Nq, Nk, unit, inv, value, args):
 def user_score_slope(x, b, h, i, j, Nq, Nk, unit, inv, value_slope, args):
     """``(score, d score / d x)``: :func:`user_score` and the derivative the backward's dS
     takes (in natural units, the same in the kernel's), from one call of ``value_slope``
-    (:mod:`.user_mods`)."""
+    (:mod:`.user_mods`). Past the ends (a tile's padding: rows whose lse is -inf, keys
+    masked) ``(x, 0)``: what the user's function gives at the last row or key for a score
+    of 0 (the padding's zero rows) may be infinite or NaN (``sqrt(abs(s))``'s slope), and
+    P = 0 times it would carry NaN into dK and dV, or dQ."""
     v, d = value_slope(x * inv, b, h, min(i, Nq - 1), min(j, Nk - 1), args)
+    if i >= Nq or j >= Nk:
+        return x, float32(0.0)
     return v * unit, d
 
 

@@ -271,6 +271,8 @@ def make_attn_backward_dkdv(v):
                                                      RIGHT)) or (
                             partial and not user_keeps(b, h, i, k0 + row, Nq, Nk, KEEPS, margs)):
                         p = float32(0.0)
+                        if SMOD:  # (compile-time) a hidden score's slope need not be finite
+                            g = float32(0.0)
                     smem[P_OFF + col * LDP + row] = p
                     ds = p * (dp[a, bb] - dl)
                     if GRAD:
@@ -463,6 +465,8 @@ def make_attn_backward_dq(v):
                                                            CAUSAL, LEFT, RIGHT)) or (
                             partial and not user_keeps(b, h, i, n0 + col, Nq, Nk, KEEPS, margs)):
                         p = float32(0.0)
+                        if SMOD:  # (compile-time) a hidden score's slope need not be finite
+                            g = float32(0.0)
                     ds = p * (dp[a, bb] - dl[a])
                     if GRAD:
                         ds *= g

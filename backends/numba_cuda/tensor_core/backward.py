@@ -140,6 +140,8 @@ def dkdv_scores_masked(s, dp, lse, delta, lbase, lsn, dbase, m0, Nq, j0, causal_
                 if hides(i, j, causal_offset, CAUSAL, LEFT, RIGHT) or (
                         MMOD and not user_keeps(b, h, i, j, Nq, Nk, keeps, margs)):
                     p = float32(0.0)
+                    if SMOD:  # (compile-time) a hidden score's slope need not be finite
+                        g = float32(0.0)
                 s[x] = p
                 dp[x] = chain(p * (dp[x] - dl), g, CAP or SMOD)
 
@@ -188,6 +190,8 @@ def dq_scores_masked(s, dp, base, ls, dl, n0, Nk, i, causal_offset, sl2, CAUSAL,
             if not visible(i, j, Nk, causal_offset, CAUSAL, LEFT, RIGHT) or (
                     MMOD and not user_keeps(b, h, i, j, Nq, Nk, keeps, margs)):
                 p = float32(0.0)
+                if SMOD:  # (compile-time) a hidden score's slope need not be finite
+                    g = float32(0.0)
             dp[x] = chain(p * (dp[x] - dl), g, CAP or SMOD)
 
 
