@@ -508,6 +508,35 @@ else:
                                              backend="reference", **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
+    #: A mask_mod on the overlapped forward (tilings.MASK_MOD_TILES): documents [0, 100) and
+    #: [256, 300) one document, [100, 256) another, so that query block 2 sees key block 0
+    #: in part, block 1 not at all (an EMPTY tile inside its range: every score hidden) and
+    #: block 2 whole; GQA, and a score_mod beside it. (B, Hq, Hkv, Nq, Nk, D, dtype, causal,
+    #: layout), score_mod.
+    MASK_RUNS = [((1, 2, 1, 300, 300, 64, "bfloat16", False, "bhnd"), None),
+                 pytest.param((1, 2, 2, 300, 300, 128, "float16", True, "bnhd"), rel_bias,
+                              marks=pytest.mark.slow)]
+
+    @pytest.mark.parametrize("c,smod", MASK_RUNS, ids=lambda x: (
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) else getattr(x, "__name__", "-")))
+    def test_mask_mod_overlapped_forward(emulated, monkeypatch, c, smod):
+        """The overlapped wgmma forward (g2n64o) with a mask_mod against the float64
+        reference, lse too."""
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        monkeypatch.setitem(tilings.MASK_MOD_TILES, D, tilings.HopperTiles(2, 64, True))
+        q, k, v, _ = _inputs(c)
+        table = np.random.default_rng(3).standard_normal((Hq, 601)).astype(np.float32)
+        doc = np.zeros((B, 300), np.int32)
+        doc[:, 100:256] = 1
+        opts = dict(causal=causal, layout=layout, mod_args=(table, doc), score_mod=smod,
+                    mask_mod=same_doc)
+        o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
+        assert emulated == ["attn_forward_wgmma"] and "g2n64o" in emulated.tags[0], (
+            emulated.tags)
+        ro, rl = flashcore.attention_forward(*(to64(x) for x in (q, k, v)),
+                                             backend="reference", **opts)
+        _check_forward(o, lse, ro, rl, dtype)
+
     #: The user's mods on the wgmma backward (dK/dV and dQ): a score_mod (its derivative
     #: from the forward-mode twin), a mask_mod whose documents ([0, 100), [100, 256),
     #: [256, 300)) leave empty tiles (skipped: the dK/dV kernel's class range and steps,

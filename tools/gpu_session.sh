@@ -37,6 +37,8 @@
 #   mods    tools/mods_backward.py: the user's score_mod / mask_mod and the built-in softcap,
 #           forward+backward on the wgmma backward and on the mma.sync one, checked against
 #           each other (issue 14); $MODS_ARGS (e.g. --head-dim 64 --repeat 5)
+#   maskfwd tools/mask_mod_forward.py: a forward with a mask_mod without the overlap and
+#           overlapped, checked against each other and timed; $MASKFWD_ARGS
 #   cpu     the host CPU: tools/cpu_scaling.py $CPU_ARGS (numba_cpu and SDPA by thread count),
 #           then python -m flashcore bench --device cpu $CPU_BENCH_ARGS (empty: skip)
 #   compile tools/compile_times.py $COMPILE_ARGS: each kernel variant's cold compile and warm
@@ -56,7 +58,7 @@
 # Each stage has a timeout (TEST_TIMEOUT, BENCH_TIMEOUT, ...; below): one device call may
 # run 10 minutes in all, setup and precompile included. See tools/README.md.
 set -u
-STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd mods cpu compile"
+STAGES="tests bench tune sweep host ncu sass ring packed wgmma hopper hopper_bwd mods maskfwd cpu compile"
 if [ $# -eq 0 ]; then
   echo "usage: bash tools/gpu_session.sh STAGE... (stages: $STAGES)"; exit 2
 fi
@@ -240,6 +242,10 @@ stage_mods() {
   timeout "${MODS_TIMEOUT:-300}" python3 tools/mods_backward.py ${MODS_ARGS:-}
 }
 
+stage_maskfwd() {
+  timeout "${MASKFWD_TIMEOUT:-300}" python3 tools/mask_mod_forward.py ${MASKFWD_ARGS:-}
+}
+
 stage_cpu() {
   timeout "${CPU_TIMEOUT:-300}" python3 tools/cpu_scaling.py ${CPU_ARGS:-} || return
   if [ -n "${CPU_BENCH_ARGS:-}" ]; then
@@ -279,7 +285,7 @@ result() {  # one line for the summary table
   compile) grep -hE "^(cold|warm):|^main job" "$log" | cut -c1-40 | xargs ;;
   hopper) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                "$(grep -cE '^check .*: FAIL' "$log") failed (hopper.json)" ;;
-  mods)  echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
+  mods|maskfwd)  echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
               "$(grep -cE '^check .*: FAIL' "$log") failed" ;;
   hopper_bwd) echo "$(grep -cE '^check .*: pass' "$log") checks passed," \
                    "$(grep -cE '^check .*: (FAIL|ERROR)' "$log") failed (hopper_bwd.json)" ;;

@@ -233,7 +233,8 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         # than they save: TMA_MIN_WORK)
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False,
                                                    persistent=False, dynamic=False))
-    if masked and kernel == "forward":  # (a producer of cp.async copies takes no masks)
+    if masked and kernel == "forward" and not (user and user.mask_mod):  # (a mask_mod's
+        # tiling is choose_hopper's; a producer of cp.async copies takes no masks)
         t = tilings.masked_tiles(t, score_mod, bool(softcap), bool(window), head_dim,
                                  alibi=alibi)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,

@@ -46,6 +46,7 @@ from ..device.constants import (
     DENSE,
     EMPTY,
     FLT_MIN,
+    FULL,
     HEAD_GROUP,
     LOG2E,
     NEG_INF,
@@ -361,9 +362,6 @@ def make_attn_forward_wgmma(var):
         raise ValueError(f"the wgmma forward takes dense or varlen rows, no KV cache and no "
                          f"split-KV: {var.tag}")
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)  # the user's score_mod, mask_mod
-    if MMOD and t.overlap:
-        raise ValueError(f"a mask_mod's empty tiles are skipped in the schedule without the "
-                         f"overlap only: {var.tag}")
     if t.stages != 2 or t.producer:  # (the ping-pong forward has its own factory)
         raise ValueError(f"the overlapped wgmma forward double-buffers K and V, with no "
                          f"producer warpgroup: {var.tag}")
@@ -525,8 +523,12 @@ def make_attn_forward_wgmma(var):
                                 at + K_OFF, KSTEPS, BM, BN)
                 sacc = wgmma_wait_group_acc(0, sacc)
                 acc_to_local(sacc, s)
+                partial = False
+                if MMOD:  # (compile-time) a tile of the range that is not FULL takes the
+                    # mask_mod per score (an EMPTY one too: every score hidden)
+                    partial = tile_class(cls, cbase, csq, q0, BM, Nq, n_begin, BN, Nk) != FULL
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
-                    s, n_begin, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h,
+                    s, n_begin, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h,
                     tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
                     LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 pack_p(BF16, pf, s, NP)  # (O is still zero: nothing to rescale)
@@ -547,8 +549,11 @@ def make_attn_forward_wgmma(var):
                                at + V_OFF + ((it - 1) & 1) * KV_BYTES, PSTEPS, V_LBO)
                 sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
                 acc_to_local(sacc, s)
+                partial = False
+                if MMOD:  # (compile-time) as for the first tile
+                    partial = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk) != FULL
                 ma, mb, la, lb, al0, al1 = softmax_tile_mods(
-                    s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk, causal_offset, b, h, tq,
+                    s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h, tq,
                     ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
                     RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
                 acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)

@@ -416,9 +416,17 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
     return HOPPER_ALIGN + (2 * t.block_m + streamed) * head_dim * 2 + ds + stats
 
 
-#: The wgmma forward's tiling for variants with a mask_mod: a schedule without the overlap
-#: (an empty tile is skipped between its copies and the next tile's).
+#: The wgmma forward's tiling for variants with a mask_mod, where :data:`MASK_MOD_TILES`
+#: has none for the head dim: a schedule without the overlap (an empty tile is skipped
+#: between its copies and the next tile's).
 HOPPER_MASK_MOD = HopperTiles(2, 64)
+#: Per head dim, an overlapped tiling a forward with a mask_mod takes instead: it visits the
+#: key range the classes leave (``seams.visited_keys``) and takes the mask_mod per score on
+#: each tile of it that is not FULL (an EMPTY one inside the range has every score hidden,
+#: its products not skipped). ptxas 13.0 (bf16, a document mask_mod): g2n64o 187-251
+#: registers, no spills at D=64 and 128 (the masked tilings' g1n128ob3 and g2n128o spill
+#: 92-288 bytes with it; D=256's g2n64o 120).
+MASK_MOD_TILES: dict = {}
 
 
 #: The wgmma backward's tilings with a softcap, per (kernel, head dim) where the table's
@@ -479,7 +487,7 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
         if varlen:
             t = HOPPER_BWD_USER_VARLEN.get((kernel, head_dim, bool(causal)), t)
     if t is not None and mask_mod and t.overlap and kernel == "forward":
-        t = HOPPER_MASK_MOD
+        t = MASK_MOD_TILES.get(head_dim, HOPPER_MASK_MOD)
     return t
 
 

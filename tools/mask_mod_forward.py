@@ -1,0 +1,103 @@
+"""A forward with a mask_mod on an H100/H200: the schedule without the overlap
+(``tilings.HOPPER_MASK_MOD``, g2n64, empty tiles skipped) against the overlapped one
+(``tilings.MASK_MOD_TILES``' candidate, g2n64o: the classes' key range, every tile of it
+computed), side by side in one process, each checked against the other and timed.
+
+Cases (bf16, B=4 H=16 N=8192, ``--head-dims``, non-causal unless ``--causal``): 8 equal
+documents (every visited tile full; a ``block_mask`` made once, untimed) and 8 documents
+of unequal lengths (their edges inside 128-blocks: partial tiles); the unmasked forward
+(the default tiling) for the ratios. Times: CUDA events around ``attention_forward``
+(``hopper_forward.timer``: median of ``--repeat`` after 3 warm-up calls). The table comes
+last: ms, and the time over the unmasked forward's.
+
+Usage: python tools/mask_mod_forward.py [--repeat 10] [--head-dims 128] [--causal]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from hopper_forward import environment, timer  # (tools/ is the script's directory)
+
+CANDIDATE = (2, 64, True)  # g2n64o
+
+
+def docs(B, N, lengths):
+    ids = np.repeat(np.arange(len(lengths)), lengths)[:N]
+    return np.ascontiguousarray(np.broadcast_to(ids, (B, N)).astype(np.int32))
+
+
+def run(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--head-dims", default="128")
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args(argv)
+    torch, flashcore, launch = environment()
+    from flashcore.backends.numba_cuda.hopper import tilings
+
+    from flashcore.bench.masks import same_doc
+
+    B, H, N = 4, 16, 8192
+    rows, failed = [], False
+    for D in (int(x) for x in args.head_dims.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(D)
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                   for _ in range(3))
+        base = dict(causal=args.causal, backend="numba_cuda")
+        none = timer(torch, lambda: flashcore.attention_forward(q, k, v, **base), args.repeat)
+        rng = np.random.default_rng(0)
+        cuts = np.sort(rng.choice(np.arange(1, N), 7, replace=False))
+        cases = {"8 equal documents": docs(B, N, [N // 8] * 8),
+                 "8 unequal documents": docs(B, N, np.diff(np.r_[0, cuts, N]))}
+        for label, ids in cases.items():
+            bm = flashcore.create_block_mask(same_doc, B, None, N, N, mod_args=(ids,))
+            opts = dict(base, mask_mod=same_doc, mod_args=(torch.from_numpy(ids).cuda(),),
+                        block_mask=bm)
+            out, ms = {}, {}
+            for name, tiles in (("g2n64", None), ("g2n64o", tilings.HopperTiles(*CANDIDATE))):
+                tilings.MASK_MOD_TILES.clear()
+                if tiles is not None:
+                    tilings.MASK_MOD_TILES[D] = tiles
+                launch._PLANS.clear()
+                tags = []
+                real = launch.launch_forward
+
+                def spy(kern, *a, real=real, **kw):
+                    tags.append(kern._dispatcher.py_func.__qualname__)
+                    return real(kern, *a, **kw)
+
+                launch.launch_forward = spy
+                out[name] = flashcore.attention_forward(q, k, v, **opts)
+                launch.launch_forward = real
+                if not (len(tags) == 1 and f"_{name}_" in tags[0]):
+                    print(f"check D={D} {label} {name}: FAIL ran {tags}", flush=True)
+                    failed = True
+                ms[name] = timer(torch, lambda: flashcore.attention_forward(q, k, v, **opts),
+                                 args.repeat)
+            tilings.MASK_MOD_TILES.clear()
+            launch._PLANS.clear()
+            (o1, l1), (o2, l2) = out["g2n64"], out["g2n64o"]
+            diff = float((o1.float() - o2.float()).norm() / o1.float().norm())
+            fin = torch.isfinite(l1)
+            ok = (diff < 1e-2 and bool(torch.equal(fin, torch.isfinite(l2)))
+                  and float((l1[fin] - l2[fin]).abs().max()) < 1e-3
+                  and bool(torch.isfinite(o2).all()))
+            failed |= not ok
+            print(f"check D={D} {label}: {'pass' if ok else 'FAIL'} (o {diff:.2e})", flush=True)
+            rows.append((D, label, none, ms))
+    print(f"\nbf16 B={B} H={H} N={N} {'causal' if args.causal else 'non-causal'}, "
+          f"{torch.cuda.get_device_name(0)}; forward ms (median of {args.repeat}), and over the "
+          "unmasked forward's")
+    print("| D | mask | unmasked | g2n64 (skips) | g2n64o (overlap) | g2n64 / unmasked "
+          "| g2n64o / unmasked |")
+    print("|---|---|---|---|---|---|---|")
+    for D, label, none, ms in rows:
+        print(f"| {D} | {label} | {none:.3f} | {ms['g2n64']:.3f} | {ms['g2n64o']:.3f} "
+              f"| {ms['g2n64'] / none:.3f} | {ms['g2n64o'] / none:.3f} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
