@@ -20,8 +20,6 @@ import sys
 import numpy as np
 from hopper_forward import environment, timer  # (tools/ is the script's directory)
 
-CANDIDATE = (2, 64, True)  # g2n64o
-
 
 def docs(B, N, lengths):
     ids = np.repeat(np.arange(len(lengths)), lengths)[:N]
@@ -33,7 +31,10 @@ def run(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--candidate", default="2,64,1",
+                    help="warpgroups,keys,overlap of the overlapped tiling (g2n64o)")
     args = ap.parse_args(argv)
+    cand = tuple(int(x) for x in args.candidate.split(","))
     torch, flashcore, launch = environment()
     from flashcore.backends.numba_cuda.hopper import tilings
 
@@ -56,7 +57,8 @@ def run(argv=None) -> int:
             opts = dict(base, mask_mod=same_doc, mod_args=(torch.from_numpy(ids).cuda(),),
                         block_mask=bm)
             out, ms = {}, {}
-            for name, tiles in (("g2n64", None), ("g2n64o", tilings.HopperTiles(*CANDIDATE))):
+            for name, tiles in (("g2n64", None), ("g2n64o", tilings.HopperTiles(
+                    cand[0], cand[1], bool(cand[2])))):
                 tilings.MASK_MOD_TILES.clear()
                 if tiles is not None:
                     tilings.MASK_MOD_TILES[D] = tiles
@@ -71,7 +73,8 @@ def run(argv=None) -> int:
                 launch.launch_forward = spy
                 out[name] = flashcore.attention_forward(q, k, v, **opts)
                 launch.launch_forward = real
-                if not (len(tags) == 1 and f"_{name}_" in tags[0]):
+                want = name if tiles is None else tiles.tag
+                if not (len(tags) == 1 and f"_{want}_" in tags[0]):
                     print(f"check D={D} {label} {name}: FAIL ran {tags}", flush=True)
                     failed = True
                 ms[name] = timer(torch, lambda: flashcore.attention_forward(q, k, v, **opts),
