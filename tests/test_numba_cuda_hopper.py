@@ -621,14 +621,19 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
     monkeypatch.setenv(launch.HOPPER_ENV, "1")
     assert launch.hopper_serves(case, 0)
     assert not launch.hopper_serves(_case(D=32), 0)
-    # masks and score modifiers: the wgmma forward too (a mask_mod: without the overlap)
+    # masks and score modifiers: the wgmma forward too (a mask_mod alone: MASK_MOD_TILES'
+    # overlapped tiling; with other mods, without the overlap)
     assert launch.hopper_serves(_case(window=(8, 0)), 0)
     assert launch.hopper_serves(_case(softcap=20.0), 0)
     plain = launch.hopper_variant(64, "float16", True)
     assert plain.tiles.overlap
     mm = launch.hopper_variant(64, "float16", True, user=pytypes.SimpleNamespace(
         score_mod=None, mask_mod=lambda b, h, i, j: True))
-    assert not mm.tiles.overlap and mm.tiles == tilings.HOPPER_MASK_MOD
+    assert mm.tiles == tilings.MASK_MOD_TILES[(64, False)] and mm.tiles.overlap
+    mm = launch.hopper_variant(64, "float16", True, window=(9, 0),
+                               user=pytypes.SimpleNamespace(score_mod=None,
+                                                            mask_mod=lambda b, h, i, j: True))
+    assert mm.tiles == tilings.HOPPER_MASK_MOD
     # varlen rows: the forward and the backward; a KV cache: neither
     assert launch.hopper_variant(64, "float16", True, packed="varlen").packed == "varlen"
     assert launch.hopper_variant(64, "float16", True, "dq", packed="varlen").packed == "varlen"
@@ -743,11 +748,12 @@ def _mod_variants():
     64-key tiles), one per kind, each on another head dim, dtype and causal mode; varlen
     rows (packed sequences) too, at D=64 on the table's 192-key bulk copies."""
     from flashcore.backends.numba_cuda.variant import UserMods
-    from test_numba_cuda_mods import _takes_all, prefix_lm, rel_bias
+    from test_numba_cuda_mods import _takes_all, prefix_lm, rel_bias, same_doc
 
     user = UserMods(_takes_all(rel_bias, 0, 2), _takes_all(prefix_lm, 1, 2),
                     (("float32", 2), ("int64", 1)))
     smod = UserMods(_takes_all(rel_bias, 0, 2), None, (("float32", 2), ("int64", 1)))
+    mmod = UserMods(None, same_doc, (("int32", 2),))
     return [("window", dict(window=(200, 100)), 128, "bfloat16", True),
             ("softcap", dict(softcap=30.0), 128, "bfloat16", False),
             ("alibi", dict(alibi=True), 128, "bfloat16", False),
@@ -761,7 +767,9 @@ def _mod_variants():
             ("window256+cap", dict(window=(200, 100), softcap=30.0), 256, "bfloat16", True),
             ("varlen256+user", dict(packed="varlen", user=user), 256, "float16", False),
             ("varlen64", dict(packed="varlen"), 64, "bfloat16", False),
-            ("score_mod64", dict(user=smod, alibi=True), 64, "bfloat16", True)]
+            ("score_mod64", dict(user=smod, alibi=True), 64, "bfloat16", True),
+            ("mask_mod", dict(user=mmod), 128, "bfloat16", False),
+            ("mask_mod64", dict(user=mmod), 64, "float16", True)]
 
 
 @pytest.mark.parametrize("which", [
@@ -769,18 +777,22 @@ def _mod_variants():
     for i, name in enumerate(["window", "softcap", "alibi", "varlen", "varlen64+window",
                               "softcap64", "score_mod", "alibi+cap", "user", "user+window",
                               "window256+cap", "varlen256+user", "varlen64",
-                              "score_mod64"])])
+                              "score_mod64", "mask_mod", "mask_mod64"])])
 def test_ptx_sm90a_with_mods(sm90, which):
     """The wgmma forward with masks and score modifiers compiles for sm_90a with the
     launch's parameters, no local memory and (ptxas) no spills nor serialized wgmmas; a
-    mask_mod takes the schedule without the overlap."""
+    mask_mod alone takes tilings.MASK_MOD_TILES' overlapped tiling at D=64 and 128, with
+    other mods the schedule without the overlap."""
     from test_numba_cuda_wgmma import _ptxas
 
     name, opts, d, dtype, causal = _mod_variants()[which]
     v = launch.hopper_variant(d, dtype, causal, **opts)
     user = opts.get("user")
     mm = user is not None and user.mask_mod is not None
-    assert not (mm and v.tiles.overlap), v.tag
+    if mm:
+        alone_mm = set(opts) == {"user"} and user.score_mod is None
+        assert v.tiles == tilings.MASK_MOD_TILES.get((d, not alone_mm),
+                                                     tilings.HOPPER_MASK_MOD), v.tag
     # ping-pong: D=128's table (D=64's is g1n128ob3), but a window with other mods
     # (WINDOW_TILES) or user mods (the overlap); a window alone, WINDOW_PERSISTENT's, and
     # varlen rows alone VARLEN_PERSISTENT's where it has one (causal)
@@ -807,9 +819,10 @@ def test_ptx_sm90a_with_mods(sm90, which):
     # variant spills 948 bytes); the relative-bias score_mod alone at head dim 128, in the
     # overlapped schedule, 304 (in ping-pong 392); both user mods at head dim 256 (O alone
     # is 128 registers), 256 (252 before the epilogue through shared memory, 943c649);
-    # every other variant none.
-    assert spilled <= {"user+window": 64, "score_mod": 304, "varlen256+user": 256}.get(
-        name, 0), (v.tag, report)
+    # a document mask_mod alone at head dim 128 in g2n128o (MASK_MOD_TILES, measured faster
+    # than g2n64o's no spills), 48 (92 bytes of loads); every other variant none.
+    assert spilled <= {"user+window": 64, "score_mod": 304, "varlen256+user": 256,
+                       "mask_mod": 64}.get(name, 0), (v.tag, report)
     assert "C7519" not in report, "ptxas serialized wgmmas (registers touched between them)"
 
 

@@ -523,7 +523,8 @@ else:
         """The overlapped wgmma forward (g2n64o) with a mask_mod against the float64
         reference, lse too."""
         B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
-        monkeypatch.setitem(tilings.MASK_MOD_TILES, D, tilings.HopperTiles(2, 64, True))
+        monkeypatch.setitem(tilings.MASK_MOD_TILES, (D, smod is not None),
+                            tilings.HopperTiles(2, 64, True))
         q, k, v, _ = _inputs(c)
         table = np.random.default_rng(3).standard_normal((Hq, 601)).astype(np.float32)
         doc = np.zeros((B, 300), np.int32)

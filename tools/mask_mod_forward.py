@@ -41,6 +41,7 @@ def run(argv=None) -> int:
     from flashcore.bench.masks import same_doc
 
     B, H, N = 4, 16, 8192
+    saved = dict(tilings.MASK_MOD_TILES)
     rows, failed = [], False
     for D in (int(x) for x in args.head_dims.split(",")):
         g = torch.Generator(device="cuda").manual_seed(D)
@@ -61,7 +62,7 @@ def run(argv=None) -> int:
                     cand[0], cand[1], bool(cand[2])))):
                 tilings.MASK_MOD_TILES.clear()
                 if tiles is not None:
-                    tilings.MASK_MOD_TILES[D] = tiles
+                    tilings.MASK_MOD_TILES[(D, False)] = tiles
                 launch._PLANS.clear()
                 tags = []
                 real = launch.launch_forward
@@ -80,6 +81,7 @@ def run(argv=None) -> int:
                 ms[name] = timer(torch, lambda: flashcore.attention_forward(q, k, v, **opts),
                                  args.repeat)
             tilings.MASK_MOD_TILES.clear()
+            tilings.MASK_MOD_TILES.update(saved)
             launch._PLANS.clear()
             (o1, l1), (o2, l2) = out["g2n64"], out["g2n64o"]
             diff = float((o1.float() - o2.float()).norm() / o1.float().norm())

@@ -210,9 +210,9 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
             or (kernel == "dkdvq" and (mods or head_dim > 128))):
         return None
     score_mod = user is not None and user.score_mod is not None
+    beside = bool(softcap) or score_mod or (kernel == "forward" and bool(window or alibi))
     t = tilings.choose_hopper(head_dim, causal, kernel,
-                              user is not None and user.mask_mod is not None,
-                              bool(softcap) or (score_mod and kernel != "forward"),
+                              user is not None and user.mask_mod is not None, beside,
                               masked, long_keys and tma_ok and not masked,
                               tma_ok and not (masked or packed), user is not None,
                               packed == "varlen")

@@ -420,13 +420,20 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
 #: has none for the head dim: a schedule without the overlap (an empty tile is skipped
 #: between its copies and the next tile's).
 HOPPER_MASK_MOD = HopperTiles(2, 64)
-#: Per head dim, an overlapped tiling a forward with a mask_mod takes instead: it visits the
-#: key range the classes leave (``seams.visited_keys``) and takes the mask_mod per score on
-#: each tile of it that is not FULL (an EMPTY one inside the range has every score hidden,
-#: its products not skipped). ptxas 13.0 (bf16, a document mask_mod): g2n64o 187-251
-#: registers, no spills at D=64 and 128 (the masked tilings' g1n128ob3 and g2n128o spill
-#: 92-288 bytes with it; D=256's g2n64o 120).
-MASK_MOD_TILES: dict = {}
+#: Per (head dim, with a score_mod too), an overlapped tiling a forward with a mask_mod takes
+#: instead: it visits the key range the classes leave (``seams.visited_keys``) and takes the
+#: mask_mod per score on each tile of it that is not FULL (an EMPTY one inside the range has
+#: every score hidden, its products not skipped). H200, B=4 H=16 N=8192 bf16 non-causal,
+#: documents by a mask_mod with a block_mask, forward time over the unmasked forward's
+#: (`tools/mask_mod_forward.py`, 7b24184-64ca341; 8 equal documents / 8 unequal ones):
+#: D=128 g2n64 0.359-0.364 / 0.662-0.673, g2n64o 0.329 / 0.589, **g2n128o 0.281 / 0.533**
+#: (ptxas 13.0: 92-136 bytes of spills with a document mask_mod); D=64 g2n64 0.436 / 0.790,
+#: **g2n64o 0.388 / 0.705** (no spills). With a score_mod beside it g2n128o spills 1088
+#: bytes at D=128 (a table-reading one) and g2n64o 8-16: not timed, so those keep
+#: :data:`HOPPER_MASK_MOD`, as do a window, the softcap or ALiBi beside the mask_mod (the
+#: key's second field) and D=256 (g2n64o spills 120 bytes there).
+MASK_MOD_TILES: dict = {(64, False): HopperTiles(2, 64, True),
+                        (128, False): HopperTiles(2, 128, True)}
 
 
 #: The wgmma backward's tilings with a softcap, per (kernel, head dim) where the table's
@@ -466,7 +473,8 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   varlen: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
     (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one or
-    with a score_mod (both keep each score's derivative through the step); ``masked``: of
+    with a score_mod (both keep each score's derivative through the step), of a forward
+    with a mask_mod, any other mask or modifier beside it; ``masked``: of
     a backward kernel with a window, the softcap, ALiBi or the user's mods (a forward's
     masks and modifiers: :func:`masked_tiles`); ``long_keys``: of a forward of
     :data:`LONG_KEYS_MIN` keys or more; ``dense``: of a forward of a dense
@@ -487,7 +495,7 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
         if varlen:
             t = HOPPER_BWD_USER_VARLEN.get((kernel, head_dim, bool(causal)), t)
     if t is not None and mask_mod and t.overlap and kernel == "forward":
-        t = MASK_MOD_TILES.get(head_dim, HOPPER_MASK_MOD)
+        t = MASK_MOD_TILES.get((head_dim, bool(softcap)), HOPPER_MASK_MOD)
     return t
 
 
