@@ -60,12 +60,14 @@ if not SIM:
         # at D=64, about 10-40 s on a loaded 2-core host, and the barriers' own tests,
         # about 5 s; the non-deterministic backward's first case, about 50 s; the
         # windowed backward's, about 50 s; the softcap forward's first case, about 20 s;
-        # the user's mods' backward, its first case)
+        # the user's mods' backward, its first case; a mask_mod on the overlapped forward,
+        # its first case, about 50 s)
         pytest.param(f"(forward_and_backward and {_id(CASES[0])}) or (pingpong_forward and "
                      f"not slow) or (varlen_pingpong_bulk_copies and not producer) or "
                      f"barrier or (fused_backward and not slow) or "
                      f"(window_backward and not slow) or (softcap_forward and not slow) or "
-                     f"(user_mods_backward and not slow) or wgmma_emulation", id="ci"),
+                     f"(user_mods_backward and not slow) or (mask_mod_overlapped and not "
+                     f"slow) or wgmma_emulation", id="ci"),
         pytest.param("", id="all", marks=pytest.mark.slow)])  # (about 7 min)
     def test_hopper_kernels_under_simulator(only, request):
         """Runs the cases below in a subprocess with the simulator on (CI: the first)."""
@@ -512,19 +514,22 @@ else:
     #: [256, 300) one document, [100, 256) another, so that query block 2 sees key block 0
     #: in part, block 1 not at all (an EMPTY tile inside its range: every score hidden) and
     #: block 2 whole; GQA, and a score_mod beside it. (B, Hq, Hkv, Nq, Nk, D, dtype, causal,
-    #: layout), score_mod.
-    MASK_RUNS = [((1, 2, 1, 300, 300, 64, "bfloat16", False, "bhnd"), None),
+    #: layout), score_mod, tiling (the table's at D=128: g2n128o).
+    MASK_RUNS = [((1, 2, 1, 300, 300, 64, "bfloat16", False, "bhnd"), None, (2, 64)),
                  pytest.param((1, 2, 2, 300, 300, 128, "float16", True, "bnhd"), rel_bias,
-                              marks=pytest.mark.slow)]
+                              (2, 64), marks=pytest.mark.slow),
+                 pytest.param((1, 2, 1, 300, 300, 128, "bfloat16", True, "bhnd"), None,
+                              (2, 128), marks=pytest.mark.slow)]
 
-    @pytest.mark.parametrize("c,smod", MASK_RUNS, ids=lambda x: (
-        "x".join(map(str, x[:6])) if isinstance(x, tuple) else getattr(x, "__name__", "-")))
-    def test_mask_mod_overlapped_forward(emulated, monkeypatch, c, smod):
-        """The overlapped wgmma forward (g2n64o) with a mask_mod against the float64
-        reference, lse too."""
+    @pytest.mark.parametrize("c,smod,wn", MASK_RUNS, ids=lambda x: (
+        "x".join(map(str, x[:6])) if isinstance(x, tuple) and len(x) > 2
+        else getattr(x, "__name__", str(x))))
+    def test_mask_mod_overlapped_forward(emulated, monkeypatch, c, smod, wn):
+        """The overlapped wgmma forward (g2n64o, g2n128o) with a mask_mod against the
+        float64 reference, lse too."""
         B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
-        monkeypatch.setitem(tilings.MASK_MOD_TILES, (D, smod is not None),
-                            tilings.HopperTiles(2, 64, True))
+        tiles = tilings.HopperTiles(*wn, True)
+        monkeypatch.setitem(tilings.MASK_MOD_TILES, (D, smod is not None), tiles)
         q, k, v, _ = _inputs(c)
         table = np.random.default_rng(3).standard_normal((Hq, 601)).astype(np.float32)
         doc = np.zeros((B, 300), np.int32)
@@ -532,7 +537,7 @@ else:
         opts = dict(causal=causal, layout=layout, mod_args=(table, doc), score_mod=smod,
                     mask_mod=same_doc)
         o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
-        assert emulated == ["attn_forward_wgmma"] and "g2n64o" in emulated.tags[0], (
+        assert emulated == ["attn_forward_wgmma"] and f"_{tiles.tag}_" in emulated.tags[0], (
             emulated.tags)
         ro, rl = flashcore.attention_forward(*(to64(x) for x in (q, k, v)),
                                              backend="reference", **opts)
