@@ -303,14 +303,16 @@ def create_block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=(), device=None):
 
 
 #: Tile classes a call computed without a BlockMask, by mask_mod, sizes, dtypes and shapes
-#: of its arrays: up to ``_PER_KEY`` (host copies of the arrays, classes) pairs each, the
-#: arrays compared bit for bit (a 512 KiB id table: ~20 µs, where hashing it took ~575):
-#: the next call with the same mask skips the evaluation, as if given the BlockMask.
+#: of its arrays, oldest first: up to ``_PER_KEY`` (host copies of the arrays, classes)
+#: pairs each, the arrays compared bit for bit (a 512 KiB id table: ~20 µs, where a digest
+#: of it took ~575): the next call with the same mask skips the evaluation, as if given the
+#: BlockMask. The copies kept take at most ``_MAX_KEPT`` bytes in all (the oldest keys go
+#: first); arrays above ``_MAX_REMEMBERED`` are keyed by a digest of their bytes instead.
 _CLASSES: dict = {}
 _MAX_CLASSES = 32
 _PER_KEY = 4
-#: Arrays larger than this in all (bytes) are not remembered (their copies kept here)
 _MAX_REMEMBERED = 64 << 20
+_MAX_KEPT = 256 << 20
 
 
 def _same_bits(a, b) -> bool:
@@ -319,23 +321,44 @@ def _same_bits(a, b) -> bool:
     return np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
 
+def _kept_bytes() -> int:
+    return sum(sum(a.nbytes for a in args) for seen in _CLASSES.values()
+               for args, _ in seen if args is not None)
+
+
+def _remember(key, entry):
+    """Keeps ``entry`` first under ``key`` (its older pairs after it, ``_PER_KEY`` in all),
+    then drops the oldest keys while there are too many or their copies take too much."""
+    seen = _CLASSES.pop(key, [])
+    _CLASSES[key] = [entry, *seen][:_PER_KEY]
+    while len(_CLASSES) > 1 and (len(_CLASSES) > _MAX_CLASSES or _kept_bytes() > _MAX_KEPT):
+        del _CLASSES[next(iter(_CLASSES))]
+
+
 def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False):
     """The (B, H, q tiles, k tiles) classes of ``mask_mod`` (host arrays for mod_args);
-    with ``remember``, kept with copies of the arrays for the next call."""
-    if remember and sum(a.nbytes for a in host_args) <= _MAX_REMEMBERED:
+    with ``remember``, kept with copies of the arrays (or a digest of large ones) for the
+    next call."""
+    if remember:
         host_args = tuple(np.ascontiguousarray(a) for a in host_args)
         key = (mask_mod, B, H, Nq, Nk, block,
                tuple((a.dtype.str, a.shape) for a in host_args))
-        seen = _CLASSES.get(key, [])
-        for args, classes in seen:
+        if sum(a.nbytes for a in host_args) > _MAX_REMEMBERED:
+            import hashlib
+
+            key += tuple(hashlib.blake2b(a.tobytes(), digest_size=16).digest()
+                         for a in host_args)
+            hit = _CLASSES.get(key)
+            if hit is None:
+                hit = [(None, block_classes(mask_mod, B, H, Nq, Nk, block, host_args))]
+                _remember(key, hit[0])
+            return hit[0][1]
+        for args, classes in _CLASSES.get(key, []):
             if all(_same_bits(a, b) for a, b in zip(args, host_args)):
                 return classes
         classes = block_classes(mask_mod, B, H, Nq, Nk, block, host_args)
-        if len(_CLASSES) >= _MAX_CLASSES:
-            _CLASSES.clear()
-            seen = []
         # (copies: a NumPy mod_args array reaches here as the caller's own)
-        _CLASSES[key] = [(tuple(a.copy() for a in host_args), classes), *seen][:_PER_KEY]
+        _remember(key, (tuple(a.copy() for a in host_args), classes))
         return classes
     from ._block_eval import classify
 

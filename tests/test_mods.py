@@ -330,6 +330,19 @@ def test_classes_of_calls_without_block_mask_are_remembered_by_contents(monkeypa
     got = [_mods.block_classes(nonneg, 1, 1, 10, 10, 128, (z,), remember=True) for z in zeros]
     assert len(runs) == 4 and got[0][0, 0, 0, 0] == _mods.FULL
     assert got[1][0, 0, 0, 0] == _mods.EMPTY
+    # the copies kept are bounded in all (the oldest keys go first), and arrays above
+    # _MAX_REMEMBERED are keyed by a digest (kept without a copy, found again)
+    monkeypatch.setattr(_mods, "_CLASSES", {})
+    monkeypatch.setattr(_mods, "_MAX_KEPT", 2 * doc.nbytes + 100)  # (two of the three)
+    for n in (300, 301, 302):
+        _mods.block_classes(same_doc, 1, 1, n, n, 128, (docs(1, n, [100, n - 100]),),
+                            remember=True)
+    assert len(_mods._CLASSES) == 2 and _mods._kept_bytes() <= 2 * doc.nbytes + 100
+    monkeypatch.setattr(_mods, "_MAX_REMEMBERED", 100)
+    before = len(runs)
+    big = [_mods.block_classes(same_doc, 1, 1, 300, 300, 128, (doc.copy(),), remember=True)
+           for _ in range(2)]
+    assert big[0] is big[1] and len(runs) == before + 1
 
 
 # --- bad inputs --------------------------------------------------------------------------

@@ -543,6 +543,28 @@ else:
                                              backend="reference", **opts)
         _check_forward(o, lse, ro, rl, dtype)
 
+    @pytest.mark.slow
+    def test_varlen_mask_mod_overlapped_forward(emulated):
+        """Packed sequences with a mask_mod alone on the overlapped forward (the table's
+        g2n64o at D=64): the third sequence's documents leave an EMPTY tile inside a query
+        tile's range; an empty sequence, one with fewer keys than queries (causal)."""
+        from packed_helpers import oracle_varlen, packed
+
+        rng = np.random.default_rng(5)
+        q, k, v, cq, ck = packed(rng, [0, 70, 290], [9, 50, 300], Hq=2, Hkv=1, D=64,
+                                 dtype="bfloat16")
+        doc = np.zeros((3, 300), np.int32)
+        doc[:, 100:256] = 1
+        table = np.zeros((2, 601), np.float32)
+        opts = dict(causal=True, mask_mod=same_doc, mod_args=(table, doc))
+        o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, backend="numba_cuda",
+                                                    **opts)
+        want = tilings.MASK_MOD_TILES[(64, False)].tag
+        assert emulated == ["attn_forward_wgmma"] and f"_{want}_" in emulated.tags[0], (
+            emulated.tags)
+        ro, rl = oracle_varlen(q, k, v, cq, ck, **opts)
+        _check_forward(o, lse, ro, rl, "bfloat16")
+
     #: The user's mods on the wgmma backward (dK/dV and dQ): a score_mod (its derivative
     #: from the forward-mode twin), a mask_mod whose documents ([0, 100), [100, 256),
     #: [256, 300)) leave empty tiles (skipped: the dK/dV kernel's class range and steps,

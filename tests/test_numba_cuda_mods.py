@@ -70,6 +70,12 @@ def kink(s, b, h, i, j):
     return s + math.sqrt(abs(s)) * (s == 0.0)
 
 
+def holes(b, h, i, j):
+    """A mask_mod hiding every fifth key from every query (the "holes" cases zero those
+    keys' K rows, so that each hidden score is exactly 0: ``kink``'s infinite slope)."""
+    return j % 5 != 0
+
+
 #: "hdocs": the two cuts between each query head's three documents (shifted by the batch
 #: index): within a GQA group of two, each head sees block rows the other does not.
 HEAD_CUTS = ((16, 32), (8, 24), (12, 28), (20, 35))
@@ -104,6 +110,9 @@ SIMT_CASES = [
     # NumPy scalars divide by zero as a GPU does, where the simulator's Python floats raise)
     dict(B=1, Hq=2, Hkv=1, Nq=21, Nk=27, D=8, dtype="float16", causal=True, layout="bhnd",
          mods="kink"),
+    # (scores hidden by a mask_mod and exactly 0: the slope there must not reach dS)
+    dict(B=1, Hq=2, Hkv=1, Nq=16, Nk=20, D=8, dtype="float16", causal=False, layout="bnhd",
+         mods="kink+holes"),
 ]
 TC_CASES = [
     dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=52, D=32, dtype="bfloat16", causal=True, layout="bhnd",
@@ -121,6 +130,8 @@ TC_CASES = [
          mods="hdocs", cuts=HEAD_CUTS, cb=8, block_mask="heads"),
     dict(B=1, Hq=2, Hkv=1, Nq=40, Nk=70, D=32, dtype="float16", causal=True, layout="bhnd",
          mods="kink"),
+    dict(B=1, Hq=2, Hkv=1, Nq=32, Nk=48, D=32, dtype="float16", causal=False, layout="bhnd",
+         mods="kink+holes"),
 ]
 
 
@@ -135,6 +146,9 @@ def _inputs(c):
     q, k, v = qkv(rng, B=c["B"], Hq=c["Hq"], Hkv=c["Hkv"], Nq=c["Nq"], Nk=c["Nk"], D=c["D"],
                   dtype=c["dtype"], layout=c["layout"])
     do = rand(rng, (c["B"], c["Hq"], c["Nq"], c["D"]), c["dtype"], c["layout"])
+    if "holes" in c["mods"]:  # (the hidden keys' rows zero: their scores exactly 0)
+        keys = k[:, ::5] if c["layout"] == "bnhd" else k[:, :, ::5]
+        keys[...] = 0
     return q, k, v, do, _mods(c, rng)
 
 
@@ -178,10 +192,12 @@ def _mods(c, rng):
         score_mod = hypot_mod
     if "kink" in names:
         score_mod = kink
+    if "holes" in names:
+        mask_mod = holes
     if "sq" in names:
         score_mod = squared
         args.append((rng.random((B, Nk)) < 0.5).astype(np.int32))
-    if score_mod is not None and mask_mod is not None:  # each mod takes every mod_args
+    if score_mod is not None and mask_mod is not None and args:  # each takes every mod_args
         s0, m0 = score_mod, mask_mod
         score_mod = _takes_all(s0, 0, len(args))
         mask_mod = _takes_all(m0, 1, len(args))
@@ -480,7 +496,9 @@ def same_sequence_doc(b, h, i, j, docs, bias):
 #: no arrays (every tile partial), and documents inside the sequences (empty, full and
 #: partial tiles per sequence) with a per-sequence bias at D=128
 VARLEN_MODS = {"thirds": ([0, 70, 70, 260, 300], (4, 2), 64, "float16"),
-               "docs": ([0, 40, 340, 900], (4, 1), 128, "bfloat16")}
+               "docs": ([0, 40, 340, 900], (4, 1), 128, "bfloat16"),
+               # (causal at D=128: tilings.HOPPER_BWD_USER_VARLEN's dQ tiling)
+               "docs-causal": ([0, 40, 340, 900], (4, 1), 128, "bfloat16")}
 
 
 @pytest.mark.gpu
@@ -504,7 +522,8 @@ def test_varlen_user_mods_on_gpu(monkeypatch, name):
         docs = (np.arange(longest)[None, :] * np.array([[1], [3], [5]]) // 400).astype(np.int32)
         bias = rng.standard_normal((len(cu) - 1, hq)).astype(np.float32)
         args = (docs, bias)
-        opts = dict(causal=False, score_mod=doc_and_bias, mask_mod=same_sequence_doc)
+        opts = dict(causal=name == "docs-causal", score_mod=doc_and_bias,
+                    mask_mod=same_sequence_doc)
     cut = torch.from_numpy(cu).cuda()
     dev_args = tuple(torch.from_numpy(a).cuda() for a in args)
     o, lse = flashcore.attention_varlen_forward(q, k, v, cut, cut, backend="numba_cuda",

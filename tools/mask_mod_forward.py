@@ -72,8 +72,10 @@ def run(argv=None) -> int:
                     return real(kern, *a, **kw)
 
                 launch.launch_forward = spy
-                out[name] = flashcore.attention_forward(q, k, v, **opts)
-                launch.launch_forward = real
+                try:
+                    out[name] = flashcore.attention_forward(q, k, v, **opts)
+                finally:
+                    launch.launch_forward = real
                 want = name if tiles is None else tiles.tag
                 if not (len(tags) == 1 and f"_{want}_" in tags[0]):
                     print(f"check D={D} {label} {name}: FAIL ran {tags}", flush=True)
@@ -95,8 +97,9 @@ def run(argv=None) -> int:
     print(f"\nbf16 B={B} H={H} N={N} {'causal' if args.causal else 'non-causal'}, "
           f"{torch.cuda.get_device_name(0)}; forward ms (median of {args.repeat}), and over the "
           "unmasked forward's")
-    print("| D | mask | unmasked | g2n64 (skips) | g2n64o (overlap) | g2n64 / unmasked "
-          "| g2n64o / unmasked |")
+    ov = tilings.HopperTiles(cand[0], cand[1], bool(cand[2])).tag
+    print(f"| D | mask | unmasked | g2n64 (skips) | {ov} (candidate) | g2n64 / unmasked "
+          f"| {ov} / unmasked |")
     print("|---|---|---|---|---|---|---|")
     for D, label, none, ms in rows:
         print(f"| {D} | {label} | {none:.3f} | {ms['g2n64']:.3f} | {ms['g2n64o']:.3f} "

@@ -60,7 +60,8 @@ KINDS = (
 BOUNDS = {
     "flashcore._mods._COMPILED": "one per user score_mod/mask_mod function (unbounded; "
                                  "grows only with new functions)",
-    "flashcore._mods._CLASSES": "emptied when it reaches 32 (_MAX_CLASSES)",
+    "flashcore._mods._CLASSES": "at most 32 keys (_MAX_CLASSES) and 256 MiB of array "
+                                "copies (_MAX_KEPT), the oldest keys dropped first",
     "flashcore._torch_ops._STATIC": "one per distinct static options (window, softcap, "
                                     "mods): grows only with new options",
     "flashcore._torch_ops._STATIC_IDS": "as _STATIC",

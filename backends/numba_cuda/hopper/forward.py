@@ -46,7 +46,6 @@ from ..device.constants import (
     DENSE,
     EMPTY,
     FLT_MIN,
-    FULL,
     HEAD_GROUP,
     LOG2E,
     NEG_INF,
@@ -278,6 +277,28 @@ def softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_of
 
 
 @device_function
+def classed_softmax(MMOD, cls, cbase, csq, q0, BM, s, n0, BN, n_full, n_lo, i, w0, Nq, Nk,
+                    causal_offset, b, h, tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc,
+                    margs, CAUSAL, LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE,
+                    NTILES, POLY):
+    """:func:`softmax_tile_mods` on a tile of the overlapped schedule (every tile of its
+    range): with a mask_mod (``MMOD``) its class decides: EMPTY, every score -inf (the
+    mask_mod not asked; with other mods, which -inf need not pass, it is asked), PARTIAL
+    the mask_mod per score, FULL none."""
+    partial = False
+    if MMOD:
+        cl = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk)
+        partial = cl == PARTIAL or (cl == EMPTY and (SMOD or CAP or ALIBI))
+        if cl == EMPTY and not partial:  # (the mask_mod not asked)
+            for e in range(4 * NTILES):
+                s[e] = NEG_INF
+    return softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b,
+                             h, tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs,
+                             CAUSAL, LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS,
+                             VALUE, NTILES, POLY)
+
+
+@device_function
 def sequence_bases(b, h, hk, Nq, Nk, causal_offset, cu_q, cu_k, seqk, qsb, qsh, qsn, ksb,
                    ksh, ksn, vsb, vsh, vsn, PACKED):
     """This block's rows, dense or one varlen sequence (``seams.sequence``; ``PACKED``
@@ -354,7 +375,8 @@ def publish():
 def make_attn_forward_wgmma(var):
     """The forward kernel of variant ``var`` (family "hopper"): head dim 64 or 128, tiling
     :class:`tilings.HopperTiles`, causal or not, fp16 or bf16, any masks and score
-    modifiers (a mask_mod: a tiling without the overlap)."""
+    modifiers (a mask_mod: any tiling; in the overlapped one the classes' key range, each
+    tile of it by its class, :func:`classed_softmax`)."""
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma forward")
@@ -523,14 +545,11 @@ def make_attn_forward_wgmma(var):
                                 at + K_OFF, KSTEPS, BM, BN)
                 sacc = wgmma_wait_group_acc(0, sacc)
                 acc_to_local(sacc, s)
-                partial = False
-                if MMOD:  # (compile-time) a tile of the range that is not FULL takes the
-                    # mask_mod per score (an EMPTY one too: every score hidden)
-                    partial = tile_class(cls, cbase, csq, q0, BM, Nq, n_begin, BN, Nk) != FULL
-                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
-                    s, n_begin, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h,
-                    tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL,
-                    LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
+                ma, mb, la, lb, al0, al1 = classed_softmax(
+                    MMOD, cls, cbase, csq, q0, BM, s, n_begin, BN, n_full, n_lo, i, w0, Nq,
+                    Nk, causal_offset, b, h, tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit,
+                    sc, margs, CAUSAL, LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS,
+                    VALUE, NTILES, POLY)
                 pack_p(BF16, pf, s, NP)  # (O is still zero: nothing to rescale)
             for it in range(1, n_tiles):
                 n0 = n_begin + it * BN
@@ -549,13 +568,11 @@ def make_attn_forward_wgmma(var):
                                at + V_OFF + ((it - 1) & 1) * KV_BYTES, PSTEPS, V_LBO)
                 sacc = wgmma_wait_group_acc(1, sacc)  # S_it (P V may still run)
                 acc_to_local(sacc, s)
-                partial = False
-                if MMOD:  # (compile-time) as for the first tile
-                    partial = tile_class(cls, cbase, csq, q0, BM, Nq, n0, BN, Nk) != FULL
-                ma, mb, la, lb, al0, al1 = softmax_tile_mods(
-                    s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk, causal_offset, b, h, tq,
-                    ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc, margs, CAUSAL, LEFT,
-                    RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE, NTILES, POLY)
+                ma, mb, la, lb, al0, al1 = classed_softmax(
+                    MMOD, cls, cbase, csq, q0, BM, s, n0, BN, n_full, n_lo, i, w0, Nq, Nk,
+                    causal_offset, b, h, tq, ma, mb, la, lb, sl2, capr, rcapr, slope, unit, sc,
+                    margs, CAUSAL, LEFT, RIGHT, WINDOW, CAP, ALIBI, LINEAR, SMOD, KEEPS, VALUE,
+                    NTILES, POLY)
                 acc = wgmma_wait_group_acc(0, acc)  # (pf is free again, O final for it-1)
                 acc_to_local(acc, oa)
                 rescale(oa, al0, al1, DTILES)

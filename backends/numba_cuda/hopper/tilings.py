@@ -420,18 +420,18 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
 #: has none for the head dim: a schedule without the overlap (an empty tile is skipped
 #: between its copies and the next tile's).
 HOPPER_MASK_MOD = HopperTiles(2, 64)
-#: Per (head dim, with a score_mod too), an overlapped tiling a forward with a mask_mod takes
-#: instead: it visits the key range the classes leave (``seams.visited_keys``) and takes the
-#: mask_mod per score on each tile of it that is not FULL (an EMPTY one inside the range has
-#: every score hidden, its products not skipped). H200, B=4 H=16 N=8192 bf16 non-causal,
-#: documents by a mask_mod with a block_mask, forward time over the unmasked forward's
-#: (`tools/mask_mod_forward.py`, 7b24184-64ca341; 8 equal documents / 8 unequal ones):
-#: D=128 g2n64 0.359-0.364 / 0.662-0.673, g2n64o 0.329 / 0.589, **g2n128o 0.281 / 0.533**
-#: (ptxas 13.0: 92-136 bytes of spills with a document mask_mod); D=64 g2n64 0.436 / 0.790,
-#: **g2n64o 0.388 / 0.705** (no spills). With a score_mod beside it g2n128o spills 1088
-#: bytes at D=128 (a table-reading one) and g2n64o 8-16: not timed, so those keep
-#: :data:`HOPPER_MASK_MOD`, as do a window, the softcap or ALiBi beside the mask_mod (the
-#: key's second field) and D=256 (g2n64o spills 120 bytes there).
+#: Per (head dim, another mask or modifier beside it: a score_mod, the softcap, ALiBi or a
+#: window), an overlapped tiling a forward with a mask_mod takes instead: it visits the key
+#: range the classes leave (``seams.visited_keys``), each tile of it by its class (PARTIAL:
+#: the mask_mod per score; EMPTY: P = 0 without asking it, its products not skipped).
+#: H200, B=4 H=16 N=8192 bf16 non-causal, documents by a mask_mod with a block_mask,
+#: forward time over the unmasked forward's (`tools/mask_mod_forward.py`, 7b24184-64ca341;
+#: 8 equal documents / 8 unequal ones): D=128 g2n64 0.359-0.364 / 0.662-0.673, g2n64o
+#: 0.329 / 0.589, **g2n128o 0.281 / 0.533** (ptxas 13.0: 92-136 bytes of spill loads with a
+#: document mask_mod); D=64 g2n64 0.436 / 0.790, **g2n64o 0.388 / 0.705** (no spills). With
+#: a score_mod beside it g2n128o spills 1088 bytes at D=128 (a table-reading one) and
+#: g2n64o 8-16: not timed, so those keep :data:`HOPPER_MASK_MOD`, as do a window, the
+#: softcap or ALiBi beside the mask_mod, and D=256 (g2n64o spills 120 bytes there).
 MASK_MOD_TILES: dict = {(64, False): HopperTiles(2, 64, True),
                         (128, False): HopperTiles(2, 128, True)}
 
