@@ -315,15 +315,28 @@ _MAX_REMEMBERED = 64 << 20
 _MAX_KEPT = 256 << 20
 
 
-def _same_bits(a, b) -> bool:
-    """Whether contiguous host arrays ``a`` and ``b`` of one dtype and shape hold the
-    same bytes (NaN payloads and signed zeros included)."""
-    return np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+def _probe(host_args):
+    """How the cache knows a call's arrays again: the arrays themselves, compared bit for
+    bit (copies of them are kept: a NumPy mod_args array reaches here as the caller's own),
+    or, where they take more than ``_MAX_REMEMBERED`` in all, digests of their bytes."""
+    if sum(a.nbytes for a in host_args) > _MAX_REMEMBERED:
+        import hashlib
+
+        return tuple(hashlib.blake2b(a.tobytes(), digest_size=16).digest() for a in host_args)
+    return host_args
+
+
+def _same(mark, probe) -> bool:
+    """Whether a kept mark (a copy or a digest) is the call's :func:`_probe` part: its
+    bytes, NaN payloads and signed zeros included."""
+    if isinstance(mark, bytes):
+        return mark == probe
+    return np.array_equal(mark.reshape(-1).view(np.uint8), probe.reshape(-1).view(np.uint8))
 
 
 def _kept_bytes() -> int:
-    return sum(sum(a.nbytes for a in args) for seen in _CLASSES.values()
-               for args, _ in seen if args is not None)
+    return sum(m.nbytes for seen in _CLASSES.values() for marks, _ in seen for m in marks
+               if isinstance(m, np.ndarray))
 
 
 def _remember(key, entry):
@@ -337,28 +350,19 @@ def _remember(key, entry):
 
 def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False):
     """The (B, H, q tiles, k tiles) classes of ``mask_mod`` (host arrays for mod_args);
-    with ``remember``, kept with copies of the arrays (or a digest of large ones) for the
+    with ``remember``, kept with copies of the arrays (or digests of large ones) for the
     next call."""
     if remember:
         host_args = tuple(np.ascontiguousarray(a) for a in host_args)
         key = (mask_mod, B, H, Nq, Nk, block,
                tuple((a.dtype.str, a.shape) for a in host_args))
-        if sum(a.nbytes for a in host_args) > _MAX_REMEMBERED:
-            import hashlib
-
-            key += tuple(hashlib.blake2b(a.tobytes(), digest_size=16).digest()
-                         for a in host_args)
-            hit = _CLASSES.get(key)
-            if hit is None:
-                hit = [(None, block_classes(mask_mod, B, H, Nq, Nk, block, host_args))]
-                _remember(key, hit[0])
-            return hit[0][1]
-        for args, classes in _CLASSES.get(key, []):
-            if all(_same_bits(a, b) for a, b in zip(args, host_args)):
+        probe = _probe(host_args)
+        for marks, classes in _CLASSES.get(key, []):
+            if all(_same(m, p) for m, p in zip(marks, probe)):
                 return classes
         classes = block_classes(mask_mod, B, H, Nq, Nk, block, host_args)
-        # (copies: a NumPy mod_args array reaches here as the caller's own)
-        _remember(key, (tuple(a.copy() for a in host_args), classes))
+        _remember(key, (tuple(p if isinstance(p, bytes) else p.copy() for p in probe),
+                        classes))
         return classes
     from ._block_eval import classify
 
