@@ -35,33 +35,35 @@ HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
 TOL = 2e-2
 
 
+def _cases(docs):
+    """``(label, options)`` of each case: the bench's mods (``flashcore.bench.masks``), the
+    documents' options ``docs`` last."""
+    from flashcore.bench.masks import relpos, softcap_mod
+
+    return [("none", {}), ("softcap 30", {"softcap": 30.0}),
+            ("softcap 30 as score_mod", {"score_mod": softcap_mod(30.0)}),
+            ("relpos score_mod", {"score_mod": relpos}), ("8 docs mask_mod", docs)]
+
+
 def masks(flashcore, torch, B, H, N):
-    """``(label, options)`` of each case: the bench's mods (``flashcore.bench.masks``)."""
-    from flashcore.bench.masks import doc_ids, relpos, same_doc, softcap_mod
+    """:func:`_cases` of a dense batch: 8 equal documents, a block_mask made once."""
+    from flashcore.bench.masks import doc_ids, same_doc
 
     doc = doc_ids(B, N, 8)
     bm = flashcore.create_block_mask(same_doc, B, None, N, N, mod_args=(doc,))
-    doc = torch.from_numpy(doc).cuda()
-    return [("none", {}), ("softcap 30", {"softcap": 30.0}),
-            ("softcap 30 as score_mod", {"score_mod": softcap_mod(30.0)}),
-            ("relpos score_mod", {"score_mod": relpos}),
-            ("8 docs mask_mod", {"mask_mod": same_doc, "mod_args": (doc,), "block_mask": bm})]
+    return _cases({"mask_mod": same_doc, "mod_args": (torch.from_numpy(doc).cuda(),),
+                   "block_mask": bm})
 
 
 def varlen_masks(flashcore, torch, lengths):
-    """:func:`masks` of packed sequences of ``lengths``: documents per sequence, no
-    block_mask."""
-    from flashcore.bench.masks import relpos, same_doc, softcap_mod
+    """:func:`_cases` of packed sequences of ``lengths``: 8 documents per sequence, no
+    block_mask (packed calls take none)."""
+    from flashcore.bench.masks import same_doc
 
-    longest = int(max(lengths))
-    doc = np.zeros((len(lengths), longest), np.int64)
+    doc = np.zeros((len(lengths), int(max(lengths))), np.int64)
     for s, n in enumerate(lengths):
         doc[s, :n] = np.arange(n) * 8 // n
-    doc = torch.from_numpy(doc).cuda()
-    return [("none", {}), ("softcap 30", {"softcap": 30.0}),
-            ("softcap 30 as score_mod", {"score_mod": softcap_mod(30.0)}),
-            ("relpos score_mod", {"score_mod": relpos}),
-            ("8 docs mask_mod", {"mask_mod": same_doc, "mod_args": (doc,)})]
+    return _cases({"mask_mod": same_doc, "mod_args": (torch.from_numpy(doc).cuda(),)})
 
 
 def calls(flashcore, torch, args):
