@@ -195,8 +195,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     """The variant of wgmma kernel ``kernel`` (forward, dkdv, dq) of one case class (the mask
     options of :func:`mask_options`: the forward takes them all, varlen rows too, but a KV
     cache and split-KV; the backward varlen rows, a window, the softcap, ALiBi and the
-    user's mods, and the dkdvq kernel none of the modifiers), or None
-    where it has no tiling.
+    user's mods, and the dkdvq kernel none of the modifiers), or None where it has none.
     ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
     copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
     ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``, no masks): ``tilings.LONG_KEYS``'
@@ -210,9 +209,10 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
             or (kernel == "dkdvq" and (mods or head_dim > 128))):
         return None
     score_mod = user is not None and user.score_mod is not None
+    mask_mod = user is not None and user.mask_mod is not None
     beside = bool(softcap) or score_mod or (kernel == "forward" and bool(window or alibi))
     t = tilings.choose_hopper(head_dim, causal, kernel,
-                              user is not None and user.mask_mod is not None, beside,
+                              mask_mod, beside,
                               masked, long_keys and tma_ok and not masked,
                               tma_ok and not (masked or packed), user is not None,
                               packed == "varlen")
@@ -233,7 +233,7 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         # than they save: TMA_MIN_WORK)
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False,
                                                    persistent=False, dynamic=False))
-    if masked and kernel == "forward" and not (user and user.mask_mod):  # (a mask_mod's
+    if masked and kernel == "forward" and not mask_mod:  # (a mask_mod's
         # tiling is choose_hopper's; a producer of cp.async copies takes no masks)
         t = tilings.masked_tiles(t, score_mod, bool(softcap), bool(window), head_dim,
                                  alibi=alibi)
