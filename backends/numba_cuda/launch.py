@@ -210,12 +210,10 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     score_mod = user is not None and user.score_mod is not None
     mask_mod = user is not None and user.mask_mod is not None
-    beside = bool(softcap) or score_mod or (kernel == "forward" and bool(window or alibi))
-    t = tilings.choose_hopper(head_dim, causal, kernel,
-                              mask_mod, beside,
+    t = tilings.choose_hopper(head_dim, causal, kernel, mask_mod, bool(softcap) or score_mod,
                               masked, long_keys and tma_ok and not masked,
                               tma_ok and not (masked or packed), user is not None,
-                              packed == "varlen")
+                              packed == "varlen", bool(softcap or score_mod or window or alibi))
     if t is None:
         return None
     if kernel != "forward" and user is not None:  # (two buffers: an empty step is skipped)

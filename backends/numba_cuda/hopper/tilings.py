@@ -470,11 +470,11 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
                   mask_mod: bool = False, softcap: bool = False,
                   masked: bool = False, long_keys: bool = False,
                   dense: bool = False, user: bool = False,
-                  varlen: bool = False) -> HopperTiles | None:
+                  varlen: bool = False, beside: bool = False) -> HopperTiles | None:
     """The tiling of wgmma kernel ``kernel`` (forward, dkdv, dq) at ``head_dim``
-    (``mask_mod``: of a forward with one; ``softcap``: of a backward kernel with one or
-    with a score_mod (both keep each score's derivative through the step), of a forward
-    with a mask_mod, any other mask or modifier beside it; ``masked``: of
+    (``mask_mod``: of a forward with one, ``beside`` another mask or modifier with it;
+    ``softcap``: of a backward kernel with one or with a score_mod (both keep each score's
+    derivative through the step); ``masked``: of
     a backward kernel with a window, the softcap, ALiBi or the user's mods (a forward's
     masks and modifiers: :func:`masked_tiles`); ``long_keys``: of a forward of
     :data:`LONG_KEYS_MIN` keys or more; ``dense``: of a forward of a dense
@@ -495,7 +495,7 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
         if varlen:
             t = HOPPER_BWD_USER_VARLEN.get((kernel, head_dim, bool(causal)), t)
     if t is not None and mask_mod and t.overlap and kernel == "forward":
-        t = MASK_MOD_TILES.get((head_dim, bool(softcap)), HOPPER_MASK_MOD)
+        t = MASK_MOD_TILES.get((head_dim, bool(beside)), HOPPER_MASK_MOD)
     return t
 
 
