@@ -348,10 +348,41 @@ def _remember(key, entry):
         del _CLASSES[next(iter(_CLASSES))]
 
 
+def reads_batch_head(fn) -> tuple[bool, bool]:
+    """Whether ``fn(b, h, i, j, ...)`` (a mask_mod) may read ``b``, and ``h``: False only
+    where its code never loads that parameter (no load of the local, no closure capturing
+    it), so that its value cannot change the result and one batch entry's (one head's)
+    tile classes serve all. A function whose code cannot be read (a builtin, a callable
+    object, ``*args`` in place of ``b, h``) may read both."""
+    import dis
+
+    code = getattr(getattr(fn, "py_func", fn), "__code__", None)
+    if code is None or code.co_argcount < 2:
+        return True, True
+    names = code.co_varnames[:2]
+    seen = set(code.co_cellvars) & set(names)
+    for ins in dis.get_instructions(code):
+        if "FAST" in ins.opname or "DEREF" in ins.opname or "CLOSURE" in ins.opname:
+            val = ins.argval
+            seen.update(val if isinstance(val, tuple) else (val,))
+    return names[0] in seen, names[1] in seen
+
+
+def class_shape(mask_mod, B, H) -> tuple[int, int]:
+    """The batch and head extents of ``mask_mod``'s tile classes for ``B`` batch entries
+    (or sequences) and ``H`` query heads: 1 where the mask never reads that index
+    (:func:`reads_batch_head`), so the classes are evaluated once for all of them and the
+    kernels read them with stride 0."""
+    rb, rh = reads_batch_head(mask_mod)
+    return (B if rb else 1), (H if rh else 1)
+
+
 def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False):
-    """The (B, H, q tiles, k tiles) classes of ``mask_mod`` (host arrays for mod_args);
-    with ``remember``, kept with copies of the arrays (or digests of large ones) for the
-    next call."""
+    """The (B or 1, H or 1, q tiles, k tiles) classes of ``mask_mod`` (host arrays for
+    mod_args; 1 where the mask never reads ``b`` or ``h``, :func:`class_shape`); with
+    ``remember``, kept with copies of the arrays (or digests of large ones) for the next
+    call."""
+    B, H = class_shape(mask_mod, B, H)
     if remember:
         host_args = tuple(np.ascontiguousarray(a) for a in host_args)
         key = (mask_mod, B, H, Nq, Nk, block,

@@ -398,6 +398,44 @@ def test_backends_that_cannot_decline_by_name():
         flashcore.attention(q, k, v, window=(1, 1), softcap=2.0, backend="jax")
 
 
+def test_classes_only_for_the_indices_a_mask_reads():
+    """A mask that never reads ``h`` (or ``b``) has its tile classes evaluated once for all
+    heads (batch entries), and the kernels read them with stride 0; a mask that reads them,
+    or whose code cannot be read, keeps one class table per head (batch entry)."""
+    import numba
+
+    def head_doc(b, h, i, j, doc):
+        return doc[b, i] == doc[b, j] and (h + i) % 3 != 0
+
+    def captures_h(b, h, i, j, doc):
+        return (lambda: h)() == 0
+
+    def stores_b_first(b, h, i, j, doc):
+        b = 0
+        return doc[b, i] == doc[b, j]
+
+    def variadic(*a):
+        return True
+
+    cases = [(same_doc, (True, False)), (head_doc, (True, True)), (captures_h, (False, True)),
+             (stores_b_first, (True, False)), (variadic, (True, True)),
+             (numba.njit(same_doc), (True, False)), (lambda b, h, i, j, d: i >= j,
+                                                     (False, False))]
+    for fn, want in cases:
+        assert _mods.reads_batch_head(fn) == want, fn
+    doc = docs(2, 300, [100, 140, 60])
+    bm = flashcore.create_block_mask(same_doc, 2, 3, 300, 300, mod_args=(doc,))
+    assert bm.shape == (2, 3, 300, 300) and bm.classes.shape == (2, 1, 3, 3)
+    bm = flashcore.create_block_mask(head_doc, 2, 3, 300, 300, mod_args=(doc,))
+    assert bm.classes.shape == (2, 3, 3, 3)
+    q, k, v = inputs(np.random.default_rng(4), B=2, Hq=3, Hkv=1, Nq=300, Nk=300)
+    for fn in (same_doc, head_doc):
+        got = flashcore.attention(q, k, v, mask_mod=fn, mod_args=(doc,), backend="numba_cpu")
+        want = flashcore.attention(q, k, v, mask_mod=fn, mod_args=(doc,),
+                                   backend="reference")
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)  # (float64)
+
+
 def test_create_block_mask_checks():
     with pytest.raises(TypeError, match="mask_mod must be a Python function"):
         flashcore.create_block_mask(None, 1, 1, 4, 4)
