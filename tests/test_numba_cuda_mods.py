@@ -314,6 +314,67 @@ else:
         assert served == [True, True]
 
 
+def _classes_on_the_device(mask_mod, mod_args, B, Hq, Nq, Nk, dtype, monkeypatch):
+    """The tile classes a numba_cuda call without a BlockMask evaluates (the simulator's
+    kernel, on NumPy inputs), the host's (``_mods.block_classes``) for the same mask, and
+    whether the call copied a mod_args array to the host."""
+    from flashcore.backends.numba_cuda import adapters
+
+    from flashcore import _mods
+    from flashcore._checks import make_case
+
+    q = np.zeros((B, Hq, Nq, 8), dtype)
+    k = np.zeros((B, 1, Nk, 8), dtype)
+    opts = {"window": None, "softcap": None, "alibi_slopes": None, "score_mod": None,
+            "mask_mod": mask_mod, "mod_args": mod_args, "block_mask": None}
+    case = make_case(q, k, k, causal=False, scale=None, layout="bhnd", explicit=True,
+                     options=opts)
+    ad = adapters.ADAPTERS["numpy"]
+    copied = []
+    monkeypatch.setattr(type(ad), "host_copy", lambda self, x, c: copied.append(x) or x,
+                        raising=False)
+    keep = []
+    at, sb, sh, sq = ad.tile_classes(case, q, keep, ad.mod_args(case, keep))
+    host = _mods.block_classes(mask_mod, B, Hq, Nq, Nk, _mods.BLOCK,
+                               tuple(np.ascontiguousarray(a) for a in mod_args))
+    got = np.asarray(at[:host.size]).reshape(host.shape)
+    assert (sb, sh, sq) == (0 if host.shape[0] == 1 else host[0].size,
+                            0 if host.shape[1] == 1 else host[0, 0].size, host.shape[3])
+    return got, host, copied
+
+
+if SIM:
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("dtype", [np.float32, np.float16])
+    def test_sim_simt_tile_classes_evaluated_on_the_device(dtype, monkeypatch):
+        """A call without a BlockMask evaluates its mask_mod's classes with the kernels'
+        own device function, on the device (no host copy of its mod_args), to the classes
+        the host computes: tails past a tile, every class, masks that read ``h`` or not,
+        and a mask without mod_args. (Blocks of 8 rows: the simulator runs each element.)"""
+        from flashcore.backends.numba_cuda.device import seams
+
+        from flashcore import _mods
+
+        monkeypatch.setattr(seams, "CLASS_BLOCK", 8)
+        monkeypatch.setattr(_mods, "BLOCK", 8)
+        rng = np.random.default_rng(5)
+        doc = np.repeat(np.arange(4, dtype=np.int32), [7, 12, 3, 11])[None].repeat(2, 0)
+        doc[1] = np.roll(doc[1], 5)
+        hdoc = np.sort(rng.integers(0, 3, (2, 3, 33)), axis=-1).astype(np.int64)
+        cases = [(same_doc, (doc,), (2, 1)), (head_docs, (hdoc,), (2, 3)),
+                 (holes, (), (1, 1)), (prefix_lm, (np.array([5, 20], np.int32),), (2, 1))]
+        for mask_mod, args, shape in cases:
+            got, host, copied = _classes_on_the_device(mask_mod, args, 2, 3, 33, 33, dtype,
+                                                       monkeypatch)
+            assert host.shape[:2] == shape
+            np.testing.assert_array_equal(got, host, err_msg=mask_mod.__name__)
+            assert copied == []
+        seen = np.concatenate([_classes_on_the_device(same_doc, (doc,), 2, 3, 33, 33, dtype,
+                                                      monkeypatch)[0].ravel()])
+        assert set(seen.tolist()) == {_mods.EMPTY, _mods.PARTIAL, _mods.FULL}
+
+
 def test_numba_cuda_takes_user_mods(monkeypatch):
     """numba_cuda serves score_mod / mask_mod with mod_args from NumPy, torch and CuPy
     arrays, and declines, naming why, what its kernels do not take (on any host: the
@@ -373,7 +434,7 @@ def test_user_mod_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
     import types as pytypes
 
     import numba.cuda.dispatcher as nd
-    from flashcore.backends.numba_cuda import driver, launch
+    from flashcore.backends.numba_cuda import classes, driver, launch
     from flashcore.backends.numba_cuda.variant import UserMods
     from numba import cuda
 
@@ -392,6 +453,13 @@ def test_user_mod_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
         assert len(re.findall(r"\.param\s+\.(\w+)", entry.group(1))) == len(sig)
         # (the backward's derivative too: the forward-mode twin stays in float32)
         assert "cvt.f64.f32" not in ptx or dtype == "float32", v.tag
+    # the classification of the mask_mod's tiles (a call without a BlockMask)
+    v = classes.classify_variant(user.mask_mod, user.args, dtype)
+    sig = launch.signature(v.entry, v.dtype, user.args)
+    ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0), fastmath=driver.FASTMATH)
+    entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)
+    assert len(re.findall(r"\.param\s+\.(\w+)", entry.group(1))) == len(sig)
+    assert "bar.red.or" in ptx and "bar.red.and" in ptx
 
 
 def _torch_case(c, torch):

@@ -16,9 +16,8 @@ import numpy as np
 
 from flashcore import _poison
 from flashcore._interop import cuda_raw
-from flashcore._memo import Memo
 
-from . import launch, launch_args
+from . import classes, launch, launch_args
 from .device.convert import SIMULATOR
 from .driver import copy_to_host, stream_capturing, synchronize
 
@@ -67,10 +66,11 @@ class _Adapter:
         stream = self.stream(q, dev)
         lay = case.layout
         view = self.view
+        margs = self.mod_args(case, keep)
         launch.run_forward(case, dev, stream, view(q, lay, keep), view(k, lay, keep),
                            view(v, lay, keep), view(o, lay, keep), lse_at,
-                           slopes=self.slopes(case, keep), margs=self.mod_args(case, keep),
-                           classes=self.tile_classes(case, q, keep))
+                           slopes=self.slopes(case, keep), margs=margs,
+                           classes=self.tile_classes(case, q, keep, margs))
         if self.synchronous:
             synchronize(stream, dev)
         return o, lse
@@ -98,12 +98,13 @@ class _Adapter:
         lay = case.layout
         view = self.view
         lse = self.as_float32(lse)
+        margs = self.mod_args(case, keep)
         launch.run_backward(case, dev, stream, view(do, lay, keep), view(q, lay, keep),
                             view(k, lay, keep), view(v, lay, keep), view(o, lay, keep),
                             view(lse, None, keep), self.address(delta, keep),
                             view(dq, lay, keep), view(dk, lay, keep), view(dv, lay, keep),
-                            slopes=self.slopes(case, keep), margs=self.mod_args(case, keep),
-                            classes=self.tile_classes(case, q, keep), dq_acc=acc)
+                            slopes=self.slopes(case, keep), margs=margs,
+                            classes=self.tile_classes(case, q, keep, margs), dq_acc=acc)
         if self.synchronous:
             synchronize(stream, dev)
         return dq, dk, dv
@@ -157,28 +158,11 @@ class _Adapter:
         """``x``, or a C-contiguous copy of it (a mod_args array the kernels index flat)."""
         return x
 
-    def tile_classes(self, case, like, keep):
-        """The mask_mod's tile classes as the kernels take them, ``(handle, batch stride,
-        head stride, query-block stride)``, or None without a mask_mod: the BlockMask's, or
-        (without one) those flashcore._mods.block_classes computes from host copies of
-        the mod_args (kept by their contents: a repeated mask costs one copy to the host
-        and no evaluation), uploaded once per GPU and adapter (:data:`_UPLOADED`)."""
-        m = case.mods
-        if m is None or m.mask_mod is None:
-            return None
-        host = _host_classes(case, lambda a: self.host_copy(a, case))
-        key = (id(host), type(self).__name__, case.device)
-        hit = _UPLOADED.get(key)
-        if hit is None or hit[0] is not host:
-            if len(_UPLOADED) >= _UPLOADED.max_size:
-                _UPLOADED.clear()
-            hit = (host, self.upload(host, like))
-            _UPLOADED[key] = hit
-        dev = hit[1]
-        keep.append(dev)
-        nb, nh, nq, nk = host.shape
-        return (self.address(dev, keep), 0 if nb == 1 else nh * nq * nk,
-                0 if nh == 1 else nq * nk, nk)
+    def tile_classes(self, case, like, keep, margs):
+        """The mask_mod's tile classes as the kernels take them (:mod:`.classes`: a
+        BlockMask's, or evaluated on the GPU by the call), or None without a mask_mod;
+        ``margs`` is :meth:`mod_args`'s answer."""
+        return classes.tile_classes(self, case, like, keep, margs)
 
     def upload(self, host, like):
         """A copy on ``like``'s device of the NumPy array ``host``."""
@@ -207,24 +191,6 @@ class _Adapter:
         the process (None: none kept, or ``n`` > :data:`SCRATCH_WORDS`); kernels on any
         streams may write it: never read nor freed, it is no other tensor's memory."""
         return None
-
-
-#: (id of host classes, adapter, device) -> (host classes, device copy): the uploads of
-#: _Adapter.tile_classes, bounded.
-_UPLOADED = Memo(64)
-
-
-def _host_classes(case, host_copy):
-    """The int8 (B or 1, H or 1, query blocks, key blocks) tile classes of the call's
-    mask_mod (flashcore._mods), its mod_args copied to the host by ``host_copy``."""
-    from flashcore import _mods
-
-    m = case.mods
-    if m.block_mask is not None:
-        return m.block_mask.classes
-    args = tuple(np.ascontiguousarray(host_copy(a)) for a in case.mod_args)
-    return _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                               case.seqlen_k, _mods.BLOCK, args, remember=True)
 
 
 #: Words of the per-GPU lse scratch buffer (1 MiB): calls with more query rows allocate

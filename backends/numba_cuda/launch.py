@@ -42,6 +42,7 @@ from .launch_args import (  # noqa: F401 (re-exported: launch.no_slopes, ...)
 )
 from .simt import backward as _simt_bwd
 from .simt import cache as _simt_cache
+from .simt import classify as _simt_cls
 from .simt import dq_convert as _simt_dqc
 from .simt import forward as _simt_fwd
 from .tensor_core import backward as _tc_bwd
@@ -88,6 +89,7 @@ FACTORIES = {
     ("simt", "dqconvert"): _simt_dqc.make_dq_convert,
     ("simt", "merge"): _simt_cache.make_attn_merge_splits,
     ("simt", "append"): _simt_cache.make_cache_append,
+    ("simt", "classify"): _simt_cls.make_tile_classify,
 }
 
 

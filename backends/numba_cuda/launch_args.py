@@ -41,13 +41,15 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
     and MAX_ARGS * MAX_DIMS int64 extents, then the mask_mod's tile classes (int8, read by
     variants with a mask_mod) with their batch, head and query-block strides. Both families
     take the same arguments, then :data:`PACKED_SIG`. A ``split`` forward writes a float32
-    partial output."""
+    partial output. The mask_mod's classification (``tile_classify``) takes the classes,
+    seven sizes and the mod_args."""
     e = types.CPointer(_ELEM[dtype])
     f32 = types.CPointer(types.float32)
     o = f32 if split else e
     kinds = [a[0] for a in mod_args] + ["float32"] * (MAX_ARGS - len(mod_args))
-    mods = (f32, _I64, _I64) + tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (
-        _I64,) * (MAX_ARGS * MAX_DIMS) + (types.CPointer(types.int8), _I64, _I64, _I64)
+    margs = tuple(types.CPointer(_ARG_ELEM[k]) for k in kinds) + (_I64,) * (MAX_ARGS * MAX_DIMS)
+    cls = types.CPointer(types.int8)
+    mods = (f32, _I64, _I64) + margs + (cls, _I64, _I64, _I64)
     dkdv = (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods + PACKED_SIG
     return {
         "attn_forward": (e, e, e, o, f32) + (_I64,) * 21 + (_F64,) + mods + PACKED_SIG,
@@ -59,6 +61,7 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
                              + PACKED_SIG),
         "attn_merge_splits": (f32, f32, e, f32) + (_I64,) * 8,
         "cache_append": (e, e, e, e, _I32P, _I32P, _I32P) + (_I64,) * 25,
+        "tile_classify": (cls,) + (_I64,) * 7 + margs,
     }[kernel]
 
 

@@ -46,8 +46,9 @@ def forward(ad, q, k, v, case):
 
 
 def _inputs(ad, case, like, keep):
-    return {"slopes": ad.slopes(case, keep), "margs": ad.mod_args(case, keep),
-            "classes": ad.tile_classes(case, like, keep)}
+    margs = ad.mod_args(case, keep)
+    return {"slopes": ad.slopes(case, keep), "margs": margs,
+            "classes": ad.tile_classes(case, like, keep, margs)}
 
 
 def _varlen_forward(ad, q, k, v, case):

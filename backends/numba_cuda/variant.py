@@ -23,9 +23,10 @@ from . import tilings
 ENTRY = {"forward": "attn_forward", "preprocess": "attn_backward_preprocess",
          "dkdv": "attn_backward_dkdv", "dq": "attn_backward_dq",
          "dkdvq": "attn_backward_dkdvq", "dqconvert": "attn_backward_dq_convert",
-         "merge": "attn_merge_splits", "append": "cache_append"}
+         "merge": "attn_merge_splits", "append": "cache_append",
+         "classify": "tile_classify"}
 #: Kernels whose ``tiles`` is a thread count: one thread per row or element, no tiling.
-ELEMENTWISE = ("preprocess", "merge", "append", "dqconvert")
+ELEMENTWISE = ("preprocess", "merge", "append", "dqconvert", "classify")
 #: Row layouts (Variant.packed): a dense batch, packed variable-length sequences, a
 #: contiguous KV cache, a paged KV cache.
 PACKINGS = ("", "varlen", "cache", "paged")

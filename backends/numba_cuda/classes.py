@@ -1,0 +1,105 @@
+"""A mask_mod's tile classes as the kernels read them (``flashcore._mods``: EMPTY, PARTIAL
+or FULL per ``BLOCK x BLOCK`` tile of one batch entry and head).
+
+- A BlockMask's classes are uploaded once per GPU and adapter (:data:`_UPLOADED`).
+- Without one, a call evaluates them on the GPU (:func:`run_classify`, the kernel of
+  ``simt/classify.py``) on its stream, before the attention kernels that read them: no copy
+  of the mod_args to the host, no wait for the GPU, and steps that CUDA graphs can
+  capture. Only the batch entries and heads the mask reads are evaluated
+  (``_mods.class_shape``: a document mask that never reads ``h`` is evaluated once for
+  all heads).
+- An adapter that cannot allocate (JAX under ``jit``: XLA lends every buffer) evaluates
+  them on the host from copies of the mod_args (``_mods.block_classes``, kept by their
+  contents), then uploads them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashcore import _mods
+from flashcore._memo import Memo
+
+from . import launch, launch_args
+from .device.convert import SIMULATOR
+from .variant import UserMods, Variant
+
+#: Threads per block of the classification kernel (one block per tile; the simulator runs
+#: each thread as a Python thread: fewer there, the same loop).
+THREADS = 32 if SIMULATOR else 256
+
+
+def tile_classes(ad, case, like, keep, margs):
+    """``(handle, batch stride, head stride, query-block stride)`` of the call's tile
+    classes for adapter ``ad`` (``like``: an input on the call's device; ``margs``: the
+    mod_args as the kernels take them, ``launch_args.mod_args``, or None), or None
+    without a mask_mod."""
+    m = case.mods
+    if m is None or m.mask_mod is None:
+        return None
+    if m.block_mask is None and ad.allocates:
+        return _evaluated(ad, case, like, keep, margs)
+    if m.block_mask is not None:
+        host = m.block_mask.classes
+    else:
+        args = tuple(np.ascontiguousarray(ad.host_copy(a, case)) for a in case.mod_args)
+        host = _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
+                                   case.seqlen_k, _mods.BLOCK, args, remember=True)
+    key = (id(host), type(ad).__name__, case.device)
+    hit = _UPLOADED.get(key)
+    if hit is None or hit[0] is not host:
+        if len(_UPLOADED) >= _UPLOADED.max_size:
+            _UPLOADED.clear()
+        hit = (host, ad.upload(host, like))
+        _UPLOADED[key] = hit
+    keep.append(hit[1])
+    return (ad.address(hit[1], keep), *_strides(host.shape))
+
+
+#: (id of host classes, adapter, device) -> (host classes, device copy), bounded.
+_UPLOADED = Memo(64)
+
+
+def _strides(shape):
+    """The batch, head and query-block strides of classes of ``shape`` (0 along an axis of
+    one: every batch entry or head reads the same classes)."""
+    nb, nh, nq, nk = shape
+    return 0 if nb == 1 else nh * nq * nk, 0 if nh == 1 else nq * nk, nk
+
+
+def _evaluated(ad, case, like, keep, margs):
+    dev = ad.device_index(case)
+    block = _mods.BLOCK
+    nb, nh = _mods.class_shape(case.mods.mask_mod, case.batch, case.heads_q)
+    shape = (nb, nh, -(-case.seqlen_q // block), -(-case.seqlen_k // block))
+    buf = ad.empty(like, shape, "int8", dev, poison=False)
+    keep.append(buf)
+    at = ad.address(buf, keep)
+    if int(np.prod(shape)):
+        run_classify(case, dev, ad.stream(like, dev), at, shape, block,
+                     margs or launch_args.no_mod_args(at))
+    return (at, *_strides(shape))
+
+
+def run_classify(case, device, stream, classes, shape, block, margs):
+    """Launch the classification of the call's mask_mod into ``classes`` (the handle of a
+    C-contiguous int8 buffer of ``shape``, tiles of ``block`` rows and keys, a power of
+    two); a mask_mod that does not compile for the GPU is a TypeError saying so."""
+    mask_mod = case.mods.mask_mod
+    v = classify_variant(mask_mod, launch.mod_arg_kinds(case.mod_args), case.dtype)
+    try:
+        kern = launch.kernel(v, device)
+    except Exception as err:  # numba's typing and lowering errors
+        if type(err).__module__.startswith("numba"):
+            raise _mods.compile_error("mask_mod", mask_mod, err) from None
+        raise
+    nb, nh, nq, nk = shape
+    kern((nb * nh * nq * nk, 1), stream, (classes, nb, nh, case.seqlen_q, case.seqlen_k, nq,
+                                          nk, block.bit_length() - 1, *margs))
+
+
+def classify_variant(mask_mod, kinds, dtype):
+    """The classification kernel's variant for ``mask_mod`` with mod_args of ``kinds``
+    (``launch.mod_arg_kinds``) in a call of ``dtype``: the twin of the mask the attention
+    kernels of that dtype ask (fp16 and bf16 share one)."""
+    return Variant("classify", "simt", 0, "float32" if dtype == "float32" else "float16",
+                   False, THREADS, user=UserMods(None, mask_mod, kinds))

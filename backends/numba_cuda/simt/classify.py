@@ -1,0 +1,70 @@
+"""The tile classes of a mask_mod, evaluated on the GPU: ``tile_classify`` asks the user's
+``mask_mod`` (the same device function the attention kernels ask per score,
+``device/user_mods.keeps``) about every element of each ``block x block`` tile and writes
+the tile's class, EMPTY (no element kept), FULL (every element kept) or PARTIAL, as
+``flashcore._mods.block_classes`` does on the host.
+
+One thread block per tile of one (batch entry, head): ``NT`` threads walk the tile's
+elements row by row (neighbouring threads on neighbouring keys), each keeping whether it
+saw a kept element and whether every element it saw was kept; a thread that has seen both
+stops (the tile is PARTIAL whatever the rest holds). ``syncthreads_or`` and
+``syncthreads_and`` then combine the threads' answers. The calls of a forward or backward
+without a BlockMask launch it on their stream before the attention kernels, which read the
+classes in stream order: no copy to the host, no wait, and a step that CUDA graphs can
+capture.
+"""
+from __future__ import annotations
+
+from numba import cuda, int8, int32
+
+from ..device.constants import EMPTY, FULL, PARTIAL
+from ..device.user_mods import kernel_mods
+
+
+def make_tile_classify(v):
+    """The classification kernel of variant ``v`` (``v.user`` holds the mask_mod and the
+    kinds of its mod_args; ``v.tiles`` threads per block): ``classes`` int8 ``(B, H,
+    ceil(Nq / block), ceil(Nk / block))``, C-contiguous, one block per element of it;
+    ``block`` is ``1 << lb``."""
+    NT = v.tiles
+    _, _, VIEWS, _, _, KEEPS = kernel_mods(v)
+
+    def tile_classify(classes, B, H, Nq, Nk, nqt, nkt, lb,
+                      m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                      e12, e13, e14, e15):
+        tile = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        kt = tile % nkt
+        rest = tile // nkt
+        qt = rest % nqt
+        rest //= nqt
+        h = rest % H
+        b = rest // H
+        margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
+                                       e12, e13, e14, e15))
+        block = 1 << lb
+        i0 = qt << lb
+        j0 = kt << lb
+        rows = min(block, Nq - i0)
+        cols = min(block, Nk - j0)
+        kept = int32(0)  # (integers: the barrier's predicate)
+        every = int32(1)
+        e = t
+        while e < rows << lb:
+            r = e >> lb
+            c = e - (r << lb)
+            if c < cols:
+                if KEEPS(b, h, i0 + r, j0 + c, margs):
+                    kept = int32(1)
+                else:
+                    every = int32(0)
+                if kept != 0 and every == 0:
+                    break
+            e += NT
+        kept = cuda.syncthreads_or(kept)
+        every = cuda.syncthreads_and(every)
+        if t == 0:
+            classes[tile] = int8(EMPTY if kept == 0 else FULL if every != 0 else PARTIAL)
+
+    tile_classify.__qualname__ = v.tag
+    return tile_classify
