@@ -377,11 +377,12 @@ def class_shape(mask_mod, B, H) -> tuple[int, int]:
     return (B if rb else 1), (H if rh else 1)
 
 
-def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False):
+def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False, evaluate=None):
     """The (B or 1, H or 1, q tiles, k tiles) classes of ``mask_mod`` (host arrays for
     mod_args; 1 where the mask never reads ``b`` or ``h``, :func:`class_shape`); with
     ``remember``, kept with copies of the arrays (or digests of large ones) for the next
-    call."""
+    call, and ``evaluate()`` (where given) evaluates them when they are new (a GPU's
+    kernel) instead of the host."""
     B, H = class_shape(mask_mod, B, H)
     if remember:
         host_args = tuple(np.ascontiguousarray(a) for a in host_args)
@@ -391,7 +392,8 @@ def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False):
         for marks, classes in _CLASSES.get(key, []):
             if all(_same(m, p) for m, p in zip(marks, probe)):
                 return classes
-        classes = block_classes(mask_mod, B, H, Nq, Nk, block, host_args)
+        classes = (block_classes(mask_mod, B, H, Nq, Nk, block, host_args)
+                   if evaluate is None else evaluate())
         _remember(key, (tuple(p if isinstance(p, bytes) else p.copy() for p in probe),
                         classes))
         return classes

@@ -370,9 +370,31 @@ if SIM:
             assert host.shape[:2] == shape
             np.testing.assert_array_equal(got, host, err_msg=mask_mod.__name__)
             assert copied == []
-        seen = np.concatenate([_classes_on_the_device(same_doc, (doc,), 2, 3, 33, 33, dtype,
-                                                      monkeypatch)[0].ravel()])
-        assert set(seen.tolist()) == {_mods.EMPTY, _mods.PARTIAL, _mods.FULL}
+        seen = _classes_on_the_device(same_doc, (doc,), 2, 3, 33, 33, dtype, monkeypatch)[0]
+        assert set(seen.ravel().tolist()) == {_mods.EMPTY, _mods.PARTIAL, _mods.FULL}
+
+    @pytest.mark.cudasim
+    def test_sim_simt_large_tile_classes_kept_by_contents(monkeypatch):
+        """Past DEVICE_EVALS evaluations a call keeps its classes by its mod_args' contents:
+        new contents are evaluated on the device (once), equal contents are not again."""
+        from flashcore import _mods
+        from flashcore.backends.numba_cuda import classes
+        from flashcore.backends.numba_cuda.device import seams
+
+        monkeypatch.setattr(seams, "CLASS_BLOCK", 8)
+        monkeypatch.setattr(_mods, "BLOCK", 8)
+        monkeypatch.setattr(classes, "DEVICE_EVALS", 0)
+        monkeypatch.setattr(_mods, "_CLASSES", {})
+        launched = []
+        real = classes.run_classify
+        monkeypatch.setattr(classes, "run_classify", lambda *a: launched.append(1) or real(*a))
+        hdoc = np.sort(np.random.default_rng(6).integers(0, 3, (2, 3, 33)), axis=-1)
+        for n, arr in enumerate((hdoc, hdoc.copy(), hdoc[:, ::-1].copy())):
+            got, host, copied = _classes_on_the_device(head_docs, (arr,), 2, 3, 33, 33,
+                                                       np.float16, monkeypatch)
+            np.testing.assert_array_equal(got, host)
+            assert len(copied) == 1 + (n != 1)  # (the ids; the classes of a miss)
+        assert len(launched) == 2  # (the first and the third contents)
 
 
 def test_numba_cuda_takes_user_mods(monkeypatch):
@@ -454,7 +476,7 @@ def test_user_mod_variants_compile_to_ptx(dtype, head_dim, monkeypatch):
         # (the backward's derivative too: the forward-mode twin stays in float32)
         assert "cvt.f64.f32" not in ptx or dtype == "float32", v.tag
     # the classification of the mask_mod's tiles (a call without a BlockMask)
-    v = classes.classify_variant(user.mask_mod, user.args, dtype)
+    v = classes.classify_variant(user.mask_mod, user.args, dtype, 128)
     sig = launch.signature(v.entry, v.dtype, user.args)
     ptx, _ = cuda.compile_ptx(launch.build(v), sig, cc=(9, 0), fastmath=driver.FASTMATH)
     entry = re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx, re.DOTALL)

@@ -5,10 +5,10 @@ equal documents by per-token ids, forward only). One line per measurement, ms pe
 
 - ``block_mask``: the ids' BlockMask made once (untimed), then calls with it;
 - ``same ids``: no BlockMask, the same ids tensor every call;
-- ``new ids``: no BlockMask, ids of other contents every call (a training loop whose
-  packing changes every step: each call's classes are new);
+- ``new ids``: no BlockMask, the same documents numbered anew every call (new contents:
+  a training loop whose packing changes every step);
 - ``per-head mask``: a mask that reads ``h`` (its classes cannot be shared by the heads),
-  the same ids every call;
+  the same ids every call, then new ids every call;
 - ``create_block_mask``: the BlockMask's own time (host, B given, H None).
 
 Also checks that the calls without a BlockMask give the BlockMask call's output bit for
@@ -43,9 +43,9 @@ def main():
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     per = N // 8
 
-    def ids_for(shift):
-        pos = (torch.arange(N, device="cuda") + shift) % N
-        return (pos // per).to(torch.int32)[None].repeat(B, 1).contiguous()
+    def ids_for(label):  # (the same documents, numbered from ``label``: new contents)
+        pos = torch.arange(N, device="cuda")
+        return (pos // per + label).to(torch.int32)[None].repeat(B, 1).contiguous()
 
     ids = ids_for(0)
     t0 = time.perf_counter()
@@ -63,10 +63,13 @@ def main():
         ("same ids", lambda: flashcore.attention(q, k, v, mask_mod=same_doc, mod_args=(ids,)),
          reps),
         ("new ids", lambda: flashcore.attention(q, k, v, mask_mod=same_doc,
-                                                mod_args=(ids_for(17 * next(fresh)),)),
+                                                mod_args=(ids_for(next(fresh)),)),
          int(os.environ.get("NEW_REPS", reps))),
         ("per-head mask", lambda: flashcore.attention(q, k, v, mask_mod=head_doc,
                                                       mod_args=(ids,)), reps),
+        ("per-head mask, new ids", lambda: flashcore.attention(
+            q, k, v, mask_mod=head_doc, mod_args=(ids_for(next(fresh)),)),
+         int(os.environ.get("NEW_REPS", reps))),
     ]
     for name, fn, n in rows:
         one = timed(fn, reps=n, warm=2) * 1e3

@@ -7,7 +7,9 @@ or FULL per ``BLOCK x BLOCK`` tile of one batch entry and head).
   of the mod_args to the host, no wait for the GPU, and steps that CUDA graphs can
   capture. Only the batch entries and heads the mask reads are evaluated
   (``_mods.class_shape``: a document mask that never reads ``h`` is evaluated once for
-  all heads).
+  all heads). Past :data:`DEVICE_EVALS` evaluations per call the classes are kept by the
+  contents of the mod_args instead (a mask that reads ``h``, at B=4 H=16 N=8192, would
+  take ~10 ms per call), evaluated on the GPU where they are new.
 - An adapter that cannot allocate (JAX under ``jit``: XLA lends every buffer) evaluates
   them on the host from copies of the mod_args (``_mods.block_classes``, kept by their
   contents), then uploads them.
@@ -20,12 +22,17 @@ from flashcore import _mods
 from flashcore._memo import Memo
 
 from . import launch, launch_args
-from .device.convert import SIMULATOR
 from .variant import UserMods, Variant
 
-#: Threads per block of the classification kernel (one block per tile; the simulator runs
-#: each thread as a Python thread: fewer there, the same loop).
-THREADS = 32 if SIMULATOR else 256
+#: Calls whose classes take more evaluations of the mask than this (batch entries x heads x
+#: Nq x Nk, of those the mask reads: ``_mods.class_shape``; about 1 ms of an H200) keep them
+#: by the contents of their mod_args instead (``_mods.block_classes``: a copy to the host and
+#: a wait per call, then no evaluation where the arrays repeat; a miss is evaluated on the
+#: GPU and its classes copied back to be kept).
+DEVICE_EVALS = 1 << 30
+#: Fewest threads per block of the classification kernel (one block per tile, at least a
+#: thread per key of it; the simulator runs each thread as a Python thread).
+MIN_THREADS = 32
 
 
 def tile_classes(ad, case, like, keep, margs):
@@ -36,14 +43,23 @@ def tile_classes(ad, case, like, keep, margs):
     m = case.mods
     if m is None or m.mask_mod is None:
         return None
-    if m.block_mask is None and ad.allocates:
-        return _evaluated(ad, case, like, keep, margs)
     if m.block_mask is not None:
         host = m.block_mask.classes
     else:
+        block = _mods.BLOCK
+        nb, nh = _mods.class_shape(m.mask_mod, case.batch, case.heads_q)
+        shape = (nb, nh, -(-case.seqlen_q // block), -(-case.seqlen_k // block))
+        if ad.allocates and nb * nh * case.seqlen_q * case.seqlen_k <= DEVICE_EVALS:
+            return _evaluated(ad, case, like, keep, margs, shape)[1]
+        evaluate = None
+        if ad.allocates:  # (a miss: evaluated here, then copied to the host to be kept)
+            def evaluate():
+                buf = _evaluated(ad, case, like, keep, margs, shape)[0]
+                return np.ascontiguousarray(ad.host_copy(buf, case), np.int8)
         args = tuple(np.ascontiguousarray(ad.host_copy(a, case)) for a in case.mod_args)
         host = _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                                   case.seqlen_k, _mods.BLOCK, args, remember=True)
+                                   case.seqlen_k, block, args, remember=True,
+                                   evaluate=evaluate)
     key = (id(host), type(ad).__name__, case.device)
     hit = _UPLOADED.get(key)
     if hit is None or hit[0] is not host:
@@ -66,18 +82,17 @@ def _strides(shape):
     return 0 if nb == 1 else nh * nq * nk, 0 if nh == 1 else nq * nk, nk
 
 
-def _evaluated(ad, case, like, keep, margs):
+def _evaluated(ad, case, like, keep, margs, shape):
+    """The classes of ``shape`` evaluated on the GPU on the call's stream: ``(buffer, (handle,
+    strides...))``."""
     dev = ad.device_index(case)
-    block = _mods.BLOCK
-    nb, nh = _mods.class_shape(case.mods.mask_mod, case.batch, case.heads_q)
-    shape = (nb, nh, -(-case.seqlen_q // block), -(-case.seqlen_k // block))
     buf = ad.empty(like, shape, "int8", dev, poison=False)
     keep.append(buf)
     at = ad.address(buf, keep)
     if int(np.prod(shape)):
-        run_classify(case, dev, ad.stream(like, dev), at, shape, block,
+        run_classify(case, dev, ad.stream(like, dev), at, shape, _mods.BLOCK,
                      margs or launch_args.no_mod_args(at))
-    return (at, *_strides(shape))
+    return buf, (at, *_strides(shape))
 
 
 def run_classify(case, device, stream, classes, shape, block, margs):
@@ -85,7 +100,7 @@ def run_classify(case, device, stream, classes, shape, block, margs):
     C-contiguous int8 buffer of ``shape``, tiles of ``block`` rows and keys, a power of
     two); a mask_mod that does not compile for the GPU is a TypeError saying so."""
     mask_mod = case.mods.mask_mod
-    v = classify_variant(mask_mod, launch.mod_arg_kinds(case.mod_args), case.dtype)
+    v = classify_variant(mask_mod, launch.mod_arg_kinds(case.mod_args), case.dtype, block)
     try:
         kern = launch.kernel(v, device)
     except Exception as err:  # numba's typing and lowering errors
@@ -97,9 +112,10 @@ def run_classify(case, device, stream, classes, shape, block, margs):
                                           nk, block.bit_length() - 1, *margs))
 
 
-def classify_variant(mask_mod, kinds, dtype):
+def classify_variant(mask_mod, kinds, dtype, block):
     """The classification kernel's variant for ``mask_mod`` with mod_args of ``kinds``
-    (``launch.mod_arg_kinds``) in a call of ``dtype``: the twin of the mask the attention
-    kernels of that dtype ask (fp16 and bf16 share one)."""
+    (``launch.mod_arg_kinds``) in a call of ``dtype``, for tiles of ``block`` keys (a power
+    of two): the twin of the mask the attention kernels of that dtype ask (fp16 and bf16
+    share one), a thread per key."""
     return Variant("classify", "simt", 0, "float32" if dtype == "float32" else "float16",
-                   False, THREADS, user=UserMods(None, mask_mod, kinds))
+                   False, max(MIN_THREADS, block), user=UserMods(None, mask_mod, kinds))

@@ -4,10 +4,10 @@
 the tile's class, EMPTY (no element kept), FULL (every element kept) or PARTIAL, as
 ``flashcore._mods.block_classes`` does on the host.
 
-One thread block per tile of one (batch entry, head): ``NT`` threads walk the tile's
-elements row by row (neighbouring threads on neighbouring keys), each keeping whether it
-saw a kept element and whether every element it saw was kept; a thread that has seen both
-stops (the tile is PARTIAL whatever the rest holds). ``syncthreads_or`` and
+One thread block per tile of one (batch entry, head): each thread takes one key of the
+tile and walks its rows, :data:`UNROLL` at a time (neighbouring threads on neighbouring
+keys), keeping whether it saw a kept element and whether every element it saw was kept; a
+thread that has seen both stops (the tile is PARTIAL whatever the rest holds). ``syncthreads_or`` and
 ``syncthreads_and`` then combine the threads' answers. The calls of a forward or backward
 without a BlockMask launch it on their stream before the attention kernels, which read the
 classes in stream order: no copy to the host, no wait, and a step that CUDA graphs can
@@ -20,12 +20,17 @@ from numba import cuda, int8, int32
 from ..device.constants import EMPTY, FULL, PARTIAL
 from ..device.user_mods import kernel_mods
 
+#: Rows each thread asks about per step, with no exit between them: their loads in flight
+#: together (a step's exit test waits for its answers).
+UNROLL = 4
+
 
 def make_tile_classify(v):
     """The classification kernel of variant ``v`` (``v.user`` holds the mask_mod and the
-    kinds of its mod_args; ``v.tiles`` threads per block): ``classes`` int8 ``(B, H,
-    ceil(Nq / block), ceil(Nk / block))``, C-contiguous, one block per element of it;
-    ``block`` is ``1 << lb``."""
+    kinds of its mod_args; ``v.tiles`` threads per block, a power of two): ``classes``
+    int8 ``(B, H, ceil(Nq / block), ceil(Nk / block))``, C-contiguous, one block per element
+    of it; ``block`` is ``1 << lb``, at most ``v.tiles``. Thread ``t`` asks about key ``t %
+    block`` of the tile, on every ``tiles / block``-th row from row ``t / block``."""
     NT = v.tiles
     _, _, VIEWS, _, _, KEEPS = kernel_mods(v)
 
@@ -42,25 +47,24 @@ def make_tile_classify(v):
         b = rest // H
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
-        block = 1 << lb
         i0 = qt << lb
-        j0 = kt << lb
-        rows = min(block, Nq - i0)
-        cols = min(block, Nk - j0)
+        j = (kt << lb) + (t & ((1 << lb) - 1))
+        step = NT >> lb  # (rows apart)
+        rows = min(1 << lb, Nq - i0)
         kept = int32(0)  # (integers: the barrier's predicate)
         every = int32(1)
-        e = t
-        while e < rows << lb:
-            r = e >> lb
-            c = e - (r << lb)
-            if c < cols:
-                if KEEPS(b, h, i0 + r, j0 + c, margs):
-                    kept = int32(1)
-                else:
-                    every = int32(0)
+        r = t >> lb
+        if j < Nk:
+            while r < rows:
+                for u in range(UNROLL):
+                    if r + u * step < rows:
+                        if KEEPS(b, h, i0 + r + u * step, j, margs):
+                            kept = int32(1)
+                        else:
+                            every = int32(0)
                 if kept != 0 and every == 0:
                     break
-            e += NT
+                r += UNROLL * step
         kept = cuda.syncthreads_or(kept)
         every = cuda.syncthreads_and(every)
         if t == 0:
