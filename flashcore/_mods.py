@@ -354,11 +354,20 @@ def reads_batch_head(fn) -> tuple[bool, bool]:
     it), so that its value cannot change the result and one batch entry's (one head's)
     tile classes serve all. A function whose code cannot be read (a builtin, a callable
     object, ``*args`` in place of ``b, h``) may read both."""
-    import dis
-
     code = getattr(getattr(fn, "py_func", fn), "__code__", None)
     if code is None or code.co_argcount < 2:
         return True, True
+    return _READS.get_or_build(code, _reads, code)
+
+
+#: reads_batch_head's answers by code object (reading the bytecode takes ~70 µs, per call
+#: otherwise), bounded.
+_READS = Memo(256, plans=False)
+
+
+def _reads(code):
+    import dis
+
     names = code.co_varnames[:2]
     seen = set(code.co_cellvars) & set(names)
     for ins in dis.get_instructions(code):
