@@ -22,6 +22,11 @@ Every backend is a module that answers one small contract:
     ``view(x, keep) -> (address, strides)`` and writes into ``outputs``. Backends without
     it cannot run inside ``jax.jit`` on a GPU.
 
+``block_classes(mask_mod, shape, Nq, Nk, block, mod_args, library, device)`` (optional)
+    A mask_mod's int8 tile classes of ``shape`` evaluated where its ``mod_args`` live (a
+    GPU), as a NumPy array, or None where the backend cannot; ``create_block_mask`` asks
+    numba_cuda's and otherwise evaluates on the host.
+
 Modules are imported only when first asked, so ``import flashcore`` pulls in no framework.
 """
 from __future__ import annotations

@@ -273,7 +273,9 @@ def create_block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=(), device=None):
     (query tile, key tile) pair of :data:`BLOCK` rows as empty, partial or full.
 
     ``B`` or ``H`` may be None when the mask does not depend on them. ``mod_args`` are
-    arrays of any library (read on the host here). Pass the result as ``block_mask=`` to
+    arrays of any library: where they are on a CUDA GPU (one library, one device;
+    ``device`` None or that device) and numba_cuda runs there, the mask is evaluated on the
+    GPU, else on the host. Pass the result as ``block_mask=`` to
     :func:`flashcore.attention` so repeated calls skip this evaluation; tiles that are
     empty are skipped and full tiles skip the per-element mask either way.
     """
@@ -290,16 +292,43 @@ def create_block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=(), device=None):
     if not isinstance(mod_args, (tuple, list)):
         raise TypeError(f"mod_args must be a tuple of arrays; got "
                         f"{type(mod_args).__qualname__}")
-    host = []
+    libs = []
     for n, a in enumerate(mod_args):
         lib = _interop.library_of(a)
         if lib is None:
             raise TypeError(f"mod_args[{n}] must be an array; got "
                             f"{type(a).__module__}.{type(a).__qualname__}")
-        host.append(np.ascontiguousarray(_interop.copy_to_host(a, lib)))
-    classes = block_classes(mask_mod, 1 if B is None else B, 1 if H is None else H, Nq, Nk,
-                            BLOCK, tuple(host))
+        libs.append(lib)
+    Bc, Hc = class_shape(mask_mod, 1 if B is None else B, 1 if H is None else H)
+    classes = _gpu_classes(mask_mod, (Bc, Hc, -(-Nq // BLOCK), -(-Nk // BLOCK)), Nq, Nk,
+                           tuple(mod_args), libs, device)
+    if classes is None:
+        host = tuple(np.ascontiguousarray(_interop.copy_to_host(a, lib))
+                     for a, lib in zip(mod_args, libs))
+        classes = block_classes(mask_mod, Bc, Hc, Nq, Nk, BLOCK, host)
     return BlockMask(mask_mod, (B, H, Nq, Nk), BLOCK, classes, device)
+
+
+def _gpu_classes(mask_mod, shape, Nq, Nk, mod_args, libs, device):
+    """create_block_mask's classes evaluated on the GPU where its mod_args live (one
+    library, one CUDA device; ``device`` None or that device), by a backend that offers it
+    (the ``block_classes`` hook of the contract, flashcore._dispatch); None: on the host."""
+    if not mod_args or len(set(libs)) != 1 or libs[0] == "numpy":
+        return None
+    where = {_interop.device_of(a, libs[0]) for a in mod_args}
+    if len(where) != 1 or not next(iter(where)).startswith("cuda") or (
+            device is not None and str(device) not in where
+            and not (str(device) == "cuda" and "cuda:0" in where)):
+        return None
+    from . import _dispatch
+    from ._errors import BackendUnavailableError
+
+    try:
+        hook = getattr(_dispatch.load("numba_cuda"), "block_classes", None)
+    except BackendUnavailableError:
+        return None
+    return None if hook is None else hook(mask_mod, shape, Nq, Nk, BLOCK, mod_args, libs[0],
+                                          next(iter(where)))
 
 
 #: Tile classes a call computed without a BlockMask, by mask_mod, sizes, dtypes and shapes

@@ -377,9 +377,10 @@ if SIM:
     def test_sim_simt_large_tile_classes_kept_by_contents(monkeypatch):
         """Past DEVICE_EVALS evaluations a call keeps its classes by its mod_args' contents:
         new contents are evaluated on the device (once), equal contents are not again."""
-        from flashcore import _mods
         from flashcore.backends.numba_cuda import classes
         from flashcore.backends.numba_cuda.device import seams
+
+        from flashcore import _mods
 
         monkeypatch.setattr(seams, "CLASS_BLOCK", 8)
         monkeypatch.setattr(_mods, "BLOCK", 8)
@@ -395,6 +396,63 @@ if SIM:
             np.testing.assert_array_equal(got, host)
             assert len(copied) == 1 + (n != 1)  # (the ids; the classes of a miss)
         assert len(launched) == 2  # (the first and the third contents)
+
+
+if SIM:
+
+    @pytest.mark.cudasim
+    def test_sim_simt_block_classes_hook(monkeypatch):
+        """numba_cuda's block_classes hook (create_block_mask's GPU evaluation) gives the
+        host's classes, and declines what its kernels cannot take."""
+        from flashcore.backends import numba_cuda
+        from flashcore.backends.numba_cuda.device import seams
+
+        from flashcore import _mods
+
+        monkeypatch.setattr(seams, "CLASS_BLOCK", 8)
+        doc = np.repeat(np.arange(4, dtype=np.int32), [7, 12, 3, 11])[None].repeat(2, 0)
+        doc[1] = np.roll(doc[1], 5)
+        want = _mods.block_classes(same_doc, 2, 1, 33, 30, 8, (doc,))
+        got = numba_cuda.block_classes(same_doc, want.shape, 33, 30, 8, (doc,), "numpy", "cpu")
+        np.testing.assert_array_equal(got, want)
+        assert numba_cuda.block_classes(same_doc, want.shape, 33, 30, 8, (), "numpy",
+                                        "cpu") is None
+        deep = np.zeros((1,) * 5, np.int32)
+        assert numba_cuda.block_classes(same_doc, want.shape, 33, 30, 8, (deep,), "numpy",
+                                        "cpu") is None
+
+
+@pytest.mark.gpu
+def test_create_block_mask_on_gpu(monkeypatch):
+    """create_block_mask with mod_args on a GPU evaluates the mask there (numba_cuda's
+    hook), to the classes the host gives for the same ids, and an attention call with it
+    matches the call without a BlockMask."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from flashcore.backends import numba_cuda
+
+    from flashcore import _mods
+
+    asked = []
+    real = numba_cuda.block_classes
+    monkeypatch.setattr(numba_cuda, "block_classes", lambda *a: asked.append(1) or real(*a))
+    doc = np.repeat(np.arange(5, dtype=np.int32), [300, 700, 128, 900, 372])[None]
+    doc = np.concatenate([doc, np.roll(doc, 77, axis=1)])
+    tdoc = torch.from_numpy(doc).cuda()
+    for fn, H in ((same_doc, None), (head_docs, 3)):
+        ids = tdoc if fn is same_doc else tdoc[:, None].repeat(1, 3, 1).contiguous()
+        bm = flashcore.create_block_mask(fn, 2, H, 2400, 2400, mod_args=(ids,))
+        host = _mods.block_classes(fn, 2, H or 1, 2400, 2400, _mods.BLOCK,
+                                   (ids.cpu().numpy(),))
+        np.testing.assert_array_equal(bm.classes, host)
+    assert len(asked) == 2
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 2400, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+               for _ in range(3))
+    a = flashcore.attention(q, k, v, block_mask=bm, mod_args=(ids,))
+    b = flashcore.attention(q, k, v, mask_mod=head_docs, mod_args=(ids,))
+    assert torch.equal(a, b)
 
 
 def test_numba_cuda_takes_user_mods(monkeypatch):

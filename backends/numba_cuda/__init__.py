@@ -100,13 +100,18 @@ def _mods_reason(case):
     m = case.mods
     if m is None or (m.score_mod is None and m.mask_mod is None):
         return None
+    return _args_reason(case.mod_args)
+
+
+def _args_reason(mod_args):
+    """Why the kernels cannot take these mod_args, or None."""
     from flashcore._interop import dtype_name
 
     from .device.user_mods import MAX_ARGS, MAX_DIMS  # (imports numba.cuda)
-    if len(case.mod_args) > MAX_ARGS:
+    if len(mod_args) > MAX_ARGS:
         return (f"the CUDA kernels take at most {MAX_ARGS} mod_args; this call has "
-                f"{len(case.mod_args)}")
-    for n, a in enumerate(case.mod_args):
+                f"{len(mod_args)}")
+    for n, a in enumerate(mod_args):
         if len(a.shape) > MAX_DIMS:
             return (f"the CUDA kernels take mod_args of at most {MAX_DIMS} dims; mod_args[{n}] "
                     f"has {len(a.shape)}")
@@ -188,6 +193,28 @@ def buffer_launcher(view, outputs, stream):
     from .adapters import BufferLauncher
 
     return BufferLauncher(view, outputs, stream)
+
+
+def block_classes(mask_mod, shape, Nq, Nk, block, mod_args, library, device):
+    """Optional contract hook: the int8 tile classes of ``shape`` (``(B or 1, H or 1, query
+    tiles, key tiles)``, tiles of ``block`` rows) of ``mask_mod`` evaluated on GPU
+    ``device`` ("cuda:N") where its ``mod_args`` (arrays of ``library``, at least one)
+    live, as a NumPy array; None where this backend cannot evaluate them there (the caller
+    then evaluates them on the host). flashcore.create_block_mask asks it."""
+    if not mod_args or unavailable_reason() is not None:
+        return None
+    from numba import cuda
+
+    sim = cuda.config.ENABLE_CUDASIM  # (NumPy arrays stand for GPU ones there)
+    if ((library not in _GPU_LIBRARIES and not (sim and library == "numpy"))
+            or _device_reason(device) is not None or _rocm_reason(library) is not None
+            or _args_reason(mod_args) is not None):
+        return None
+    from . import classes
+    from .adapters import _device_index
+
+    return classes.on_device(_adapter(library), mask_mod, shape, Nq, Nk, block, mod_args,
+                             library, _device_index(device))
 
 
 _ADAPTERS = None  # adapters.ADAPTERS, once imported (numba.cuda comes with it)

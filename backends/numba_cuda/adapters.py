@@ -145,10 +145,14 @@ class _Adapter:
     def mod_args(self, case, keep):
         """The call's mod_args as the kernels take them (launch.mod_args: handles of C-
         contiguous copies where an array is not, and shapes), or None without any."""
-        if not case.mod_args:
+        return self.mod_arrays(case.mod_args, keep)
+
+    def mod_arrays(self, arrays, keep):
+        """:meth:`mod_args` of the arrays ``arrays``."""
+        if not arrays:
             return None
         views = []
-        for a in case.mod_args:
+        for a in arrays:
             a = self.contiguous(a)
             keep.append(a)
             views.append((self.address(a, keep), tuple(int(n) for n in a.shape)))

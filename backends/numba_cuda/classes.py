@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcore import _mods
+from flashcore import _interop, _mods
 from flashcore._memo import Memo
 
 from . import launch, launch_args
@@ -99,8 +99,15 @@ def run_classify(case, device, stream, classes, shape, block, margs):
     """Launch the classification of the call's mask_mod into ``classes`` (the handle of a
     C-contiguous int8 buffer of ``shape``, tiles of ``block`` rows and keys, a power of
     two); a mask_mod that does not compile for the GPU is a TypeError saying so."""
-    mask_mod = case.mods.mask_mod
-    v = classify_variant(mask_mod, launch.mod_arg_kinds(case.mod_args), case.dtype, block)
+    launch_classify(case.mods.mask_mod, launch.mod_arg_kinds(case.mod_args), case.dtype,
+                    case.seqlen_q, case.seqlen_k, device, stream, classes, shape, block, margs)
+
+
+def launch_classify(mask_mod, kinds, dtype, Nq, Nk, device, stream, classes, shape, block,
+                    margs):
+    """:func:`run_classify` for ``mask_mod`` (mod_args of ``kinds``) as the attention
+    kernels of ``dtype`` ask it, on ``Nq`` query rows and ``Nk`` keys."""
+    v = classify_variant(mask_mod, kinds, dtype, block)
     try:
         kern = launch.kernel(v, device)
     except Exception as err:  # numba's typing and lowering errors
@@ -108,8 +115,23 @@ def run_classify(case, device, stream, classes, shape, block, margs):
             raise _mods.compile_error("mask_mod", mask_mod, err) from None
         raise
     nb, nh, nq, nk = shape
-    kern((nb * nh * nq * nk, 1), stream, (classes, nb, nh, case.seqlen_q, case.seqlen_k, nq,
-                                          nk, block.bit_length() - 1, *margs))
+    kern((nb * nh * nq * nk, 1), stream, (classes, nb, nh, Nq, Nk, nq, nk,
+                                          block.bit_length() - 1, *margs))
+
+
+def on_device(ad, mask_mod, shape, Nq, Nk, block, mod_args, library, device):
+    """The classes of ``shape`` of ``mask_mod`` evaluated on GPU ``device`` (an index)
+    where its ``mod_args`` (arrays of ``library``, at least one) live, copied to the host
+    (create_block_mask's evaluation: one wait)."""
+    keep = []
+    like = mod_args[0]
+    buf = ad.empty(like, shape, "int8", device, poison=False)
+    at = ad.address(buf, keep)
+    if int(np.prod(shape)):
+        launch_classify(mask_mod, launch.mod_arg_kinds(mod_args), "float32", Nq, Nk, device,
+                        ad.stream(like, device), at, shape, block,
+                        ad.mod_arrays(mod_args, keep))
+    return np.ascontiguousarray(_interop.copy_to_host(buf, library), np.int8)
 
 
 def classify_variant(mask_mod, kinds, dtype, block):
