@@ -382,10 +382,12 @@ def reads_batch_head(fn) -> tuple[bool, bool]:
     where its code never loads that parameter (no load of the local, no closure capturing
     it), so that its value cannot change the result and one batch entry's (one head's)
     tile classes serve all. A function whose code cannot be read (a builtin, a callable
-    object, ``*args`` in place of ``b, h``) may read both."""
+    object, a bound method, ``*args`` in place of ``b, h``) may read both."""
+    import inspect
+
     code = getattr(getattr(fn, "py_func", fn), "__code__", None)
-    if code is None or code.co_argcount < 2:
-        return True, True
+    if code is None or code.co_argcount < 2 or inspect.ismethod(fn):
+        return True, True  # (a method's code names ``self`` first)
     return _READS.get_or_build(code, _reads, code)
 
 

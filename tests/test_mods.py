@@ -421,6 +421,11 @@ def test_classes_only_for_the_indices_a_mask_reads():
              (stores_b_first, (True, False)), (variadic, (True, True)),
              (numba.njit(same_doc), (True, False)), (lambda b, h, i, j, d: i >= j,
                                                      (False, False))]
+    class Masks:
+        def head_doc(self, b, h, i, j, doc):  # (as a bound method: self, then b)
+            return h > 0
+
+    cases.append((Masks().head_doc, (True, True)))
     for fn, want in cases:
         assert _mods.reads_batch_head(fn) == want, fn
     doc = docs(2, 300, [100, 140, 60])

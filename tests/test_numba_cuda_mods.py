@@ -346,18 +346,20 @@ def _classes_on_the_device(mask_mod, mod_args, B, Hq, Nq, Nk, dtype, monkeypatch
 if SIM:
 
     @pytest.mark.cudasim
-    @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-    def test_sim_simt_tile_classes_evaluated_on_the_device(dtype, monkeypatch):
+    @pytest.mark.parametrize("dtype,block", [(np.float32, 8), (np.float16, 8),
+                                             (np.float16, 16)])
+    def test_sim_simt_tile_classes_evaluated_on_the_device(dtype, block, monkeypatch):
         """A call without a BlockMask evaluates its mask_mod's classes with the kernels'
         own device function, on the device (no host copy of its mod_args), to the classes
         the host computes: tails past a tile, every class, masks that read ``h`` or not,
-        and a mask without mod_args. (Blocks of 8 rows: the simulator runs each element.)"""
+        and a mask without mod_args. (Blocks of 8 or 16 rows: the simulator runs each
+        element; at 16, a thread's rows take several steps.)"""
         from flashcore.backends.numba_cuda.device import seams
 
         from flashcore import _mods
 
-        monkeypatch.setattr(seams, "CLASS_BLOCK", 8)
-        monkeypatch.setattr(_mods, "BLOCK", 8)
+        monkeypatch.setattr(seams, "CLASS_BLOCK", block)
+        monkeypatch.setattr(_mods, "BLOCK", block)
         rng = np.random.default_rng(5)
         doc = np.repeat(np.arange(4, dtype=np.int32), [7, 12, 3, 11])[None].repeat(2, 0)
         doc[1] = np.roll(doc[1], 5)
@@ -387,8 +389,9 @@ if SIM:
         monkeypatch.setattr(classes, "DEVICE_EVALS", 0)
         monkeypatch.setattr(_mods, "_CLASSES", {})
         launched = []
-        real = classes.run_classify
-        monkeypatch.setattr(classes, "run_classify", lambda *a: launched.append(1) or real(*a))
+        real = classes.launch_classify
+        monkeypatch.setattr(classes, "launch_classify",
+                            lambda *a: launched.append(1) or real(*a))
         hdoc = np.sort(np.random.default_rng(6).integers(0, 3, (2, 3, 33)), axis=-1)
         for n, arr in enumerate((hdoc, hdoc.copy(), hdoc[:, ::-1].copy())):
             got, host, copied = _classes_on_the_device(head_docs, (arr,), 2, 3, 33, 33,
@@ -453,6 +456,46 @@ def test_create_block_mask_on_gpu(monkeypatch):
     a = flashcore.attention(q, k, v, block_mask=bm, mod_args=(ids,))
     b = flashcore.attention(q, k, v, mask_mod=head_docs, mod_args=(ids,))
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_classes_kept_by_contents_on_gpu(monkeypatch):
+    """The classes kept by mod_args' contents (``DEVICE_EVALS`` lowered to 0) are those
+    the GPU evaluated, copied to the host after its kernel: for JAX arrays (a stream of
+    its own for the copy) and torch ones, the outputs equal those of the classes evaluated
+    per call, and the kept classes the host's."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    if not torch.cuda.is_available() or not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("no CUDA GPU for torch and JAX")
+    import jax.numpy as jnp
+    from flashcore.backends.numba_cuda import classes
+
+    from flashcore import _mods
+
+    B, H, N, D = 1, 4, 2048, 64
+    ids = (np.arange(N) // 300).astype(np.int32)[None]
+    rng = np.random.default_rng(8)
+    host = [rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(3)]
+    want = _mods.block_classes(head_docs, B, H, N, N, _mods.BLOCK,
+                               (ids[:, None].repeat(H, 1),))
+    for lib in ("jax", "torch"):
+        if lib == "jax":
+            q, k, v = (jnp.asarray(x) for x in host)
+            args = (jnp.asarray(ids[:, None].repeat(H, 1)),)
+        else:
+            q, k, v = (torch.from_numpy(x).cuda() for x in host)
+            args = (torch.from_numpy(ids[:, None].repeat(H, 1)).cuda(),)
+        outs = []
+        for evals in (1 << 30, 0):
+            monkeypatch.setattr(classes, "DEVICE_EVALS", evals)
+            monkeypatch.setattr(_mods, "_CLASSES", {})
+            o, _ = flashcore.attention_forward(q, k, v, mask_mod=head_docs, mod_args=args,
+                                               backend="numba_cuda")
+            outs.append(np.asarray(o.cpu() if lib == "torch" else o).astype(np.float32))
+        ((_, kept),) = next(iter(_mods._CLASSES.values()))[:1]
+        np.testing.assert_array_equal(kept, want, err_msg=lib)
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg=lib)
 
 
 def test_numba_cuda_takes_user_mods(monkeypatch):

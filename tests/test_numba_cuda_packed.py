@@ -235,6 +235,51 @@ else:
     def test_sim_tensor_core_varlen(c, monkeypatch):
         _run_varlen(c, monkeypatch, "tensor_core")
 
+    def packed_doc(b, h, i, j, ids, cu):
+        """Documents by packed per-token ids, read through the offsets: only rows and keys
+        inside sequence ``b`` are in bounds for the last sequence."""
+        return ids[cu[b] + i] == ids[cu[b] + j]
+
+    def row_doc(b, h, i, j, doc):
+        return doc[b, i] == doc[b, j]
+
+    @pytest.mark.cudasim
+    @pytest.mark.parametrize("kept", [False, True])
+    def test_sim_simt_varlen_mask_asked_inside_each_sequence(kept, monkeypatch):
+        """A varlen call's tile classes ask the mask only inside each sequence, as the
+        attention kernels do: a mask reading packed ids through the offsets, and a table
+        of (sequences, longest) rows with max_seqlen given above the longest, stay in
+        bounds (the simulator raises past an array's end). ``kept``: the classes kept by
+        the mod_args' contents and the offsets (other offsets, the same ids: evaluated
+        again, not reused)."""
+        from flashcore.backends.numba_cuda import classes
+        from flashcore.backends.numba_cuda.device import seams
+
+        from flashcore import _mods
+
+        monkeypatch.setattr(seams, "CLASS_BLOCK", 8)
+        monkeypatch.setattr(_mods, "BLOCK", 8)
+        if kept:
+            monkeypatch.setattr(classes, "DEVICE_EVALS", 0)
+            monkeypatch.setattr(_mods, "_CLASSES", {})
+        rng = np.random.default_rng(0)
+        for lens in ([11, 19, 3], [19, 3, 11]):
+            q, k, v, cq, ck = packed(rng, lens, lens, Hq=2, Hkv=1, D=8, dtype="float32")
+            ids = (np.arange(int(cq[-1])) // 4).astype(np.int32)
+            args = (ids, cq.astype(np.int32))
+            ref = oracle_varlen(q, k, v, cq, ck, mask_mod=packed_doc, mod_args=args)[0]
+            o = flashcore.attention_varlen(q, k, v, cq, ck, mask_mod=packed_doc, mod_args=args,
+                                           backend="numba_cuda")
+            assert rel_err(o, ref) < TOL_FWD["float32"], lens
+        doc = (np.arange(19)[None, :] // 5 + np.arange(3)[:, None]) % 2
+        for lens in ([11, 19, 3], [19, 3, 11]):  # (the same doc: only the offsets differ)
+            q, k, v, cq, ck = packed(rng, lens, lens, Hq=2, Hkv=1, D=8, dtype="float32")
+            ref = oracle_varlen(q, k, v, cq, ck, mask_mod=row_doc, mod_args=(doc,))[0]
+            o = flashcore.attention_varlen(q, k, v, cq, ck, max_seqlen_q=24, max_seqlen_k=24,
+                                           mask_mod=row_doc, mod_args=(doc,),
+                                           backend="numba_cuda")
+            assert rel_err(o, ref) < TOL_FWD["float32"], lens
+
     @pytest.mark.cudasim
     @pytest.mark.parametrize("warps", [True, False])
     def test_sim_simt_packed_tile(warps, rows=16):

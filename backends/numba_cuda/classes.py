@@ -2,7 +2,7 @@
 or FULL per ``BLOCK x BLOCK`` tile of one batch entry and head).
 
 - A BlockMask's classes are uploaded once per GPU and adapter (:data:`_UPLOADED`).
-- Without one, a call evaluates them on the GPU (:func:`run_classify`, the kernel of
+- Without one, a call evaluates them on the GPU (:func:`launch_classify`, the kernel of
   ``simt/classify.py``) on its stream, before the attention kernels that read them: no copy
   of the mod_args to the host, no wait for the GPU, and steps that CUDA graphs can
   capture. Only the batch entries and heads the mask reads are evaluated
@@ -10,6 +10,9 @@ or FULL per ``BLOCK x BLOCK`` tile of one batch entry and head).
   all heads). Past :data:`DEVICE_EVALS` evaluations per call the classes are kept by the
   contents of the mod_args instead (a mask that reads ``h``, at B=4 H=16 N=8192, would
   take ~10 ms per call), evaluated on the GPU where they are new.
+- A varlen call's classes are evaluated inside each sequence's own ends (the offsets
+  bound its rows and keys, as the attention kernels ask the mask), one table per
+  sequence; tiles past a sequence's end are EMPTY.
 - An adapter that cannot allocate (JAX under ``jit``: XLA lends every buffer) evaluates
   them on the host from copies of the mod_args (``_mods.block_classes``, kept by their
   contents), then uploads them.
@@ -22,6 +25,7 @@ from flashcore import _interop, _mods
 from flashcore._memo import Memo
 
 from . import launch, launch_args
+from .driver import synchronize
 from .variant import UserMods, Variant
 
 #: Calls whose classes take more evaluations of the mask than this (batch entries x heads x
@@ -48,17 +52,27 @@ def tile_classes(ad, case, like, keep, margs):
     else:
         block = _mods.BLOCK
         nb, nh = _mods.class_shape(m.mask_mod, case.batch, case.heads_q)
+        varlen = case.varlen is not None and ad.allocates
+        if varlen:  # (the GPU asks each sequence inside its own ends: classes per sequence)
+            nb = case.batch
         shape = (nb, nh, -(-case.seqlen_q // block), -(-case.seqlen_k // block))
         if ad.allocates and nb * nh * case.seqlen_q * case.seqlen_k <= DEVICE_EVALS:
             return _evaluated(ad, case, like, keep, margs, shape)[1]
         evaluate = None
+        extra = ()
         if ad.allocates:  # (a miss: evaluated here, then copied to the host to be kept)
             def evaluate():
                 buf = _evaluated(ad, case, like, keep, margs, shape)[0]
+                dev = ad.device_index(case)
+                synchronize(ad.stream(like, dev), dev)  # (JAX copies on a stream of its own)
                 return np.ascontiguousarray(ad.host_copy(buf, case), np.int8)
+            if varlen:  # (such classes depend on the offsets too: kept by them as well)
+                vl = case.varlen
+                extra = tuple(np.ascontiguousarray(ad.host_copy(a, case))
+                              for a in (vl.cu_seqlens_q, vl.cu_seqlens_k))
         args = tuple(np.ascontiguousarray(ad.host_copy(a, case)) for a in case.mod_args)
         host = _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                                   case.seqlen_k, block, args, remember=True,
+                                   case.seqlen_k, block, args + extra, remember=True,
                                    evaluate=evaluate)
     key = (id(host), type(ad).__name__, case.device)
     hit = _UPLOADED.get(key)
@@ -83,40 +97,42 @@ def _strides(shape):
 
 
 def _evaluated(ad, case, like, keep, margs, shape):
-    """The classes of ``shape`` evaluated on the GPU on the call's stream: ``(buffer, (handle,
-    strides...))``."""
+    """The classes of ``shape`` evaluated on the GPU on the call's stream (a varlen call's
+    inside each sequence's ends): ``(buffer, (handle, strides...))``."""
     dev = ad.device_index(case)
     buf = ad.empty(like, shape, "int8", dev, poison=False)
     keep.append(buf)
     at = ad.address(buf, keep)
     if int(np.prod(shape)):
-        run_classify(case, dev, ad.stream(like, dev), at, shape, _mods.BLOCK,
-                     margs or launch_args.no_mod_args(at))
+        vl = case.varlen
+        cu = None if vl is None else (ad.int32(vl.cu_seqlens_q, keep),
+                                      ad.int32(vl.cu_seqlens_k, keep))
+        launch_classify(case.mods.mask_mod, launch.mod_arg_kinds(case.mod_args), case.dtype,
+                        case.seqlen_q, case.seqlen_k, dev, ad.stream(like, dev), at, shape,
+                        _mods.BLOCK, margs or launch_args.no_mod_args(at), cu)
     return buf, (at, *_strides(shape))
 
 
-def run_classify(case, device, stream, classes, shape, block, margs):
-    """Launch the classification of the call's mask_mod into ``classes`` (the handle of a
-    C-contiguous int8 buffer of ``shape``, tiles of ``block`` rows and keys, a power of
-    two); a mask_mod that does not compile for the GPU is a TypeError saying so."""
-    launch_classify(case.mods.mask_mod, launch.mod_arg_kinds(case.mod_args), case.dtype,
-                    case.seqlen_q, case.seqlen_k, device, stream, classes, shape, block, margs)
-
-
 def launch_classify(mask_mod, kinds, dtype, Nq, Nk, device, stream, classes, shape, block,
-                    margs):
-    """:func:`run_classify` for ``mask_mod`` (mod_args of ``kinds``) as the attention
-    kernels of ``dtype`` ask it, on ``Nq`` query rows and ``Nk`` keys."""
-    v = classify_variant(mask_mod, kinds, dtype, block)
+                    margs, cu=None):
+    """Launch the classification of ``mask_mod`` (mod_args of ``kinds``, as the attention
+    kernels of ``dtype`` ask it) on ``Nq`` query rows and ``Nk`` keys into ``classes``
+    (the handle of a C-contiguous int8 buffer of ``shape``, tiles of ``block`` rows and
+    keys, a power of two); ``cu``: the handles of a varlen call's int32 offsets, whose
+    sequences bound each batch entry's rows and keys instead. A mask_mod that does not
+    compile for the GPU is a TypeError saying so."""
+    v = classify_variant(mask_mod, kinds, dtype, block, varlen=cu is not None)
     try:
         kern = launch.kernel(v, device)
     except Exception as err:  # numba's typing and lowering errors
         if type(err).__module__.startswith("numba"):
             raise _mods.compile_error("mask_mod", mask_mod, err) from None
         raise
+    if cu is None:
+        cu = (launch_args.no_slopes(classes)[0],) * 2  # (never read)
     nb, nh, nq, nk = shape
     kern((nb * nh * nq * nk, 1), stream, (classes, nb, nh, Nq, Nk, nq, nk,
-                                          block.bit_length() - 1, *margs))
+                                          block.bit_length() - 1, *margs, *cu))
 
 
 def on_device(ad, mask_mod, shape, Nq, Nk, block, mod_args, library, device):
@@ -128,16 +144,18 @@ def on_device(ad, mask_mod, shape, Nq, Nk, block, mod_args, library, device):
     buf = ad.empty(like, shape, "int8", device, poison=False)
     at = ad.address(buf, keep)
     if int(np.prod(shape)):
+        stream = ad.stream(like, device)
         launch_classify(mask_mod, launch.mod_arg_kinds(mod_args), "float32", Nq, Nk, device,
-                        ad.stream(like, device), at, shape, block,
-                        ad.mod_arrays(mod_args, keep))
+                        stream, at, shape, block, ad.mod_arrays(mod_args, keep))
+        synchronize(stream, device)  # (JAX copies on a stream of its own)
     return np.ascontiguousarray(_interop.copy_to_host(buf, library), np.int8)
 
 
-def classify_variant(mask_mod, kinds, dtype, block):
+def classify_variant(mask_mod, kinds, dtype, block, varlen=False):
     """The classification kernel's variant for ``mask_mod`` with mod_args of ``kinds``
     (``launch.mod_arg_kinds``) in a call of ``dtype``, for tiles of ``block`` keys (a power
     of two): the twin of the mask the attention kernels of that dtype ask (fp16 and bf16
-    share one), a thread per key."""
+    share one), a thread per key; ``varlen``: bounded by each sequence's offsets."""
     return Variant("classify", "simt", 0, "float32" if dtype == "float32" else "float16",
-                   False, max(MIN_THREADS, block), user=UserMods(None, mask_mod, kinds))
+                   False, max(MIN_THREADS, block), user=UserMods(None, mask_mod, kinds),
+                   packed="varlen" if varlen else "")

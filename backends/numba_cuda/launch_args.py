@@ -42,7 +42,7 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
     variants with a mask_mod) with their batch, head and query-block strides. Both families
     take the same arguments, then :data:`PACKED_SIG`. A ``split`` forward writes a float32
     partial output. The mask_mod's classification (``tile_classify``) takes the classes,
-    seven sizes and the mod_args."""
+    seven sizes, the mod_args and the varlen offsets."""
     e = types.CPointer(_ELEM[dtype])
     f32 = types.CPointer(types.float32)
     o = f32 if split else e
@@ -61,7 +61,7 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
                              + PACKED_SIG),
         "attn_merge_splits": (f32, f32, e, f32) + (_I64,) * 8,
         "cache_append": (e, e, e, e, _I32P, _I32P, _I32P) + (_I64,) * 25,
-        "tile_classify": (cls,) + (_I64,) * 7 + margs,
+        "tile_classify": (cls,) + (_I64,) * 7 + margs + (_I32P, _I32P),
     }[kernel]
 
 

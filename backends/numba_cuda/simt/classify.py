@@ -30,13 +30,17 @@ def make_tile_classify(v):
     kinds of its mod_args; ``v.tiles`` threads per block, a power of two): ``classes``
     int8 ``(B, H, ceil(Nq / block), ceil(Nk / block))``, C-contiguous, one block per element
     of it; ``block`` is ``1 << lb``, at most ``v.tiles``. Thread ``t`` asks about key ``t %
-    block`` of the tile, on every ``tiles / block``-th row from row ``t / block``."""
+    block`` of the tile, on every ``tiles / block``-th row from row ``t / block``. A varlen
+    variant (``v.packed``) reads batch entry ``b``'s rows and keys from the offsets
+    ``cu_q``, ``cu_k`` (int32), so the mask is asked only inside each sequence (tiles past
+    its end are EMPTY), as the attention kernels ask it; ``Nq``, ``Nk`` bound the others."""
     NT = v.tiles
+    VARLEN = v.packed == "varlen"
     _, _, VIEWS, _, _, KEEPS = kernel_mods(v)
 
     def tile_classify(classes, B, H, Nq, Nk, nqt, nkt, lb,
                       m0, m1, m2, m3, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
-                      e12, e13, e14, e15):
+                      e12, e13, e14, e15, cu_q, cu_k):
         tile = cuda.blockIdx.x
         t = cuda.threadIdx.x
         kt = tile % nkt
@@ -47,6 +51,9 @@ def make_tile_classify(v):
         b = rest // H
         margs = VIEWS(m0, m1, m2, m3, (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11,
                                        e12, e13, e14, e15))
+        if VARLEN:  # (compile-time) sequence b's own rows and keys, as the kernels ask
+            Nq = cu_q[b + 1] - cu_q[b]
+            Nk = cu_k[b + 1] - cu_k[b]
         i0 = qt << lb
         j = (kt << lb) + (t & ((1 << lb) - 1))
         step = NT >> lb  # (rows apart)
