@@ -4,8 +4,8 @@ or FULL per ``BLOCK x BLOCK`` tile of one batch entry and head).
 - A BlockMask's classes are uploaded once per GPU and adapter (:data:`_UPLOADED`).
 - Without one, a call evaluates them on the GPU (:func:`launch_classify`, the kernel of
   ``simt/classify.py``) on its stream, before the attention kernels that read them: no copy
-  of the mod_args to the host, no wait for the GPU, and steps that CUDA graphs can
-  capture. Only the batch entries and heads the mask reads are evaluated
+  of the mod_args to the host, no wait for the GPU (nothing in it stands in the way of
+  capturing the step in a CUDA graph; not tested). Only the batch entries and heads the mask reads are evaluated
   (``_mods.class_shape``: a document mask that never reads ``h`` is evaluated once for
   all heads). Past :data:`DEVICE_EVALS` evaluations per call the classes are kept by the
   contents of the mod_args instead (a mask that reads ``h``, at B=4 H=16 N=8192, would

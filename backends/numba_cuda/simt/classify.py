@@ -10,8 +10,7 @@ keys), keeping whether it saw a kept element and whether every element it saw wa
 thread that has seen both stops (the tile is PARTIAL whatever the rest holds). ``syncthreads_or`` and
 ``syncthreads_and`` then combine the threads' answers. The calls of a forward or backward
 without a BlockMask launch it on their stream before the attention kernels, which read the
-classes in stream order: no copy to the host, no wait, and a step that CUDA graphs can
-capture.
+classes in stream order: no copy to the host and no wait.
 """
 from __future__ import annotations
 
