@@ -417,22 +417,30 @@ def class_shape(mask_mod, B, H) -> tuple[int, int]:
     return (B if rb else 1), (H if rh else 1)
 
 
-def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False, evaluate=None):
+def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False, evaluate=None,
+                  lengths=None):
     """The (B or 1, H or 1, q tiles, k tiles) classes of ``mask_mod`` (host arrays for
     mod_args; 1 where the mask never reads ``b`` or ``h``, :func:`class_shape`); with
     ``remember``, kept with copies of the arrays (or digests of large ones) for the next
     call, and ``evaluate()`` (where given) evaluates them when they are new (a GPU's
-    kernel) instead of the host."""
+    kernel) instead of the host. ``lengths``: a varlen call's rows and keys per sequence
+    (two int64 arrays of B): each sequence's mask is asked only inside them (as the
+    kernels ask it; tiles past a sequence's end are EMPTY), one table per sequence, and
+    the kept classes are keyed by them too."""
     B, H = class_shape(mask_mod, B, H)
+    if lengths is not None:
+        lengths = tuple(np.ascontiguousarray(x, np.int64) for x in lengths)
+        B = len(lengths[0])
     if remember:
         host_args = tuple(np.ascontiguousarray(a) for a in host_args)
-        key = (mask_mod, B, H, Nq, Nk, block,
-               tuple((a.dtype.str, a.shape) for a in host_args))
-        probe = _probe(host_args)
+        marked = host_args + (lengths or ())
+        key = (mask_mod, B, H, Nq, Nk, block, lengths is not None,
+               tuple((a.dtype.str, a.shape) for a in marked))
+        probe = _probe(marked)
         for marks, classes in _CLASSES.get(key, []):
             if all(_same(m, p) for m, p in zip(marks, probe)):
                 return classes
-        classes = (block_classes(mask_mod, B, H, Nq, Nk, block, host_args)
+        classes = (block_classes(mask_mod, B, H, Nq, Nk, block, host_args, lengths=lengths)
                    if evaluate is None else evaluate())
         _remember(key, (tuple(p if isinstance(p, bytes) else p.copy() for p in probe),
                         classes))
@@ -442,9 +450,11 @@ def block_classes(mask_mod, B, H, Nq, Nk, block, host_args, remember=False, eval
     fn = compiled(mask_mod)
     nqt, nkt = -(-Nq // block), -(-Nk // block)
     classes = np.zeros((B, H, nqt, nkt), np.int8)
+    none = np.zeros(0, np.int64)
     if classes.size:
         try:
-            classify(fn, classes, Nq, Nk, block, host_args, EMPTY, PARTIAL, FULL)
+            classify(fn, classes, Nq, Nk, block, host_args, EMPTY, PARTIAL, FULL,
+                     *(lengths or (none, none)))
         except Exception as err:  # numba's typing errors
             if type(err).__module__.startswith("numba"):
                 raise compile_error("mask_mod", mask_mod, err) from None

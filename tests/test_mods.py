@@ -441,6 +441,43 @@ def test_classes_only_for_the_indices_a_mask_reads():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)  # (float64)
 
 
+def test_varlen_classes_ask_each_sequence_inside_its_ends():
+    """With ``lengths`` (a varlen call's rows and keys per sequence) each sequence's mask is
+    asked only inside them: a mask reading packed ids through the offsets stays in bounds
+    (a NumPy array here: an index past the end would raise in Python and read garbage in
+    Numba), tiles past a sequence's end are EMPTY, one table per sequence even for a mask
+    that never reads ``b``, and kept classes are keyed by the lengths too."""
+    def packed_doc(b, h, i, j, ids, cu):
+        return ids[cu[b] + i] == ids[cu[b] + j]
+
+    lens = np.array([11, 19, 3])
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    ids = (np.arange(int(cu[-1])) // 4).astype(np.int64)
+
+    def brute(fn, args, lens, nt=3, block=8):
+        out = np.zeros((len(lens), 1, nt, nt), np.int8)
+        for b, n in enumerate(lens):
+            for qt in range(nt):
+                for kt in range(nt):
+                    seen = [fn(b, 0, i, j, *args) for i in range(qt * block, min(n, qt * block + block))
+                            for j in range(kt * block, min(n, kt * block + block))]
+                    out[b, 0, qt, kt] = (_mods.EMPTY if not any(seen) else
+                                         _mods.FULL if all(seen) else _mods.PARTIAL)
+        return out
+
+    got = _mods.block_classes(packed_doc, 3, 2, 24, 24, 8, (ids, cu), lengths=(lens, lens))
+    np.testing.assert_array_equal(got, brute(packed_doc, (ids, cu), lens))
+
+    def near(b, h, i, j):  # (reads neither b nor h: still one table per sequence)
+        return abs(i - j) < 4
+
+    for order in ([11, 19, 3], [3, 19, 11]):
+        got = _mods.block_classes(near, 3, 2, 24, 24, 8, (), remember=True,
+                                  lengths=(np.array(order), np.array(order)))
+        assert got.shape == (3, 1, 3, 3)
+        np.testing.assert_array_equal(got, brute(near, (), order))
+
+
 def test_create_block_mask_checks():
     with pytest.raises(TypeError, match="mask_mod must be a Python function"):
         flashcore.create_block_mask(None, 1, 1, 4, 4)

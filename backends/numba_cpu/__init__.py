@@ -142,8 +142,16 @@ def _mod_inputs(case):
     elif mods.block_mask is not None:
         classes, block = mods.block_mask.classes, mods.block_mask.block
     else:
+        lengths = None
+        if case.varlen is not None:  # (each sequence's mask asked inside its own ends)
+            from flashcore._packed_checks import host_ints
+
+            vl = case.varlen
+            lengths = tuple(np.diff(host_ints(c, case.library))
+                            for c in (vl.cu_seqlens_q, vl.cu_seqlens_k))
         classes = _mods.block_classes(mods.mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                                      case.seqlen_k, _mods.BLOCK, args, remember=True)
+                                      case.seqlen_k, _mods.BLOCK, args, remember=True,
+                                      lengths=lengths)
         block = _mods.BLOCK
     return kernels(score_mod, mask_mod), opts, alibi, classes, block, args
 
