@@ -478,6 +478,41 @@ def test_varlen_classes_ask_each_sequence_inside_its_ends():
         np.testing.assert_array_equal(got, brute(near, (), order))
 
 
+def test_create_block_mask_asks_the_gpu_where_the_mod_args_are(monkeypatch):
+    """create_block_mask hands the evaluation to a backend's block_classes hook where its
+    mod_args are on one CUDA device (``device`` None or that device), with the classes'
+    shape for the indices the mask reads; elsewhere, or where the hook declines, the host
+    evaluates. (torch CPU tensors stand for GPU ones here.)"""
+    import types
+
+    torch = pytest.importorskip("torch")
+    from flashcore import _dispatch, _interop
+
+    asked, declines = [], [True]
+
+    def hook(mask_mod, shape, Nq, Nk, block, mod_args, library, device):
+        asked.append((shape, library, device))
+        return None if declines.pop() else np.full(shape, 7, np.int8)
+
+    monkeypatch.setattr(_interop, "device_of", lambda a, lib: "cuda:0")
+    monkeypatch.setattr(_dispatch, "load", lambda name: types.SimpleNamespace(block_classes=hook))
+    doc = torch.from_numpy(docs(2, 300, [100, 140, 60]))
+    host = flashcore.create_block_mask(same_doc, 2, 3, 300, 300, mod_args=(doc,)).classes
+    assert asked == [((2, 1, 3, 3), "torch", "cuda:0")]  # (declined: the host's classes)
+    assert set(np.unique(host)) <= {_mods.EMPTY, _mods.PARTIAL, _mods.FULL}
+    declines.extend([False] * 5)
+    for device, hooked in ((None, True), ("cuda", True), ("cuda:0", True), ("cpu", False),
+                           ("cuda:1", False)):
+        asked.clear()
+        bm = flashcore.create_block_mask(same_doc, 2, 3, 300, 300, mod_args=(doc,),
+                                         device=device)
+        assert bool(asked) == hooked, device
+        assert (bm.classes == 7).all() if hooked else np.array_equal(bm.classes, host)
+    asked.clear()
+    flashcore.create_block_mask(same_doc, 2, 3, 300, 300, mod_args=(doc.numpy(),))
+    assert asked == []  # (NumPy arrays: on the host)
+
+
 def test_create_block_mask_checks():
     with pytest.raises(TypeError, match="mask_mod must be a Python function"):
         flashcore.create_block_mask(None, 1, 1, 4, 4)
