@@ -58,22 +58,21 @@ def tile_classes(ad, case, like, keep, margs):
         shape = (nb, nh, -(-case.seqlen_q // block), -(-case.seqlen_k // block))
         if ad.allocates and nb * nh * case.seqlen_q * case.seqlen_k <= DEVICE_EVALS:
             return _evaluated(ad, case, like, keep, margs, shape)[1]
-        evaluate = None
-        extra = ()
+        evaluate = lengths = None
         if ad.allocates:  # (a miss: evaluated here, then copied to the host to be kept)
             def evaluate():
                 buf = _evaluated(ad, case, like, keep, margs, shape)[0]
                 dev = ad.device_index(case)
                 synchronize(ad.stream(like, dev), dev)  # (JAX copies on a stream of its own)
                 return np.ascontiguousarray(ad.host_copy(buf, case), np.int8)
-            if varlen:  # (such classes depend on the offsets too: kept by them as well)
+            if varlen:  # (such classes depend on the sequences' lengths: kept by them too)
                 vl = case.varlen
-                extra = tuple(np.ascontiguousarray(ad.host_copy(a, case))
-                              for a in (vl.cu_seqlens_q, vl.cu_seqlens_k))
+                lengths = tuple(np.diff(np.asarray(ad.host_copy(c, case), np.int64))
+                                for c in (vl.cu_seqlens_q, vl.cu_seqlens_k))
         args = tuple(np.ascontiguousarray(ad.host_copy(a, case)) for a in case.mod_args)
         host = _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                                   case.seqlen_k, block, args + extra, remember=True,
-                                   evaluate=evaluate)
+                                   case.seqlen_k, block, args, remember=True,
+                                   evaluate=evaluate, lengths=lengths)
     key = (id(host), type(ad).__name__, case.device)
     hit = _UPLOADED.get(key)
     if hit is None or hit[0] is not host:
