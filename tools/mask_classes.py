@@ -12,6 +12,8 @@ equal documents by per-token ids, forward only). One line per measurement, ms pe
 - ``create_block_mask``: the BlockMask's own time (B given, H None), three calls with new
   ids (the first compiles the mask).
 
+``PROFILE=1``: each path's kernels (torch.profiler, one call) before its timings.
+
 Also checks that the calls without a BlockMask give the BlockMask call's output bit for
 bit. For before/after, run two trees in turns in one device call::
 
@@ -24,7 +26,7 @@ import sys
 import time
 
 import torch
-from packed_gpu import timed  # (tools/: the decode measurements' own timing)
+from packed_gpu import kernel_times, timed  # (tools/: the decode measurements' own)
 
 import flashcore
 
@@ -76,6 +78,8 @@ def main():
          int(os.environ.get("NEW_REPS", reps))),
     ]
     for name, fn, n in rows:
+        if os.environ.get("PROFILE") == "1":
+            kernel_times(fn, f"{tag} {name}")
         one = timed(fn, reps=n, warm=2) * 1e3
         b2b = timed(fn, reps=max(2, n // 3), warm=1, inner=5) * 1e3
         print(f"{tag} {name}: {one:.3f} ms per call, {b2b:.3f} ms back to back", flush=True)
