@@ -96,7 +96,7 @@ def spy_launches(monkeypatch, fns=("launch_dkdv", "launch_dq"), name=lambda kern
 
 def no_persistent(monkeypatch):
     """Empty ``tilings.PERSISTENT_TABLES`` (PERSISTENT, WINDOW_PERSISTENT,
-    VARLEN_PERSISTENT) for the test (in place: the names are re-exported from
+    VARLEN_PERSISTENT, MASK_MOD_PERSISTENT) for the test (in place: the names are re-exported from
     ``hopper/tilings.py``, whose ``choose_hopper`` reads its own, so setting the
     re-exported name would change nothing)."""
     from flashcore.backends.numba_cuda import tilings

@@ -527,14 +527,20 @@ else:
     def test_mask_mod_overlapped_forward(emulated, monkeypatch, c, smod, wn):
         """The overlapped wgmma forward (g2n64o, g2n128o) with a mask_mod against the
         float64 reference, lse too."""
-        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
         tiles = tilings.HopperTiles(*wn, True)
-        monkeypatch.setitem(tilings.MASK_MOD_TILES, (D, smod is not None), tiles)
+        monkeypatch.setitem(tilings.MASK_MOD_TILES, (c[5], smod is not None), tiles)
+        table = np.random.default_rng(3).standard_normal((c[1], 601)).astype(np.float32)
+        _doc_forward(emulated, c, tiles, (100, 256), table, score_mod=smod)
+
+    def _doc_forward(emulated, c, tiles, second, table, **opts):
+        """The forward of case ``c`` with the documents' mask_mod (keys ``second`` one
+        document, the rest another; mod_args ``(table, doc)``) on tiling ``tiles``, against
+        the float64 reference, lse too."""
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
         q, k, v, _ = _inputs(c)
-        table = np.random.default_rng(3).standard_normal((Hq, 601)).astype(np.float32)
-        doc = np.zeros((B, 300), np.int32)
-        doc[:, 100:256] = 1
-        opts = dict(causal=causal, layout=layout, mod_args=(table, doc), score_mod=smod,
+        doc = np.zeros((B, Nk), np.int32)
+        doc[:, second[0]:second[1]] = 1
+        opts = dict(opts, causal=causal, layout=layout, mod_args=(table, doc),
                     mask_mod=same_doc)
         o, lse = flashcore.attention_forward(q, k, v, backend="numba_cuda", **opts)
         assert emulated == ["attn_forward_wgmma"] and f"_{tiles.tag}_" in emulated.tags[0], (
@@ -548,9 +554,15 @@ else:
         """Packed sequences with a mask_mod alone on the overlapped forward (the table's
         g2n64o at D=64): the third sequence's documents leave an EMPTY tile inside a query
         tile's range; an empty sequence, one with fewer keys than queries (causal)."""
+        _varlen_doc_forward(emulated, tilings.MASK_MOD_TILES[(64, False)], 5)
+
+    def _varlen_doc_forward(emulated, tiles, seed):
+        """Sequences of 0, 70 and 290 queries (9, 50 and 300 keys; D=64 bf16, Hq=2 Hkv=1,
+        causal) with the documents' mask_mod (keys 100..255 of each sequence one document)
+        on tiling ``tiles``, against the per-sequence float64 oracle."""
         from packed_helpers import oracle_varlen, packed
 
-        rng = np.random.default_rng(5)
+        rng = np.random.default_rng(seed)
         q, k, v, cq, ck = packed(rng, [0, 70, 290], [9, 50, 300], Hq=2, Hkv=1, D=64,
                                  dtype="bfloat16")
         doc = np.zeros((3, 300), np.int32)
@@ -559,11 +571,41 @@ else:
         opts = dict(causal=True, mask_mod=same_doc, mod_args=(table, doc))
         o, lse = flashcore.attention_varlen_forward(q, k, v, cq, ck, backend="numba_cuda",
                                                     **opts)
-        want = tilings.MASK_MOD_TILES[(64, False)].tag
-        assert emulated == ["attn_forward_wgmma"] and f"_{want}_" in emulated.tags[0], (
+        assert emulated == ["attn_forward_wgmma"] and f"_{tiles.tag}_" in emulated.tags[0], (
             emulated.tags)
         ro, rl = oracle_varlen(q, k, v, cq, ck, **opts)
         _check_forward(o, lse, ro, rl, "bfloat16")
+
+    #: A mask_mod alone on the persistent forward (tilings.MASK_MOD_PERSISTENT): documents
+    #: [0, 100) and [400, 600) one document, [100, 400) another, so that query tile 4 sees
+    #: key tiles 0, 3 and 4 (1 and 2 EMPTY inside its span) and tile 3 starts its span
+    #: past key 0 when causal; more query tiles than the simulator's blocks, GQA, both
+    #: layouts, a window beside the mask. (B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout),
+    #: the window, the tiling.
+    PS_MASK_RUNS = [
+        ((1, 2, 1, 600, 600, 64, "bfloat16", False, "bhnd"), None, PERSISTENT_WS2Y),
+        pytest.param((1, 2, 2, 600, 600, 64, "float16", True, "bnhd"), None, PERSISTENT_WS2,
+                     marks=pytest.mark.slow),
+        pytest.param((1, 2, 1, 600, 600, 64, "bfloat16", True, "bhnd"), (300, 0),
+                     PERSISTENT_WS2Y, marks=pytest.mark.slow)]
+
+    @pytest.mark.parametrize("c,window,t", PS_MASK_RUNS, ids=lambda x: (
+        "x".join(map(str, x[:6])) + ("-causal" if x[7] else "")
+        if isinstance(x, tuple) and len(x) == 9
+        else x.tag if hasattr(x, "tag") else str(x)))
+    def test_mask_mod_persistent_forward(emulated, monkeypatch, c, window, t):
+        """The persistent forward with a mask_mod against the float64 reference, lse too."""
+        monkeypatch.setitem(tilings.MASK_MOD_PERSISTENT, c[5], t)
+        _doc_forward(emulated, c, t, (100, 400), np.zeros((c[1], 601), np.float32),
+                     window=window)
+
+    @pytest.mark.slow
+    def test_varlen_mask_mod_persistent_forward(emulated, monkeypatch):
+        """Packed sequences with a mask_mod on the persistent forward: the third sequence's
+        documents leave an EMPTY key tile inside its last query tile's span; an empty
+        sequence, one with fewer keys than queries (causal)."""
+        monkeypatch.setitem(tilings.MASK_MOD_PERSISTENT, 64, PERSISTENT_WS2Y)
+        _varlen_doc_forward(emulated, PERSISTENT_WS2Y, 6)
 
     #: The user's mods on the wgmma backward (dK/dV and dQ): a score_mod (its derivative
     #: from the forward-mode twin), a mask_mod whose documents ([0, 100), [100, 256),

@@ -201,10 +201,10 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
     ``tma_ok`` False (a call below ``tilings.TMA_MIN_WORK``): a table tiling of bulk tensor
     copies is replaced by ``tilings.NO_TMA``'s. ``long_keys`` (a forward of
     ``tilings.LONG_KEYS_MIN`` keys or more, with ``tma_ok``, no masks): ``tilings.LONG_KEYS``'
-    tiling where it has one. A forward of a dense batch without masks, with ``tma_ok``:
-    ``tilings.PERSISTENT``'s where it has one; with a window alone,
-    ``tilings.WINDOW_PERSISTENT``'s; of varlen rows without masks,
-    ``tilings.VARLEN_PERSISTENT``'s."""
+    tiling where it has one. With ``tma_ok`` the persistent kernel's where they have one:
+    ``tilings.PERSISTENT`` (dense rows, no masks), ``WINDOW_PERSISTENT`` (a window alone),
+    ``VARLEN_PERSISTENT`` (varlen rows, no masks), ``MASK_MOD_PERSISTENT`` (a mask_mod and
+    no score modifier)."""
     mods = bool(softcap) or alibi or user is not None
     masked = bool(window) or mods
     if (packed not in tilings.HOPPER_ROWS or split
@@ -220,23 +220,23 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         return None
     if kernel != "forward" and user is not None:  # (two buffers: an empty step is skipped)
         t = replace(t, stages=2)
-    if (kernel == "forward" and window and not (mods or packed) and tma_ok
-            and head_dim in tilings.WINDOW_PERSISTENT):  # (a window alone: its query
-        # tiles' keys start at the window's first tile)
-        t = tilings.WINDOW_PERSISTENT[head_dim]
-    if kernel == "forward" and packed == "varlen" and not masked and tma_ok:
-        t = tilings.VARLEN_PERSISTENT.get((head_dim, bool(causal)), t)
-    if t.persistent and (mods or packed not in ("", "varlen")):  # (a persistent block
-        # walks dense tiles, a window's too, and varlen ones)
+    mask_alone = mask_mod and not (score_mod or softcap or alibi)  # (its classes cut keys)
+    if kernel == "forward" and tma_ok:  # the persistent kernel's: a window alone (its
+        # tiles' keys from the window's first tile), varlen rows, a mask_mod alone
+        if window and not (mods or packed):
+            t = tilings.WINDOW_PERSISTENT.get(head_dim, t)
+        if packed == "varlen" and not masked:
+            t = tilings.VARLEN_PERSISTENT.get((head_dim, bool(causal)), t)
+        if mask_alone:
+            t = tilings.MASK_MOD_PERSISTENT.get(head_dim, t)
+    if t.persistent and ((mods and not mask_alone) or packed not in ("", "varlen")):
         t = replace(t, persistent=False, dynamic=False)
     if t.tma and not tma_ok:  # (a small call would pay more host time for the tensor maps
         # than they save: TMA_MIN_WORK)
         t = tilings.NO_TMA.get(head_dim, replace(t, tma=False, producer=False,
                                                    persistent=False, dynamic=False))
-    if masked and kernel == "forward" and not mask_mod:  # (a mask_mod's
-        # tiling is choose_hopper's; a producer of cp.async copies takes no masks)
-        t = tilings.masked_tiles(t, score_mod, bool(softcap), bool(window), head_dim,
-                                 alibi=alibi)
+    if masked and kernel == "forward" and not mask_mod:  # (a mask_mod's: choose_hopper's)
+        t = tilings.masked_tiles(t, score_mod, bool(softcap), bool(window), head_dim, alibi)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user, packed=packed)
 

@@ -495,6 +495,7 @@ from .hopper.tilings import (  # noqa: E402, F401
     HOPPER_TRIALS,
     LONG_KEYS,
     LONG_KEYS_MIN,
+    MASK_MOD_PERSISTENT,
     MASK_MOD_TILES,
     MASKED_OVERLAP,
     NO_TMA,

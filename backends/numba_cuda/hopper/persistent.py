@@ -36,7 +36,17 @@ from __future__ import annotations
 
 from numba import cuda, float32, int32, int64, uint16, uint32
 
-from ..device.constants import DENSE, HEAD_GROUP, NEG_INF, PACKING, SMEM_ALIGN, VARLEN
+from ..device.constants import (
+    CLASS_BLOCK,
+    DENSE,
+    EMPTY,
+    HEAD_GROUP,
+    NEG_INF,
+    PACKING,
+    PARTIAL,
+    SMEM_ALIGN,
+    VARLEN,
+)
 from ..device.convert import device_function, smem_pointer
 from ..device.intrinsics import warp_uniform
 from ..device.pipeline import (
@@ -57,7 +67,7 @@ from ..device.pipeline import (
     tma_load_4d,
 )
 from ..device.prologue import block_tile, split_heads
-from ..device.seams import sequence, sequence_tiles, stat_rows, visited_keys
+from ..device.seams import sequence, sequence_tiles, stat_rows, tile_class, visited_keys
 from ..device.user_mods import kernel_mods
 from ..device.wgmma import (
     acc_from_local,
@@ -148,12 +158,33 @@ def walk(p, c, G):
 
 
 @device_function
-def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, LEFT, RIGHT, WINDOW, cls, csq):
+def class_keys(cls, row, n_begin, n_end):
+    """``[n_begin, n_end)`` (multiples of CLASS_BLOCK but ``n_end``) cut to the key blocks a
+    mask_mod's classes leave in class row ``row`` (one query block: a persistent tile is
+    one block tall), scanned from each end to the first block that is not EMPTY, one byte
+    a step: the producer's single thread finds a document's span in tens of steps (a scan
+    of every block, ``seams.class_span``, took longer than the tile's products)."""
+    a = n_begin // CLASS_BLOCK
+    z = (n_end + CLASS_BLOCK - 1) // CLASS_BLOCK
+    while a < z and int32(cls[row + a]) == EMPTY:
+        a += 1
+    while z > a and int32(cls[row + z - 1]) == EMPTY:
+        z -= 1
+    return a * CLASS_BLOCK, min(n_end, z * CLASS_BLOCK)
+
+
+@device_function
+def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, LEFT, RIGHT, WINDOW, MMOD, cls,
+              cbase, csq):
     """``(n_begin, n_tiles, n_lo, n_full)``: the key tiles query rows ``q0 ..`` visit (from
-    key ``n_begin``: 0 without a ``WINDOW``, compile-time) and the keys ``[n_lo, n_full)``
-    where every row sees whole tiles (``seams.visited_keys``)."""
+    key ``n_begin``: 0 without a ``WINDOW`` or ``MMOD``, compile-time; with ``MMOD`` cut to
+    the span the mask_mod's classes at ``cbase`` leave, :func:`class_keys`; ``BM`` = ``BN``
+    = CLASS_BLOCK) and the keys ``[n_lo, n_full)`` where every row sees whole tiles
+    (``seams.visited_keys``)."""
     n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
-                                                LEFT, RIGHT, WINDOW, False, cls, 0, csq)
+                                                LEFT, RIGHT, WINDOW, False, cls, cbase, csq)
+    if MMOD:
+        n_begin, n_end = class_keys(cls, cbase + (q0 // CLASS_BLOCK) * csq, n_begin, n_end)
     n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
     return n_begin, n_tiles, n_lo, n_full
 
@@ -176,8 +207,9 @@ def make_attn_forward_wgmma_persistent(var):
     D, t = var.head_dim, var.tiles
     SMOD, MMOD, VIEWS, VALUE, _, KEEPS = kernel_mods(var)
     LEFT, RIGHT, WINDOW, CAP, CAP_C, ALIBI, LINEAR, FOLD = mask_flags(var, SMOD)
-    if SMOD or MMOD or CAP or ALIBI:
-        raise ValueError(f"the persistent forward takes a window, no other mask: {var.tag}")
+    if SMOD or CAP or ALIBI:
+        raise ValueError(f"the persistent forward takes a window and a mask_mod, no score "
+                         f"modifier: {var.tag}")
     if D % 64 or D > 128:
         raise ValueError(f"head_dim={D} must be 64 or 128 for the persistent wgmma forward")
     if not (t.persistent and t.producer and t.tma):
@@ -196,6 +228,9 @@ def make_attn_forward_wgmma_persistent(var):
     QBYTES = BM * D * 2
     if BN != BM:  # (Q's bulk copy takes the map's box of block_n rows)
         raise ValueError(f"the persistent forward with a producer takes square tiles: {t}")
+    if MMOD and BM != CLASS_BLOCK:  # (key_tiles: a tile is one class block)
+        raise ValueError(f"the persistent forward takes a mask_mod on {CLASS_BLOCK}-row "
+                         f"tiles: {t}")
     # two-stage rings leave room for two Q buffers and a tile of O rows (not the Q rows'
     # spot, which the next Q takes)
     QBUFS = 2 if STAGES == 2 else 1
@@ -205,8 +240,10 @@ def make_attn_forward_wgmma_persistent(var):
     V_OFF = K_OFF + STAGES * STAGE
     O_OFF = V_OFF + STAGES * STAGE
     BAR_OFF = O_OFF + (QBYTES if STAGED else 0)
-    # after the barriers, four 32-bit words per Q buffer: the query tile of its use (dense:
-    # its item; varlen: its sequence, head and first row in the sequence)
+    # after the barriers, eight 32-bit words per Q buffer: the query tile of its use (dense:
+    # its item; varlen: its sequence, head and first row in the sequence), then (MMOD) the
+    # first key and the key tiles of the span its classes leave, which the producer found
+    # (the consumers do not scan the classes again between tiles)
     ITEM_OFF = BAR_OFF + (4 * STAGES + 2 * QBUFS) * BAR * 2
     STOP = 0xFFFFFFFF  # (a varlen sequence word: no tile left)
     V_LBO = BN * LINE
@@ -222,11 +259,19 @@ def make_attn_forward_wgmma_persistent(var):
 
     @device_function
     def step_softmax(s, n0, n_full, n_lo, i, w0, Nq, Nk, causal_offset, b, h, tq, ma, mb,
-                     la, lb, sl2, margs):
+                     la, lb, sl2, margs, cl):
         """A key tile's softmax: the plain steps, or with the window's edges (WINDOW,
-        compile-time: ``forward.softmax_tile_mods``)."""
-        if WINDOW:
-            return softmax_tile_mods(s, n0, BN, n_full, n_lo, False, i, w0, Nq, Nk,
+        compile-time: ``forward.softmax_tile_mods``), or by the tile's class ``cl`` under a
+        mask_mod (MMOD, compile-time; as ``forward.classed_softmax``: PARTIAL the mask_mod
+        per score, an EMPTY tile inside the span computed with its scores -inf)."""
+        partial = False
+        if MMOD:
+            partial = cl == PARTIAL
+            if cl == EMPTY:
+                for e in range(4 * NTILES):
+                    s[e] = NEG_INF
+        if WINDOW or MMOD:
+            return softmax_tile_mods(s, n0, BN, n_full, n_lo, partial, i, w0, Nq, Nk,
                                      causal_offset, b, h, tq, ma, mb, la, lb, sl2,
                                      float32(1.0), float32(1.0), float32(0.0), float32(1.0),
                                      float32(1.0), margs, CAUSAL, LEFT, RIGHT, WINDOW, False,
@@ -297,7 +342,7 @@ def make_attn_forward_wgmma_persistent(var):
                     bc = int32(0)
                 while True:
                     qb = u % QBUFS  # (the buffer's (u // QBUFS)-th use)
-                    slot = el + ITEM_OFF // 2 + 8 * qb
+                    slot = el + ITEM_OFF // 2 + 16 * qb
                     if item >= N_ITEMS:  # none left: the consumers are told through
                         # Q's barrier, with no copy
                         if u >= QBUFS:
@@ -321,7 +366,7 @@ def make_attn_forward_wgmma_persistent(var):
                     # (varlen rows: the maps hold every packed row as batch entry 0)
                     tb = int64(0) if PACKED == VARLEN else int64(b)
                     nb, n_tiles, _, _ = key_tiles(q0, BM, BN, nq, nk, co, CAUSAL, LEFT, RIGHT,
-                                                  WINDOW, cls, csq)
+                                                  WINDOW, MMOD, cls, b * csb + h * csh, csq)
                     kr = k_row0 + nb  # (the tile's first key row in the maps)
                     if n_tiles > 0:  # (its stage frees before the last tile's Q is done)
                         produce_tma_at(smem, el, K_OFF, table, 1, k, hk, tb, 0, R, kr,
@@ -335,6 +380,9 @@ def make_attn_forward_wgmma_persistent(var):
                         st_shared_u32(smem, slot + 4, uint32(q0))
                     else:
                         st_shared_u32(smem, slot, uint32(item))
+                    if MMOD:
+                        st_shared_u32(smem, slot + 8, uint32(nb))
+                        st_shared_u32(smem, slot + 10, uint32(n_tiles))
                     mbarrier_expect_tx(smem, q_full + BAR * qb, QBYTES)
                     for pn in range(PANELS):
                         tma_load_4d(smem, el + (Q_OFF + qb * QBYTES) // 2 + pn * (BM * 64),
@@ -377,7 +425,7 @@ def make_attn_forward_wgmma_persistent(var):
             while True:
                 qb = u % QBUFS
                 mbarrier_wait(smem, q_full + BAR * qb, (u // QBUFS) & 1)
-                slot = el + ITEM_OFF // 2 + 8 * qb
+                slot = el + ITEM_OFF // 2 + 16 * qb
                 if PACKED == VARLEN:  # (compile-time) the tile, as the producer found it
                     word = ld_shared_u32(smem, slot)
                     if word == uint32(STOP):  # (the producer's: none left)
@@ -395,8 +443,13 @@ def make_attn_forward_wgmma_persistent(var):
                     b, h, hk, q0, q_row0, _, nq, nk, co = tile_rows(
                         item, GX, GY, Hq, group, BM, Nq, Nk, causal_offset, cu_q, cu_k,
                         seqk, CAUSAL, PACKED)
+                cbase = b * csb + h * csh  # (MMOD) this head's tile classes
                 n_begin, n_tiles, n_lo, n_full = key_tiles(q0, BM, BN, nq, nk, co, CAUSAL,
-                                                           LEFT, RIGHT, WINDOW, cls, csq)
+                                                           LEFT, RIGHT, WINDOW, False, cls,
+                                                           cbase, csq)
+                if MMOD:  # (compile-time) the span of the classes, as the producer found it
+                    n_begin = int64(ld_shared_u32(smem, slot + 8))
+                    n_tiles = int64(ld_shared_u32(smem, slot + 10))
                 qa = at + Q_OFF + qb * QBYTES + 64 * wg * LINE
                 acc = zero_accumulators(D)
                 ma = mb = NEG_INF
@@ -405,6 +458,10 @@ def make_attn_forward_wgmma_persistent(var):
                 i = w0 + g
 
                 if n_tiles > 0:
+                    # (MMOD: the tile's class loaded before the wait, under the product)
+                    cl = 0
+                    if MMOD:
+                        cl = tile_class(cls, cbase, csq, q0, BM, nq, n_begin, BN, nk)
                     wait_full(smem, full_k, R, STAGES)
                     take_turn(wg)
                     sacc = issue_qk(BF16, wgmma_fence_acc(zero_accumulators(BN)), qa,
@@ -417,7 +474,7 @@ def make_attn_forward_wgmma_persistent(var):
                     acc_to_local(sacc, s)
                     ma, mb, la, lb, al0, al1 = step_softmax(s, n_begin, n_full, n_lo, i, w0,
                                                             nq, nk, co, b, h, tq, ma, mb, la,
-                                                            lb, sl2, margs)
+                                                            lb, sl2, margs, cl)
                     pack_p(BF16, pf, s, NP)
                 else:  # (a tile that sees no key reads no Q) once every thread of the
                     # warpgroup has read the tile's word: the producer writes the buffer's
@@ -428,6 +485,9 @@ def make_attn_forward_wgmma_persistent(var):
                 for it in range(1, n_tiles):
                     n0 = n_begin + it * BN
                     r = R + it
+                    cl = 0
+                    if MMOD:
+                        cl = tile_class(cls, cbase, csq, q0, BM, nq, n0, BN, nk)
                     wait_full(smem, full_k, r, STAGES)
                     wait_full(smem, full_v, r - 1, STAGES)
                     take_turn(wg)
@@ -444,7 +504,7 @@ def make_attn_forward_wgmma_persistent(var):
                     acc_to_local(sacc, s)
                     ma, mb, la, lb, al0, al1 = step_softmax(s, n0, n_full, n_lo, i, w0, nq,
                                                             nk, co, b, h, tq, ma, mb, la, lb,
-                                                            sl2, margs)
+                                                            sl2, margs, cl)
                     acc = wgmma_wait_group_acc(0, acc)
                     release(smem, empty_v, r - 1, STAGES, lane)
                     acc_to_local(acc, oa)
