@@ -1189,6 +1189,10 @@ MOD_CASES = [
          layout="bhnd", mods="doc"),
     dict(B=2, Hq=4, Hkv=4, Nq=900, Nk=900, D=64, dtype="float16", causal=True,
          layout="bnhd", mods="doc", block_mask=True),
+    # (a document mask_mod alone at D=128: the persistent forward, MASK_MOD_PERSISTENT,
+    # causal with a window beside it too)
+    dict(B=2, Hq=4, Hkv=2, Nq=900, Nk=1000, D=128, dtype="float16", causal=True,
+         layout="bnhd", mods="doc", window=(300, 100)),
     dict(B=1, Hq=4, Hkv=2, Nq=700, Nk=650, D=128, dtype="bfloat16", causal=True,
          layout="bhnd", mods="", softcap=30.0),
     dict(B=1, Hq=2, Hkv=1, Nq=450, Nk=700, D=128, dtype="float16", causal=False,

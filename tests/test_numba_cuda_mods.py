@@ -689,7 +689,10 @@ def same_sequence_doc(b, h, i, j, docs, bias):
 VARLEN_MODS = {"thirds": ([0, 70, 70, 260, 300], (4, 2), 64, "float16"),
                "docs": ([0, 40, 340, 900], (4, 1), 128, "bfloat16"),
                # (causal at D=128: tilings.HOPPER_BWD_USER_VARLEN's dQ tiling)
-               "docs-causal": ([0, 40, 340, 900], (4, 1), 128, "bfloat16")}
+               "docs-causal": ([0, 40, 340, 900], (4, 1), 128, "bfloat16"),
+               # (the mask_mod alone, with the bulk copies: on an H100/H200 the persistent
+               # forward, tilings.MASK_MOD_PERSISTENT)
+               "docs-mask-persistent": ([0, 40, 340, 900, 1500], (4, 2), 128, "bfloat16")}
 
 
 @pytest.mark.gpu
@@ -699,6 +702,14 @@ def test_varlen_user_mods_on_gpu(monkeypatch, name):
     backward, against the float64 reference; on an H100/H200 their backward runs the
     wgmma kernels (tile classes per sequence), elsewhere the mma.sync ones."""
     torch, ran = _gpu_and_backward_launches(monkeypatch)
+    persistent = name.endswith("persistent")
+    if persistent:
+        from flashcore.backends.numba_cuda import tilings
+        from hopper_helpers import spy_launches
+
+        monkeypatch.setattr(tilings, "TMA_MIN_WORK", 0)  # (a small call: the copies)
+        fwd = spy_launches(monkeypatch, ("launch_forward",),
+                           name=lambda kern: kern._dispatcher.py_func.__qualname__)
     rng = np.random.default_rng(11)
     offsets, (hq, hkv), D, dtype = VARLEN_MODS[name]
     cu = np.array(offsets, np.int32)
@@ -710,10 +721,11 @@ def test_varlen_user_mods_on_gpu(monkeypatch, name):
         opts, args = dict(causal=True, score_mod=capped, mask_mod=thirds), ()
     else:
         longest = int(np.diff(cu).max())
-        docs = (np.arange(longest)[None, :] * np.array([[1], [3], [5]]) // 400).astype(np.int32)
+        steps = np.arange(1, 2 * len(cu) - 1, 2)[:len(cu) - 1, None]  # (1, 3, 5, ...)
+        docs = (np.arange(longest)[None, :] * steps // 400).astype(np.int32)
         bias = rng.standard_normal((len(cu) - 1, hq)).astype(np.float32)
         args = (docs, bias)
-        opts = dict(causal=name == "docs-causal", score_mod=doc_and_bias,
+        opts = dict(causal=name != "docs", score_mod=None if persistent else doc_and_bias,
                     mask_mod=same_sequence_doc)
     cut = torch.from_numpy(cu).cuda()
     dev_args = tuple(torch.from_numpy(a).cuda() for a in args)
@@ -723,6 +735,8 @@ def test_varlen_user_mods_on_gpu(monkeypatch, name):
                                                 backend="numba_cuda", mod_args=dev_args, **opts)
     kind = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "tc"
     assert ran == [f"attn_backward_dkdv_{kind}", f"attn_backward_dq_{kind}"], ran
+    if persistent and kind == "wgmma":
+        assert f"_{tilings.MASK_MOD_PERSISTENT[D].tag}_" in fwd[-1], fwd
     x64 = [x.double().cpu().numpy() for x in (q, k, v, do)]
     ro, rl = flashcore.attention_varlen_forward(*x64[:3], cu, cu, backend="reference",
                                                 mod_args=args, **opts)
