@@ -29,8 +29,11 @@ Dense rows, or varlen rows (:func:`packed_item`: the items number every sequence
 in turn, heads innermost, causal from each sequence's last tile; with the counter or the
 static walk; the producer's thread finds a tile's sequence by scanning from its last one,
 and the first warpgroup zeroes the value rows past the sequence that a last tile's bulk
-copy brings); a sliding window, no other mask or score modifier: ``launch.hopper_variant``
-takes the table's tiling for the others. The launch passes the batch as ``nseq``.
+copy brings); a sliding window and a mask_mod (the producer cuts each query tile's keys
+to the span its classes leave, :func:`class_keys`, and hands it to the consumers with the
+tile's words; the consumers load each key tile's class before waiting for its product),
+no score modifier: ``launch.hopper_variant`` takes the table's tiling for the others. The
+launch passes the batch as ``nseq``.
 """
 from __future__ import annotations
 
@@ -193,8 +196,9 @@ def make_attn_forward_wgmma_persistent(var):
     """The persistent forward kernel of variant ``var`` (family "hopper",
     ``var.tiles.persistent``, with a producer of bulk copies, ``block_n`` = ``block_m``: Q's
     map has boxes of ``block_n`` rows): head dim 64 or 128, causal or not, fp16 or bf16,
-    dense rows, no masks; the same launch arguments and results as ``pingpong.py``'s, on a
-    grid of at most one block per multiprocessor (``launch.launch_forward``'s ``ctas``).
+    dense or varlen rows, a window and a mask_mod, no score modifier; the same launch
+    arguments and results as ``pingpong.py``'s, on a grid of at most one block per
+    multiprocessor (``launch.launch_forward``'s ``ctas``).
 
     The producer's first thread copies K0, Q, V0, K1, V1, ... of each query tile in turn
     (its other 127 threads are done at once: no warp spins beside the consumers'); every
