@@ -634,6 +634,19 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
                                user=pytypes.SimpleNamespace(score_mod=None,
                                                             mask_mod=lambda b, h, i, j: True))
     assert mm.tiles == tilings.HOPPER_MASK_MOD
+    # a mask_mod alone at D=128 (causal or not, a window beside it, varlen rows): the
+    # persistent kernel (MASK_MOD_PERSISTENT); not without the bulk copies, nor with a
+    # score modifier beside it
+    alone = pytypes.SimpleNamespace(score_mod=None, mask_mod=lambda b, h, i, j: True)
+    both = pytypes.SimpleNamespace(score_mod=lambda s, b, h, i, j: s,
+                                   mask_mod=lambda b, h, i, j: True)
+    for c, kw in ((True, {}), (False, {}), (True, dict(window=(9, 0))),
+                  (False, dict(packed="varlen"))):
+        v = launch.hopper_variant(128, "bfloat16", c, user=alone, **kw)
+        assert v.tiles == tilings.MASK_MOD_PERSISTENT[128], (c, kw, v.tag)
+    for kw in (dict(user=alone, tma_ok=False), dict(user=alone, softcap=20.0),
+               dict(user=alone, alibi=True), dict(user=both)):
+        assert not launch.hopper_variant(128, "bfloat16", True, **kw).tiles.persistent, kw
     # varlen rows: the forward and the backward; a KV cache: neither
     assert launch.hopper_variant(64, "float16", True, packed="varlen").packed == "varlen"
     assert launch.hopper_variant(64, "float16", True, "dq", packed="varlen").packed == "varlen"
