@@ -74,6 +74,14 @@ def host_ints(x, library) -> np.ndarray:
 _READ = Memo(64, plans=False)
 
 
+def sequence_lengths(varlen, library) -> tuple:
+    """``(rows, keys)``: each sequence's query rows and keys of a varlen call, int64 on the
+    host, from its offsets as :func:`host_ints` reads them (a torch GPU tensor the call's
+    checks read is not copied again)."""
+    return tuple(np.diff(host_ints(cu, library))
+                 for cu in (varlen.cu_seqlens_q, varlen.cu_seqlens_k))
+
+
 # --- varlen -------------------------------------------------------------------------------
 
 

@@ -144,11 +144,9 @@ def _mod_inputs(case):
     else:
         lengths = None
         if case.varlen is not None:  # (each sequence's mask asked inside its own ends)
-            from flashcore._packed_checks import host_ints
+            from flashcore._packed_checks import sequence_lengths
 
-            vl = case.varlen
-            lengths = tuple(np.diff(host_ints(c, case.library))
-                            for c in (vl.cu_seqlens_q, vl.cu_seqlens_k))
+            lengths = sequence_lengths(case.varlen, case.library)
         classes = _mods.block_classes(mods.mask_mod, case.batch, case.heads_q, case.seqlen_q,
                                       case.seqlen_k, _mods.BLOCK, args, remember=True,
                                       lengths=lengths)

@@ -23,6 +23,7 @@ import numpy as np
 
 from flashcore import _interop, _mods
 from flashcore._memo import Memo
+from flashcore._packed_checks import sequence_lengths
 
 from . import launch, launch_args
 from .driver import synchronize
@@ -66,9 +67,7 @@ def tile_classes(ad, case, like, keep, margs):
                 synchronize(ad.stream(like, dev), dev)  # (JAX copies on a stream of its own)
                 return np.ascontiguousarray(ad.host_copy(buf, case), np.int8)
             if varlen:  # (such classes depend on the sequences' lengths: kept by them too)
-                vl = case.varlen
-                lengths = tuple(np.diff(np.asarray(ad.host_copy(c, case), np.int64))
-                                for c in (vl.cu_seqlens_q, vl.cu_seqlens_k))
+                lengths = sequence_lengths(case.varlen, case.library)
         args = tuple(np.ascontiguousarray(ad.host_copy(a, case)) for a in case.mod_args)
         host = _mods.block_classes(m.mask_mod, case.batch, case.heads_q, case.seqlen_q,
                                    case.seqlen_k, block, args, remember=True,
