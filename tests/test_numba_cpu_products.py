@@ -8,6 +8,7 @@ from flashcore.backends.numba_cpu.products import (
     product,
     product_into,
 )
+from flashcore.backends.numba_cpu.scalar import tanh
 from flashcore.backends.numba_cpu.softmax import online_softmax_t, probabilities
 from flashcore.backends.numba_cpu.tiles import product_tiles
 from numba import njit
@@ -80,6 +81,30 @@ def test_vector_exp2_is_float32_accurate_and_keeps_nan():
     finite = np.isfinite(x) & (x >= -126)
     assert np.all(np.abs(out[finite] - want[finite]) <= 4e-7 * want[finite])
     assert out[-4] == 0.0 and np.isnan(out[-3]) and out[-2] == 0.0 and out[-1] == 1.0
+
+
+@njit
+def _tanh_all(x, out, like):
+    for i in range(x.shape[0]):
+        out[i] = tanh(x[i], like)
+
+
+def test_rational_tanh_is_float32_accurate_and_odd():
+    """scalar.tanh in a float32 kernel (the softcap's, vectorized): within 2.5e-8 of
+    tanh relative (half a float32 ulp is 6e-8), odd, +-1 past the clamp; float64 kernels
+    keep libm's."""
+    x = np.concatenate([np.linspace(-12.0, 12.0, 400_001), np.geomspace(1e-30, 1e-2, 1000),
+                        [9.0, 9.5, 30.0, 1e30, np.inf]])
+    out = np.empty_like(x)
+    _tanh_all(x, out, np.float32(0))
+    want = np.tanh(x)
+    nz = x != 0
+    assert np.all(np.abs(out[nz] - want[nz]) <= 2.5e-8 * np.abs(want[nz]))
+    neg = np.empty_like(x)
+    _tanh_all(-x, neg, np.float32(0))
+    assert np.array_equal(neg, -out) and np.float32(out.max()) == 1.0
+    _tanh_all(x, out, np.float64(0))  # (libm's, as NumPy's to an ulp)
+    assert np.allclose(out, want, rtol=1e-15, atol=0)
 
 
 @njit

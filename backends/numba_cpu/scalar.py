@@ -76,6 +76,40 @@ def _exp2(x):
     return lambda x: math.exp2(x)
 
 
+#: tanh(x) ~ x P(x^2) / Q(x^2) for |x| <= TANH_CLAMP (tanh(9) is 1 in float32): a
+#: rational least-squares fit to the relative error (Sanathanan-Koerner iterations with
+#: Lawson weights), max relative error 2.1e-8 in float64 arithmetic on [0, 9]
+#: (notes/cpu_softcap_2026-11-28.md has the fit).
+TANH_P = (0.9999999794412322, 0.13381022329984446, 0.0034955841831992508,
+          2.0609016258350066e-05, 1.3354566569857133e-08)
+TANH_Q = (1.0, 0.4671433792101114, 0.02587696723627567, 0.00032856283260675591,
+          7.7765202357150976e-07)
+TANH_CLAMP = 9.0
+
+
+@register_jitable
+def tanh_f32(x):
+    """tanh(x) to float32 accuracy (2.1e-8 relative, computed in float64) by a rational
+    function: unlike a call into libm's tanh, this vectorizes (the float32 kernels'
+    softcap), for finite x (+-inf give +-1; a NaN is not kept)."""
+    a = min(max(np.float64(x), -TANH_CLAMP), TANH_CLAMP)
+    y = a * a
+    p = (((TANH_P[4] * y + TANH_P[3]) * y + TANH_P[2]) * y + TANH_P[1]) * y + TANH_P[0]
+    q = (((TANH_Q[4] * y + TANH_Q[3]) * y + TANH_Q[2]) * y + TANH_Q[1]) * y + TANH_Q[0]
+    return min(max(a * p / q, -1.0), 1.0)
+
+
+def tanh(x, like):  # overloaded below: a float32 kernel -> tanh_f32, float64 -> math.tanh
+    raise NotImplementedError
+
+
+@overload(tanh)
+def _tanh(x, like):
+    if like == types.float64:
+        return lambda x, like: math.tanh(x)
+    return lambda x, like: tanh_f32(x)
+
+
 @register_jitable
 def bf16_to_f32(u):
     return f32_from_bits(np.uint32(u) << np.uint32(16))
