@@ -79,7 +79,7 @@ def _exp2(x):
 #: tanh(x) ~ x P(x^2) / Q(x^2) for |x| <= TANH_CLAMP (tanh(9) is 1 in float32): a
 #: rational least-squares fit to the relative error (Sanathanan-Koerner iterations with
 #: Lawson weights), max relative error 2.1e-8 in float64 arithmetic on [0, 9]
-#: (notes/cpu_softcap_2026-11-28.md has the fit).
+#: (``tools/fit_tanh.py`` prints these; notes/cpu_softcap_2026-11-28.md).
 TANH_P = (0.9999999794412322, 0.13381022329984446, 0.0034955841831992508,
           2.0609016258350066e-05, 1.3354566569857133e-08)
 TANH_Q = (1.0, 0.4671433792101114, 0.02587696723627567, 0.00032856283260675591,
