@@ -30,7 +30,7 @@ in turn, heads innermost, causal from each sequence's last tile; with the counte
 static walk; the producer's thread finds a tile's sequence by scanning from its last one,
 and the first warpgroup zeroes the value rows past the sequence that a last tile's bulk
 copy brings); a sliding window and a mask_mod (the producer cuts each query tile's keys
-to the span its classes leave (``seams.class_span``), and hands it to the consumers with the
+to the span its classes leave, :func:`class_keys`, and hands it to the consumers with the
 tile's words; the consumers load each key tile's class before waiting for its product),
 no score modifier: ``launch.hopper_variant`` takes the table's tiling for the others. The
 launch passes the batch as ``nseq``.
@@ -161,15 +161,33 @@ def walk(p, c, G):
 
 
 @device_function
+def class_keys(cls, row, n_begin, n_end):
+    """``[n_begin, n_end)`` (multiples of CLASS_BLOCK but ``n_end``) cut to the key blocks a
+    mask_mod's classes leave in class row ``row`` (one query block: a persistent tile is
+    one block tall), scanned from each end to the first block that is not EMPTY, one byte
+    a step: the producer's single thread finds a document's span in tens of steps (a scan
+    of every block, ``seams.class_span``, took longer than the tile's products)."""
+    a = n_begin // CLASS_BLOCK
+    z = (n_end + CLASS_BLOCK - 1) // CLASS_BLOCK
+    while a < z and int32(cls[row + a]) == EMPTY:
+        a += 1
+    while z > a and int32(cls[row + z - 1]) == EMPTY:
+        z -= 1
+    return a * CLASS_BLOCK, min(n_end, z * CLASS_BLOCK)
+
+
+@device_function
 def key_tiles(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL, LEFT, RIGHT, WINDOW, MMOD, cls,
               cbase, csq):
     """``(n_begin, n_tiles, n_lo, n_full)``: the key tiles query rows ``q0 ..`` visit (from
     key ``n_begin``: 0 without a ``WINDOW`` or ``MMOD``, compile-time; with ``MMOD`` cut to
-    the span the mask_mod's classes at ``cbase`` leave, scanned from each end by
-    ``seams.class_span``; ``BM`` = ``BN`` = CLASS_BLOCK) and the keys ``[n_lo, n_full)``
-    where every row sees whole tiles (``seams.visited_keys``)."""
+    the span the mask_mod's classes at ``cbase`` leave, :func:`class_keys`; ``BM`` = ``BN``
+    = CLASS_BLOCK) and the keys ``[n_lo, n_full)`` where every row sees whole tiles
+    (``seams.visited_keys``)."""
     n_begin, n_end, n_lo, n_full = visited_keys(q0, BM, BN, Nq, Nk, causal_offset, CAUSAL,
-                                                LEFT, RIGHT, WINDOW, MMOD, cls, cbase, csq)
+                                                LEFT, RIGHT, WINDOW, False, cls, cbase, csq)
+    if MMOD:
+        n_begin, n_end = class_keys(cls, cbase + (q0 // CLASS_BLOCK) * csq, n_begin, n_end)
     n_tiles = (n_end - n_begin + BN - 1) // BN if n_end > n_begin else 0
     return n_begin, n_tiles, n_lo, n_full
 
