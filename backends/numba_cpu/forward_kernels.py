@@ -13,7 +13,7 @@ from numba import njit, prange
 from .products import product, product_into
 from .scalar import LOG2E, load, store
 from .seams import key_end, mask_scores_t, needs_mask, visits
-from .softmax import FASTMATH, online_softmax_t, online_softmax_tile  # noqa: F401 (masked_kernels)
+from .softmax import FASTMATH, online_softmax_t, online_softmax_tile  # noqa: F401 (decode_kernels)
 
 
 @njit

@@ -28,8 +28,8 @@ from flashcore._memo import Memo
 
 from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabilities_tile, zero_tail
 from .decode_kernels import make_decode
-from .forward_kernels import FASTMATH, load_tile, load_tile_t, online_softmax_tile
-from .pages import load_keys_t, load_values
+from .forward_kernels import FASTMATH, load_padded_t, load_tile, load_tile_t, online_softmax_t
+from .pages import load_values
 from .products import product, product_into
 from .scalar import LOG2E, store, tanh
 from .seams import (
@@ -81,28 +81,39 @@ def backward_tiles(work_dtype, D, block_q, block_k):
             np.empty(block_q, work_dtype))
 
 
-@njit(fastmath=FASTMATH, error_model="numpy")  # (no ZeroDivisionError branch: it vectorizes)
-def builtin_scores(s, g, want_g, n_rows, n_cols, d0, softcap, has_alibi, slope):
-    """The built-in modifiers without a score_mod, on a tile of log2-domain scores: the
-    softcap, then ALiBi (``d0 = i' - j`` of the tile's first element); with ``want_g``,
-    g <- d final / d scaled score. Loops LLVM vectorizes (``scalar.tanh``: a rational
-    function in the float32 kernels, libm's in float64 ones), where the per-element step of
-    the general form took ~5 ns a score in libm's tanh."""
-    ln2 = 1.0 / LOG2E
-    cap = softcap if softcap > 0 else 1.0
-    like = s[0, 0]
-    for r in range(n_rows):
-        d = d0 + r
-        for c in range(n_cols):
-            x = np.float64(s[r, c]) * ln2
-            if softcap > 0:
-                t = tanh(x / cap, like)
-                x = cap * t
-                if want_g:
-                    g[r, c] = 1.0 - t * t
-            if has_alibi:
-                x -= slope * abs(d - c)
-            s[r, c] = x * LOG2E
+def _builtin_step(T):
+    """:func:`builtin_scores` for a tile stored as (query rows, keys), or (``T``,
+    compile-time) transposed, (keys, query rows): each loop walks the tile in memory
+    order."""
+
+    @njit(fastmath=FASTMATH, error_model="numpy")  # (no ZeroDivisionError branch: vectorizes)
+    def builtin_scores(s, g, want_g, n_rows, n_cols, d0, softcap, has_alibi, slope):
+        """The built-in modifiers without a score_mod, on a tile of log2-domain scores: the
+        softcap, then ALiBi (``d0 = i' - j`` of the tile's first element); with
+        ``want_g``, g <- d final / d scaled score. Loops LLVM vectorizes (``scalar.tanh``:
+        a rational function in the float32 kernels, libm's in float64 ones), where the
+        per-element step of the general form took ~5 ns a score in libm's tanh."""
+        ln2 = 1.0 / LOG2E
+        cap = softcap if softcap > 0 else 1.0
+        like = s[0, 0]
+        n_a, n_e = (n_cols, n_rows) if T else (n_rows, n_cols)
+        for a in range(n_a):
+            for e in range(n_e):
+                x = np.float64(s[a, e]) * ln2
+                if softcap > 0:
+                    t = tanh(x / cap, like)
+                    x = cap * t
+                    if want_g:
+                        g[a, e] = 1.0 - t * t
+                if has_alibi:
+                    x -= slope * abs(d0 + e - a if T else d0 + a - e)
+                s[a, e] = x * LOG2E
+
+    return builtin_scores
+
+
+#: builtin_scores per layout: (query rows, keys), and transposed (the forward's Sᵀ).
+BUILTIN_SCORES = {False: _builtin_step(False), True: _builtin_step(True)}
 
 
 #: kernels(): the kernels of each (score_mod, mask_mod) pair, bounded like _mods._COMPILED.
@@ -149,70 +160,82 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                     - modded(x - 2 * st, b, h, i, j, mod_args))) / (12.0 * st)
             return modded(x, b, h, i, j, mod_args), d if math.isfinite(d) else 0.0
 
-    @njit(fastmath=FASTMATH, error_model="numpy")
-    def modded_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, d0, softcap, has_alibi,
-                      slope, mod_args):
-        """The modifiers with a score_mod, on every element of a tile (as the GPU kernels
-        and FlexAttention: the masks come after): softcap, ALiBi (``d0 = i' - j`` of the
-        tile's first element), the score_mod; with ``want_g``, g <- d final / d scaled
-        score. A loop without the masks' branches (LLVM vectorizes a score_mod that reads
-        a table: 0.06 against 0.9 ns a score inside the masks' loop)."""
-        like = s[0, 0]
-        for r in range(n_rows):
-            i = i0 + r
-            d = d0 + r
-            for c in range(n_cols):
-                j = j0 + c
-                x = np.float64(s[r, c]) * ln2
-                dx = 1.0
-                if softcap > 0:
-                    t = tanh(x / softcap, like)
-                    x = softcap * t
-                    dx = 1.0 - t * t
-                if has_alibi:
-                    x -= slope * abs(d - c)
-                if want_g:
-                    x, slope_x = value_slope(x, b, h, i, j, mod_args)
-                    dx *= slope_x
-                    g[r, c] = dx
-                else:  # (score_mod itself: through modded, 2.5x slower)
-                    x = np.float64(score_mod(x, b, h, i, j, *mod_args))
-                s[r, c] = x * LOG2E
+    def score_step(T):
+        """The score step for a tile stored as (query rows, keys), or (``T``,
+        compile-time) transposed: each loop walks the tile in memory order."""
+        builtin_scores = BUILTIN_SCORES[T]
 
-    @njit
-    def mask_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, causal, left, right,
-                    mod_args):
-        """A PARTIAL tile's masks: -inf (and g 0) where causal, the window or the
-        mask_mod hide the element."""
-        for r in range(n_rows):
-            i = i0 + r
-            ip = i + offset
-            for c in range(n_cols):
-                j = j0 + c
-                d = j - ip
-                if ((causal and d > 0) or (right >= 0 and d > right)
-                        or (left >= 0 and d < -left) or not mask_mod(b, h, i, j, *mod_args)):
-                    s[r, c] = -np.inf
+        @njit(fastmath=FASTMATH, error_model="numpy")
+        def modded_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, d0, softcap,
+                          has_alibi, slope, mod_args):
+            """The modifiers with a score_mod, on every element of a tile (as the GPU
+            kernels and FlexAttention: the masks come after): softcap, ALiBi (``d0 = i' -
+            j`` of the tile's first element), the score_mod; with ``want_g``, g <- d final
+            / d scaled score. A loop without the masks' branches (LLVM vectorizes a
+            score_mod that reads a table: 0.06 against 0.9 ns a score inside the masks'
+            loop)."""
+            like = s[0, 0]
+            n_a, n_e = (n_cols, n_rows) if T else (n_rows, n_cols)
+            for a in range(n_a):
+                for e in range(n_e):
+                    r, c = (e, a) if T else (a, e)
+                    x = np.float64(s[a, e]) * ln2
+                    dx = 1.0
+                    if softcap > 0:
+                        t = tanh(x / softcap, like)
+                        x = softcap * t
+                        dx = 1.0 - t * t
+                    if has_alibi:
+                        x -= slope * abs(d0 + r - c)
                     if want_g:
-                        g[r, c] = 0.0
+                        x, slope_x = value_slope(x, b, h, i0 + r, j0 + c, mod_args)
+                        dx *= slope_x
+                        g[a, e] = dx
+                    else:  # (score_mod itself: through modded, 2.5x slower)
+                        x = np.float64(score_mod(x, b, h, i0 + r, j0 + c, *mod_args))
+                    s[a, e] = x * LOG2E
 
-    @njit
-    def scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, opts, partial, alibi,
-               mod_args):
-        """The score step on a tile of log2-domain scores: the modifiers on every element
-        (the built-in ones alone: :func:`builtin_scores`), then the masks on a PARTIAL
-        tile; with ``want_g``, g <- d final / d scaled score."""
-        causal, left, right, softcap, has_alibi = opts
-        slope = alibi[b if alibi.shape[0] > 1 else 0, h] if has_alibi else 0.0
-        if has_score_mod:
-            modded_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, i0 + offset - j0,
-                          softcap, has_alibi, slope, mod_args)
-        elif softcap > 0 or has_alibi:
-            builtin_scores(s, g, want_g, n_rows, n_cols, i0 + offset - j0, softcap, has_alibi,
-                           slope)
-        if partial:
-            mask_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, causal, left,
-                        right, mod_args)
+        @njit
+        def mask_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, causal, left,
+                        right, mod_args):
+            """A PARTIAL tile's masks: -inf (and g 0) where causal, the window or the
+            mask_mod hide the element."""
+            n_a, n_e = (n_cols, n_rows) if T else (n_rows, n_cols)
+            for a in range(n_a):
+                for e in range(n_e):
+                    r, c = (e, a) if T else (a, e)
+                    i = i0 + r
+                    j = j0 + c
+                    d = j - i - offset
+                    if ((causal and d > 0) or (right >= 0 and d > right)
+                            or (left >= 0 and d < -left)
+                            or not mask_mod(b, h, i, j, *mod_args)):
+                        s[a, e] = -np.inf
+                        if want_g:
+                            g[a, e] = 0.0
+
+        @njit
+        def scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, opts, partial, alibi,
+                   mod_args):
+            """The score step on a tile of log2-domain scores: the modifiers on every
+            element (the built-in ones alone: :func:`builtin_scores`), then the masks on
+            a PARTIAL tile; with ``want_g``, g <- d final / d scaled score."""
+            causal, left, right, softcap, has_alibi = opts
+            slope = alibi[b if alibi.shape[0] > 1 else 0, h] if has_alibi else 0.0
+            if has_score_mod:
+                modded_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, i0 + offset - j0,
+                              softcap, has_alibi, slope, mod_args)
+            elif softcap > 0 or has_alibi:
+                builtin_scores(s, g, want_g, n_rows, n_cols, i0 + offset - j0, softcap,
+                               has_alibi, slope)
+            if partial:
+                mask_scores(s, g, want_g, n_rows, n_cols, i0, j0, b, h, offset, causal, left,
+                            right, mod_args)
+
+        return scores
+
+    scores = score_step(False)  # (the backward's tiles and decode's)
+    scores_t = score_step(True)  # (the forward's Sᵀ)
 
     @njit
     def forward_rows(q, k, v, o, lse, ob, qb, q_base, kb, k_base, b, h, hk, row0, rows, nk_b,
@@ -220,23 +243,28 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                      alibi, classes, block, mod_args, table, page_size):
         """One job: query rows ``row0 .. row0 + rows - 1`` of sequence ``b`` (array rows from
         ``q_base``), head ``h``, against that sequence's keys of split ``split``; writes o
-        and lse at batch index ``ob``."""
+        and lse at batch index ``ob``. As forward_kernels.attn_forward, scores are computed
+        transposed (Sᵀ = K Qᵀ: keys down, query rows across) and the online softmax runs
+        down the columns, a vector of query rows at a time (softmax.online_softmax_t)."""
         causal, left, right = opts[0], opts[1], opts[2]
         D = q.shape[3]
         rows_per_job = (rows + block_q - 1) // block_q * block_q
         one = work_dtype.type(1.0)
         g = np.empty((1, 1), work_dtype)
-        d_pad, bkp = padded(g, D, block_k)
-        qt = np.zeros((rows_per_job, d_pad), work_dtype)
-        kt_t = np.zeros((d_pad, bkp), work_dtype)
-        vt = np.zeros((bkp, d_pad), work_dtype)
-        s = np.empty((block_q, bkp), work_dtype)
+        d_pad, _ = padded(g, D, block_k)
+        n_t = rows_per_job // block_q
+        qt_t = np.zeros((n_t, d_pad, block_q), work_dtype)
+        kt = np.zeros((block_k, d_pad), work_dtype)
+        vt = np.zeros((block_k, d_pad), work_dtype)
+        st = np.empty((block_k, block_q), work_dtype)
+        alpha = np.empty(block_q, work_dtype)
         acc = np.zeros((rows_per_job, d_pad), work_dtype)
         m_i = np.full(rows_per_job, -np.inf, work_dtype)
         l_i = np.zeros(rows_per_job, work_dtype)
-        n_t = rows_per_job // block_q
         cls = np.empty(n_t, np.int8)
-        load_tile(q, qb, h, q_base + row0, rows, qt, q_mult)
+        for t in range(n_t):
+            load_padded_t(q, qb, h, q_base + row0 + t * block_q,
+                          min(block_q, rows - t * block_q), qt_t[t], q_mult)
         lo, hi = key_bounds(row0, rows, nk_b, offset, causal, left, right)
         lo, hi = split_keys(lo, hi, split, n_splits, nk_b, block_k)
         for j0 in range(lo // block_k * block_k, hi, block_k):
@@ -249,23 +277,21 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                 seen = seen or cls[t] != EMPTY
             if not seen:
                 continue
-            load_keys_t(k, table, page_size, kb, hk, k_base + j0, nk, kt_t, one)
+            load_values(k, table, page_size, kb, hk, k_base + j0, nk, kt, one)
             load_values(v, table, page_size, kb, hk, k_base + j0, nk, vt, one)
-            if nk < bkp:
+            if nk < block_k:
+                kt[nk:, :] = 0.0
                 vt[nk:, :] = 0.0
             for t in range(n_t):
                 if cls[t] == EMPTY:
                     continue
                 t0 = t * block_q
-                i0 = row0 + t0
                 nq = min(block_q, rows - t0)
-                product(qt, t0 * d_pad, d_pad, 1, kt_t, s, block_q, bkp, d_pad, False)
-                scores(s, g, False, nq, nk, i0, j0, b, h, offset, opts, cls[t] == PARTIAL,
-                       alibi, mod_args)
-                online_softmax_tile(s, nq, nk, m_i[t0:], l_i[t0:], acc[t0:])
-                if nk < bkp:
-                    s[:, nk:] = 0.0
-                product_into(s, 0, bkp, 1, vt, acc, t0, block_q, d_pad, bkp)
+                product(kt, 0, d_pad, 1, qt_t[t], st, block_k, block_q, d_pad, False)
+                scores_t(st, g, False, nq, nk, row0 + t0, j0, b, h, offset, opts,
+                         cls[t] == PARTIAL, alibi, mod_args)
+                online_softmax_t(st, nk, m_i, l_i, acc, t0, alpha)
+                product_into(st, 0, 1, block_q, vt, acc, t0, block_q, d_pad, block_k)
         for r in range(rows):
             empty = l_i[r] == 0.0
             inv = 0.0 if empty else 1.0 / l_i[r]

@@ -6,27 +6,14 @@ sequence ``b`` is slot ``p % page_size`` of page ``table[b, p // page_size]`` of
 """
 from numba import njit
 
-from .forward_kernels import load_tile, load_tile_t
+from .forward_kernels import load_tile
 from .scalar import load
 
 
 @njit
-def load_keys_t(src, table, page_size, b, h, r0, n, out, mult):
-    """out[:D, :n] = keys r0 .. r0+n-1 of sequence b, head h, transposed (see load_tile_t)."""
-    if table.shape[0] == 0:
-        load_tile_t(src, b, h, r0, n, out, mult)
-        return
-    for r in range(n):
-        p = r0 + r
-        page = table[b, p // page_size]
-        slot = p % page_size
-        for d in range(src.shape[3]):
-            out[d, r] = load(src[page, h, slot, d]) * mult
-
-
-@njit
 def load_values(src, table, page_size, b, h, r0, n, out, mult):
-    """out[:n, :D] = values r0 .. r0+n-1 of sequence b, head h."""
+    """out[:n, :D] = keys or values r0 .. r0+n-1 of sequence b, head h (the masked
+    forward's Sᵀ = K Qᵀ takes K as stored, as P V takes V)."""
     if table.shape[0] == 0:
         load_tile(src, b, h, r0, n, out, mult)
         return
