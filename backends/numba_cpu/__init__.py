@@ -204,6 +204,7 @@ def _masked_forward(q, k, v, case):
 
 def _masked_backward(do, q, k, v, o, lse, case):
     from .backward_kernels import attn_backward_preprocess
+    from .masked_kernels import run_backward
 
     made, opts, alibi, classes, block, args = _mod_inputs(case)
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
@@ -217,11 +218,7 @@ def _masked_backward(do, q, k, v, o, lse, case):
     delta = np.empty((case.batch, case.heads_q, case.seqlen_q), work)
     if qk.size:
         attn_backward_preprocess(dok, ok, delta, work)
-    bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
-    if dkk.size:
-        made[1](dok, qk, kk, vk, lse_h, delta, dkk, dvk, case.scale, bq, bk, work, opts,
-                alibi, classes, block, args, *dense_rows(case)[:2])
-    if dqk.size:
-        made[2](dok, qk, kk, vk, lse_h, delta, dqk, case.scale, bq, bk, work, opts, alibi,
-                classes, block, args, *dense_rows(case)[:2])
+    run_backward(made, dok, qk, kk, vk, lse_h, delta, dqk, dkk, dvk, case.scale,
+                 tiles.bwd_block_q, tiles.bwd_block_k, work, opts, alibi, classes, block, args,
+                 *dense_rows(case)[:2])
     return _give(dq, case), _give(dk, case), _give(dv, case)

@@ -116,12 +116,20 @@ def _builtin_step(T):
 BUILTIN_SCORES = {False: _builtin_step(False), True: _builtin_step(True)}
 
 
+@njit(fastmath=FASTMATH)
+def add_rows(dst, r0, tile, n):
+    """dst[r0:r0 + n] += tile[:n] (the tile as wide as dst)."""
+    for r in range(n):
+        for d in range(tile.shape[1]):
+            dst[r0 + r, d] += tile[r, d]
+
+
 #: kernels(): the kernels of each (score_mod, mask_mod) pair, bounded like _mods._COMPILED.
 _MADE = Memo(64, plans=False)
 
 
 def kernels(score_mod, mask_mod):
-    """``(forward, dkdv, dq, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU dispatchers,
+    """``(forward, backward, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU dispatchers,
     or None) compiled in; made once per pair."""
     return _MADE.get_or_build((score_mod, mask_mod), _make_pair, score_mod, mask_mod)
 
@@ -340,110 +348,49 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                 dp[r, c] *= g[r, c]
 
     @njit(parallel=True)
-    def dkdv(do, q, k, v, lse, delta, dk, dv, scale, block_q, block_k, work_dtype, opts,
-             alibi, classes, block, mod_args, seqs, sizes):
-        """Jobs over (sequence, key/value head, key tile); ``seqs``, ``sizes`` as forward's."""
+    def backward(do, q, k, v, lse, delta, dk, dv, dq_part, scale, block_q, block_k,
+                 work_dtype, opts, alibi, classes, block, mod_args, seqs, sizes):
+        """dK and dV, and dQ in parts (as backward_kernels.attn_backward_kv: S, P, dP and dS
+        once a tile pair for all three, five products): a job owns (sequence, key/value
+        head, split) and the key tiles ``split, split + splits, ...``; dQ goes into the
+        job's part ``dq_part[split, qb, h]`` (``q_base + i`` rows, d_pad columns, not yet
+        scaled), summed in split order afterwards (:func:`run_backward`): no atomics. Each
+        tile's dQ rows are added through a tile, only its own rows: a packed batch's
+        sequences share ``qb``, and a whole-tile product into the part would touch the next
+        sequence's first rows, which another job adds to.
+        ``seqs``, ``sizes`` as forward's."""
         cu_q, cu_k, len_k = seqs
         B, Nq, Nk = sizes
         Hq, D = q.shape[1], q.shape[3]
         Hkv = k.shape[1]
         group = Hq // Hkv
+        splits = dq_part.shape[0]
         causal, left, right, softcap, has_alibi = opts
         want_g = softcap > 0 or has_score_mod
         n_kt = (Nk + block_k - 1) // block_k
         one = work_dtype.type(1.0)
         q_mult = work_dtype.type(scale * LOG2E)
-        for job in prange(B * Hkv * n_kt):
-            b = job // (Hkv * n_kt)
-            hk = (job // n_kt) % Hkv
-            j0 = (job % n_kt) * block_k
+        dk_mult = work_dtype.type(1.0 / LOG2E)
+        for job in prange(B * Hkv * splits):
+            b = job // (Hkv * splits)
+            hk = (job // splits) % Hkv
+            split = job % splits
             qb, q_base, nq_b = query_rows(b, cu_q, Nq)
             kb, k_base, nk_b = key_rows(b, cu_k, len_k, Nk)
-            if j0 >= nk_b:
-                continue
             offset = nk_b - nq_b
-            nk = min(block_k, nk_b - j0)
-            d_pad, bkp, qt, dot, kt_t, vt_t, s, g, dp, lse2, dlt = backward_tiles(
-                work_dtype, D, block_q, block_k)
-            dk_acc = np.zeros((bkp, d_pad), work_dtype)
-            dv_acc = np.zeros((bkp, d_pad), work_dtype)
-            load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
-            load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
-            lo, hi = query_bounds(j0, nk, nq_b, offset, causal, left, right)
-            for h in range(hk * group, (hk + 1) * group):
-                for i0 in range(lo // block_q * block_q, hi, block_q):
-                    nq = min(block_q, nq_b - i0)
-                    c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal,
-                                   left, right)
-                    if c == EMPTY:
-                        continue
-                    load_tile(q, qb, h, q_base + i0, nq, qt, q_mult)
-                    load_tile(do, qb, h, q_base + i0, nq, dot, one)
-                    if nq < block_q:
-                        qt[nq:, :] = 0.0
-                        dot[nq:, :] = 0.0
-                    prepare_lse2(lse, qb, h, q_base + i0, nq, lse2)
-                    load_rows(delta, qb, h, q_base + i0, nq, dlt)
-                    product(qt, 0, d_pad, 1, kt_t, s, block_q, bkp, d_pad, False)
-                    scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts, c == PARTIAL,
-                           alibi, mod_args)
-                    probabilities_tile(s, nq, nk, lse2)
-                    zero_tail(s, nq, nk)
-                    # dV += P^T dO (P read transposed through its strides)
-                    product(s, 0, 1, bkp, dot, dv_acc, bkp, d_pad, block_q, True)
-                    product(dot, 0, d_pad, 1, vt_t, dp, block_q, bkp, d_pad, False)  # dP
-                    dscores_tile(s, dp, nq, nk, dlt)
-                    if want_g:
-                        chain(dp, g, nq, nk)
-                    zero_tail(dp, nq, nk)
-                    # dK += dS^T Q (qt carries scale*log2e)
-                    product(dp, 0, 1, bkp, qt, dk_acc, bkp, d_pad, block_q, True)
-            dk_mult = work_dtype.type(1.0 / LOG2E)
-            for r in range(nk):
-                for d in range(D):
-                    dk[kb, hk, k_base + j0 + r, d] = store(dk_acc[r, d] * dk_mult,
-                                                           dk[0, 0, 0, 0])
-                    dv[kb, hk, k_base + j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
-
-    @njit(parallel=True)
-    def dq(do, q, k, v, lse, delta, dq_out, scale, block_q, block_k, work_dtype, opts, alibi,
-           classes, block, mod_args, seqs, sizes):
-        """Jobs over (sequence, query head, query tile); ``seqs``, ``sizes`` as forward's."""
-        cu_q, cu_k, len_k = seqs
-        B, Nq, Nk = sizes
-        Hq, D = q.shape[1], q.shape[3]
-        group = Hq // k.shape[1]
-        causal, left, right, softcap, has_alibi = opts
-        want_g = softcap > 0 or has_score_mod
-        n_qt = (Nq + block_q - 1) // block_q
-        one = work_dtype.type(1.0)
-        q_mult = work_dtype.type(scale * LOG2E)
-        for job in prange(B * Hq * n_qt):
-            b = job // (Hq * n_qt)
-            h = (job // n_qt) % Hq
-            hk = h // group
-            i0 = (job % n_qt) * block_q
-            qb, q_base, nq_b = query_rows(b, cu_q, Nq)
-            kb, k_base, nk_b = key_rows(b, cu_k, len_k, Nk)
-            if i0 >= nq_b:
-                continue
-            offset = nk_b - nq_b
-            nq = min(block_q, nq_b - i0)
             d_pad, bkp, qt, dot, kt_t, vt_t, s, g, dp, lse2, dlt = backward_tiles(
                 work_dtype, D, block_q, block_k)
             kt = np.zeros((bkp, d_pad), work_dtype)
-            dq_acc = np.zeros((block_q, d_pad), work_dtype)
-            load_tile(q, qb, h, q_base + i0, nq, qt, q_mult)
-            load_tile(do, qb, h, q_base + i0, nq, dot, one)
-            prepare_lse2(lse, qb, h, q_base + i0, nq, lse2)
-            load_rows(delta, qb, h, q_base + i0, nq, dlt)
-            lo, hi = key_bounds(i0, nq, nk_b, offset, causal, left, right)
-            for j0 in range(lo // block_k * block_k, hi, block_k):
-                nk = min(block_k, hi - j0)
-                c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal, left,
-                               right)
-                if c == EMPTY:
-                    continue
+            dq_t = np.empty((block_q, d_pad), work_dtype)
+            dk_acc = np.empty((bkp, d_pad), work_dtype)
+            dv_acc = np.empty((bkp, d_pad), work_dtype)
+            for kt_i in range(split, n_kt, splits):
+                j0 = kt_i * block_k
+                if j0 >= nk_b:
+                    break
+                nk = min(block_k, nk_b - j0)
+                dk_acc[:] = 0.0
+                dv_acc[:] = 0.0
                 load_tile(k, kb, hk, k_base + j0, nk, kt, one)
                 load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
                 load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
@@ -451,20 +398,64 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                     kt[nk:, :] = 0.0
                     kt_t[:, nk:] = 0.0
                     vt_t[:, nk:] = 0.0
-                product(qt, 0, d_pad, 1, kt_t, s, block_q, bkp, d_pad, False)
-                scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts, c == PARTIAL, alibi,
-                       mod_args)
-                probabilities_tile(s, nq, nk, lse2)
-                product(dot, 0, d_pad, 1, vt_t, dp, block_q, bkp, d_pad, False)
-                dscores_tile(s, dp, nq, nk, dlt)
-                if want_g:
-                    chain(dp, g, nq, nk)
-                zero_tail(dp, nq, nk)
-                product(dp, 0, bkp, 1, kt, dq_acc, block_q, d_pad, bkp, True)  # dQ += dS K
-            dq_mult = work_dtype.type(scale)
-            for r in range(nq):
-                for d in range(D):
-                    dq_out[qb, h, q_base + i0 + r, d] = store(dq_acc[r, d] * dq_mult,
-                                                              dq_out[0, 0, 0, 0])
+                lo, hi = query_bounds(j0, nk, nq_b, offset, causal, left, right)
+                for h in range(hk * group, (hk + 1) * group):
+                    dq_h = dq_part[split, qb, h]
+                    for i0 in range(lo // block_q * block_q, hi, block_q):
+                        nq = min(block_q, nq_b - i0)
+                        c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal,
+                                       left, right)
+                        if c == EMPTY:
+                            continue
+                        load_tile(q, qb, h, q_base + i0, nq, qt, q_mult)
+                        load_tile(do, qb, h, q_base + i0, nq, dot, one)
+                        if nq < block_q:
+                            qt[nq:, :] = 0.0
+                            dot[nq:, :] = 0.0
+                        prepare_lse2(lse, qb, h, q_base + i0, nq, lse2)
+                        load_rows(delta, qb, h, q_base + i0, nq, dlt)
+                        product(qt, 0, d_pad, 1, kt_t, s, block_q, bkp, d_pad, False)
+                        scores(s, g, want_g, nq, nk, i0, j0, b, h, offset, opts,
+                               c == PARTIAL, alibi, mod_args)
+                        probabilities_tile(s, nq, nk, lse2)
+                        zero_tail(s, nq, nk)
+                        # dV += P^T dO (P read transposed through its strides)
+                        product(s, 0, 1, bkp, dot, dv_acc, bkp, d_pad, block_q, True)
+                        product(dot, 0, d_pad, 1, vt_t, dp, block_q, bkp, d_pad, False)  # dP
+                        dscores_tile(s, dp, nq, nk, dlt)
+                        if want_g:
+                            chain(dp, g, nq, nk)
+                        zero_tail(dp, nq, nk)
+                        # dK += dS^T Q (qt carries scale*log2e)
+                        product(dp, 0, 1, bkp, qt, dk_acc, bkp, d_pad, block_q, True)
+                        # dQ += dS K, through a tile: only the nq rows are added (a packed
+                        # batch's next sequence owns the rows after them, in another job)
+                        product(dp, 0, bkp, 1, kt, dq_t, block_q, d_pad, bkp, False)
+                        add_rows(dq_h, q_base + i0, dq_t, nq)
+                for r in range(nk):
+                    for d in range(D):
+                        dk[kb, hk, k_base + j0 + r, d] = store(dk_acc[r, d] * dk_mult,
+                                                               dk[0, 0, 0, 0])
+                        dv[kb, hk, k_base + j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
 
-    return forward, dkdv, dq, make_decode(scores)
+    return forward, backward, make_decode(scores)
+
+
+def run_backward(made, do, q, k, v, lse, delta, dq, dk, dv, scale, block_q, block_k, work,
+                 opts, alibi, classes, block, args, seqs, sizes):
+    """The masked backward (kernel views, ``made`` from :func:`kernels`): the fused pass
+    into dQ parts, then their sum in split order (as backward_kernels.attn_backward; the
+    split count depends on the thread count, so results agree from run to run on a host)."""
+    import numba
+
+    from .backward_kernels import attn_backward_dq_sum, backward_splits
+
+    B, Nq, Nk = sizes
+    splits = backward_splits(B, k.shape[1], -(-Nk // block_k), numba.get_num_threads())
+    d_pad = padded(np.empty(1, work), q.shape[3], block_k)[0]
+    dq_part = np.zeros((splits, q.shape[0], q.shape[1], q.shape[2], d_pad), work)
+    if Nk and (dk.size or dq.size):
+        made[1](do, q, k, v, lse, delta, dk, dv, dq_part, scale, block_q, block_k, work, opts,
+                alibi, classes, block, args, seqs, sizes)
+    if dq.size:
+        attn_backward_dq_sum(dq_part, dq, work.type(scale))

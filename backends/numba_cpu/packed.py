@@ -82,6 +82,7 @@ def _varlen_forward(q, k, v, case):
 
 def varlen_backward(do, q, k, v, o, lse, case):
     from .backward_kernels import attn_backward_preprocess
+    from .masked_kernels import run_backward
 
     made, opts, alibi, classes, block, args = _mod_inputs(case)
     tiles = choose_tiles(case.head_dim, case.dtype, case.causal)
@@ -96,13 +97,9 @@ def varlen_backward(do, q, k, v, o, lse, case):
     if qk.size:
         attn_backward_preprocess(dok, ok, delta, work)
     seqs, sizes = _offsets(case), (case.batch, case.seqlen_q, case.seqlen_k)
-    bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
-    if dkk.size:
-        made[1](dok, qk, kk, vk, lse_h, delta, dkk, dvk, case.scale, bq, bk, work, opts,
-                alibi, classes, block, args, seqs, sizes)
-    if dqk.size:
-        made[2](dok, qk, kk, vk, lse_h, delta, dqk, case.scale, bq, bk, work, opts, alibi,
-                classes, block, args, seqs, sizes)
+    run_backward(made, dok, qk, kk, vk, lse_h, delta, dqk, dkk, dvk, case.scale,
+                 tiles.bwd_block_q, tiles.bwd_block_k, work, opts, alibi, classes, block, args,
+                 seqs, sizes)
     return _give(dq, case), _give(dk, case), _give(dv, case)
 
 
@@ -155,7 +152,7 @@ def _kvcache_forward(q, k_cache, v_cache, case):
         seqs = (_NO_ROWS, _NO_ROWS, np.ascontiguousarray(lengths))
         sizes = (case.batch, case.seqlen_q, longest)
         if decode:
-            made[3](qk, kk, vk, o_part, lse_part, case.scale, block_k, work, opts, alibi,
+            made[2](qk, kk, vk, o_part, lse_part, case.scale, block_k, work, opts, alibi,
                     classes, block, args, seqs, sizes, pages, n_splits)
         else:
             made[0](qk, kk, vk, o_part, lse_part, case.scale, block_q, block_k, per_job, work,
