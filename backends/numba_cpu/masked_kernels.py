@@ -2,16 +2,18 @@
 ``score_mod`` and ``mask_mod``): the same tiles and steps as forward_kernels.py and
 backward_kernels.py, with the general seams.
 
-:func:`kernels` makes the three kernels for one (score_mod, mask_mod) pair: the user's
+:func:`kernels` makes the kernels for one (score_mod, mask_mod) pair (forward, the fused
+backward of :func:`run_backward`, decode): the user's
 functions are compiled into them (closures over Numba-compiled functions), so no call goes
 back to Python. Built-in options arrive as values (``opts``), so window, softcap and ALiBi
 share one compiled set. These kernels are not disk-cached (Numba cannot cache closures over
 user functions), which is why plain attention keeps its own cached kernels.
 
 Per tile: :func:`seams.tile_class` says EMPTY (skipped: no product is computed), FULL (no
-per-element mask) or PARTIAL; the score step applies, per element, softcap, ALiBi and
-score_mod, then the masks on PARTIAL tiles, and in the backward pass the derivative of the
-final score in the scaled one (the chain factor ``g`` that multiplies dS).
+per-element mask) or PARTIAL; the score step applies softcap, ALiBi and score_mod to every
+element, then the masks on PARTIAL tiles, and in the backward pass the derivative of the
+final score in the scaled one (the chain factor ``g`` that multiplies dS). The forward
+computes Sᵀ and its softmax down the columns, the backward S, both as the dense kernels.
 
 These kernels also serve packed calls (varlen, KV cache): each job first asks
 ``seams.query_rows``/``key_rows`` which rows its sequence owns, and the forward reads keys
