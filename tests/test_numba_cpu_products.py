@@ -1,4 +1,6 @@
 """numba_cpu's SIMD building blocks (simd.py, products.py, softmax.py) on their own."""
+import math
+
 import numpy as np
 import pytest
 from flashcore.backends.numba_cpu import simd
@@ -215,3 +217,25 @@ def test_forward_jobs_even_out_the_threads():
             assert 1 <= per <= min(per_head, 16)
             busiest = lambda p: -(-heads * -(-per_head // p) // threads) * (p + JOB_COST)  # noqa: E731
             assert busiest(per) <= min(busiest(p) for p in range(1, min(per_head, 16) + 1))
+
+
+def _uses_tanh(s, b, h, i, j):
+    return math.tanh(s) + np.tanh(s) + math.exp(0.0)
+
+
+def _no_tanh(s, b, h, i, j):
+    return s * 2.0
+
+
+def test_with_tanh_swaps_math_and_numpy_tanh_only():
+    """masked_kernels.with_tanh (the float32 kernels' score_mod): math.tanh and np.tanh
+    become the given function, other math stays, a function without tanh is returned as it
+    is, and the user's own function and globals are untouched."""
+    from flashcore.backends.numba_cpu.masked_kernels import with_tanh
+
+    five = njit(lambda x: 5.0)
+    swapped = with_tanh(_uses_tanh, five)
+    assert njit(swapped)(0.3, 0, 0, 0, 0) == 11.0
+    assert _uses_tanh(0.3, 0, 0, 0, 0) == math.tanh(0.3) + np.tanh(0.3) + 1.0
+    assert globals()["math"] is math and globals()["np"] is np
+    assert with_tanh(_no_tanh, five) is _no_tanh

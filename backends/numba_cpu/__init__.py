@@ -151,7 +151,8 @@ def _mod_inputs(case):
                                       case.seqlen_k, _mods.BLOCK, args, remember=True,
                                       lengths=lengths)
         block = _mods.BLOCK
-    return kernels(score_mod, mask_mod), opts, alibi, classes, block, args
+    fast_tanh = _work(case).itemsize == 4  # (float32 kernels: scalar.tanh_f32 for tanh)
+    return kernels(score_mod, mask_mod, fast_tanh), opts, alibi, classes, block, args
 
 
 def numba_float64():

@@ -21,6 +21,7 @@ through ``pages.py`` (a page table, or dense rows) and may cover one split of th
 (split-KV). A dense batch passes empty offsets and is one sequence per batch entry.
 """
 import math
+import types
 
 import numpy as np
 from numba import njit, prange
@@ -33,7 +34,7 @@ from .decode_kernels import make_decode
 from .forward_kernels import FASTMATH, load_padded_t, load_tile, load_tile_t, online_softmax_t
 from .pages import load_values
 from .products import product, product_into
-from .scalar import LOG2E, store, tanh
+from .scalar import LOG2E, store, tanh, tanh_f32
 from .seams import (
     EMPTY,
     PARTIAL,
@@ -130,17 +131,55 @@ def add_rows(dst, r0, tile, n):
 _MADE = Memo(64, plans=False)
 
 
-def kernels(score_mod, mask_mod):
-    """``(forward, backward, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU dispatchers,
-    or None) compiled in; made once per pair."""
-    return _MADE.get_or_build((score_mod, mask_mod), _make_pair, score_mod, mask_mod)
+def kernels(score_mod, mask_mod, fast_tanh=False):
+    """``(forward, backward, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU
+    dispatchers, or None) compiled in; made once per pair. ``fast_tanh`` (the float32
+    kernels): a score_mod's ``math.tanh`` / ``np.tanh`` is :func:`scalar.tanh_f32`."""
+    return _MADE.get_or_build((score_mod, mask_mod, fast_tanh), _make_pair, score_mod,
+                              mask_mod, fast_tanh)
 
 
-def _make_pair(score_mod, mask_mod):
+def _make_pair(score_mod, mask_mod, fast_tanh):
     twin = None if score_mod is None else value_and_slope(score_mod)
+    if fast_tanh and score_mod is not None:
+        py = getattr(score_mod, "py_func", score_mod)
+        fast = with_tanh(py, _TANH_F32)
+        score_mod = score_mod if fast is py else njit(fast)
+        twin = None if twin is None else with_tanh(twin, _TANH_F32)
     return _make(njit(_no_score_mod) if score_mod is None else score_mod,
                  njit(_no_mask_mod) if mask_mod is None else mask_mod, score_mod is not None,
                  None if twin is None else njit(twin))
+
+
+#: scalar.tanh_f32 as a function the user's code can call (through a module stand-in).
+_TANH_F32 = njit(tanh_f32)
+
+
+def with_tanh(fn, tanh):
+    """``fn`` (a Python function) with ``tanh`` where its globals give ``math.tanh`` or
+    ``np.tanh``: the modules ``math`` and ``numpy`` by stand-ins whose ``tanh`` it is, the
+    names bound to either function by it; ``fn`` itself where it reads neither. libm's
+    tanh is a call per score that LLVM cannot vectorize (a softcap written as a score_mod
+    took 3.5x the built-in softcap's forward); the float32 kernels need no more than
+    ``tanh_f32``'s 2.1e-8."""
+    g = fn.__globals__
+    swap = {}
+    for name in fn.__code__.co_names:
+        val = g.get(name)
+        if val is math or val is np:
+            shim = types.ModuleType(val.__name__)
+            shim.__dict__.update({n: getattr(val, n) for n in dir(val)
+                                  if not n.startswith("__")})
+            shim.tanh = tanh
+            swap[name] = shim
+        elif val is math.tanh or val is np.tanh:
+            swap[name] = tanh
+    if not swap:
+        return fn
+    made = types.FunctionType(fn.__code__, {**g, **swap}, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    made.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
+    return made
 
 
 def _make(score_mod, mask_mod, has_score_mod, twin):
