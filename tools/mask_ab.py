@@ -20,11 +20,6 @@ import sys
 import numpy as np
 
 
-def docs(B, N, lengths):
-    ids = np.repeat(np.arange(len(lengths)), lengths)[:N]
-    return np.ascontiguousarray(np.broadcast_to(ids, (B, N)).astype(np.int32))
-
-
 def compare(a_path, b_path) -> int:
     import torch
 
@@ -43,6 +38,7 @@ def compare(a_path, b_path) -> int:
 
 def run(tag, repeat, save) -> int:
     from hopper_forward import environment, timer  # (tools/ is the script's directory)
+    from mask_mod_forward import docs
 
     torch, flashcore, _ = environment()
     from flashcore.bench.masks import same_doc

@@ -20,6 +20,7 @@ These kernels also serve packed calls (varlen, KV cache): each job first asks
 through ``pages.py`` (a page table, or dense rows) and may cover one split of the keys
 (split-KV). A dense batch passes empty offsets and is one sequence per batch entry.
 """
+import functools
 import math
 import types
 
@@ -32,7 +33,7 @@ from flashcore._memo import Memo
 from .backward_kernels import dscores_tile, load_rows, prepare_lse2, probabilities_tile, zero_tail
 from .decode_kernels import make_decode
 from .forward_kernels import FASTMATH, load_padded_t, load_tile, load_tile_t, online_softmax_t
-from .pages import load_values
+from .pages import load_cache_rows
 from .products import product, product_into
 from .scalar import LOG2E, store, tanh, tanh_f32
 from .seams import (
@@ -135,6 +136,7 @@ def kernels(score_mod, mask_mod, fast_tanh=False):
     """``(forward, backward, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU
     dispatchers, or None) compiled in; made once per pair. ``fast_tanh`` (the float32
     kernels): a score_mod's ``math.tanh`` / ``np.tanh`` is :func:`scalar.tanh_f32`."""
+    fast_tanh = bool(fast_tanh and score_mod is not None)  # (only a score_mod calls tanh)
     return _MADE.get_or_build((score_mod, mask_mod, fast_tanh), _make_pair, score_mod,
                               mask_mod, fast_tanh)
 
@@ -167,11 +169,7 @@ def with_tanh(fn, tanh):
     for name in fn.__code__.co_names:
         val = g.get(name)
         if val is math or val is np:
-            shim = types.ModuleType(val.__name__)
-            shim.__dict__.update({n: getattr(val, n) for n in dir(val)
-                                  if not n.startswith("__")})
-            shim.tanh = tanh
-            swap[name] = shim
+            swap[name] = _module_with_tanh(val, tanh)
         elif val is math.tanh or val is np.tanh:
             swap[name] = tanh
     if not swap:
@@ -180,6 +178,16 @@ def with_tanh(fn, tanh):
                               fn.__closure__)
     made.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
     return made
+
+
+@functools.cache
+def _module_with_tanh(module, tanh):
+    """A stand-in for ``module`` (``math`` or ``numpy``) whose ``tanh`` is ``tanh``: made
+    once, shared by every user function that reads the module."""
+    shim = types.ModuleType(module.__name__)
+    shim.__dict__.update({n: getattr(module, n) for n in dir(module) if not n.startswith("__")})
+    shim.tanh = tanh
+    return shim
 
 
 def _make(score_mod, mask_mod, has_score_mod, twin):
@@ -326,8 +334,8 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                 seen = seen or cls[t] != EMPTY
             if not seen:
                 continue
-            load_values(k, table, page_size, kb, hk, k_base + j0, nk, kt, one)
-            load_values(v, table, page_size, kb, hk, k_base + j0, nk, vt, one)
+            load_cache_rows(k, table, page_size, kb, hk, k_base + j0, nk, kt, one)
+            load_cache_rows(v, table, page_size, kb, hk, k_base + j0, nk, vt, one)
             if nk < block_k:
                 kt[nk:, :] = 0.0
                 vt[nk:, :] = 0.0

@@ -11,7 +11,7 @@ from .scalar import load
 
 
 @njit
-def load_values(src, table, page_size, b, h, r0, n, out, mult):
+def load_cache_rows(src, table, page_size, b, h, r0, n, out, mult):
     """out[:n, :D] = keys or values r0 .. r0+n-1 of sequence b, head h (the masked
     forward's Sᵀ = K Qᵀ takes K as stored, as P V takes V)."""
     if table.shape[0] == 0:
