@@ -86,6 +86,9 @@ def _check(cc, head_dim, dtype, causal, only=None):
         assert smem_words * 4 <= tiles.SMEM_LIMIT[cc], (
             f"{name}: {smem_words * 4} bytes of shared memory, over {arch}'s")
         assert threads <= 1024
+        if v.kernel == "preprocess" and head_dim % v.tiles.elements(dtype) == 0:
+            assert re.search(r"ld\.global\.v4\.(u32|f32)", ptx), (
+                f"{name} ({head_dim=}, {dtype}): no 16-byte loads of O and dO")
         if bounds:  # compiled for several blocks per SM: they must fit side by side
             assert re.search(rf"\.minnctapersm\s+{bounds[1]}\b", ptx), f"{name}: no bounds"
             assert tiles.blocks_fit(smem_words, bounds[1], cc), (

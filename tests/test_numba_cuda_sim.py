@@ -76,6 +76,9 @@ else:
         dict(B=1, Hq=2, Hkv=2, Nq=9, Nk=9, D=9, dtype="float16", causal=True, layout="bhnd"),
         dict(B=1, Hq=3, Hkv=1, Nq=5, Nk=12, D=4, dtype="bfloat16", causal=True, layout="bhnd"),
         dict(B=1, Hq=2, Hkv=2, Nq=11, Nk=6, D=7, dtype="bfloat16", causal=False, layout="bnhd"),
+        # 16-byte rows of 16-bit elements: the preprocess reads O and dO by dot16
+        dict(B=1, Hq=2, Hkv=1, Nq=9, Nk=7, D=16, dtype="bfloat16", causal=False, layout="bnhd"),
+        dict(B=1, Hq=1, Hkv=1, Nq=6, Nk=6, D=8, dtype="float16", causal=True, layout="bhnd"),
     ]
 
     def _opts(c):

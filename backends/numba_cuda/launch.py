@@ -38,6 +38,7 @@ from .launch_args import (  # noqa: F401 (re-exported: launch.no_slopes, ...)
     no_packed,
     no_slopes,
     packed_args,
+    rows_aligned,
     signature,
 )
 from .simt import backward as _simt_bwd
@@ -239,17 +240,6 @@ def hopper_variant(head_dim, dtype, causal, kernel="forward", window=(), softcap
         t = tilings.masked_tiles(t, score_mod, bool(softcap), bool(window), head_dim, alibi)
     return Variant(kernel, "hopper", head_dim, dtype, causal, t, window=window,
                    softcap=softcap, alibi=alibi, user=user, packed=packed)
-
-
-def rows_aligned(view, sizes, elems=4) -> bool:
-    """Whether every row of a (handle, strides) view of a (B, H, N, D) array (``sizes``: B,
-    H, N) is contiguous and starts 16 bytes aligned, ``elems`` elements making 16 bytes
-    (strides of dims of size 1 never move an address)."""
-    handle, (sb, sh, sn, sd) = view
-    nb, nh, nn = sizes
-    # (written out, not looped: it runs for every fp32 and tensor-core launch)
-    return (sd == 1 and (nb < 2 or sb % elems == 0) and (nh < 2 or sh % elems == 0)
-            and (nn < 2 or sn % elems == 0) and (SIMULATOR or int(handle) % 16 == 0))
 
 
 def _fp32_rows_aligned(case, q, k, v, do=None) -> bool:

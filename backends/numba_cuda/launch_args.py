@@ -14,6 +14,8 @@ from .device.user_mods import MAX_ARGS, MAX_DIMS
 #: stored dtype name -> numba element type of the kernel's pointers (bf16 as raw bits)
 _ELEM = {"float32": types.float32, "float16": types.float16, "bfloat16": types.uint16}
 _I64 = types.int64
+#: stored dtype name -> elements in 16 bytes (one vector load)
+_VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
 _F64 = types.float64
 
 
@@ -53,7 +55,7 @@ def signature(kernel: str, dtype: str, mod_args: tuple = (), split: bool = False
     dkdv = (e, e, e, e, f32, f32, e, e) + (_I64,) * 33 + (_F64,) + mods + PACKED_SIG
     return {
         "attn_forward": (e, e, e, o, f32) + (_I64,) * 21 + (_F64,) + mods + PACKED_SIG,
-        "attn_backward_preprocess": (e, e, f32) + (_I64,) * 10,
+        "attn_backward_preprocess": (e, e, f32) + (_I64,) * 11,
         "attn_backward_dkdv": dkdv,
         "attn_backward_dkdvq": dkdv,  # (its dQ accumulator where ALiBi's slopes go)
         "attn_backward_dq_convert": (f32, e) + (_I64,) * 11 + (_F64,),
@@ -180,11 +182,28 @@ def launch_forward(kern, bm, case, stream, q, k, v, o, lse, slopes, margs,
 def launch_preprocess(pre, rows, case, stream, o, do, delta):
     """The backward's preprocess ``delta = rowsum(dO ∘ O)`` (``rows`` per block,
     tilings.RowTiles) over the call's rows: (B, Hq, Nq), or for varlen the packed rows as
-    one batch entry."""
+    one batch entry; by 16-byte loads where the head dim fills them and both arrays' rows
+    are contiguous and 16-byte aligned (:func:`rows_aligned`)."""
     B, Nq, Hq = case.batch, case.seqlen_q, case.heads_q
     if case.varlen is not None:
         B, Nq = 1, case.varlen.total_q
-    pre(((Nq + rows - 1) // rows, B * Hq), stream, (o[0], do[0], delta, Nq, Hq, *o[1], *do[1]))
+    elems = _VECTOR[case.dtype]
+    sizes = (B, Hq, Nq)
+    vec = (case.head_dim % elems == 0 and rows_aligned(o, sizes, elems)
+           and rows_aligned(do, sizes, elems))
+    pre(((Nq + rows - 1) // rows, B * Hq), stream,
+        (o[0], do[0], delta, Nq, Hq, *o[1], *do[1], int(vec)))
+
+
+def rows_aligned(view, sizes, elems=4) -> bool:
+    """Whether every row of a (handle, strides) view of a (B, H, N, D) array (``sizes``: B,
+    H, N) is contiguous and starts 16 bytes aligned, ``elems`` elements making 16 bytes
+    (strides of dims of size 1 never move an address)."""
+    handle, (sb, sh, sn, sd) = view
+    nb, nh, nn = sizes
+    # (written out, not looped: it runs for every fp32 and tensor-core launch)
+    return (sd == 1 and (nb < 2 or sb % elems == 0) and (nh < 2 or sh % elems == 0)
+            and (nn < 2 or sn % elems == 0) and (SIMULATOR or int(handle) % 16 == 0))
 
 
 def launch_dkdv(kern, bm, case, stream, q, k, v, do, lse, delta, dk, dv, slopes, margs,

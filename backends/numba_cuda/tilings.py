@@ -29,6 +29,8 @@ from pathlib import Path
 STATIC_SMEM_LIMIT = 48 * 1024
 #: Shared memory a block may opt in to on sm_80 and sm_90 (227 KiB on sm_90, 163 on sm_80).
 SMEM_LIMIT = {(8, 0): 163 * 1024, (9, 0): 227 * 1024}
+#: Bytes per element of the stored dtypes.
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def smem_limit(cc) -> int:
@@ -122,20 +124,36 @@ class Tiles:
 @dataclass(frozen=True)
 class RowTiles:
     """The backward preprocess's tiling (``delta = rowsum(dO * O)``): ``threads`` per block
-    (whole warps), ``lanes`` consecutive lanes per row (a power of two up to 32), each
-    reading every ``lanes``-th element of the row, then summing by shuffles. On a GPU a
-    warp per row (32 lanes: a warp's load reads 32 consecutive elements); the simulator
-    takes 4 (each simulated thread is a Python thread: with 32 per row, every simulated
-    backward ran a 32-thread block per row)."""
+    (whole warps), ``lanes`` consecutive lanes per row (a power of two up to 32), then a
+    sum by shuffles. With ``vector`` each lane takes 16 consecutive bytes of the row per
+    step (8 16-bit or 4 fp32 elements: one 16-byte load of O and one of dO where the rows
+    are contiguous and 16-byte aligned; else as many scalar loads); without, one element
+    per step, lane ``l`` reading elements ``l, l + lanes, ...``. On a GPU as many lanes as
+    a 16-bit row has 16-byte pieces (:meth:`for_head_dim`); the simulator takes 4 (each
+    simulated thread is a Python thread)."""
 
     threads: int = 128
     lanes: int = 32
+    vector: bool = True
 
     def __post_init__(self):
         if self.threads % 32 or self.threads <= 0:
             raise ValueError(f"the preprocess takes whole warps; got {self.threads} threads")
         if self.lanes not in (2, 4, 8, 16, 32):
             raise ValueError(f"lanes={self.lanes} is not a power of two from 2 to 32")
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int, threads: int = 128) -> "RowTiles":
+        """Vector steps with a lane per 16 bytes of a 16-bit row (a power of two, 2 to
+        32; fp32 rows take two steps)."""
+        lanes = 2
+        while lanes < 32 and lanes * 8 < head_dim:
+            lanes *= 2
+        return cls(threads, lanes)
+
+    def elements(self, dtype: str) -> int:
+        """Elements a lane takes per step: 16 bytes of ``dtype``, or 1 (not ``vector``)."""
+        return 16 // _ITEMSIZE[dtype] if self.vector else 1
 
     @property
     def block_m(self) -> int:
@@ -144,7 +162,8 @@ class RowTiles:
 
     @property
     def tag(self) -> str:
-        return f"t{self.threads}" + ("" if self.lanes == 32 else f"l{self.lanes}")
+        return (f"t{self.threads}" + ("" if self.lanes == 32 else f"l{self.lanes}")
+                + ("" if self.vector else "s"))
 
 
 @dataclass(frozen=True)
@@ -303,7 +322,7 @@ def choose_simt(head_dim: int, dtype: str, causal: bool, cc, simulator: bool = F
     for limit, fwd, dkdv, dq, fwd_causal in table:
         if head_dim <= limit:
             return KernelTiles(forward=fwd_causal if causal and fwd_causal else fwd,
-                               dkdv=dkdv, dq=dq)
+                               dkdv=dkdv, dq=dq, preprocess=RowTiles.for_head_dim(head_dim))
     raise ValueError(f"{head_dim=} exceeds the largest tiled head dim {table[-1][0]}")
 
 

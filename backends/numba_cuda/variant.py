@@ -164,7 +164,7 @@ class Variant:
         if self.split:
             mask += "_split"
         if self.kernel == "preprocess":
-            return f"{self.entry}_d{d}_{t.tag}"
+            return f"{self.entry}_d{d}_{t.tag}_{self.dtype}"
         if self.kernel in ELEMENTWISE:
             return f"{self.entry}_{self.packed or 'dense'}_t{t}_{self.dtype}"
         if self.family == "hopper":

@@ -8,7 +8,7 @@ rounds an fp32 value to the stored dtype (bf16: round to nearest even) and write
 On the GPU these are typed ``@overload``s (the pointer type picks the conversion at
 compile time); under ``NUMBA_ENABLE_CUDASIM=1`` they are plain Python on NumPy arrays.
 The same holds for the few other helpers every kernel family (SIMT and tensor-core) uses:
-``device_function``, ``smem_pointer``, ``ld4`` and ``copy16``.
+``device_function``, ``smem_pointer``, ``ld4``, ``copy16`` and ``dot16``.
 Import this module only after that choice is fixed (it imports numba.cuda).
 """
 from __future__ import annotations
@@ -42,6 +42,17 @@ if SIMULATOR:
         would fault)."""
         assert di % 8 == 0 and si % 8 == 0, f"copy16 {si} -> {di}: not 16-byte aligned"
         dst[di:di + 8] = np.asarray(src[si:si + 8]).view(dst.dtype)  # (the bits, as on a GPU)
+
+    def dot16(p, i, q, j):
+        """``sum(p[i+e] * q[j+e])`` in fp32 over the elements of 16 bytes (8 16-bit, 4
+        fp32), products added in order (one 16-byte load of each on the GPU; both ends
+        16-byte aligned: checked here, as the GPU would fault)."""
+        n = 16 // p.itemsize
+        assert i % n == 0 and j % n == 0, f"dot16 at {i}, {j}: not 16-byte aligned"
+        acc = np.float32(load_f32(p[i]) * load_f32(q[j]))
+        for e in range(1, n):
+            acc = np.float32(acc + np.float32(load_f32(p[i + e]) * load_f32(q[j + e])))
+        return acc
 
     def load_f32(x):
         if x.dtype == np.uint16:
@@ -117,6 +128,48 @@ else:
             v = builder.load(builder.bitcast(builder.gep(s_, [j]), vty), align=16)
             builder.store(v, builder.bitcast(builder.gep(d, [i]), vty), align=16)
             return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def dot16(typingctx, p, i, q, j):
+        """``sum(p[i+e] * q[j+e])`` in fp32 over the elements of 16 bytes (8 16-bit, 4
+        fp32), products added in order, from one 16-byte ``ld.global.v4`` of each pointer
+        (float32, float16, or uint16 holding bf16 bits); both ends 16-byte aligned."""
+        kinds = {types.float32: "f32", types.float16: "f16", types.uint16: "bf16"}
+        if not (isinstance(p, types.CPointer) and isinstance(q, types.CPointer)
+                and p.dtype == q.dtype and p.dtype in kinds):
+            return None
+        kind = kinds[p.dtype]
+        sig = types.float32(p, i, q, j)
+
+        def codegen(context, builder, signature, args):
+            words = ir.VectorType(ir.IntType(32), 4)
+            f32, i16 = ir.FloatType(), ir.IntType(16)
+
+            def elements(ptr, idx):
+                at = builder.bitcast(builder.gep(ptr, [idx]), words.as_pointer())
+                vec = builder.load(builder.addrspacecast(at, words.as_pointer(1)), align=16)
+                out = []
+                for n in range(4):
+                    w = builder.extract_element(vec, ir.Constant(ir.IntType(32), n))
+                    if kind == "f32":
+                        out.append(builder.bitcast(w, f32))
+                    elif kind == "bf16":  # (the element's bits are a float32's high half)
+                        out.append(builder.bitcast(builder.shl(w, w.type(16)), f32))
+                        out.append(builder.bitcast(builder.and_(w, w.type(0xFFFF0000)), f32))
+                    else:
+                        for half in (w, builder.lshr(w, w.type(16))):
+                            h = builder.bitcast(builder.trunc(half, i16), ir.HalfType())
+                            out.append(builder.fpext(h, f32))
+                return out
+
+            a = elements(args[0], args[1])
+            b = elements(args[2], args[3])
+            acc = builder.fmul(a[0], b[0])
+            for x, y in zip(a[1:], b[1:]):
+                acc = builder.fadd(acc, builder.fmul(x, y))
+            return acc
 
         return sig, codegen
 
