@@ -14,7 +14,8 @@
    sequences padded to the longest, scaled by the work the padding does not add
    (``sum L^2 / (B max L^2)``, halved alike under causal), and per-sequence SDPA calls.
 
-Times: median of CUDA-event timings after a warm-up. Prints one table per part and
+Times: median of CUDA-event timings after a warm-up (back-to-back pairs sampled in turns).
+Prints one table per part and
 writes JSON to $PACKED_JSON when set.
 """
 from __future__ import annotations
@@ -54,6 +55,19 @@ def kernel_times(fn, label):
                    if e.device_time_total > 0), key=lambda r: -r[1])
     print(f"  kernels of {label}: " + "; ".join(f"{k[:48]} {t:.3f}ms x{n}"
                                                 for k, t, n in rows[:6]))
+
+
+def timed_pair(fa, fb, reps=10, inner=10):
+    """``timed`` of two functions back to back (``inner`` calls a sample), their samples
+    taken in turns (A B, B A, ...) so that a drift of the GPU's clocks over the run falls
+    on both: (median seconds per call of ``fa``, of ``fb``)."""
+    for fn in (fa, fb):
+        timed(fn, reps=1, warm=2, inner=1)
+    out = ([], [])
+    for r in range(reps):
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            out[which].append(timed((fa, fb)[which], reps=1, warm=0, inner=inner))
+    return statistics.median(out[0]), statistics.median(out[1])
 
 
 def timed(fn, reps=20, warm=3, inner=1):
@@ -247,13 +261,14 @@ def varlen(rows):
 
         res["varlen_fwdbwd"] = timed(vl_fb, reps=10)
         res["padded_fwdbwd"] = timed(pad_fb, reps=10)
-        res["varlen_fwd_b2b"] = timed(lambda: flashcore.attention_varlen(
-            q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal),
+        # (back to back: the two calls' samples in turns)
+        res["varlen_fwd_b2b"], res["padded_fwd_b2b"] = timed_pair(
+            lambda: flashcore.attention_varlen(q, k, v, cu, cu, max_seqlen_q=longest,
+                                               max_seqlen_k=longest, causal=causal),
+            lambda: flashcore.attention(qp, kp, vp, causal=causal, layout="bnhd"),
             reps=10, inner=10)
-        res["padded_fwd_b2b"] = timed(lambda: flashcore.attention(
-            qp, kp, vp, causal=causal, layout="bnhd"), reps=10, inner=10)
-        res["varlen_fwdbwd_b2b"] = timed(vl_fb, reps=5, inner=5)
-        res["padded_fwdbwd_b2b"] = timed(pad_fb, reps=5, inner=5)
+        res["varlen_fwdbwd_b2b"], res["padded_fwdbwd_b2b"] = timed_pair(
+            vl_fb, pad_fb, reps=8, inner=5)
         offs = [0] + list(torch.tensor(lens).cumsum(0).tolist())
 
         def per_seq():
