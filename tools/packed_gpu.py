@@ -14,8 +14,7 @@
    sequences padded to the longest, scaled by the work the padding does not add
    (``sum L^2 / (B max L^2)``, halved alike under causal), and per-sequence SDPA calls.
 
-Times: median of CUDA-event timings after a warm-up (back-to-back pairs sampled in turns).
-Prints one table per part and
+Times: median of CUDA-event timings after a warm-up. Prints one table per part and
 writes JSON to $PACKED_JSON when set.
 """
 from __future__ import annotations
@@ -40,6 +39,13 @@ from flashcore._packed_checks import make_kvcache_case, make_varlen_case
 #: (torch.profiler), printed per causal mode, and in one decode call per cache length.
 TILES = os.environ.get("PACKED_TILES", "")
 PROFILE = os.environ.get("PACKED_PROFILE", "") == "1"
+#: PACKED_TURNS=1: the back-to-back samples of the varlen and the padded call taken in
+#: turns (A B, B A, ...; :func:`timed_pair`). On an H200 (2026-11-28, two runs) that read
+#: the varlen forward 1.17-1.19x the padded call's share where one call's samples, then
+#: the other's, read 1.10-1.11 (earlier runs; why is not found: a switch between the two
+#: calls may cost host work that repeated calls hide). Off by default, so the ratios
+#: compare with earlier runs.
+TURNS = os.environ.get("PACKED_TURNS", "") == "1"
 
 
 def kernel_times(fn, label):
@@ -261,14 +267,16 @@ def varlen(rows):
 
         res["varlen_fwdbwd"] = timed(vl_fb, reps=10)
         res["padded_fwdbwd"] = timed(pad_fb, reps=10)
-        # (back to back: the two calls' samples in turns)
-        res["varlen_fwd_b2b"], res["padded_fwd_b2b"] = timed_pair(
+        # (back to back: one call's samples, then the other's; PACKED_TURNS=1 in turns)
+        both = timed_pair if TURNS else (lambda fa, fb, reps, inner: (
+            timed(fa, reps=reps, inner=inner), timed(fb, reps=reps, inner=inner)))
+        res["varlen_fwd_b2b"], res["padded_fwd_b2b"] = both(
             lambda: flashcore.attention_varlen(q, k, v, cu, cu, max_seqlen_q=longest,
                                                max_seqlen_k=longest, causal=causal),
             lambda: flashcore.attention(qp, kp, vp, causal=causal, layout="bnhd"),
             reps=10, inner=10)
-        res["varlen_fwdbwd_b2b"], res["padded_fwdbwd_b2b"] = timed_pair(
-            vl_fb, pad_fb, reps=8, inner=5)
+        res["varlen_fwdbwd_b2b"], res["padded_fwdbwd_b2b"] = both(
+            vl_fb, pad_fb, reps=5, inner=5)
         offs = [0] + list(torch.tensor(lens).cumsum(0).tolist())
 
         def per_seq():
