@@ -360,20 +360,17 @@ def test_preprocess_tiling_takes_whole_warps_and_power_of_two_lanes():
 
 def test_preprocess_vector_tiling_takes_a_lane_per_16_bytes():
     """The GPU's preprocess tiling: a lane per 16 bytes of a 16-bit row (a power of two,
-    2 to 32), 8 16-bit or 4 fp32 elements per lane and step (the scalar form one), 4 rows
-    a lane."""
+    2 to 32), 8 16-bit or 4 fp32 elements per lane and step; the scalar form one."""
     from flashcore.backends.numba_cuda import tilings
 
     lanes = {d: tilings.RowTiles.for_head_dim(d).lanes for d in (8, 16, 32, 64, 96, 128, 256)}
     assert lanes == {8: 2, 16: 2, 32: 4, 64: 8, 96: 16, 128: 16, 256: 32}
     t = tilings.RowTiles.for_head_dim(128)
-    assert (t.block_m, t.tag) == (32, "t128l16r4")
+    assert (t.block_m, t.tag) == (8, "t128l16")
     assert (t.elements("bfloat16"), t.elements("float16"), t.elements("float32")) == (8, 8, 4)
     s = tilings.RowTiles(128, 32, vector=False)
     assert (s.elements("bfloat16"), s.tag) == (1, "t128s")
     assert tilings.choose_simt(128, "bfloat16", True, (9, 0)).preprocess == t
-    with pytest.raises(ValueError, match="rows_per_lane=0"):
-        tilings.RowTiles(rows_per_lane=0)
 
 
 class FakeRingLib(FakeLibcuda):

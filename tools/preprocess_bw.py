@@ -6,11 +6,9 @@ bandwidth (a device-to-device copy of 2 GiB: bytes read + written / time).
 Forms (``launch.simt_variants``' preprocess, built with other tilings):
 - ``scalar w32``: a warp per row, one element per lane and load (the form before
   2026-11-28's vector loads: ``RowTiles(128, 32, vector=False)``);
-- ``vector r1``: 16-byte loads of O and dO, a lane per 16 bytes of the row, one row a lane
-  (``RowTiles.for_head_dim(d, rows_per_lane=1)``);
-- ``vector r4``: the same, four rows a lane (the default tiling);
-- ``vector r4, scalar path``: the default tiling made to take its scalar loads (``vec`` 0,
-  as for rows that are not 16-byte aligned).
+- ``vector``: the default tiling (``RowTiles.for_head_dim``), 16-byte loads of O and dO;
+- ``vector, scalar path``: the same tiling made to take its scalar loads (``vec`` 0, as for
+  rows that are not 16-byte aligned).
 
 Shapes: the varlen rows of ``tools/packed_gpu.py`` (28212 tokens, H=16, D=128, bf16,
 packed (total, H, D)), and dense (B, H, N, D) bf16 rows of the bench (B=4 H=16 N=4096 D=64
@@ -80,9 +78,8 @@ def main() -> int:
         d = o.shape[-1]
         ref = (o.double() * do.double()).sum(-1).float()
         forms = (("scalar w32", tilings.RowTiles(128, 32, vector=False), False),
-                 ("vector r1", tilings.RowTiles.for_head_dim(d, rows_per_lane=1), True),
-                 ("vector r4", tilings.RowTiles.for_head_dim(d), True),
-                 ("vector r4, scalar path", tilings.RowTiles.for_head_dim(d), False))
+                 ("vector", tilings.RowTiles.for_head_dim(d), True),
+                 ("vector, scalar path", tilings.RowTiles.for_head_dim(d), False))
         nbytes = 2 * o.numel() * o.element_size() + B * H * N * 4
         for name, tiles, vec in forms:
             fn = launcher(tiles, d, vec)

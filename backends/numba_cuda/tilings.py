@@ -128,33 +128,28 @@ class RowTiles:
     sum by shuffles. With ``vector`` each lane takes 16 consecutive bytes of the row per
     step (8 16-bit or 4 fp32 elements: one 16-byte load of O and one of dO where the rows
     are contiguous and 16-byte aligned; else as many scalar loads); without, one element
-    per step, lane ``l`` reading elements ``l, l + lanes, ...``. Each lane group sums
-    ``rows_per_lane`` rows (their loads in flight together). On a GPU as many lanes as a
-    16-bit row has 16-byte pieces and 4 rows a lane (:meth:`for_head_dim`); the simulator
-    takes 4 lanes (each simulated thread is a Python thread)."""
+    per step, lane ``l`` reading elements ``l, l + lanes, ...``. On a GPU as many lanes as
+    a 16-bit row has 16-byte pieces (:meth:`for_head_dim`); the simulator takes 4 (each
+    simulated thread is a Python thread)."""
 
     threads: int = 128
     lanes: int = 32
     vector: bool = True
-    rows_per_lane: int = 1
 
     def __post_init__(self):
         if self.threads % 32 or self.threads <= 0:
             raise ValueError(f"the preprocess takes whole warps; got {self.threads} threads")
         if self.lanes not in (2, 4, 8, 16, 32):
             raise ValueError(f"lanes={self.lanes} is not a power of two from 2 to 32")
-        if self.rows_per_lane < 1:
-            raise ValueError(f"rows_per_lane={self.rows_per_lane} is not at least 1")
 
     @classmethod
-    def for_head_dim(cls, head_dim: int, threads: int = 128, rows_per_lane: int = 4
-                     ) -> "RowTiles":
+    def for_head_dim(cls, head_dim: int, threads: int = 128) -> "RowTiles":
         """Vector steps with a lane per 16 bytes of a 16-bit row (a power of two, 2 to
         32; fp32 rows take two steps)."""
         lanes = 2
         while lanes < 32 and lanes * 8 < head_dim:
             lanes *= 2
-        return cls(threads, lanes, rows_per_lane=rows_per_lane)
+        return cls(threads, lanes)
 
     def elements(self, dtype: str) -> int:
         """Elements a lane takes per step: 16 bytes of ``dtype``, or 1 (not ``vector``)."""
@@ -163,13 +158,12 @@ class RowTiles:
     @property
     def block_m(self) -> int:
         """Rows a block sums."""
-        return self.threads // self.lanes * self.rows_per_lane
+        return self.threads // self.lanes
 
     @property
     def tag(self) -> str:
         return (f"t{self.threads}" + ("" if self.lanes == 32 else f"l{self.lanes}")
-                + ("" if self.vector else "s")
-                + ("" if self.rows_per_lane == 1 else f"r{self.rows_per_lane}"))
+                + ("" if self.vector else "s"))
 
 
 @dataclass(frozen=True)
@@ -287,7 +281,7 @@ SIMULATOR_SIMT = KernelTiles(
     forward=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
     dkdv=Tiles(block_m=8, block_n=4, rows=2, cols=2, async_copy=True, one_ps_buffer=True),
     dq=Tiles(block_m=8, block_n=8, rows=2, cols=4, async_copy=True),
-    preprocess=RowTiles(32, 4, rows_per_lane=2),  # (16 rows per block, 4 lanes each)
+    preprocess=RowTiles(32, 4),  # (8 rows per block, 4 lanes each)
 )
 
 #: Per head-dim class (largest head dim it serves): (forward, dK/dV, dQ, causal forward or

@@ -53,42 +53,34 @@ from .tile_product import column, tile_product
 def make_attn_backward_preprocess(v):
     """delta = rowsum(dO * O) for variant ``v`` (``v.tiles``: a tilings.RowTiles):
     ``LANES`` consecutive lanes per row, each taking ``VEC`` consecutive elements per step
-    (16 bytes of a vector tiling), then a shuffle sum; each lane group sums ``R`` rows, a
-    pass of the block apart, their loads first (rows past the end read the last row, and
-    are not stored), so that every load is in flight before the first sum waits. With
-    ``vec`` (launch_args checks that both arrays' rows are contiguous and 16-byte aligned)
-    a step is one 16-byte load of O and one of dO (``dot16``); otherwise ``VEC`` scalar
-    loads at the rows' strides, the same elements summed in the same order. The scalar
-    form with a warp per row (each lane 2 bytes per load) ran at 1.4 TB/s on an H200,
-    0.166 ms of a 2.5 ms varlen backward."""
+    (16 bytes of a vector tiling), then a shuffle sum. With ``vec`` (launch_args checks that
+    both arrays' rows are contiguous and 16-byte aligned) a step is one 16-byte load of O
+    and one of dO (``dot16``); otherwise ``VEC`` scalar loads at the rows' strides, the same
+    elements summed in the same order. The scalar form with a warp per row (each lane 2
+    bytes per load) ran at 1.4 TB/s on an H200, 0.166 ms of a 2.5 ms varlen backward."""
     D = v.head_dim
     LANES = v.tiles.lanes
     ROWS = v.tiles.block_m  # rows per block
-    R = v.tiles.rows_per_lane
-    PASS = ROWS // R  # rows one pass of the block covers
     VEC = v.tiles.elements(v.dtype)
     VECTOR = v.tiles.vector and D % VEC == 0  # (else every row by scalar loads)
     STEPS = (D + LANES * VEC - 1) // (LANES * VEC)  # steps per lane
-    FULL = D % (LANES * VEC) == 0  # (every lane's every step inside the row)
 
     def attn_backward_preprocess(o, do, delta, Nq, Hq, osb, osh, osn, osd,
                                  gsb, gsh, gsn, gsd, vec):
         """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d], LANES lanes per row."""
         lane = cuda.threadIdx.x % LANES
-        first = cuda.blockIdx.x * ROWS + cuda.threadIdx.x // LANES
+        i = cuda.blockIdx.x * ROWS + cuda.threadIdx.x // LANES
         bh = cuda.blockIdx.y
         b = bh // Hq
         h = bh - b * Hq
-        accs = cuda.local.array(R, float32)
-        for r in range(R):
-            i = min(first + r * PASS, Nq - 1)
+        acc = float32(0.0)
+        if i < Nq:
             ob = b * osb + h * osh + i * osn
             gb = b * gsb + h * gsh + i * gsn
-            acc = float32(0.0)
             if VECTOR and vec:
                 for c in range(STEPS):
                     d = (c * LANES + lane) * VEC
-                    if FULL or d < D:
+                    if d < D:
                         acc += dot16(o, ob + d, do, gb + d)
             else:
                 for c in range(STEPS):
@@ -96,16 +88,12 @@ def make_attn_backward_preprocess(v):
                         d = (c * LANES + lane) * VEC + e
                         if d < D:
                             acc += load_f32(o[ob + d * osd]) * load_f32(do[gb + d * gsd])
-            accs[r] = acc
-        for r in range(R):
-            acc = accs[r]
-            m = LANES >> 1
-            while m:  # (every lane of the warp shuffles, rows past Nq too)
-                acc += shfl_xor_f32(acc, m)
-                m >>= 1
-            i = first + r * PASS
-            if lane == 0 and i < Nq:
-                delta[bh * Nq + i] = acc
+        m = LANES >> 1
+        while m:  # (every lane of the warp shuffles, rows past Nq too)
+            acc += shfl_xor_f32(acc, m)
+            m >>= 1
+        if lane == 0 and i < Nq:
+            delta[bh * Nq + i] = acc
 
     attn_backward_preprocess.__qualname__ = v.tag
     return attn_backward_preprocess
