@@ -1,4 +1,6 @@
 """The numba_cpu backend against the float64 reference, forward and backward."""
+import math
+
 import numpy as np
 import pytest
 from helpers import (
@@ -152,6 +154,107 @@ def test_backward_is_deterministic():
     g2 = flashcore.attention_backward(do, q, k, v, o, lse, backend=BACKEND)
     for a, b in zip(g1, g2):
         assert np.array_equal(a, b)
+
+
+def test_phases_cut_at_tile_starts_within_the_budget(monkeypatch):
+    """backward_kernels.phase_bounds: the query rows cut only at tile starts, each phase's
+    parts within the budget (PARTS_BYTES or PARTS_DQ times dQ), a tile wider than the
+    budget alone, one empty phase where there is no row."""
+    from flashcore.backends.numba_cpu import backward_kernels as bk
+
+    monkeypatch.setattr(bk, "PARTS_BYTES", 0)
+    monkeypatch.setattr(bk, "PARTS_DQ", 2)
+    starts = np.arange(0, 1000, 64)
+    # 8 parts of 1 byte a row, a budget of 2000 bytes: at most 250 rows a phase, cut at
+    # the last tile start within them (the last phase: the 232 rows left)
+    assert bk.phase_bounds(starts, 1000, 8, 1) == [(0, 192), (192, 384), (384, 576),
+                                                   (576, 768), (768, 1000)]
+    assert bk.phase_bounds(starts, 1000, 2, 1) == [(0, 1000)]  # (within twice dQ)
+    monkeypatch.setattr(bk, "PARTS_DQ", 0)
+    assert bk.phase_bounds(starts, 1000, 8, 1) == [(lo, min(lo + 64, 1000)) for lo in starts]
+    ragged = np.array([0, 64, 100, 164, 170])  # (packed sequences' tiles: 100, 70 and 6 rows)
+    assert bk.phase_bounds(ragged, 176, 1, 1) == [(0, 64), (64, 100), (100, 164),
+                                                  (164, 170), (170, 176)]
+    assert bk.phase_bounds(np.arange(0, 0, 64), 0, 8, 1) == [(0, 0)]
+    monkeypatch.setattr(bk, "PARTS_BYTES", 64 << 20)
+    assert bk.phase_bounds(starts, 1000, 16, 128) == [(0, 1000)]
+
+
+@pytest.mark.parametrize("dtype,causal,shape", [
+    ("float32", True, dict(B=1, Hq=4, Hkv=2, Nq=300, Nk=450, D=40)),
+    ("bfloat16", False, dict(B=2, Hq=2, Hkv=1, Nq=257, Nk=200, D=64)),
+    ("float64", True, dict(B=1, Hq=1, Hkv=1, Nq=200, Nk=130, D=16)),
+])
+def test_backward_in_phases_equals_one_pass(monkeypatch, dtype, causal, shape):
+    """dQ parts over a budget take the query rows in phases (here a phase a query tile),
+    dK and dV carried between them: every sum in the same order, so the gradients are
+    the one-pass gradients bit for bit."""
+    from flashcore.backends.numba_cpu import backward_kernels as bk
+
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, dtype=dtype, **shape)
+    do = rand(rng, q.shape, dtype)
+    o, lse = flashcore.attention_forward(q, k, v, backend=BACKEND, causal=causal)
+    one = flashcore.attention_backward(do, q, k, v, o, lse, backend=BACKEND, causal=causal)
+    seen = []
+    real = bk.phase_bounds
+    monkeypatch.setattr(bk, "phase_bounds", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(bk, "PARTS_BYTES", 0)
+    monkeypatch.setattr(bk, "PARTS_DQ", 0)
+    phased = flashcore.attention_backward(do, q, k, v, o, lse, backend=BACKEND,
+                                          causal=causal)
+    assert len(seen[-1]) > 1, seen
+    for a, b in zip(one, phased):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def _softcap_mod(s, b, h, i, j):
+    return 20.0 * math.tanh(s / 20.0)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_masked_backward_in_phases_equals_one_pass(monkeypatch, varlen):
+    """The masked kernels' phases (cut at each packed sequence's query tile starts): a
+    window, a score_mod and GQA, or packed sequences (one empty) with causal; the same
+    gradients bit for bit as one pass, and near the reference."""
+    from flashcore.backends.numba_cpu import backward_kernels as bk
+
+    rng = np.random.default_rng(8)
+    if varlen:
+        cu = np.array([0, 150, 150, 407, 500], np.int32)
+        q, k, v, do = (rand(rng, (500, h, 32)) for h in (4, 2, 2, 4))
+
+        def grads():
+            o, lse = flashcore.attention_varlen_forward(q, k, v, cu, cu, causal=True,
+                                                        backend=BACKEND)
+            return flashcore.attention_varlen_backward(do, q, k, v, o, lse, cu, cu,
+                                                       causal=True, backend=BACKEND)
+    else:
+        q, k, v = qkv(rng, B=2, Hq=4, Hkv=2, Nq=300, Nk=350, D=24)
+        do = rand(rng, q.shape)
+        opts = dict(window=(90, 40), score_mod=_softcap_mod)
+
+        def grads():
+            o, lse = flashcore.attention_forward(q, k, v, backend=BACKEND, **opts)
+            return flashcore.attention_backward(do, q, k, v, o, lse, backend=BACKEND, **opts)
+
+    one = grads()
+    seen = []
+    real = bk.phase_bounds
+    monkeypatch.setattr(bk, "phase_bounds", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(bk, "PARTS_BYTES", 0)
+    monkeypatch.setattr(bk, "PARTS_DQ", 0)
+    phased = grads()
+    assert len(seen[-1]) > 2, seen
+    for a, b in zip(one, phased):
+        assert np.array_equal(a, b)
+    if varlen:  # (the reference of the dense case runs in test_mods)
+        o, lse = flashcore.attention_varlen_forward(q, k, v, cu, cu, causal=True,
+                                                    backend="reference")
+        refs = flashcore.attention_varlen_backward(do, q, k, v, o, lse, cu, cu, causal=True,
+                                                   backend="reference")
+        for g, r in zip(phased, refs):
+            assert rel_err(g, r) <= TOL_BWD["float32"], rel_err(g, r)
 
 
 def test_default_scale_and_explicit_scale():

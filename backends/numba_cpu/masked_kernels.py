@@ -398,7 +398,8 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
 
     @njit(parallel=True)
     def backward(do, q, k, v, lse, delta, dk, dv, dq_part, scale, block_q, block_k,
-                 work_dtype, opts, alibi, classes, block, mod_args, seqs, sizes):
+                 work_dtype, opts, alibi, classes, block, mod_args, seqs, sizes, p_lo, p_hi,
+                 dkv_acc, first, last):
         """dK and dV, and dQ in parts (as backward_kernels.attn_backward_kv: S, P, dP and dS
         once a tile pair for all three, five products): a job owns (sequence, key/value
         head, split) and the key tiles ``split, split + splits, ...``; dQ goes into the
@@ -407,7 +408,10 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
         tile's dQ rows are added through a tile, only its own rows: a packed batch's
         sequences share ``qb``, and a whole-tile product into the part would touch the next
         sequence's first rows, which another job adds to.
-        ``seqs``, ``sizes`` as forward's."""
+        ``seqs``, ``sizes`` as forward's. One phase (backward_kernels.phase_bounds): the
+        query tiles that start in packed rows ``p_lo:p_hi`` (part row ``r - p_lo``); dK
+        and dV start from zero (``first``) or from ``dkv_acc`` and end in dk, dv (``last``)
+        or in ``dkv_acc``."""
         cu_q, cu_k, len_k = seqs
         B, Nq, Nk = sizes
         Hq, D = q.shape[1], q.shape[3]
@@ -438,20 +442,31 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                 if j0 >= nk_b:
                     break
                 nk = min(block_k, nk_b - j0)
-                dk_acc[:] = 0.0
-                dv_acc[:] = 0.0
-                load_tile(k, kb, hk, k_base + j0, nk, kt, one)
-                load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
-                load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
-                if nk < bkp:
-                    kt[nk:, :] = 0.0
-                    kt_t[:, nk:] = 0.0
-                    vt_t[:, nk:] = 0.0
+                if first:
+                    dk_acc[:] = 0.0
+                    dv_acc[:] = 0.0
+                else:
+                    dk_acc[:] = dkv_acc[0, kb, hk, k_base + j0:k_base + j0 + bkp]
+                    dv_acc[:] = dkv_acc[1, kb, hk, k_base + j0:k_base + j0 + bkp]
                 lo, hi = query_bounds(j0, nk, nq_b, offset, causal, left, right)
-                for h in range(hk * group, (hk + 1) * group):
-                    dq_h = dq_part[split, qb, h]
-                    for i0 in range(lo // block_q * block_q, hi, block_q):
-                        nq = min(block_q, nq_b - i0)
+                # this phase's tiles: those that start in packed rows p_lo:p_hi
+                i_lo = lo // block_q * block_q
+                if p_lo > q_base:
+                    i_lo = max(i_lo, -(-(p_lo - q_base) // block_q) * block_q)
+                i_hi = min(hi, p_hi - q_base)
+                if i_lo < i_hi:
+                    load_tile(k, kb, hk, k_base + j0, nk, kt, one)
+                    load_tile_t(k, kb, hk, k_base + j0, nk, kt_t, one)
+                    load_tile_t(v, kb, hk, k_base + j0, nk, vt_t, one)
+                    if nk < bkp:
+                        kt[nk:, :] = 0.0
+                        kt_t[:, nk:] = 0.0
+                        vt_t[:, nk:] = 0.0
+                # (query tiles outer, heads inner: phases split the same sequence of
+                # additions into dK and dV as one pass makes)
+                for i0 in range(i_lo, i_hi, block_q):
+                    nq = min(block_q, nq_b - i0)
+                    for h in range(hk * group, (hk + 1) * group):
                         c = tile_class(classes, block, b, h, i0, nq, j0, nk, offset, causal,
                                        left, right)
                         if c == EMPTY:
@@ -480,12 +495,17 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                         # dQ += dS K, through a tile: only the nq rows are added (a packed
                         # batch's next sequence owns the rows after them, in another job)
                         product(dp, 0, bkp, 1, kt, dq_t, block_q, d_pad, bkp, False)
-                        add_rows(dq_h, q_base + i0, dq_t, nq)
-                for r in range(nk):
-                    for d in range(D):
-                        dk[kb, hk, k_base + j0 + r, d] = store(dk_acc[r, d] * dk_mult,
-                                                               dk[0, 0, 0, 0])
-                        dv[kb, hk, k_base + j0 + r, d] = store(dv_acc[r, d], dv[0, 0, 0, 0])
+                        add_rows(dq_part[split, qb, h], q_base + i0 - p_lo, dq_t, nq)
+                if last:
+                    for r in range(nk):
+                        for d in range(D):
+                            dk[kb, hk, k_base + j0 + r, d] = store(dk_acc[r, d] * dk_mult,
+                                                                   dk[0, 0, 0, 0])
+                            dv[kb, hk, k_base + j0 + r, d] = store(dv_acc[r, d],
+                                                                   dv[0, 0, 0, 0])
+                else:
+                    dkv_acc[0, kb, hk, k_base + j0:k_base + j0 + bkp] = dk_acc
+                    dkv_acc[1, kb, hk, k_base + j0:k_base + j0 + bkp] = dv_acc
 
     return forward, backward, make_decode(scores)
 
@@ -494,17 +514,32 @@ def run_backward(made, do, q, k, v, lse, delta, dq, dk, dv, scale, block_q, bloc
                  opts, alibi, classes, block, args, seqs, sizes):
     """The masked backward (kernel views, ``made`` from :func:`kernels`): the fused pass
     into dQ parts, then their sum in split order (as backward_kernels.attn_backward; the
-    split count depends on the thread count, so results agree from run to run on a host)."""
+    split count depends on the thread count, so results agree from run to run on a host),
+    over the query rows in backward_kernels.phase_bounds' phases (cut at the sequences'
+    query tile starts)."""
     import numba
 
-    from .backward_kernels import attn_backward_dq_sum, backward_splits
+    from .backward_kernels import attn_backward_dq_sum, backward_splits, phase_bounds
 
     B, Nq, Nk = sizes
     splits = backward_splits(B, k.shape[1], -(-Nk // block_k), numba.get_num_threads())
-    d_pad = padded(np.empty(1, work), q.shape[3], block_k)[0]
-    dq_part = np.zeros((splits, q.shape[0], q.shape[1], q.shape[2], d_pad), work)
-    if Nk and (dk.size or dq.size):
-        made[1](do, q, k, v, lse, delta, dk, dv, dq_part, scale, block_q, block_k, work, opts,
-                alibi, classes, block, args, seqs, sizes)
-    if dq.size:
-        attn_backward_dq_sum(dq_part, dq, work.type(scale))
+    d_pad, bkp = padded(np.empty(1, work), q.shape[3], block_k)
+    rows = q.shape[2]  # (packed rows: every sequence's, for varlen)
+    cu_q = seqs[0]
+    starts = (np.arange(0, rows, block_q) if cu_q.shape[0] == 0 else
+              np.unique(np.concatenate([np.arange(a, b_, block_q)
+                                        for a, b_ in zip(cu_q[:-1], cu_q[1:])] + [[0]])))
+    bounds = phase_bounds(starts, rows, splits,
+                          q.shape[0] * q.shape[1] * d_pad * work.itemsize)
+    part_rows = max(hi - lo for lo, hi in bounds)
+    dq_part = np.zeros((splits, q.shape[0], q.shape[1], part_rows, d_pad), work)
+    dkv_acc = np.empty((2, k.shape[0], k.shape[1], k.shape[2] + bkp, d_pad)
+                       if len(bounds) > 1 else (2, 1, 1, 1, 1), work)
+    for n, (p_lo, p_hi) in enumerate(bounds):
+        last = n == len(bounds) - 1
+        if Nk and (dk.size or dq.size):
+            made[1](do, q, k, v, lse, delta, dk, dv, dq_part, scale, block_q, block_k, work,
+                    opts, alibi, classes, block, args, seqs, sizes, p_lo, p_hi, dkv_acc,
+                    n == 0, last)
+        if dq.size:
+            attn_backward_dq_sum(dq_part, dq, work.type(scale), p_lo, p_hi, not last)
