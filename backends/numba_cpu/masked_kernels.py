@@ -445,9 +445,12 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                 if first:
                     dk_acc[:] = 0.0
                     dv_acc[:] = 0.0
-                else:
-                    dk_acc[:] = dkv_acc[0, kb, hk, k_base + j0:k_base + j0 + bkp]
-                    dv_acc[:] = dkv_acc[1, kb, hk, k_base + j0:k_base + j0 + bkp]
+                else:  # (the tile's own nk rows: in a packed batch the rows after them
+                    # are the next sequence's keys, which another job carries)
+                    dk_acc[:nk] = dkv_acc[0, kb, hk, k_base + j0:k_base + j0 + nk]
+                    dv_acc[:nk] = dkv_acc[1, kb, hk, k_base + j0:k_base + j0 + nk]
+                    dk_acc[nk:] = 0.0
+                    dv_acc[nk:] = 0.0
                 lo, hi = query_bounds(j0, nk, nq_b, offset, causal, left, right)
                 # this phase's tiles: those that start in packed rows p_lo:p_hi
                 i_lo = lo // block_q * block_q
@@ -504,8 +507,8 @@ def _make(score_mod, mask_mod, has_score_mod, twin):
                             dv[kb, hk, k_base + j0 + r, d] = store(dv_acc[r, d],
                                                                    dv[0, 0, 0, 0])
                 else:
-                    dkv_acc[0, kb, hk, k_base + j0:k_base + j0 + bkp] = dk_acc
-                    dkv_acc[1, kb, hk, k_base + j0:k_base + j0 + bkp] = dv_acc
+                    dkv_acc[0, kb, hk, k_base + j0:k_base + j0 + nk] = dk_acc[:nk]
+                    dkv_acc[1, kb, hk, k_base + j0:k_base + j0 + nk] = dv_acc[:nk]
 
     return forward, backward, make_decode(scores)
 
@@ -523,7 +526,7 @@ def run_backward(made, do, q, k, v, lse, delta, dq, dk, dv, scale, block_q, bloc
 
     B, Nq, Nk = sizes
     splits = backward_splits(B, k.shape[1], -(-Nk // block_k), numba.get_num_threads())
-    d_pad, bkp = padded(np.empty(1, work), q.shape[3], block_k)
+    d_pad = padded(np.empty(1, work), q.shape[3], block_k)[0]
     rows = q.shape[2]  # (packed rows: every sequence's, for varlen)
     cu_q = seqs[0]
     starts = (np.arange(0, rows, block_q) if cu_q.shape[0] == 0 else
@@ -533,7 +536,7 @@ def run_backward(made, do, q, k, v, lse, delta, dq, dk, dv, scale, block_q, bloc
                           q.shape[0] * q.shape[1] * d_pad * work.itemsize)
     part_rows = max(hi - lo for lo, hi in bounds)
     dq_part = np.zeros((splits, q.shape[0], q.shape[1], part_rows, d_pad), work)
-    dkv_acc = np.empty((2, k.shape[0], k.shape[1], k.shape[2] + bkp, d_pad)
+    dkv_acc = np.empty((2, k.shape[0], k.shape[1], k.shape[2], d_pad)
                        if len(bounds) > 1 else (2, 1, 1, 1, 1), work)
     for n, (p_lo, p_hi) in enumerate(bounds):
         last = n == len(bounds) - 1
