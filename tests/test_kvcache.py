@@ -455,6 +455,7 @@ def test_jax_returns_the_updated_caches(jit):
 def test_split_counts():
     """num_splits=0 keeps a short or already parallel decode in one split and splits a
     long one; an explicit count shortens the key tiles until it has that many."""
+    from flashcore.backends.numba_cpu.simd import lanes
     from flashcore.backends.numba_cpu.tiles import (
         PRODUCT_ROWS,
         choose_splits,
@@ -467,10 +468,34 @@ def test_split_counts():
     assert choose_splits(0, jobs=1, longest=32768, threads=2, block_k=512) == 8
     assert choose_splits(0, jobs=1, longest=1 << 20, threads=64, block_k=512) == 64
     assert choose_splits(5, jobs=1, longest=100, threads=2, block_k=512) == 1
-    # one query row: the products' row block (4 rows, 8 on AVX-512 hosts)
-    assert decode_tiles(1, 64, base, 32768, 0) == (PRODUCT_ROWS, 512)
-    bq, bk = decode_tiles(3, 16, base, 85, 3)
-    assert bq == max(4, PRODUCT_ROWS) and -(-85 // bk) >= 3
+    # query tiles: a power of two >= Nq, at least the products' row block (4 rows, 8 on
+    # AVX-512 hosts) and a whole number of their column blocks (two vectors of the
+    # compute dtype: the masked forward's S^T has the queries across)
+    cols = {dt: 2 * lanes(4 if dt == "float32" else 8) for dt in ("float32", "float64")}
+    for dt in ("float32", "float64"):
+        bq, bk = decode_tiles(1, 64, base, 32768, 0, dtype=dt)
+        assert bq == max(PRODUCT_ROWS, cols[dt]) and bk >= 128
+        bq, bk = decode_tiles(3, 16, base, 85, 3, dtype=dt)
+        assert bq % cols[dt] == 0 and bq % PRODUCT_ROWS == 0 and -(-85 // bk) >= 3
+        assert decode_tiles(40, 64, base, 300, 0, dtype=dt)[0] % cols[dt] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("nq, hq", [(3, 32), (5, 16), (12, 8)])
+def test_few_rows_of_a_large_group_take_whole_column_blocks(dtype, nq, hq):
+    """More query rows than the decode kernel takes (group * Nq > MAX_DECODE_ROWS) but
+    fewer than a column block of the products: the masked forward's query tiles are
+    whole column blocks (shorter ones had its S^T products write past the score tile and
+    corrupt the heap: 'free(): invalid pointer'), against the oracle."""
+    rng = np.random.default_rng(12)
+    lengths = np.array([200, 57], np.int32)
+    kc, vc = (rng.standard_normal((2, 256, 1, 64)).astype(dtype) for _ in range(2))
+    q = rng.standard_normal((2, nq, hq, 64)).astype(dtype)
+    o, lse = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=True,
+                                              return_lse=True, backend="numba_cpu")
+    ref_o, ref_lse = oracle_kvcache(q, kc, vc, lengths, None, 0, causal=True)
+    assert rel_err(o, ref_o) < TOL_FWD[dtype], rel_err(o, ref_o)
+    assert np.abs(lse - ref_lse).max() < (1e-10 if dtype == "float64" else 1e-5)
 
 
 def kpos_bias(s, b, h, i, j, bias):

@@ -239,3 +239,29 @@ def test_with_tanh_swaps_math_and_numpy_tanh_only():
     assert _uses_tanh(0.3, 0, 0, 0, 0) == math.tanh(0.3) + np.tanh(0.3) + 1.0
     assert globals()["math"] is math and globals()["np"] is np
     assert with_tanh(_no_tanh, five) is _no_tanh
+
+
+def _tanh_of_an_array(s, b, h, i, j, bias):
+    return s + np.tanh(bias[b])[j] + math.tanh(0.25 * s)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_score_mod_may_take_tanh_of_an_array(dtype):
+    """In the float32 kernels a score_mod's np.tanh is the rational tanh of a number and
+    NumPy's of an array (scalar.tanh_any): np.tanh of a mod_args row compiles there as in
+    float64 (it failed to type before), and agrees with the reference."""
+    from helpers import TOL_BWD, TOL_FWD, rel_err
+
+    import flashcore
+
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((2, 2, 40, 16)).astype(dtype) for _ in range(4))
+    bias = rng.standard_normal((2, 40)).astype(dtype)
+    opts = dict(score_mod=_tanh_of_an_array, mod_args=(bias,), causal=True)
+    got = flashcore.attention_forward(q, k, v, backend="numba_cpu", **opts)
+    ref = flashcore.attention_forward(q, k, v, backend="reference", **opts)
+    assert rel_err(got[0], ref[0]) < TOL_FWD[dtype], rel_err(got[0], ref[0])
+    grads = flashcore.attention_backward(do, q, k, v, *got, backend="numba_cpu", **opts)
+    refs = flashcore.attention_backward(do, q, k, v, *ref, backend="reference", **opts)
+    for g, r in zip(grads, refs):
+        assert rel_err(g, r) < TOL_BWD[dtype], rel_err(g, r)

@@ -35,7 +35,7 @@ from .decode_kernels import make_decode
 from .forward_kernels import FASTMATH, load_padded_t, load_tile, load_tile_t, online_softmax_t
 from .pages import load_cache_rows
 from .products import product, product_into
-from .scalar import LOG2E, store, tanh, tanh_f32
+from .scalar import LOG2E, store, tanh, tanh_any
 from .seams import (
     EMPTY,
     PARTIAL,
@@ -135,7 +135,8 @@ _MADE = Memo(64, plans=False)
 def kernels(score_mod, mask_mod, fast_tanh=False):
     """``(forward, backward, decode)`` with ``score_mod`` and ``mask_mod`` (Numba CPU
     dispatchers, or None) compiled in; made once per pair. ``fast_tanh`` (the float32
-    kernels): a score_mod's ``math.tanh`` / ``np.tanh`` is :func:`scalar.tanh_f32`."""
+    kernels): a score_mod's ``math.tanh`` / ``np.tanh`` is :func:`scalar.tanh_f32` (of a
+    number; of an array NumPy's: :func:`scalar.tanh_any`)."""
     fast_tanh = bool(fast_tanh and score_mod is not None)  # (only a score_mod calls tanh)
     return _MADE.get_or_build((score_mod, mask_mod, fast_tanh), _make_pair, score_mod,
                               mask_mod, fast_tanh)
@@ -153,8 +154,9 @@ def _make_pair(score_mod, mask_mod, fast_tanh):
                  None if twin is None else njit(twin))
 
 
-#: scalar.tanh_f32 as a function the user's code can call (through a module stand-in).
-_TANH_F32 = njit(tanh_f32)
+#: scalar.tanh_f32 (of numbers; arrays: np.tanh) as a function the user's code can call
+#: (through a module stand-in).
+_TANH_F32 = tanh_any
 
 
 def with_tanh(fn, tanh):

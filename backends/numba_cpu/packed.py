@@ -131,7 +131,7 @@ def _kvcache_forward(q, k_cache, v_cache, case):
     else:
         block_q, block_k = decode_tiles(case.seqlen_q, case.head_dim,
                                         choose_tiles(case.head_dim, case.dtype, case.causal),
-                                        longest, kv.num_splits)
+                                        longest, kv.num_splits, dtype=case.dtype)
         per_job = _per_job(case, block_q)
         jobs = case.batch * case.heads_q * -(-case.seqlen_q // (block_q * per_job))
     n_splits = choose_splits(kv.num_splits, jobs, longest, numba.get_num_threads(), block_k)

@@ -99,6 +99,20 @@ def tanh_f32(x):
     return min(max(a * p / q, -1.0), 1.0)
 
 
+def tanh_any(x):
+    """The float32 kernels' stand-in for a score_mod's ``math.tanh`` / ``np.tanh``
+    (masked_kernels.with_tanh): :func:`tanh_f32` of a number, NumPy's tanh of an array
+    (a score_mod may take tanh of a mod_args array, as ``np.tanh`` allows)."""
+    return np.tanh(x)
+
+
+@overload(tanh_any)
+def _tanh_any(x):
+    if isinstance(x, (types.Float, types.Integer, types.Boolean)):
+        return lambda x: tanh_f32(x)
+    return lambda x: np.tanh(x)
+
+
 def tanh(x, like):  # overloaded below: a float32 kernel -> tanh_f32, float64 -> math.tanh
     raise NotImplementedError
 

@@ -116,14 +116,20 @@ MAX_DECODE_BLOCK_K = 512
 
 
 def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
-                 splits_asked: int) -> tuple[int, int]:
-    """(block_q, block_k) of the KV-cache forward: query tiles no taller than the queries
-    (a power of two >= Nq, at least the products' row block PRODUCT_ROWS, so decoding one
-    token does not compute 31 padding rows), key
+                 splits_asked: int, *, dtype: str) -> tuple[int, int]:
+    """(block_q, block_k) of the KV-cache forward on the masked kernels (more query rows
+    than decode_kernels take): query tiles no taller than the queries (a power of two >=
+    Nq, at least the products' row block PRODUCT_ROWS) but a whole number of the
+    products' column blocks for ``dtype`` (the masked forward computes S^T, queries
+    across its columns: a shorter tile had its products write past the score tile), key
     tiles as long as the single-thread BLAS bound allows, up to MAX_DECODE_BLOCK_K, and
     short enough (down to 16) that an explicit split count finds that many key tiles
     (splits are runs of whole tiles)."""
+    from .simd import lanes
+
+    cols = 2 * lanes(_WORK_ITEMSIZE[dtype])
     block_q = min(base.block_q, max(PRODUCT_ROWS, 1 << max(0, int(seqlen_q) - 1).bit_length()))
+    block_q = -(-block_q // cols) * cols
     block_k = base.block_k
     while (block_k * 2 <= MAX_DECODE_BLOCK_K
            and block_q * block_k * 2 * head_dim <= BLAS_SINGLE_THREAD_MNK):
