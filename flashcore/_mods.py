@@ -103,6 +103,11 @@ def with_arrays(case, opts):
     return replace(case, alibi_slopes=opts["alibi_slopes"], mod_args=tuple(opts["mod_args"]))
 
 
+#: The largest window bound (a side wider than any sequence is unbounded: None says so;
+#: larger ints overflowed the kernels' index arithmetic).
+MAX_WINDOW = 2**31 - 1
+
+
 def check_window(window):
     if window is None:
         return None
@@ -117,9 +122,9 @@ def check_window(window):
         if isinstance(w, bool) or not isinstance(w, numbers.Integral):
             raise TypeError(f"window's {side} bound must be an int >= 0 or None; "
                             f"got window={window!r}")
-        if w < 0:
-            raise ValueError(f"window's {side} bound must be >= 0 (None for unbounded); "
-                             f"got window={window!r}")
+        if w < 0 or w > MAX_WINDOW:
+            raise ValueError(f"window's {side} bound must be from 0 to 2**31 - 1 (None for "
+                             f"unbounded); got window={window!r}")
         out.append(int(w))
     return None if out == [None, None] else tuple(out)
 

@@ -142,6 +142,8 @@ def _bad_cases():
         ({"num_splits": 1.5}, TypeError, "num_splits must be an int"),
         ({"q": "3d"}, ValueError, r"q must have 4 dimensions"),
         ({"backend": "torch"}, flashcore.BackendUnavailableError, "torch"),
+        # (an int past the kernels' index arithmetic used to fail after the append)
+        ({"window": (10**30, 0)}, ValueError, r"window's left bound must be from 0 to 2\*\*31"),
     ]
 
 
@@ -179,6 +181,17 @@ def test_bad_inputs_leave_the_cache_untouched(change, error, match):
     with pytest.raises(error, match=match):
         flashcore.attention_with_kvcache(args.pop("q"), kc, vc, **args)
     assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_one_array_for_both_caches_is_refused(paged):
+    """k_cache and v_cache the same array: the values would overwrite the keys."""
+    kc, _, table, q, k, v, _, _ = inputs(5, paged)
+    before = kc.copy()
+    with pytest.raises(ValueError, match="k_cache and v_cache must be two arrays"):
+        flashcore.attention_with_kvcache(q, kc, kc, cache_seqlens=SEQLENS, k=k, v=v,
+                                         block_table=table)
+    assert np.array_equal(kc, before)
 
 
 def test_a_kind_of_call_is_checked_once_and_its_values_every_call(monkeypatch):

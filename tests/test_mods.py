@@ -350,7 +350,8 @@ def test_classes_of_calls_without_block_mask_are_remembered_by_contents(monkeypa
 BAD = [
     ({"window": 5}, TypeError, "window must be a pair"),
     ({"window": (1, 2, 3)}, TypeError, "window must be a pair"),
-    ({"window": (-1, 2)}, ValueError, "window's left bound must be >= 0"),
+    ({"window": (-1, 2)}, ValueError, r"window's left bound must be from 0 to 2\*\*31 - 1"),
+    ({"window": (0, 2**63)}, ValueError, r"window's right bound must be from 0 to 2\*\*31"),
     ({"window": (1.5, 2)}, TypeError, "window's left bound must be an int"),
     ({"softcap": 0.0}, ValueError, "softcap must be a positive"),
     ({"softcap": "2"}, TypeError, "softcap must be a positive number"),
@@ -388,6 +389,27 @@ def test_mod_that_does_not_compile_names_itself_before_writing():
 
     with pytest.raises(TypeError, match="mask_mod .* does not compile"):
         flashcore.attention(q, k, v, mask_mod=wrong_arity, backend="numba_cpu")
+
+
+def _says_x(s, b, h, i, j):
+    return "x"
+
+
+def _always_raises(s, b, h, i, j):
+    raise ValueError("no")
+
+
+def _a_pair(s, b, h, i, j):
+    return s, s
+
+
+@pytest.mark.parametrize("mod", [_says_x, _always_raises, _a_pair])
+def test_a_score_mod_that_returns_no_number_is_a_type_error(mod):
+    """A score_mod that compiles but returns no number (a str, a tuple, nothing: it always
+    raises) is a TypeError naming it, not Numba's TypingError from inside the kernels."""
+    q, k, v = inputs(np.random.default_rng(12))
+    with pytest.raises(TypeError, match=f"score_mod .*{mod.__name__}' must return a number"):
+        flashcore.attention(q, k, v, score_mod=mod, backend="numba_cpu")
 
 
 @pytest.mark.jax

@@ -173,6 +173,14 @@ def _checked(_mods, name, fn, leading, args):
         disp.compile(sig)
     except Exception as err:  # typing errors, or a signature the function does not take
         raise _mods.compile_error(name, fn, err) from None
+    # (a score must be a number; a mask's result is taken as true or false)
+    wanted = (types.Integer, types.Float) + (() if leading else (types.Boolean,))
+    got = next((s.return_type for s in disp.nopython_signatures if s.args == tuple(sig)),
+               None)
+    if got is not None and not isinstance(got, wanted):
+        raise TypeError(f"{name} {getattr(fn, '__qualname__', fn)!r} must return "
+                        f"{'a number' if leading else 'a bool'}; Numba types what it "
+                        f"returns as {got}")
     return disp
 
 
