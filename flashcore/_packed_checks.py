@@ -305,7 +305,9 @@ def _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_tabl
     options (0 without)."""
     if (k is None) != (v is None):
         raise ValueError(f"k and v must be given together; got k={_what(k)}, v={_what(v)}")
-    if k is not None and k_cache is v_cache:  # (the values would overwrite the keys)
+    # (written in place, the values would overwrite the keys; JAX's functional append,
+    # in_place False, may take one array for both)
+    if k is not None and in_place and k_cache is v_cache:
         raise ValueError("k_cache and v_cache must be two arrays to append k and v into; "
                          f"got one array for both ({_what(k_cache)})")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
