@@ -146,17 +146,12 @@ def _make_pair(score_mod, mask_mod, fast_tanh):
     twin = None if score_mod is None else value_and_slope(score_mod)
     if fast_tanh and score_mod is not None:
         py = getattr(score_mod, "py_func", score_mod)
-        fast = with_tanh(py, _TANH_F32)
+        fast = with_tanh(py, tanh_any)
         score_mod = score_mod if fast is py else njit(fast)
-        twin = None if twin is None else with_tanh(twin, _TANH_F32)
+        twin = None if twin is None else with_tanh(twin, tanh_any)
     return _make(njit(_no_score_mod) if score_mod is None else score_mod,
                  njit(_no_mask_mod) if mask_mod is None else mask_mod, score_mod is not None,
                  None if twin is None else njit(twin))
-
-
-#: scalar.tanh_f32 (of numbers; arrays: np.tanh) as a function the user's code can call
-#: (through a module stand-in).
-_TANH_F32 = tanh_any
 
 
 def with_tanh(fn, tanh):

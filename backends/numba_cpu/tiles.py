@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .simd import host_vector_bits
+from .simd import host_vector_bits, lanes
 
 #: OpenBLAS's single-thread bound on M*N*K for one GEMM (SMP_THRESHOLD_MIN * 4).
 BLAS_SINGLE_THREAD_MNK = 65536 * 4
@@ -125,9 +125,7 @@ def decode_tiles(seqlen_q: int, head_dim: int, base: TileConfig, longest: int,
     tiles as long as the single-thread BLAS bound allows, up to MAX_DECODE_BLOCK_K, and
     short enough (down to 16) that an explicit split count finds that many key tiles
     (splits are runs of whole tiles)."""
-    from .simd import lanes
-
-    cols = 2 * lanes(_WORK_ITEMSIZE[dtype])
+    cols = column_block(dtype)
     block_q = min(base.block_q, max(PRODUCT_ROWS, 1 << max(0, int(seqlen_q) - 1).bit_length()))
     block_q = -(-block_q // cols) * cols
     block_k = base.block_k
@@ -157,11 +155,15 @@ class ProductTiles:
 _WORK_ITEMSIZE = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
 
 
+def column_block(dtype: str) -> int:
+    """The products' column block for inputs of ``dtype``: two vectors of the compute
+    dtype on this host (products.py)."""
+    return 2 * lanes(_WORK_ITEMSIZE[dtype])
+
+
 @functools.cache
 def product_tiles(head_dim: int, dtype: str) -> ProductTiles:
-    from .simd import lanes
-
-    col_block = 2 * lanes(_WORK_ITEMSIZE[dtype])
+    col_block = column_block(dtype)
     d_pad = -(-max(head_dim, 1) // col_block) * col_block
     block_k = max(64, col_block)
     return ProductTiles(max(32, col_block), block_k, 64, block_k, d_pad)
