@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import _dispatch
-from ._checks import make_case
+from ._checks import check_flag, make_case
 from ._memo import Memo, typed
 from ._mods import options as _options
 from ._mods import options_key, with_arrays
@@ -175,6 +175,7 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     ``o``, or ``(o, lse)`` with ``return_lse=True``. Differentiable where the library has
     autodiff (PyTorch, JAX), with respect to q, k and v.
     """
+    check_flag("return_lse", return_lse)
     options = _options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args,
                        block_mask)
     # Framework autodiff and compilation live in one module per framework.

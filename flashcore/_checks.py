@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 from . import _interop
 from ._case import DTYPES, LAYOUTS, Case
 from ._mods import check_mods
@@ -53,11 +55,35 @@ def _shape4(name, x, layout):
     return shape
 
 
+def check_flag(name, value):
+    """A flag is True or False (a NumPy bool too): not 2, "yes" or None."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False; got {name}={value!r}")
+
+
+def check_heads(qs, ks, hq_axis, hkv_axis, k_name="k"):
+    """``(Hq, Hkv, D)`` of q's shape ``qs`` and ``k_name``'s ``ks``: one head dim of at
+    least 1, at least one head, and query heads a multiple of key/value heads (GQA)."""
+    Hq, Hkv = qs[hq_axis], ks[hkv_axis]
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"q and {k_name} must have one head dim; got q.shape={qs}, "
+                         f"{k_name}.shape={ks}")
+    if qs[-1] < 1:
+        raise ValueError(f"the head dim must be at least 1; got q.shape={qs}")
+    if Hq < 1 or Hkv < 1:
+        raise ValueError(f"q and {k_name} must have at least one head; got Hq={Hq}, "
+                         f"Hkv={Hkv} from q.shape={qs}, {k_name}.shape={ks}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"the number of query heads must be a multiple of the key/value heads "
+                         f"(GQA/MQA); got Hq={Hq}, Hkv={Hkv} from q.shape={qs}, "
+                         f"{k_name}.shape={ks}")
+    return Hq, Hkv, qs[-1]
+
+
 def check_options(*, causal, scale, layout, head_dim):
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=} is not one of {LAYOUTS}")
-    if not isinstance(causal, (bool,)) and type(causal).__name__ != "bool_":
-        raise TypeError(f"causal must be True or False; got {causal=}")
+    check_flag("causal", causal)
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -97,23 +123,13 @@ def make_case(q, k, v, *, causal, scale, layout, direction="forward", need_lse=F
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=} is not one of {LAYOUTS}")
     qs, ks, vs = (_shape4(n, x, layout) for n, x in named.items())
-    if layout == "bhnd":
-        (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk) = qs, ks
-    else:
-        (B, Nq, Hq, D), (Bk, Nk, Hkv, Dk) = qs, ks
+    head_axis, row_axis = (1, 2) if layout == "bhnd" else (2, 1)
+    B, Nq, Nk = qs[0], qs[row_axis], ks[row_axis]
     if ks != vs:
         raise ValueError(f"k and v must have one shape; got k.shape={ks}, v.shape={vs}")
-    if Bk != B:
+    if ks[0] != B:
         raise ValueError(f"q and k must have one batch size; got q.shape={qs}, k.shape={ks}")
-    if Dk != D:
-        raise ValueError(f"q and k must have one head dim; got q.shape={qs}, k.shape={ks}")
-    if D < 1:
-        raise ValueError(f"the head dim must be at least 1; got q.shape={qs}")
-    if Hkv < 1 or Hq % Hkv != 0:
-        raise ValueError(
-            f"the number of query heads must be a multiple of the key/value heads "
-            f"(GQA/MQA); got Hq={Hq}, Hkv={Hkv} from q.shape={qs}, k.shape={ks}"
-        )
+    Hq, Hkv, D = check_heads(qs, ks, head_axis, head_axis)
     scale = check_options(causal=causal, scale=scale, layout=layout, head_dim=D)
     if extra:
         check_backward_inputs(extra, qs, dtype, (B, Hq, Nq), "(B, Hq, Nq)")

@@ -8,6 +8,7 @@ sequence's keys into ``num_splits`` ranges computed in parallel and merged by th
 from __future__ import annotations
 
 from ._api import _framework, _torch_compiling
+from ._checks import check_flag
 from ._mods import options as _options
 from ._packed_checks import kvcache_plan
 
@@ -79,6 +80,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None
     Every value is checked before anything is written: a rejected call leaves the caches
     as they were.
     """
+    check_flag("return_lse", return_lse)
     kw = {"causal": causal, "scale": scale, "num_splits": num_splits}
     options = _options(window, softcap, alibi_slopes, score_mod, mask_mod, mod_args, None)
     fw = _framework(q, k_cache, v_cache)

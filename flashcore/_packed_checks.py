@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _dispatch, _interop
 from ._case import Case, KVCache, Varlen, evolve
-from ._checks import _arrays, _dtype, check_backward_inputs, check_options
+from ._checks import _arrays, _dtype, check_backward_inputs, check_heads, check_options
 from ._memo import Memo, typed
 from ._mods import check_mods, options_key, with_arrays
 
@@ -32,20 +32,6 @@ def _index_array(name, x, ndim, dims):
     if dt not in INDEX_DTYPES:
         raise TypeError(f"{name} must be an integer array (int32); got {name}.dtype={dt}")
     return _shape(name, x, ndim, dims)
-
-
-def _heads(qs, ks, hq_axis, hkv_axis, k_name="k"):
-    Hq, Hkv = qs[hq_axis], ks[hkv_axis]
-    if qs[-1] != ks[-1]:
-        raise ValueError(f"q and {k_name} must have one head dim; got q.shape={qs}, "
-                         f"{k_name}.shape={ks}")
-    if qs[-1] < 1:
-        raise ValueError(f"the head dim must be at least 1; got q.shape={qs}")
-    if Hkv < 1 or Hq % Hkv != 0:
-        raise ValueError(f"the number of query heads must be a multiple of the key/value heads "
-                         f"(GQA/MQA); got Hq={Hq}, Hkv={Hkv} from q.shape={qs}, "
-                         f"{k_name}.shape={ks}")
-    return Hq, Hkv, qs[-1]
 
 
 def host_ints(x, library) -> np.ndarray:
@@ -128,7 +114,7 @@ def make_varlen_case(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     vs = _shape("v", v, 3, "(total_k, Hkv, D)")
     if ks != vs:
         raise ValueError(f"k and v must have one shape; got k.shape={ks}, v.shape={vs}")
-    Hq, Hkv, D = _heads(qs, ks, 1, 1)
+    Hq, Hkv, D = check_heads(qs, ks, 1, 1)
     (cq,) = _index_array("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
     (ck,) = _index_array("cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)")
     if cq != ck:
@@ -328,7 +314,7 @@ def _kvcache_kind(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_tabl
         raise ValueError(f"k_cache and v_cache must have one shape; got k_cache.shape={cs}, "
                          f"v_cache.shape={vcs}")
     B, Nq = qs[0], qs[1]
-    Hq, Hkv, D = _heads(qs, cs, 2, 2, "k_cache")
+    Hq, Hkv, D = check_heads(qs, cs, 2, 2, "k_cache")
     (nb,) = _index_array("cache_seqlens", cache_seqlens, 1, "(B,)")
     if nb != B:
         raise ValueError(f"cache_seqlens must have shape (B,) = {(B,)}; got "
@@ -434,7 +420,7 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
     """Lengths within the capacity and used pages inside the pool; the longest key range.
     (In Python over the lengths' list: a decode step has a few of them, for which NumPy's
     per-operation cost is most of the checks' time; the page table's check per row is
-    kept per read-only table, :func:`_first_bad_pages`.)"""
+    kept per read-only table, :func:`_table_facts`.)"""
     lens = seqlens.tolist()
     if not lens:
         return 0
@@ -450,39 +436,68 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
                          f"{lens[b] + n_new} keys exceed {where}: {capacity}")
     if paged and page_size:  # (pages of 0 keys: a capacity of 0, no page used)
         table = host_ints(block_table, library)
-        first = _first_bad_pages(table, num_pages, block_table)
+        first, shared = _table_facts(table, num_pages, block_table)
         for b, (n, p) in enumerate(zip(lens, first)):
             if -(-(n + n_new) // page_size) > p:  # (row b uses page p, outside the pool)
                 raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside "
                                  f"the page pool of k_cache (pages 0..{num_pages - 1})")
+        if n_new and shared:
+            _check_written_pages(table, shared, lens, n_new, page_size)
     return longest
 
 
+def _check_written_pages(table, shared, lens, n_new, page_size):
+    """A page the append writes into is used by no other slot of the table (``shared``:
+    the slots of each page the table holds more than once): two sequences, or two columns
+    of one, that append into one page would overwrite each other's keys. Pages only read
+    may be shared (a common prefix's pages)."""
+    used = [-(-(n + n_new) // page_size) for n in lens]
+    for b, n in enumerate(lens):
+        for p in range(n // page_size, used[b]):
+            page = int(table[b, p])
+            other = next(((c, d) for c, d in shared.get(page, ())
+                          if (c, d) != (b, p) and d < used[c]), None)
+            if other is not None:
+                raise ValueError(f"block_table[{b}, {p}]={page} is a page the append writes "
+                                 f"k and v into, and block_table[{other[0]}, {other[1]}] "
+                                 "uses it too; a page written into must belong to one slot "
+                                 "of the table")
+
+
 #: (a torch GPU block table's id, address and version counter, the pool's pages) ->
-#: (host_ints' copy of it, its rows' first page outside the pool)
-_BAD_PAGES = Memo(16)
+#: (host_ints' copy of it, :func:`_table_facts` of it)
+_TABLE_FACTS = Memo(16)
 
 
-def _first_bad_pages(table, num_pages, source) -> list:
-    """Per row of ``table`` (the host values of the block table ``source``), the first
-    column whose page lies outside ``0..num_pages-1`` (the row's width where none does): a
-    row is valid for a sequence using fewer pages. Kept where ``source`` is a torch GPU
-    tensor, by the key host_ints reads it by (any in-place write bumps its version), for
-    host_ints' own copy of it; an array the caller holds may change under the same
-    object, so it is read every call."""
+def _table_facts(table, num_pages, source) -> tuple:
+    """``(first, shared)`` of ``table`` (the host values of the block table ``source``):
+    per row, the first column whose page lies outside ``0..num_pages-1`` (the row's width
+    where none does: a row is valid for a sequence using fewer pages); and for each page
+    of the pool the table holds more than once, its ``(row, column)`` slots (empty for
+    a table without repeats). Kept where ``source`` is a torch GPU tensor, by the key
+    host_ints reads it by (any in-place write bumps its version), for host_ints' own copy
+    of it; an array the caller holds may change under the same object, so it is read
+    every call."""
     try:
         key = (_offsets_key(source), num_pages)
     except TypeError:  # (not a torch GPU tensor)
         key = None
-    hit = None if key is None else _BAD_PAGES.get(key)
+    hit = None if key is None else _TABLE_FACTS.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
     bad = (table < 0) | (table >= num_pages)
     first = [table.shape[1]] * table.shape[0]
-    if table.shape[1]:
+    shared = {}
+    if table.size:
         first = np.where(bad.any(axis=1), bad.argmax(axis=1), table.shape[1]).tolist()
+        inside = np.where(bad, num_pages, table)
+        count = np.bincount(inside.ravel(), minlength=num_pages + 1)[:num_pages]
+        if count.max(initial=0) > 1:
+            repeated = (count > 1)[inside.clip(max=num_pages - 1)] & ~bad
+            for b, p in np.argwhere(repeated).tolist():
+                shared.setdefault(int(table[b, p]), []).append((b, p))
     if key is not None:
-        if len(_BAD_PAGES) >= _BAD_PAGES.max_size:
-            _BAD_PAGES.clear()
-        _BAD_PAGES[key] = (table, first)
-    return first
+        if len(_TABLE_FACTS) >= _TABLE_FACTS.max_size:
+            _TABLE_FACTS.clear()
+        _TABLE_FACTS[key] = (table, (first, shared))
+    return first, shared

@@ -8,6 +8,7 @@ own, with every rule of :func:`flashcore.attention`.
 from __future__ import annotations
 
 from ._api import _framework, _jax_traced, _torch_compiling
+from ._checks import check_flag
 from ._mods import options as _options
 from ._packed_checks import varlen_plan
 
@@ -100,6 +101,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     ``(total_q, Hq, D)``, or ``(o, lse)`` with ``return_lse=True``. Differentiable in
     PyTorch and JAX with respect to q, k and v (``lse`` carries no gradient).
     {doc}"""
+    check_flag("return_lse", return_lse)
     kw = {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k, "causal": causal,
           "window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
           "score_mod": score_mod, "mask_mod": mask_mod, "mod_args": mod_args, "scale": scale,

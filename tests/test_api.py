@@ -115,11 +115,15 @@ def test_wrong_ndim(rng):
     ("k", (1, 2, 16, 8), "head dim"),
     ("v", (1, 2, 12, 16), "k and v must have one shape"),
     ("k", (1, 3, 16, 16), "multiple of the key/value heads"),
+    ("q", (1, 0, 16, 16), r"at least one head; got Hq=0, Hkv=2"),
+    ("k", (1, 0, 16, 16), r"at least one head; got Hq=2, Hkv=0"),
 ])
 def test_mismatched_shapes(rng, which, shape, match):
     q, k, v = qkv(rng)
     args = {"q": q, "k": k, "v": v}
-    if which == "k":
+    if which == "q":
+        args["q"] = rand(rng, shape)
+    elif which == "k":
         args["k"] = args["v"] = rand(rng, shape)
         if match.startswith("k and v"):
             args["v"] = v
@@ -150,6 +154,30 @@ def test_bad_scale_type_and_causal(rng):
         flashcore.attention(q, k, v, scale="0.1")
     with pytest.raises(TypeError, match="causal must be True or False"):
         flashcore.attention(q, k, v, causal="yes")
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_return_lse_is_a_flag(rng, framework):
+    """return_lse=2 or "yes" is a TypeError in every entry point (it was taken as true)."""
+    q, k, v = qkv(rng)
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    cu = np.array([0, 16], np.int32)
+    if framework == "torch":
+        cu = torch.from_numpy(cu)
+    q3, k3, v3 = (x[0].transpose(1, 0, 2) if framework == "numpy" else x[0].transpose(0, 1)
+                  for x in (q, k, v))
+    calls = [lambda flag: flashcore.attention(q, k, v, return_lse=flag),
+             lambda flag: flashcore.attention_varlen(q3, k3, v3, cu, cu, return_lse=flag),
+             lambda flag: flashcore.attention_with_kvcache(
+                 q3[None], k3[None], v3[None], cache_seqlens=cu[1:], return_lse=flag)]
+    for call in calls:
+        for flag in (2, "yes", None):
+            with pytest.raises(TypeError, match=f"return_lse must be True or False; "
+                                                f"got return_lse={flag!r}"):
+                call(flag)
+        assert len(call(np.True_)) == 2
 
 
 def test_backward_argument_checks(rng):

@@ -134,6 +134,10 @@ def _bad_cases():
          "cache_seqlens must be an integer"),
         ({"cache_seqlens": np.array([0, 5], np.int32)}, ValueError, r"cache_seqlens must have shape"),
         ({"block_table": "outside"}, ValueError, r"block_table\[2, 3\]=1000 points outside"),
+        # (sequence 1 appends into its page 0, which sequence 2 reads as its page 0)
+        ({"block_table": "shared"}, ValueError,
+         r"block_table\[1, 0\]=\d+ is a page the append writes k and v into, and "
+         r"block_table\[2, 0\] uses it too"),
         ({"block_table": "float"}, TypeError, "block_table must be an integer"),
         ({"block_table": "short"}, ValueError, r"exceed the pages of the block table"),
         ({"k": "wrong_shape"}, ValueError, r"k must have shape \(B, Nnew, Hkv, D\)"),
@@ -165,6 +169,10 @@ def test_bad_inputs_leave_the_cache_untouched(change, error, match):
             table = table.copy()
             table[2, 3] = 1000  # a page sequence 2 uses (83 + 2 keys span pages 0..10)
             args["block_table"] = table
+        elif what == "shared":
+            table = table.copy()
+            table[1, 0] = table[2, 0]
+            args["block_table"] = table
         elif what == "float":
             args["block_table"] = table.astype(np.float64)
         elif what == "short":
@@ -180,6 +188,36 @@ def test_bad_inputs_leave_the_cache_untouched(change, error, match):
     before = kc.copy(), vc.copy()
     with pytest.raises(error, match=match):
         flashcore.attention_with_kvcache(args.pop("q"), kc, vc, **args)
+    assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
+
+
+@pytest.mark.parametrize("backend", ["numba_cpu", "reference"])
+def test_pages_only_read_may_be_shared(backend):
+    """Two sequences with one prefix share its pages (vLLM's prefix caching): allowed while
+    no append writes into a shared page; both see the prefix, each its own appended keys.
+    Without an append any sharing is allowed."""
+    rng = np.random.default_rng(11)
+    pool = rng.standard_normal((6, PAGE, HKV, D)), rng.standard_normal((6, PAGE, HKV, D))
+    table = np.array([[4, 1, 0], [4, 1, 3]], np.int32)  # pages 4, 1: a 16-key prefix
+    lens = np.array([16, 16], np.int32)
+    q = rng.standard_normal((2, 2, HQ, D))
+    k, v = (rng.standard_normal((2, 2, HKV, D)) for _ in range(2))
+    kc, vc = (x.copy() for x in pool)
+    o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v,
+                                         block_table=table, causal=True, backend=backend)
+    for b, page in enumerate((0, 3)):
+        assert np.array_equal(kc[page, :2], k[b]) and np.array_equal(vc[page, :2], v[b])
+    ref, _ = oracle_kvcache(q, kc, vc, lens + 2, table, PAGE, causal=True)
+    assert rel_err(o, ref) < TOL_FWD["float64"]
+    both = np.array([[4, 1, 0], [4, 1, 0]], np.int32)  # (page 0 read by both, no append)
+    o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens + 2, block_table=both,
+                                         backend=backend)
+    ref, _ = oracle_kvcache(q, kc, vc, lens + 2, both, PAGE)
+    assert rel_err(o, ref) < TOL_FWD["float64"]
+    before = kc.copy(), vc.copy()
+    with pytest.raises(ValueError, match=r"block_table\[0, 2\]=0 is a page the append"):
+        flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v,
+                                         block_table=both, backend=backend)
     assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
 
 
@@ -230,17 +268,25 @@ def test_a_kind_of_call_is_checked_once_and_its_values_every_call(monkeypatch):
     assert gone() is None and len(kinds) == 1
 
 
-def test_first_bad_pages_per_row():
-    """``_first_bad_pages``: per row the first page outside the pool (the width where none
-    is), against a plain loop; a table of no columns."""
-    from flashcore._packed_checks import _first_bad_pages
+def test_table_facts_per_row_and_repeated_pages():
+    """``_table_facts``: per row the first page outside the pool (the width where none
+    is), and the slots of every in-pool page held more than once, against plain loops; a
+    table of no columns."""
+    from flashcore._packed_checks import _table_facts
 
     rng = np.random.default_rng(12)
     table = rng.integers(-3, 40, (6, 9)).astype(np.int64)
     table[2] = 5  # a row with no bad page
-    want = [next((p for p, t in enumerate(row) if not 0 <= t < 32), 9) for row in table]
-    assert _first_bad_pages(table, 32, table) == want
-    assert _first_bad_pages(np.zeros((3, 0), np.int64), 32, None) == [0, 0, 0]
+    first, shared = _table_facts(table, 32, table)
+    assert first == [next((p for p, t in enumerate(row) if not 0 <= t < 32), 9)
+                     for row in table]
+    slots = {}
+    for (b, p), t in np.ndenumerate(table):
+        if 0 <= t < 32:
+            slots.setdefault(int(t), []).append((b, p))
+    assert shared == {t: s for t, s in slots.items() if len(s) > 1}
+    assert _table_facts(np.zeros((3, 0), np.int64), 32, None) == ([0, 0, 0], {})
+    assert _table_facts(np.arange(12).reshape(3, 4), 12, None)[1] == {}
 
 
 def test_a_read_only_view_of_a_table_is_read_every_call():
