@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import torch
+from packed_gpu import varlen_batch
 
 import flashcore
 
@@ -38,14 +39,10 @@ SYNCING = ("Synchronize", "Memcpy", "Malloc", "Free", "MemAlloc", "MemFree", "me
 
 
 def inputs(causal):
-    H, D, nseq = 16, 128, 16
+    H, D = 16, 128
     dt = torch.bfloat16
-    g = torch.Generator().manual_seed(1)
-    lens = torch.randint(128, 4097, (nseq,), generator=g).tolist()
-    total, longest = sum(lens), max(lens)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
-                      device="cuda")
-    share = sum(n * n for n in lens) / (nseq * longest * longest)
+    lens, cu, share = varlen_batch()
+    nseq, total, longest = len(lens), sum(lens), max(lens)
     q, k, v, do = (torch.randn(total, H, D, device="cuda", dtype=dt) for _ in range(4))
     qp, kp, vp, dop = (torch.randn(nseq, longest, H, D, device="cuda", dtype=dt)
                        for _ in range(4))

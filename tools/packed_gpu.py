@@ -46,6 +46,8 @@ PROFILE = os.environ.get("PACKED_PROFILE", "") == "1"
 #: calls may cost host work that repeated calls hide). Off by default, so the ratios
 #: compare with earlier runs.
 TURNS = os.environ.get("PACKED_TURNS", "") == "1"
+#: Calls a sample of the steady-state rows (PACKED_STEADY, default 40).
+STEADY = int(os.environ.get("PACKED_STEADY", "40"))
 
 
 def kernel_times(fn, label):
@@ -189,15 +191,22 @@ def decode(rows):
         rows.append(res)
 
 
-def varlen(rows):
-    H, D, nseq = 16, 128, 16
-    dt = torch.bfloat16
+def varlen_batch():
+    """The varlen batch: ``(lens, cu_seqlens on the GPU, share)``, 16 lengths 128..4096
+    (seed 1) and the share of the padded call's work that is real (``sum L^2 / (B max
+    L^2)``)."""
     g = torch.Generator().manual_seed(1)
-    lens = torch.randint(128, 4097, (nseq,), generator=g).tolist()
-    total, longest = sum(lens), max(lens)
+    lens = torch.randint(128, 4097, (16,), generator=g).tolist()
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
                       device="cuda")
-    share = sum(n * n for n in lens) / (nseq * longest * longest)
+    return lens, cu, sum(n * n for n in lens) / (len(lens) * max(lens) ** 2)
+
+
+def varlen(rows):
+    H, D = 16, 128
+    dt = torch.bfloat16
+    lens, cu, share = varlen_batch()
+    nseq, total, longest = len(lens), sum(lens), max(lens)
     for causal in (False, True):
         q, k, v, do = (torch.randn(total, H, D, device="cuda", dtype=dt) for _ in range(4))
         qp, kp, vp, dop = (torch.randn(nseq, longest, H, D, device="cuda", dtype=dt)
@@ -277,6 +286,16 @@ def varlen(rows):
             reps=10, inner=10)
         res["varlen_fwdbwd_b2b"], res["padded_fwdbwd_b2b"] = both(
             vl_fb, pad_fb, reps=5, inner=5)
+        # steady state: STEADY calls a sample, so the first call's idle GPU (the host
+        # preparing its backward outlasts its forward kernel: tools/gap_trace.py) weighs
+        # 1/STEADY; a training step's host runs that far ahead of its GPU
+        res["varlen_fwd_steady"], res["padded_fwd_steady"] = (
+            timed(f, reps=3, warm=1, inner=STEADY) for f in (
+                lambda: flashcore.attention_varlen(q, k, v, cu, cu, max_seqlen_q=longest,
+                                                   max_seqlen_k=longest, causal=causal),
+                lambda: flashcore.attention(qp, kp, vp, causal=causal, layout="bnhd")))
+        res["varlen_fwdbwd_steady"], res["padded_fwdbwd_steady"] = (
+            timed(f, reps=3, warm=1, inner=STEADY) for f in (vl_fb, pad_fb))
         offs = [0] + list(torch.tensor(lens).cumsum(0).tolist())
 
         def per_seq():
@@ -310,12 +329,13 @@ def main():
               f"{r['varlen_fwd'] * 1e3:>9.2f}ms {pf * 1e3:>8.2f}ms {r['varlen_fwd'] / pf:>6.2f} "
               f"{r['sdpa_per_seq_fwd'] * 1e3:>7.2f}ms {r['varlen_fwdbwd'] * 1e3:>9.2f}ms "
               f"{pb * 1e3:>8.2f}ms {r['varlen_fwdbwd'] / pb:>6.2f}")
-        b2b = [r["varlen_fwd_b2b"], r["padded_fwd_b2b"] * r["share"],
-               r["varlen_fwdbwd_b2b"], r["padded_fwdbwd_b2b"] * r["share"]]
-        print(f"       calls back to back (host work under the GPU's): forward "
-              f"{b2b[0] * 1e3:.2f}ms ÷ {b2b[1] * 1e3:.2f}ms = {b2b[0] / b2b[1]:.2f}; "
-              f"forward+backward {b2b[2] * 1e3:.2f}ms ÷ {b2b[3] * 1e3:.2f}ms = "
-              f"{b2b[2] / b2b[3]:.2f}")
+        for what, suffix in (("calls back to back (host work under the GPU's)", "b2b"),
+                             (f"steady state ({STEADY} calls back to back)", "steady")):
+            cells = [(r[f"varlen_{p}_{suffix}"], r[f"padded_{p}_{suffix}"] * r["share"])
+                     for p in ("fwd", "fwdbwd")]
+            print(f"       {what}: " + "; ".join(
+                f"{name} {a * 1e3:.2f}ms ÷ {b * 1e3:.2f}ms = {a / b:.3f}"
+                for name, (a, b) in zip(("forward", "forward+backward"), cells)))
         print(f"       forward, the backend alone on a case made once (no host checks): "
               f"{r['varlen_fwd_backend'] * 1e3:.2f}ms, {r['varlen_fwd_backend'] / pf:.2f}x "
               "pad*share")

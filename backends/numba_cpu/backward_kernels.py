@@ -193,6 +193,26 @@ def phase_bounds(starts, n_rows, splits, row_bytes):
     return bounds or [(0, 0)]
 
 
+def run_phases(bounds, splits, lead, kv_shape, d_pad, work_dtype, dq, scale, kv_pass,
+               round_to=1):
+    """The query rows in ``bounds``' phases (:func:`phase_bounds`): per phase
+    ``kv_pass(lo, hi, dq_part, dkv_acc, first, last)`` (the fused pass of that phase's rows
+    into the dQ parts, dK and dV carried in ``dkv_acc`` between phases; None where there
+    is none), then the parts' sum into ``dq``. The parts are ``(splits, *lead, rows,
+    d_pad)``, rows those of the largest phase rounded up to ``round_to``; the carry
+    ``(2, *kv_shape, d_pad)`` where there is more than one phase."""
+    rows = max(-(-(hi - lo) // round_to) * round_to for lo, hi in bounds) or round_to
+    dq_part = np.zeros((splits, *lead, rows, d_pad), work_dtype)
+    dkv_acc = np.empty((2, *kv_shape, d_pad) if len(bounds) > 1 else (2, 1, 1, 1, 1),
+                       work_dtype)
+    for n, (lo, hi) in enumerate(bounds):
+        last = n == len(bounds) - 1
+        if kv_pass is not None:
+            kv_pass(lo, hi, dq_part, dkv_acc, n == 0, last)
+        if dq.size:
+            attn_backward_dq_sum(dq_part, dq, work_dtype.type(scale), lo, hi, not last)
+
+
 def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block_k, d_pad,
                   work_dtype, threads):
     """Host driver: preprocess, then the fused pass and the sum of the dQ parts (bhnd
@@ -208,16 +228,11 @@ def attn_backward(do, q, k, v, o, lse, dq, dk, dv, scale, causal, block_q, block
     splits = backward_splits(B, Hkv, n_kt, threads)
     bounds = phase_bounds(np.arange(0, Nq, block_q), Nq, splits,
                           B * Hq * d_pad * work_dtype.itemsize)
-    # (whole tiles of rows: the dQ products write them)
-    rows = max(-(-(hi - lo) // block_q) * block_q for lo, hi in bounds) or block_q
-    dq_part = np.zeros((splits, B, Hq, rows, d_pad), work_dtype)
-    dkv_acc = np.empty((2, B, Hkv, n_kt * block_k, d_pad) if len(bounds) > 1
-                       else (2, 1, 1, 1, 1), work_dtype)
-    for n, (q_lo, q_hi) in enumerate(bounds):
-        last = n == len(bounds) - 1
-        if Nk:
-            attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal,
-                             block_q, block_k, d_pad, work_dtype, q_lo, q_hi, dkv_acc,
-                             n == 0, last)
-        if dq.size:
-            attn_backward_dq_sum(dq_part, dq, work_dtype.type(scale), q_lo, q_hi, not last)
+
+    def kv_pass(q_lo, q_hi, dq_part, dkv_acc, first, last):
+        attn_backward_kv(do, q, k, v, lse, delta, dk, dv, dq_part, scale, causal, block_q,
+                         block_k, d_pad, work_dtype, q_lo, q_hi, dkv_acc, first, last)
+
+    # (parts of whole tiles of rows: the dQ products write them)
+    run_phases(bounds, splits, (B, Hq), (B, Hkv, n_kt * block_k), d_pad, work_dtype, dq,
+               scale, kv_pass if Nk else None, round_to=block_q)

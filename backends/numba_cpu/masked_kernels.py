@@ -519,7 +519,7 @@ def run_backward(made, do, q, k, v, lse, delta, dq, dk, dv, scale, block_q, bloc
     query tile starts)."""
     import numba
 
-    from .backward_kernels import attn_backward_dq_sum, backward_splits, phase_bounds
+    from .backward_kernels import backward_splits, phase_bounds, run_phases
 
     B, Nq, Nk = sizes
     splits = backward_splits(B, k.shape[1], -(-Nk // block_k), numba.get_num_threads())
@@ -531,15 +531,11 @@ def run_backward(made, do, q, k, v, lse, delta, dq, dk, dv, scale, block_q, bloc
                                         for a, b_ in zip(cu_q[:-1], cu_q[1:])] + [[0]])))
     bounds = phase_bounds(starts, rows, splits,
                           q.shape[0] * q.shape[1] * d_pad * work.itemsize)
-    part_rows = max(hi - lo for lo, hi in bounds)
-    dq_part = np.zeros((splits, q.shape[0], q.shape[1], part_rows, d_pad), work)
-    dkv_acc = np.empty((2, k.shape[0], k.shape[1], k.shape[2], d_pad)
-                       if len(bounds) > 1 else (2, 1, 1, 1, 1), work)
-    for n, (p_lo, p_hi) in enumerate(bounds):
-        last = n == len(bounds) - 1
-        if Nk and (dk.size or dq.size):
-            made[1](do, q, k, v, lse, delta, dk, dv, dq_part, scale, block_q, block_k, work,
-                    opts, alibi, classes, block, args, seqs, sizes, p_lo, p_hi, dkv_acc,
-                    n == 0, last)
-        if dq.size:
-            attn_backward_dq_sum(dq_part, dq, work.type(scale), p_lo, p_hi, not last)
+
+    def kv_pass(p_lo, p_hi, dq_part, dkv_acc, first, last):
+        made[1](do, q, k, v, lse, delta, dk, dv, dq_part, scale, block_q, block_k, work,
+                opts, alibi, classes, block, args, seqs, sizes, p_lo, p_hi, dkv_acc, first,
+                last)
+
+    run_phases(bounds, splits, q.shape[:2], k.shape[:3], d_pad, work, dq, scale,
+               kv_pass if Nk and (dk.size or dq.size) else None)
