@@ -574,6 +574,36 @@ def test_packed_host_reads_remembered_until_written():
     assert host_ints(y, "torch") is not b
 
 
+@pytest.mark.gpu
+def test_shared_pages_of_a_gpu_table_on_gpu():
+    """A torch GPU block table whose rows share prefix pages: an append into unshared pages
+    runs (the table's facts kept while it is unchanged); after an in-place write makes a
+    written page shared, the call is refused and the cache left as it was."""
+    torch = _cuda_torch()
+    page, Hq, Hkv, D = 16, 4, 2, 64
+    kc, vc = (torch.randn(6, page, Hkv, D, device="cuda").to(torch.bfloat16)
+              for _ in range(2))
+    # (pages 4, 1: a 32-key prefix both rows read; each appends into its own third page)
+    table = torch.tensor([[4, 1, 0], [4, 1, 3]], dtype=torch.int32, device="cuda")
+    lens = np.array([32, 32], np.int32)
+    q = torch.randn(2, 1, Hq, D, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, 1, Hkv, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    for _ in range(2):  # (the second call: the table's facts as remembered)
+        o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v,
+                                             block_table=table, causal=True)
+    assert torch.equal(kc[0, 0], k[0, 0]) and torch.equal(kc[3, 0], k[1, 0])
+    ref, _ = oracle_kvcache(q.float().cpu().numpy(), kc.float().cpu().numpy(),
+                            vc.float().cpu().numpy(), lens + 1, table.cpu().numpy(), page,
+                            causal=True)
+    assert rel_err(o.float().cpu().numpy(), ref) < TOL_FWD["bfloat16"]
+    table[1, 2] = 0  # (in place: its version moves on)
+    before = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match=r"block_table\[0, 2\]=0 is a page the append"):
+        flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v,
+                                         block_table=table)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
 def _paged_decode_inputs(torch, B=3, page=16, cap=1024, Hq=8, Hkv=2, D=128, seed=0):
     """A shuffled page pool on the GPU (bf16), its block table (device) and host lengths."""
     rng = np.random.default_rng(seed)
