@@ -330,12 +330,12 @@ def test_small_calls_keep_the_copies_of_the_consumers(monkeypatch):
     assert launch.hopper_variant(d, "bfloat16", False, alibi=True).tiles == t
     assert launch.hopper_variant(d, "bfloat16", False, tma_ok=False).tiles == \
         tilings.NO_TMA[d]
-    # varlen rows: VARLEN_PERSISTENT's (the tile counter) causal, else the table's; with a
-    # window the table's
-    assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == t
+    # varlen rows: VARLEN_PERSISTENT's, the tile counter causal, the static walk (as the
+    # dense batch's) non-causal; with a window the table's
+    assert launch.hopper_variant(d, "bfloat16", False, packed="varlen").tiles == ps
     assert tilings.VARLEN_PERSISTENT_TRIAL.dynamic
     assert tilings.VARLEN_PERSISTENT[(d, True)] == tilings.VARLEN_PERSISTENT_TRIAL
-    assert (d, False) not in tilings.VARLEN_PERSISTENT
+    assert tilings.VARLEN_PERSISTENT[(d, False)] == ps
     assert launch.hopper_variant(d, "bfloat16", True, packed="varlen").tiles == \
         tilings.VARLEN_PERSISTENT_TRIAL
     assert launch.hopper_variant(d, "bfloat16", True, packed="varlen", tma_ok=False).tiles \
@@ -811,7 +811,7 @@ def test_ptx_sm90a_with_mods(sm90, which):
                                                            tilings.HOPPER_MASK_MOD)), v.tag
     # ping-pong: D=128's table (D=64's is g1n128ob3), but a window with other mods
     # (WINDOW_TILES) or user mods (the overlap); a window alone, WINDOW_PERSISTENT's, and
-    # varlen rows alone VARLEN_PERSISTENT's where it has one (causal)
+    # varlen rows alone VARLEN_PERSISTENT's where it has one
     alone = set(opts) == {"window"}
     varlen = set(opts) == {"packed"} and (d, causal) in tilings.VARLEN_PERSISTENT
     assert v.tiles.pingpong == (d == 128 and (user is None or alone_mm)
