@@ -290,8 +290,8 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
             second = pos % kv.page_size
         k_cache = k_cache.at[first, second].set(k)
         v_cache = v_cache.at[first, second].set(v)
-        lengths = lengths + kv.n_new
-    f = _kvcache_fn((causal, case.scale, num_splits, name, static, block_table is not None))
+    f = _kvcache_fn((causal, case.scale, num_splits, name, static, block_table is not None,
+                     kv.n_new))
     table = () if block_table is None else (block_table,)
     o, lse = f(q, k_cache, v_cache, lengths, *table, *arrays)
     return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
@@ -299,15 +299,27 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
 
 @functools.cache
 def _kvcache_fn(static):
-    causal, scale, num_splits, name, mods, paged = static
+    """``f(q, k_cache, v_cache, cache_seqlens, [block_table], *option arrays) -> (o, lse)``
+    on the host, the caches holding the ``n_new`` appended keys (written by XLA) and
+    ``cache_seqlens`` the lengths before the append: the callback checks the append's
+    values as an eager call does (lengths, pages written into), whose values a traced
+    call's checks could not read, then attends over ``cache_seqlens + n_new`` keys."""
+    causal, scale, num_splits, name, mods, paged, n_new = static
 
     def host(q, kc, vc, lengths, *rest):
         q, kc, vc, lengths = (np.asarray(x) for x in (q, kc, vc, lengths))
         table = np.asarray(rest[0]) if paged else None
         arrays = [np.asarray(a) for a in rest[1 if paged else 0:]]
+        options = _join(mods, arrays)
+        if n_new:  # (stand-ins of k and v: only their shapes are read)
+            new = np.empty((q.shape[0], n_new, *kc.shape[2:]), kc.dtype)
+            make_kvcache_case(q, kc, vc, lengths, new, new, table, causal=causal,
+                              scale=scale, num_splits=num_splits, need_lse=True,
+                              explicit=True, options=options, in_place=False)
+            lengths = lengths + n_new
         case = make_kvcache_case(q, kc, vc, lengths, None, None, table, causal=causal,
                                  scale=scale, num_splits=num_splits, need_lse=True,
-                                 explicit=True, options=_join(mods, arrays))
+                                 explicit=True, options=options)
         o, lse = _dispatch.select(case, name).forward(q, kc, vc, case)
         return np.asarray(o, q.dtype), np.asarray(lse)
 

@@ -511,6 +511,37 @@ def test_jax_returns_the_updated_caches(jit):
     assert rel_err(np.asarray(o), ref) < TOL_FWD["float64"]
 
 
+@pytest.mark.jax
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("bad", ["shared", "negative"])
+def test_jax_checks_the_append_s_values(jit, bad):
+    """The append's value checks hold in JAX as in NumPy, also under jit where the traced
+    lengths and table are read only by the host callback (which gets the lengths from
+    before the append): a page two sequences write into, a negative length."""
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    kc, vc, table, q, k, v, _, _ = inputs(8, True)
+    lengths = SEQLENS.copy()
+    if bad == "shared":
+        table = table.copy()
+        table[1, 0] = table[2, 0]  # (sequence 1 appends into page 0, sequence 2 reads it)
+        match = r"block_table\[1, 0\]=\d+ is a page the append writes k and v into"
+    else:
+        lengths[1] = -1  # (-1 + Nnew = 1: the lengths after the append look valid)
+        match = r"cache_seqlens must be >= 0; got cache_seqlens\[1\]=-1"
+
+    def step(q, kc, vc, lengths, k, v, table):
+        return flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, k=k, v=v,
+                                                block_table=table, causal=True)
+
+    f = jax.jit(step) if jit else step
+    # (under jit the ValueError reaches the caller inside XLA's runtime error)
+    with pytest.raises(ValueError if not jit else Exception, match=match):
+        jax.block_until_ready(f(*(jnp.asarray(x) for x in (q, kc, vc, lengths, k, v, table))))
+
+
 def test_split_counts():
     """num_splits=0 keeps a short or already parallel decode in one split and splits a
     long one; an explicit count shortens the key tiles until it has that many."""
