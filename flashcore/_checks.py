@@ -63,16 +63,17 @@ def check_flag(name, value):
 
 def check_heads(qs, ks, hq_axis, hkv_axis, k_name="k"):
     """``(Hq, Hkv, D)`` of q's shape ``qs`` and ``k_name``'s ``ks``: one head dim of at
-    least 1, at least one head, and query heads a multiple of key/value heads (GQA)."""
+    least 1, at least one key/value head, and query heads a multiple of them (GQA; no
+    query head is a multiple too: an empty call, as B=0 or N=0 are)."""
     Hq, Hkv = qs[hq_axis], ks[hkv_axis]
     if qs[-1] != ks[-1]:
         raise ValueError(f"q and {k_name} must have one head dim; got q.shape={qs}, "
                          f"{k_name}.shape={ks}")
     if qs[-1] < 1:
         raise ValueError(f"the head dim must be at least 1; got q.shape={qs}")
-    if Hq < 1 or Hkv < 1:
-        raise ValueError(f"q and {k_name} must have at least one head; got Hq={Hq}, "
-                         f"Hkv={Hkv} from q.shape={qs}, {k_name}.shape={ks}")
+    if Hkv < 1:
+        raise ValueError(f"{k_name} must have at least one head; got Hq={Hq}, Hkv={Hkv} "
+                         f"from q.shape={qs}, {k_name}.shape={ks}")
     if Hq % Hkv != 0:
         raise ValueError(f"the number of query heads must be a multiple of the key/value heads "
                          f"(GQA/MQA); got Hq={Hq}, Hkv={Hkv} from q.shape={qs}, "

@@ -430,38 +430,45 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
     longest = max(lens) + n_new
     if longest > capacity:
         b = next(b for b, n in enumerate(lens) if n + n_new > capacity)
-        where = (f"the pages of the block table ({capacity // page_size} pages of "
-                 f"{page_size})" if paged else "the cache's capacity")
+        where = ("the cache's capacity" if not paged else
+                 f"the pages of the block table ({capacity // page_size} pages of "
+                 f"{page_size})" if page_size else "the pages of the block table (pages "
+                 "of 0 keys)")
         raise ValueError(f"cache_seqlens[{b}] + Nnew = {lens[b]} + {n_new} = "
                          f"{lens[b] + n_new} keys exceed {where}: {capacity}")
     if paged and page_size:  # (pages of 0 keys: a capacity of 0, no page used)
         table = host_ints(block_table, library)
-        first, shared = _table_facts(table, num_pages, block_table)
+        first, repeated = _table_facts(table, num_pages, block_table)
         for b, (n, p) in enumerate(zip(lens, first)):
             if -(-(n + n_new) // page_size) > p:  # (row b uses page p, outside the pool)
                 raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside "
                                  f"the page pool of k_cache (pages 0..{num_pages - 1})")
-        if n_new and shared:
-            _check_written_pages(table, shared, lens, n_new, page_size)
+        if n_new and repeated is not None:
+            _check_written_pages(table, repeated, lens, n_new, page_size)
     return longest
 
 
-def _check_written_pages(table, shared, lens, n_new, page_size):
-    """A page the append writes into is used by no other slot of the table (``shared``:
-    the slots of each page the table holds more than once): two sequences, or two columns
-    of one, that append into one page would overwrite each other's keys. Pages only read
-    may be shared (a common prefix's pages)."""
+def _check_written_pages(table, repeated, lens, n_new, page_size):
+    """A page the append writes into is used by no other slot of the table (``repeated``:
+    whether each slot's page is held by another slot too, :func:`_table_facts`): two
+    sequences, or two columns of one, that append into one page would overwrite each
+    other's keys. Pages only read may be shared (a common prefix's pages), and so may
+    pages in columns past a sequence's keys."""
     used = [-(-(n + n_new) // page_size) for n in lens]
-    for b, n in enumerate(lens):
-        for p in range(n // page_size, used[b]):
-            page = int(table[b, p])
-            other = next(((c, d) for c, d in shared.get(page, ())
-                          if (c, d) != (b, p) and d < used[c]), None)
-            if other is not None:
-                raise ValueError(f"block_table[{b}, {p}]={page} is a page the append writes "
-                                 f"k and v into, and block_table[{other[0]}, {other[1]}] "
-                                 "uses it too; a page written into must belong to one slot "
-                                 "of the table")
+    written = [(b, p) for b, n in enumerate(lens) for p in range(n // page_size, used[b])
+               if repeated[b, p]]
+    if not written:
+        return
+    in_use = np.arange(table.shape[1])[None, :] < np.asarray(used)[:, None]
+    for b, p in written:
+        page = int(table[b, p])
+        same = in_use & (table == page)
+        same[b, p] = False
+        if same.any():
+            c, d = (int(t) for t in np.argwhere(same)[0])
+            raise ValueError(f"block_table[{b}, {p}]={page} is a page the append writes "
+                             f"k and v into, and block_table[{c}, {d}] uses it too; a page "
+                             "written into must belong to one slot of the table")
 
 
 #: (a torch GPU block table's id, address and version counter, the pool's pages) ->
@@ -470,11 +477,12 @@ _TABLE_FACTS = Memo(16)
 
 
 def _table_facts(table, num_pages, source) -> tuple:
-    """``(first, shared)`` of ``table`` (the host values of the block table ``source``):
+    """``(first, repeated)`` of ``table`` (the host values of the block table ``source``):
     per row, the first column whose page lies outside ``0..num_pages-1`` (the row's width
-    where none does: a row is valid for a sequence using fewer pages); and for each page
-    of the pool the table holds more than once, its ``(row, column)`` slots (empty for
-    a table without repeats). Kept where ``source`` is a torch GPU tensor, by the key
+    where none does: a row is valid for a sequence using fewer pages); and a boolean array
+    like ``table``, true where a slot's page (inside the pool) is held by another slot
+    too, or None for a table without repeats. Work in the table's size, not the pool's.
+    Kept where ``source`` is a torch GPU tensor, by the key
     host_ints reads it by (any in-place write bumps its version), for host_ints' own copy
     of it; an array the caller holds may change under the same object, so it is read
     every call."""
@@ -487,17 +495,21 @@ def _table_facts(table, num_pages, source) -> tuple:
         return hit[1]
     bad = (table < 0) | (table >= num_pages)
     first = [table.shape[1]] * table.shape[0]
-    shared = {}
+    repeated = None
     if table.size:
         first = np.where(bad.any(axis=1), bad.argmax(axis=1), table.shape[1]).tolist()
-        inside = np.where(bad, num_pages, table)
-        count = np.bincount(inside.ravel(), minlength=num_pages + 1)[:num_pages]
-        if count.max(initial=0) > 1:
-            repeated = (count > 1)[inside.clip(max=num_pages - 1)] & ~bad
-            for b, p in np.argwhere(repeated).tolist():
-                shared.setdefault(int(table[b, p]), []).append((b, p))
+        pages = table[~bad]
+        if pages.size and num_pages <= 8 * table.size:  # (a count per page of the pool)
+            count = np.bincount(pages)
+            if count.max() > 1:
+                repeated = (count[np.where(bad, 0, table)] > 1) & ~bad
+        else:  # (a pool much larger than the table: its pages sorted)
+            pages = np.sort(pages)
+            twice = pages[1:][pages[1:] == pages[:-1]]
+            if twice.size:
+                repeated = np.isin(table, twice) & ~bad
     if key is not None:
         if len(_TABLE_FACTS) >= _TABLE_FACTS.max_size:
             _TABLE_FACTS.clear()
-        _TABLE_FACTS[key] = (table, (first, shared))
-    return first, shared
+        _TABLE_FACTS[key] = (table, (first, repeated))
+    return first, repeated

@@ -209,6 +209,13 @@ def test_pages_only_read_may_be_shared(backend):
         assert np.array_equal(kc[page, :2], k[b]) and np.array_equal(vc[page, :2], v[b])
     ref, _ = oracle_kvcache(q, kc, vc, lens + 2, table, PAGE, causal=True)
     assert rel_err(o, ref) < TOL_FWD["float64"]
+    # each written page also in the other row's column past its keys (18 keys use 3
+    # columns of 8): unused there, so not shared
+    spare = np.array([[4, 1, 0, 3], [4, 1, 3, 0]], np.int32)
+    kc2, vc2 = (x.copy() for x in pool)
+    o2 = flashcore.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lens, k=k, v=v,
+                                          block_table=spare, causal=True, backend=backend)
+    assert np.array_equal(o2, o) and np.array_equal(kc2, kc) and np.array_equal(vc2, vc)
     both = np.array([[4, 1, 0], [4, 1, 0]], np.int32)  # (page 0 read by both, no append)
     o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens + 2, block_table=both,
                                          backend=backend)
@@ -219,6 +226,17 @@ def test_pages_only_read_may_be_shared(backend):
         flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v,
                                          block_table=both, backend=backend)
     assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
+
+
+def test_pages_of_no_keys_take_no_append():
+    """A pool of pages of 0 keys has no room: an append is refused by name (it was a
+    ZeroDivisionError while the message was written)."""
+    kc = np.zeros((4, 0, HKV, D))
+    q, k = np.zeros((1, 1, HQ, D)), np.zeros((1, 1, HKV, D))
+    with pytest.raises(ValueError, match=r"exceed the pages of the block table \(pages of "
+                                         r"0 keys\): 0"):
+        flashcore.attention_with_kvcache(q, kc, kc.copy(), cache_seqlens=np.zeros(1, np.int32),
+                                         k=k, v=k, block_table=np.zeros((1, 2), np.int32))
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -277,16 +295,21 @@ def test_table_facts_per_row_and_repeated_pages():
     rng = np.random.default_rng(12)
     table = rng.integers(-3, 40, (6, 9)).astype(np.int64)
     table[2] = 5  # a row with no bad page
-    first, shared = _table_facts(table, 32, table)
+    first, repeated = _table_facts(table, 32, table)
     assert first == [next((p for p, t in enumerate(row) if not 0 <= t < 32), 9)
                      for row in table]
-    slots = {}
-    for (b, p), t in np.ndenumerate(table):
-        if 0 <= t < 32:
-            slots.setdefault(int(t), []).append((b, p))
-    assert shared == {t: s for t, s in slots.items() if len(s) > 1}
-    assert _table_facts(np.zeros((3, 0), np.int64), 32, None) == ([0, 0, 0], {})
-    assert _table_facts(np.arange(12).reshape(3, 4), 12, None)[1] == {}
+    inside = [int(t) for t in table.ravel() if 0 <= t < 32]
+    want = [[0 <= t < 32 and inside.count(t) > 1 for t in row] for row in table]
+    assert repeated.tolist() == want
+    assert _table_facts(np.zeros((3, 0), np.int64), 32, None) == ([0, 0, 0], None)
+    assert _table_facts(np.arange(12).reshape(3, 4), 12, None)[1] is None
+    # (pages outside the pool held twice are not repeats: the pool check reports them)
+    assert _table_facts(np.array([[0, 40, 40, -1, -1]]), 12, None)[1] is None
+    # a pool far larger than the table: its pages sorted instead of counted per page
+    big = np.array([[5, 7, 5, 2**40], [2**40, 9, 7, -1]])
+    first, repeated = _table_facts(big, 2**30, None)
+    assert first == [3, 0]
+    assert repeated.tolist() == [[True, True, True, False], [False, False, True, False]]
 
 
 def test_a_read_only_view_of_a_table_is_read_every_call():

@@ -592,6 +592,10 @@ def test_shared_pages_of_a_gpu_table_on_gpu():
         o = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v,
                                              block_table=table, causal=True)
     assert torch.equal(kc[0, 0], k[0, 0]) and torch.equal(kc[3, 0], k[1, 0])
+    from flashcore._packed_checks import _TABLE_FACTS, _offsets_key
+
+    kept = _TABLE_FACTS.get((_offsets_key(table), 6))
+    assert kept is not None and kept[1][1] is not None  # (first pages, repeated slots)
     ref, _ = oracle_kvcache(q.float().cpu().numpy(), kc.float().cpu().numpy(),
                             vc.float().cpu().numpy(), lens + 1, table.cpu().numpy(), page,
                             causal=True)
