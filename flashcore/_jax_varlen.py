@@ -310,16 +310,15 @@ def _kvcache_fn(static):
         q, kc, vc, lengths = (np.asarray(x) for x in (q, kc, vc, lengths))
         table = np.asarray(rest[0]) if paged else None
         arrays = [np.asarray(a) for a in rest[1 if paged else 0:]]
-        options = _join(mods, arrays)
-        if n_new:  # (stand-ins of k and v: only their shapes are read)
-            new = np.empty((q.shape[0], n_new, *kc.shape[2:]), kc.dtype)
-            make_kvcache_case(q, kc, vc, lengths, new, new, table, causal=causal,
-                              scale=scale, num_splits=num_splits, need_lse=True,
-                              explicit=True, options=options, in_place=False)
-            lengths = lengths + n_new
-        case = make_kvcache_case(q, kc, vc, lengths, None, None, table, causal=causal,
+        # checked with the lengths before the append and stand-ins of k and v (only their
+        # shapes are read), then attended as a call without new keys over the lengths after
+        new = np.empty((q.shape[0], n_new, *kc.shape[2:]), kc.dtype) if n_new else None
+        case = make_kvcache_case(q, kc, vc, lengths, new, new, table, causal=causal,
                                  scale=scale, num_splits=num_splits, need_lse=True,
-                                 explicit=True, options=options)
+                                 explicit=True, options=_join(mods, arrays), in_place=False)
+        if n_new:
+            case = replace(case, kvcache=replace(case.kvcache, cache_seqlens=lengths + n_new,
+                                                 n_new=0, k_new=None, v_new=None))
         o, lse = _dispatch.select(case, name).forward(q, kc, vc, case)
         return np.asarray(o, q.dtype), np.asarray(lse)
 

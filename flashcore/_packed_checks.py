@@ -439,22 +439,22 @@ def _check_cache_values(seqlens, n_new, capacity, paged, page_size, num_pages, b
     if paged and page_size:  # (pages of 0 keys: a capacity of 0, no page used)
         table = host_ints(block_table, library)
         first, repeated = _table_facts(table, num_pages, block_table)
-        for b, (n, p) in enumerate(zip(lens, first)):
-            if -(-(n + n_new) // page_size) > p:  # (row b uses page p, outside the pool)
+        used = [-(-(n + n_new) // page_size) for n in lens]  # (pages each row uses)
+        for b, (u, p) in enumerate(zip(used, first)):
+            if u > p:  # (row b uses page p, outside the pool)
                 raise ValueError(f"block_table[{b}, {p}]={int(table[b, p])} points outside "
                                  f"the page pool of k_cache (pages 0..{num_pages - 1})")
         if n_new and repeated is not None:
-            _check_written_pages(table, repeated, lens, n_new, page_size)
+            _check_written_pages(table, repeated, lens, used, page_size)
     return longest
 
 
-def _check_written_pages(table, repeated, lens, n_new, page_size):
+def _check_written_pages(table, repeated, lens, used, page_size):
     """A page the append writes into is used by no other slot of the table (``repeated``:
-    whether each slot's page is held by another slot too, :func:`_table_facts`): two
-    sequences, or two columns of one, that append into one page would overwrite each
-    other's keys. Pages only read may be shared (a common prefix's pages), and so may
-    pages in columns past a sequence's keys."""
-    used = [-(-(n + n_new) // page_size) for n in lens]
+    whether each slot's page is held by another slot too, :func:`_table_facts`; ``used``:
+    the pages each row uses after the append): two sequences, or two columns of one, that
+    append into one page would overwrite each other's keys. Pages only read may be shared
+    (a common prefix's pages), and so may pages in columns past a sequence's keys."""
     written = [(b, p) for b, n in enumerate(lens) for p in range(n // page_size, used[b])
                if repeated[b, p]]
     if not written:
