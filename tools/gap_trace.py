@@ -29,7 +29,7 @@ import tempfile
 import time
 
 import torch
-from packed_gpu import varlen_batch
+from packed_gpu import fwd_bwd_calls, varlen_batch
 
 import flashcore
 
@@ -46,18 +46,7 @@ def inputs(causal):
     q, k, v, do = (torch.randn(total, H, D, device="cuda", dtype=dt) for _ in range(4))
     qp, kp, vp, dop = (torch.randn(nseq, longest, H, D, device="cuda", dtype=dt)
                        for _ in range(4))
-    for x in (q, k, v, qp, kp, vp):
-        x.requires_grad_()
-
-    def varlen():
-        o = flashcore.attention_varlen(q, k, v, cu, cu, max_seqlen_q=longest,
-                                       max_seqlen_k=longest, causal=causal)
-        torch.autograd.grad(o, (q, k, v), do)
-
-    def padded():
-        o = flashcore.attention(qp, kp, vp, causal=causal, layout="bnhd")
-        torch.autograd.grad(o, (qp, kp, vp), dop)
-
+    varlen, padded = fwd_bwd_calls((q, k, v, do), (qp, kp, vp, dop), cu, longest, causal)
     B, N = 4, 4096
     qd, kd, vd, dod = (torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(4))
     for x in (qd, kd, vd):

@@ -202,6 +202,26 @@ def varlen_batch():
     return lens, cu, sum(n * n for n in lens) / (len(lens) * max(lens) ** 2)
 
 
+def fwd_bwd_calls(packed, padded, cu, longest, causal):
+    """``(varlen, padded)``: forward+backward (torch autograd) of the varlen call on
+    ``packed`` = (q, k, v, do) with offsets ``cu`` and of the dense call on the same
+    sequences ``padded`` (bnhd); q, k, v of both are made to require grad."""
+    (q, k, v, do), (qp, kp, vp, dop) = packed, padded
+    for x in (q, k, v, qp, kp, vp):
+        x.requires_grad_()
+
+    def varlen_fb():
+        o = flashcore.attention_varlen(q, k, v, cu, cu, max_seqlen_q=longest,
+                                       max_seqlen_k=longest, causal=causal)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    def padded_fb():
+        o = flashcore.attention(qp, kp, vp, causal=causal, layout="bnhd")
+        torch.autograd.grad(o, (qp, kp, vp), dop)
+
+    return varlen_fb, padded_fb
+
+
 def varlen(rows):
     H, D = 16, 128
     dt = torch.bfloat16
@@ -262,18 +282,7 @@ def varlen(rows):
                                 float((lse_t[fin] - lse_d[fin]).abs().max()),
                                 bool(torch.equal(fin, torch.isfinite(lse_t)))]
             res["varlen_fwd_backend2"] = timed(lambda: numba_cuda.forward(q, k, v, vcase))
-        qr, kr, vr = (x.requires_grad_() for x in (q, k, v))
-        qpr, kpr, vpr = (x.requires_grad_() for x in (qp, kp, vp))
-
-        def vl_fb():
-            o = flashcore.attention_varlen(qr, kr, vr, cu, cu, max_seqlen_q=longest,
-                                           max_seqlen_k=longest, causal=causal)
-            torch.autograd.grad(o, (qr, kr, vr), do)
-
-        def pad_fb():
-            o = flashcore.attention(qpr, kpr, vpr, causal=causal, layout="bnhd")
-            torch.autograd.grad(o, (qpr, kpr, vpr), dop)
-
+        vl_fb, pad_fb = fwd_bwd_calls((q, k, v, do), (qp, kp, vp, dop), cu, longest, causal)
         res["varlen_fwdbwd"] = timed(vl_fb, reps=10)
         res["padded_fwdbwd"] = timed(pad_fb, reps=10)
         # (back to back: one call's samples, then the other's; PACKED_TURNS=1 in turns)
