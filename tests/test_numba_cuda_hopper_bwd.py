@@ -379,11 +379,15 @@ def test_the_launch_picks_it_only_where_it_should(monkeypatch):
             == tilings.HopperTiles(2, 64, True, stages=3, producer=True))
     assert (launch.hopper_variant(128, "bfloat16", False, "dkdvq").tiles
             == tilings.HopperTiles(2, 32, True, producer=True))
-    # a producer warpgroup: the dkdvq kernel's only, at head dims 64 and 128
+    # a producer warpgroup: the dkdvq and dkdv kernels' (dense rows without modifiers), at
+    # head dims 64 and 128
     ws = tilings.HopperTiles(2, 64, True, producer=True)
-    for kernel, d in (("dkdv", 64), ("dq", 64), ("dkdvq", 256)):
+    for kernel, d in (("dq", 64), ("dkdvq", 256), ("dkdv", 256)):
         with pytest.raises(ValueError):
             launch.build(Variant(kernel, "hopper", d, "bfloat16", False, ws))
+    for bad in ({"window": (64, 0)}, {"softcap": 20.0}, {"packed": "varlen"}):
+        with pytest.raises(ValueError):
+            launch.build(Variant("dkdv", "hopper", 64, "bfloat16", False, ws, **bad))
     monkeypatch.delenv(launch.DETERMINISTIC_ENV)
     # the softcap, ALiBi and the user's mods: the wgmma kernels, deterministic
     assert launch.hopper_bwd_serves(_case(softcap=20.0), 0)

@@ -199,23 +199,36 @@ else:
         ((tilings.HopperTiles(1, 64, True, stages=3), tilings.HopperTiles(1, 64, True, stages=3)),
          _D3),
         pytest.param((tilings.HopperTiles(1, 64, stages=3),
-                      tilings.HopperTiles(1, 64, stages=3)), _D3, marks=pytest.mark.slow)],
+                      tilings.HopperTiles(1, 64, stages=3)), _D3, marks=pytest.mark.slow),
+        # the dK/dV kernel in the producer form (hopper/backward_ws.py without dQ): GQA and
+        # Nq > Nk causal (more steps than stages); two stages; head dim 128 on 32-query steps
+        ((tilings.HopperTiles(2, 64, True, stages=3, producer=True),
+          tilings.HopperTiles(1, 128, True)), (1, 4, 2, 150, 100, 64, "bfloat16", True, "bhnd")),
+        pytest.param((tilings.HopperTiles(2, 64, True, producer=True),
+                      tilings.HopperTiles(1, 128, True)),
+                     (1, 2, 1, 200, 70, 64, "float16", False, "bnhd"), marks=pytest.mark.slow),
+        pytest.param((tilings.HopperTiles(2, 32, True, producer=True),
+                      tilings.HopperTiles(1, 64, True)),
+                     (1, 2, 1, 70, 150, 128, "bfloat16", True, "bhnd"), marks=pytest.mark.slow)],
                              ids=lambda p: f"{p[0].tag}-{p[1].tag}" if len(p) == 2 else "")
     def test_backward_candidates(emulated, monkeypatch, pair, c):
-        monkeypatch.setitem(tilings.HOPPER_DKDV, (64, True), pair[0])
-        monkeypatch.setitem(tilings.HOPPER_DQ, (64, True), pair[1])
+        B, Hq, Hkv, Nq, Nk, D, dtype, causal, layout = c
+        monkeypatch.setitem(tilings.HOPPER_DKDV, (D, causal), pair[0])
+        monkeypatch.setitem(tilings.HOPPER_DQ, (D, causal), pair[1])
         q, k, v, do = _inputs(c)
-        opts = dict(causal=True, layout="bhnd")
+        opts = dict(causal=causal, layout=layout)
         o, lse = oracle_forward(q, k, v, **opts)
         o = o.astype(q.dtype)
         lse = lse.astype(np.float32)
         grads = flashcore.attention_backward(do, q, k, v, o, lse, backend="numba_cuda", **opts)
         assert emulated == ["attn_backward_dkdv_wgmma", "attn_backward_dq_wgmma"]
+        assert f"_{pair[0].tag}_" in emulated.tags[0], emulated.tags
         refs = oracle_backward(do, q, k, v, **opts)
         floors = grad_floor(do, q, k, v, **opts)
-        for name, g, r, f in zip(("dq", "dk", "dv"), grads, refs, floors):
+        for name, g, r, x, f in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), floors):
+            assert g.dtype == x.dtype and g.shape == x.shape
             e = rel_err(g, r, f)
-            assert e < TOL_BWD["bfloat16"], f"{name}: {e}"
+            assert e < TOL_BWD[dtype], f"{name}: {e}"
 
     #: A sliding window on the wgmma backward: the dK/dV kernel's query steps and the dQ
     #: kernel's key tiles cut to the window's range, its edge steps masked (the seams'

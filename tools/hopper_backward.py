@@ -21,8 +21,8 @@ it cannot run.
 kernel, dQ by atomics), checked and timed as "wgmma fused" in the table's dkdvq tiling and
 as "fused TAG" in each of ``tilings.HOPPER_DKDVQ_CANDIDATES``' at that head dim.
 
-Usage: python tools/hopper_backward.py [--quick] [--table-only] [--fused] [--repeat 20]
-           [--json FILE] [--head-dims 64,128,256]
+Usage: python tools/hopper_backward.py [--quick] [--table-only] [--only TAG,..] [--fused]
+           [--repeat 20] [--json FILE] [--head-dims 64,128,256]
 """
 from __future__ import annotations
 
@@ -42,10 +42,22 @@ HEAD_DIMS = (64, 128, 256)
 TOL = 2e-2
 
 
-def variants(launch, tilings, pairs=None, fused=False, head_dims=HEAD_DIMS):
+def candidate_pairs(tilings, d, c, table_only=False, only=None):
+    """The (dK/dV, dQ) tiling pairs timed at head dim ``d``, causal ``c``: the table's
+    first, then the other candidates (none with ``table_only``; with ``only``, a set of
+    tags, those with a tiling of that tag)."""
+    pairs = tilings.HOPPER_BWD_CANDIDATES[d, c]
+    if table_only:
+        return pairs[:1]
+    return pairs[:1] + tuple(p for p in pairs[1:]
+                             if only is None or {p[0].tag, p[1].tag} & only)
+
+
+def variants(launch, tilings, table_only=False, fused=False, head_dims=HEAD_DIMS,
+             only=None):
     """The kernels the run needs, per (D, causal): the wgmma forward, the wgmma dK/dV and dQ
-    of every candidate pair (the first ``pairs`` only, if given), the mma.sync dK/dV and
-    dQ, and the preprocess."""
+    of the candidate pairs (:func:`candidate_pairs`), the mma.sync dK/dV and dQ, and the
+    preprocess."""
     from dataclasses import replace
 
     from flashcore.backends.numba_cuda.driver import device_cc
@@ -54,7 +66,7 @@ def variants(launch, tilings, pairs=None, fused=False, head_dims=HEAD_DIMS):
     for d in head_dims:
         for c in (False, True):
             out.add(launch.hopper_variant(d, "bfloat16", c))
-            for kt, qt in tilings.HOPPER_BWD_CANDIDATES[d, c][:pairs]:
+            for kt, qt in candidate_pairs(tilings, d, c, table_only, only):
                 out.add(replace(launch.hopper_variant(d, "bfloat16", c, "dkdv"), tiles=kt))
                 out.add(replace(launch.hopper_variant(d, "bfloat16", c, "dq"), tiles=qt))
             out |= {v for v in launch.tc_variants(d, "bfloat16", c, device_cc(0),
@@ -135,11 +147,15 @@ def run(argv=None) -> int:
                     help="the table's pair only, not every candidate pair")
     ap.add_argument("--fused", action="store_true",
                     help="also the non-deterministic mode (dQ by atomics)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated tiling tags: the table's pair and the candidate "
+                         "pairs with one of them (default: every candidate pair)")
     ap.add_argument("--json", default=os.environ.get("HOPPER_BWD_JSON"))
     ap.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
                     help="comma-separated head dims (default: %(default)s)")
     args = ap.parse_args(argv)
     head_dims = tuple(int(x) for x in args.head_dims.split(","))
+    only = set(args.only.split(",")) if args.only else None
     torch, flashcore, launch = environment()
     import torch.nn.functional as F
     from flashcore.backends.numba_cuda import tilings
@@ -148,8 +164,8 @@ def run(argv=None) -> int:
     from flashcore._warmup import compile_variants
 
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
-    for tag, s in compile_variants(variants(launch, tilings, 1 if args.table_only else None,
-                                            args.fused, head_dims), 0):
+    for tag, s in compile_variants(variants(launch, tilings, args.table_only, args.fused,
+                                            head_dims, only), 0):
         print(f"compiled {tag}: {s:.1f} s", flush=True)
     saved = (dict(tilings.HOPPER_DKDV), dict(tilings.HOPPER_DQ))
 
@@ -200,7 +216,7 @@ def run(argv=None) -> int:
     for B, H, N in cases:
         for D in head_dims:
             for causal in (False, True):
-                pairs = tilings.HOPPER_BWD_CANDIDATES[D, causal][:1 if args.table_only else None]
+                pairs = candidate_pairs(tilings, D, causal, args.table_only, only)
                 name = f"B{B} H{H} N{N} D{D} {'causal' if causal else 'full'}"
                 g = torch.Generator(device="cuda").manual_seed(N + D + causal)
                 q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g,

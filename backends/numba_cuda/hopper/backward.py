@@ -141,8 +141,8 @@ def _sizes(var, kernel):
     D, t = var.head_dim, var.tiles
     if D % 64:
         raise ValueError(f"head_dim={D} must be a multiple of 64 for the wgmma backward")
-    if var.tiles.producer and var.kernel != "dkdvq":
-        raise ValueError(f"a producer warpgroup serves the dkdvq kernel only "
+    if var.tiles.producer and var.kernel == "dq":
+        raise ValueError(f"a producer warpgroup serves the dkdv and dkdvq kernels only "
                          f"(hopper/backward_ws.py): {var.tag}")
     if (var.packed not in HOPPER_ROWS or var.split
             or ((var.alibi or var.user is not None) and var.kernel == "dkdvq")
@@ -174,7 +174,7 @@ def make_attn_backward_dkdv_wgmma(var):
     # (head dim, keys per block, queries per step, threads, 16-byte chunks per row,
     # k-steps of the score products, k-steps of dV/dK, 8-query n-tiles,
     # packed registers of Pᵀ)
-    if var.kernel == "dkdvq" and var.tiles.producer:  # (a producer warpgroup)
+    if var.tiles.producer:  # (a producer warpgroup; dkdv: the same kernel without dQ)
         from .backward_ws import make_attn_backward_dkdvq_ws
 
         return make_attn_backward_dkdvq_ws(var, _sizes(

@@ -23,6 +23,10 @@ A block owns 128 keys (64 per consumer warpgroup), K and V resident; query steps
   steps back has read the staging buffer ("dq empty"), its rows staged and "dq full"
   arrived on. No block-wide barrier in the loop, and no consumer waits for a reduction.
 
+Kernel "dkdv" (the deterministic pair's dK/dV kernel in this form): the same without dQ's
+parts: no dS tile, ``dQᵀ`` product, staging or reduction; each consumer step ends with its
+four products, and the producer's reducing lane has nothing to do.
+
 Dense rows, no window, softcap or ALiBi (as the one-warpgroup dkdvq); head dims 64 and 128
 (at 128 a copying thread's pass moves 4 lines, half the swizzle's period: two shared
 offsets, ``copy_step_rows``).
@@ -130,16 +134,21 @@ def next_step(gi, mq, BN, m_begin, m_end):
 
 
 def make_attn_backward_dkdvq_ws(var, sizes):
-    """The warp-specialized dkdvq kernel of variant ``var`` (``sizes``: ``backward._sizes``'
+    """The warp-specialized dkdvq (or dkdv) kernel of variant ``var`` (``sizes``: ``backward._sizes``'
     constants for the consumers' 128 threads)."""
     (D, BM, BN, _NT, CH, KSTEPS, PSTEPS, NTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED, CAP, _CAP_C, ALIBI) = sizes
     t = var.tiles
     if (t.warpgroups != 2 or not OVERLAP or PACKED != PACKING[""] or CAP or ALIBI
-            or var.window or D not in (64, 128) or BN % 16):
-        raise ValueError(f"the warp-specialized dkdvq kernel takes two consumer warpgroups "
+            or var.window or var.user is not None or D not in (64, 128) or BN % 16):
+        raise ValueError(f"the warp-specialized dkdv(q) kernel takes two consumer warpgroups "
                          f"with the overlap, dense rows, no window or modifiers, head dim "
                          f"64 or 128, query steps of 16..64: {var.tag}")
+    # (compile-time) False: kernel "dkdv", the deterministic pair's dK/dV kernel in this
+    # form (no dS tile, dQ product, staging or reduction; the producer's reducing lane idle)
+    DQ = var.kernel == "dkdvq"
+    if not DQ and t.own_dq:
+        raise ValueError(f"own_dq is a form of the dQ parts (dkdvq): {var.tag}")
     _, _, _, _, VS, KEEPS = kernel_mods(var)  # (none here: device_mods' trivial ones)
     STAGES = t.stages
     OWN = t.own_dq  # (compile-time) each consumer adds its own keys' dQ part
@@ -159,10 +168,10 @@ def make_attn_backward_dkdvq_ws(var, sizes):
     QTILES = QN // 8
     HALVES = D // 64
     DQ_BUF = BN * D * 4  # a staging buffer: the step's BN rows (QN per consumer)
-    DQ_OFF = DS_OFF + (1 if OWN else 2) * DS_BUF
+    DQ_OFF = DS_OFF + ((1 if OWN else 2) * DS_BUF if DQ else 0)
     # staging buffers: two (own_dq: two per consumer), each with its "dq full" and "dq
-    # empty" barriers
-    NQB = 2 * (3 - WGQ)
+    # empty" barriers (dkdv: none)
+    NQB = 2 * (3 - WGQ) if DQ else 0
     BAR_OFF = DQ_OFF + NQB * DQ_BUF
     B_LBO = BN * LINE
     NS = BN // 2
@@ -260,7 +269,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     gi, mq = next_step(gi, mq, BN, m_begin, m_end)
                 cp_async_commit()
                 cp_async_wait(0)
-            elif wtid == REDUCER:  # dQ's parts, added as the consumers stage them
+            elif DQ and wtid == REDUCER:  # dQ's parts, added as the consumers stage them
                 gi = 0
                 mq = m_begin
                 for it in range(n_steps):
@@ -320,7 +329,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                 grads_t(s, gc, dp, dl, NTILES, False)
                 pack_p(BF16, dsf, dp, NP)
                 dka = issue_pv(BF16, wgmma_fence_acc(dka), dsf, qb, PSTEPS, B_LBO)
-                if OWN:  # (compile-time) dQᵀ over this warpgroup's keys, all BN queries
+                if DQ and OWN:  # (compile-time) dQᵀ over this warpgroup's keys, all BN queries
                     ds = DS_OFF + wg * BN * LINE
                     store_ds_packed(smem, el + ds // 2, dsf, warp, lane, NTILES)
                     fence_proxy_async()
@@ -331,7 +340,7 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                     qa0, qa1 = issue_dqt(BF16, wgmma_fence_acc(zero_accumulators(QN)),
                                          wgmma_fence_acc(zero_accumulators(QN)), ka, at + ds,
                                          BM, BN, HALVES, 4)
-                else:
+                elif DQ:
                     # dSᵀ into this step's dS tile (two: the other warpgroup's dQᵀ of the
                     # step before may still read the other), published to both warpgroups
                     ds = DS_OFF + (it & 1) * DS_BUF
@@ -344,26 +353,28 @@ def make_attn_backward_dkdvq_ws(var, sizes):
                                          at + ds + wg * QN * LINE, BM, BN, HALVES, 8)
                 dka = wgmma_wait_group_acc(0, dka)
                 dva = wgmma_wait_group_acc(0, dva)
-                qa0 = wgmma_wait_group_acc(0, qa0)
+                if DQ:
+                    qa0 = wgmma_wait_group_acc(0, qa0)
                 if lane == 0:  # (every product that read the stage is done)
                     mbarrier_arrive(smem, empty + BAR * st)
-                # (own_dq: this warpgroup's own buffers, its rows from query 0)
-                bb = (it & 1) + (2 * wg if OWN else 0)
-                i0 = 0 if OWN else wg * QN
-                if it >= 2:  # the reduction of two steps back has read the buffer
-                    mbarrier_wait(smem, dq_empty + BAR * bb, int32_parity((it >> 1) - 1))
-                stage = el + (DQ_OFF + bb * DQ_BUF + i0 * D * 4) // 2
-                acc_to_local(qa0, s)
-                stage_dq(smem, stage, s, 0, D, warp, g, tq, QTILES, i0)
-                if HALVES == 2:
-                    qa1 = wgmma_wait_group_acc(0, qa1)
-                    acc_to_local(qa1, s)
-                    stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, i0)
-                fence_proxy_async()
-                mbarrier_arrive(smem, dq_full + BAR * bb)
+                if DQ:  # (compile-time; dkdv: the step ends with its products)
+                    # (own_dq: this warpgroup's own buffers, its rows from query 0)
+                    bb = (it & 1) + (2 * wg if OWN else 0)
+                    i0 = 0 if OWN else wg * QN
+                    if it >= 2:  # the reduction of two steps back has read the buffer
+                        mbarrier_wait(smem, dq_empty + BAR * bb, int32_parity((it >> 1) - 1))
+                    stage = el + (DQ_OFF + bb * DQ_BUF + i0 * D * 4) // 2
+                    acc_to_local(qa0, s)
+                    stage_dq(smem, stage, s, 0, D, warp, g, tq, QTILES, i0)
+                    if HALVES == 2:
+                        qa1 = wgmma_wait_group_acc(0, qa1)
+                        acc_to_local(qa1, s)
+                        stage_dq(smem, stage, s, 1, D, warp, g, tq, QTILES, i0)
+                    fence_proxy_async()
+                    mbarrier_arrive(smem, dq_full + BAR * bb)
                 _, mq = next_step(0, mq, BN, m_begin, m_end)
-            if not OWN:  # the other warpgroup's last dQᵀ read this one's K rows, which its
-                named_sync(3, 256)  # epilogue stages dK through
+            if DQ and not OWN:  # the other warpgroup's last dQᵀ read this one's K
+                named_sync(3, 256)  # rows, which its epilogue stages dK through
             out = cuda.local.array(NO, float32)
             sc = float32(scale)
             one = float32(1.0)

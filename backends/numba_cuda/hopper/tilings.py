@@ -100,7 +100,7 @@ class HopperTiles:
         if self.producer and (not (self.pingpong or (self.warpgroups == 2 and self.overlap))
                               or self.min_blocks != 1):
             raise ValueError(f"a producer warpgroup serves the ping-pong schedule or two "
-                             f"overlapped warpgroups (the backward's dkdvq), one block per "
+                             f"overlapped warpgroups (the backward's dkdv(q)), one block per "
                              f"SM: {self}")
 
     @property
@@ -359,14 +359,22 @@ _D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
         (HopperTiles(1, 32, True, 3, stages=3), HopperTiles(1, 64, True, stages=3)),
         (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
+#: The dK/dV kernel in the producer form (``hopper/backward_ws.py`` without dQ's parts: a
+#: producer warpgroup streams Q, dO and the statistics to two consumer warpgroups of 64
+#: keys, which no longer spend their issue slots on the copies' addresses), beside the
+#: table's dQ kernel: three stages and two.
+_D64_WS = ((_WS64, HopperTiles(1, 128, True)),
+           (HopperTiles(2, 64, True, producer=True), HopperTiles(1, 128, True)))
 HOPPER_BWD_CANDIDATES = {
-    (64, False): _D64, (64, True): _D64,
+    (64, False): _D64 + _D64_WS, (64, True): _D64 + _D64_WS,
     (128, False): ((HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
+                   (_WS128, HopperTiles(1, 64, True)),
                    (HopperTiles(1, 64, True), HopperTiles(1, 64, True, stages=3)),
                    (HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                    (HopperTiles(1, 64), HopperTiles(1, 64, True)),
                    (HopperTiles(2, 64), HopperTiles(2, 64, True))),
     (128, True): ((HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
+                  (_WS128, HopperTiles(1, 64, True)),
                   (HopperTiles(1, 64, True), HopperTiles(1, 64, True, stages=3)),
                   (HopperTiles(1, 32, True), HopperTiles(1, 64, True)),
                   (HopperTiles(2, 32, True), HopperTiles(2, 64, True)),
@@ -402,12 +410,14 @@ def hopper_smem_bytes(t: HopperTiles, head_dim: int, kernel: str = "forward") ->
                    if t.pingpong else 0)
                 + 64 * t.persistent)  # (eight words per Q buffer: the tile its Q is of)
     # dkdvq: per warpgroup a dSᵀ tile and two staging buffers of dQ rows
-    if kernel == "dkdvq" and t.producer:  # (hopper/backward_ws.py's layout)
+    if t.producer:  # (hopper/backward_ws.py's layout; dkdv: without dQ's tiles)
         stats = -(-t.stages * 8 * t.block_n // HOPPER_ALIGN) * HOPPER_ALIGN
         own = 2 if t.own_dq else 1  # (own_dq: one dS tile, staging per warpgroup)
+        dq = kernel == "dkdvq"
         return (HOPPER_ALIGN + (2 * t.block_m + 2 * t.stages * t.block_n) * head_dim * 2
-                + stats + 2 * 2 * t.block_n * 128 // own + 2 * own * t.block_n * head_dim * 4
-                + (2 * t.stages + 4 * own) * 8)
+                + stats + dq * (2 * 2 * t.block_n * 128 // own
+                                + 2 * own * t.block_n * head_dim * 4)
+                + (2 * t.stages + 4 * own * dq) * 8)
     # (two warpgroups: each stages half the step's queries)
     ds = (t.warpgroups * t.block_n * (128 + 8 * head_dim // t.warpgroups)
           if kernel == "dkdvq" else 0)
