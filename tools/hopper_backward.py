@@ -21,8 +21,11 @@ it cannot run.
 kernel, dQ by atomics), checked and timed as "wgmma fused" in the table's dkdvq tiling and
 as "fused TAG" in each of ``tilings.HOPPER_DKDVQ_CANDIDATES``' at that head dim.
 
+``--span``: each time the mean of ``--repeat`` calls back to back between one pair of events
+(the host's work hidden wherever it is shorter than the kernels').
+
 Usage: python tools/hopper_backward.py [--quick] [--table-only] [--only TAG,..] [--fused]
-           [--repeat 20] [--json FILE] [--head-dims 64,128,256]
+           [--span] [--repeat 20] [--json FILE] [--head-dims 64,128,256]
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ import json
 import os
 import sys
 
-from hopper_forward import environment, timer  # (tools/ is the script's directory)
+import hopper_forward  # (tools/ is the script's directory)
+from hopper_forward import environment, timer
 
 HOPPER_BWD_ENV = "FLASHCORE_HOPPER_BWD"
 DETERMINISTIC_ENV = "FLASHCORE_DETERMINISTIC"
@@ -150,12 +154,15 @@ def run(argv=None) -> int:
     ap.add_argument("--only", default=None,
                     help="comma-separated tiling tags: the table's pair and the candidate "
                          "pairs with one of them (default: every candidate pair)")
+    ap.add_argument("--span", action="store_true",
+                    help="time --repeat calls back to back between one pair of events")
     ap.add_argument("--json", default=os.environ.get("HOPPER_BWD_JSON"))
     ap.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
                     help="comma-separated head dims (default: %(default)s)")
     args = ap.parse_args(argv)
     head_dims = tuple(int(x) for x in args.head_dims.split(","))
     only = set(args.only.split(",")) if args.only else None
+    hopper_forward.SPAN = args.span
     torch, flashcore, launch = environment()
     import torch.nn.functional as F
     from flashcore.backends.numba_cuda import tilings
