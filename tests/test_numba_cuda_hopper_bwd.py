@@ -310,10 +310,18 @@ def test_dq_step_on_the_host(on_host, BN, mask, mods):
 def test_tilings_and_variants():
     for n, d, t, c in ALL:
         v = _variant(n, d, t, c)
-        assert v.threads == 128 * v.tiles.warpgroups and v.block_m == 64 * v.tiles.warpgroups
-        stats = 16 * v.tiles.block_n if n == "dkdv" else 0  # (the steps' lse and delta)
-        assert v.smem_words * 4 == tilings.HOPPER_ALIGN + (2 * v.block_m
-                                                           + 4 * v.tiles.block_n) * d * 2 + stats
+        p = v.tiles.producer  # (dK/dV at D=64: hopper/backward_ws.py's layout)
+        assert v.threads == 128 * (v.tiles.warpgroups + p)
+        assert v.block_m == 64 * v.tiles.warpgroups
+        if p:  # K and V, Q and dO in three stages, their statistics, the ring's barriers
+            assert (n, d, v.tiles.stages) == ("dkdv", 64, 3), v.tag
+            stats = -(-3 * 8 * 64 // tilings.HOPPER_ALIGN) * tilings.HOPPER_ALIGN  # (aligned)
+            assert v.smem_words * 4 == tilings.HOPPER_ALIGN + (2 * v.block_m + 6 * 64) * d * 2 \
+                + stats + 6 * 8
+        else:
+            stats = 16 * v.tiles.block_n if n == "dkdv" else 0  # (the steps' lse and delta)
+            assert v.smem_words * 4 == tilings.HOPPER_ALIGN + (
+                2 * v.block_m + 4 * v.tiles.block_n) * d * 2 + stats
         assert v.smem_words * 4 <= tilings.SMEM_LIMIT[(9, 0)]
         assert v.tag.startswith(f"attn_backward_{n}_wgmma_d{d}_")
         assert launch.hopper_variant(d, t, c, n) == v
@@ -553,6 +561,8 @@ def test_ptx_sm90a_with_softcap_and_alibi(sm90, kernel, head_dim, dtype, causal,
                               alibi=alibi)
     assert v.softcap == softcap and v.alibi == alibi
     table = (tilings.HOPPER_DKDV if kernel == "dkdv" else tilings.HOPPER_DQ)[head_dim, causal]
+    if kernel == "dkdv":  # (the producer form serves unmasked dense rows only)
+        table = tilings.HOPPER_DKDV_ROWS.get((head_dim, causal), table)
     want = {("dkdv", 128): tilings.HopperTiles(1, 32, True),  # (64-query steps spill here)
             ("dq", 64): tilings.HopperTiles(1, 64, True) if softcap else table}
     assert v.tiles == want.get((kernel, head_dim), table), v.tag

@@ -311,9 +311,21 @@ def hopper_candidates(head_dim: int) -> tuple:
 #: (dK/dV: K and V of 128 keys, 128 KiB, and Q and dO double-buffered, 64 KiB; dQ: Q and
 #: dO of 128 rows, K and V double-buffered), and with one warpgroup (129 KiB) one block
 #: would hold an SM: g2n32o for both kernels.
-HOPPER_DKDV = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True),
+#: D=64 dense rows without modifiers since 2026-11-28 (eighth session): the dK/dV kernel in
+#: the producer form (``hopper/backward_ws.py`` without dQ's parts, g2n64od3w: a producer
+#: warpgroup streams Q, dO and the statistics through three stages to two consumer
+#: warpgroups of 64 keys). H200, bf16, B=4 H=16 N=4096, against g1n64o, two runs: backward
+#: 2.033-2.036 against 2.202-2.203 ms (causal 1.107-1.110 against 1.163-1.164), forward+
+#: backward back to back 2.635 against 2.765 (causal 1.447 against 1.485);
+#: notes/producer_dkdv_2026-11-28.md. At D=128 its 32-query steps (g2n32ow; 64 spill) tie
+#: with g1n64o. A window, the modifiers and varlen rows keep :data:`HOPPER_DKDV_ROWS`.
+_WS64 = HopperTiles(2, 64, True, stages=3, producer=True)
+HOPPER_DKDV = {(64, False): _WS64, (64, True): _WS64,
                (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
                (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
+#: The dK/dV tiling where the table's producer form does not serve (it takes dense rows
+#: without a window or modifiers): the one-warpgroup kernel.
+HOPPER_DKDV_ROWS = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True)}
 HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
              (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
@@ -330,7 +342,6 @@ HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 
 #: with the deterministic pair (3.48, 1.83, 13.44, 7.00) on the backward alone (not always
 #: in forward+backward: notes/ws_copies_2026-11-27.md, section 6) where the one-warpgroup
 #: dkdvq (g1n32o) took 4.86, 2.57, 18.38, 9.00; three stages tie with two there.
-_WS64 = HopperTiles(2, 64, True, stages=3, producer=True)
 _WS128 = HopperTiles(2, 32, True, producer=True)
 HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
                 (128, False): _WS128, (128, True): _WS128}
@@ -352,19 +363,16 @@ HOPPER_DKDVQ_CANDIDATES = {64: (HopperTiles(1, 64, True),
 #: Per (head dim, causal), (dK/dV, dQ) tiling pairs tools/hopper_backward.py times against
 #: each other (the table's first); all compile without spills but the table's D=128 causal
 #: dK/dV (12 bytes, its budget in the PTX test).
-_D64 = ((HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
+_D64 = ((_WS64, HopperTiles(1, 128, True)),
+        (HopperTiles(1, 64, True), HopperTiles(1, 128, True)),
         (HopperTiles(1, 64, True, stages=3), HopperTiles(1, 128, True, stages=3)),
         (HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
         (HopperTiles(1, 64, True, stages=3), HopperTiles(1, 64, True, stages=3)),
         (HopperTiles(1, 32, True, 3, stages=3), HopperTiles(1, 64, True, stages=3)),
         (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
-#: The dK/dV kernel in the producer form (``hopper/backward_ws.py`` without dQ's parts: a
-#: producer warpgroup streams Q, dO and the statistics to two consumer warpgroups of 64
-#: keys, which no longer spend their issue slots on the copies' addresses), beside the
-#: table's dQ kernel: three stages and two.
-_D64_WS = ((_WS64, HopperTiles(1, 128, True)),
-           (HopperTiles(2, 64, True, producer=True), HopperTiles(1, 128, True)))
+#: The producer form's dK/dV kernel with two stages, beside the table's dQ kernel.
+_D64_WS = ((HopperTiles(2, 64, True, producer=True), HopperTiles(1, 128, True)),)
 HOPPER_BWD_CANDIDATES = {
     (64, False): _D64 + _D64_WS, (64, True): _D64 + _D64_WS,
     (128, False): ((HopperTiles(1, 64, True), HopperTiles(1, 64, True)),
@@ -491,8 +499,13 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
     :data:`LONG_KEYS_MIN` keys or more; ``dense``: of a forward of a dense
     batch without masks that takes the bulk tensor copies: :data:`PERSISTENT`'s; ``user``:
     of a backward kernel with the user's mods, :data:`HOPPER_BWD_USER`'s; and ``varlen``
-    rows, :data:`HOPPER_BWD_USER_VARLEN`'s), or None where it has none."""
+    rows, :data:`HOPPER_BWD_USER_VARLEN`'s), or None where it has none. The table's dK/dV
+    producer form serves dense rows without masks or modifiers: with ``masked``,
+    ``softcap``, ``user`` or ``varlen`` :data:`HOPPER_DKDV_ROWS`' tiling instead."""
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
+    if t is not None and t.producer and kernel == "dkdv" and (masked or softcap or user
+                                                              or varlen):
+        t = HOPPER_DKDV_ROWS[head_dim, bool(causal)]
     if dense and kernel == "forward":
         t = PERSISTENT.get((head_dim, bool(causal)), t)
     if long_keys and kernel == "forward":
