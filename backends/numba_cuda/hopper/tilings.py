@@ -311,37 +311,23 @@ def hopper_candidates(head_dim: int) -> tuple:
 #: (dK/dV: K and V of 128 keys, 128 KiB, and Q and dO double-buffered, 64 KiB; dQ: Q and
 #: dO of 128 rows, K and V double-buffered), and with one warpgroup (129 KiB) one block
 #: would hold an SM: g2n32o for both kernels.
-#: D=64 dense rows without modifiers since 2026-11-28 (eighth session): the dK/dV kernel in
-#: the producer form (``hopper/backward_ws.py`` without dQ's parts, g2n64od3w: a producer
-#: warpgroup streams Q, dO and the statistics through three stages to two consumer
-#: warpgroups of 64 keys). H200, bf16, B=4 H=16 N=4096, against g1n64o, two runs: backward
-#: 2.033-2.036 against 2.202-2.203 ms (causal 1.107-1.110 against 1.163-1.164), forward+
-#: backward back to back 2.635 against 2.765 (causal 1.447 against 1.485);
-#: notes/producer_dkdv_2026-11-28.md. At D=128 its 32-query steps (g2n32ow; 64 spill) tie
-#: with g1n64o. A window, the modifiers and varlen rows keep :data:`HOPPER_DKDV_ROWS`.
+#: D=64 dense rows without masks or modifiers: dK/dV in the producer form (backward_ws.py
+#: without dQ's parts, g2n64od3w), H200 B=4 H=16 N=4096 backward 2.03-2.05 against 2.18-2.20
+#: ms for g1n64o (notes/producer_dkdv_2026-11-28.md; at D=128 g2n32ow ties with g1n64o).
 _WS64 = HopperTiles(2, 64, True, stages=3, producer=True)
 HOPPER_DKDV = {(64, False): _WS64, (64, True): _WS64,
                (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
                (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
-#: The dK/dV tiling where the table's producer form does not serve (it takes dense rows
-#: without a window or modifiers): the one-warpgroup kernel.
+#: dK/dV where the producer form does not serve (a window, modifiers, varlen rows).
 HOPPER_DKDV_ROWS = {(64, False): HopperTiles(1, 64, True), (64, True): HopperTiles(1, 64, True)}
 HOPPER_DQ = {(64, False): HopperTiles(1, 128, True), (64, True): HopperTiles(1, 128, True),
              (128, False): HopperTiles(1, 64, True), (128, True): HopperTiles(1, 64, True),
              (256, False): HopperTiles(2, 32, True), (256, True): HopperTiles(2, 32, True)}
-#: The non-deterministic mode's dkdvq kernel. At D=64 FlashAttention 3's structure
-#: (``hopper/backward_ws.py``: a producer warpgroup copying Q, dO and the statistics
-#: through an mbarrier ring of three stages and adding the staged dQ rows, two consumer
-#: warpgroups of 64 keys each), g2n64od3w: at B=4 H=16 N=4096 its backward takes 1.85 ms
-#: (causal 1.10) on an H200 against 2.17 (1.17) for the deterministic pair and 2.47 (1.38)
-#: for the one-warpgroup dkdvq; two stages (g2n64ow) 1.91 (1.12), slower in all six cases
-#: timed (H100 and H200, N=4096 and 16384) by 1-3% (notes/ws_copies_2026-11-27.md; before
-#: its copies were made cheap the producer form took 2.49 on an H100). At D=128 the
-#: producer form on 32-query steps (g2n32ow; 64-query steps spill 240 bytes there): H200
-#: backward 3.45 ms (causal 1.96) at B=4 N=4096 and 13.06 (6.74) at B=1 N=16384, level
-#: with the deterministic pair (3.48, 1.83, 13.44, 7.00) on the backward alone (not always
-#: in forward+backward: notes/ws_copies_2026-11-27.md, section 6) where the one-warpgroup
-#: dkdvq (g1n32o) took 4.86, 2.57, 18.38, 9.00; three stages tie with two there.
+#: The non-deterministic mode's dkdvq kernel: FlashAttention 3's structure
+#: (``hopper/backward_ws.py``, a producer warpgroup and two consumer warpgroups of 64
+#: keys), g2n64od3w at D=64 (H200 B=4 H=16 N=4096 backward 1.85 ms, causal 1.10; two stages
+#: 1-3% slower), g2n32ow at D=128 (64-query steps spill; level with the deterministic pair
+#: on the backward alone): notes/ws_copies_2026-11-27.md.
 _WS128 = HopperTiles(2, 32, True, producer=True)
 HOPPER_DKDVQ = {**HOPPER_DKDV, (64, False): _WS64, (64, True): _WS64,
                 (128, False): _WS128, (128, True): _WS128}
@@ -371,7 +357,7 @@ _D64 = ((_WS64, HopperTiles(1, 128, True)),
         (HopperTiles(1, 32, True, 3, stages=3), HopperTiles(1, 64, True, stages=3)),
         (HopperTiles(2, 64, True), HopperTiles(2, 128, True)),
         (HopperTiles(1, 64), HopperTiles(1, 128)))
-#: The producer form's dK/dV kernel with two stages, beside the table's dQ kernel.
+#: (the producer form's dK/dV with two stages)
 _D64_WS = ((HopperTiles(2, 64, True, producer=True), HopperTiles(1, 128, True)),)
 HOPPER_BWD_CANDIDATES = {
     (64, False): _D64 + _D64_WS, (64, True): _D64 + _D64_WS,
