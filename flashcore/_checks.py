@@ -14,16 +14,20 @@ from ._case import DTYPES, LAYOUTS, Case
 from ._mods import check_mods
 
 
+def check_array(name: str, x) -> str:
+    """The library of ``x``; a TypeError naming ``name`` where it is not an array."""
+    lib = _interop.library_of(x)
+    if lib is None:
+        raise TypeError(
+            f"{name} must be an array (NumPy, PyTorch, JAX, CuPy or another Array API "
+            f"library); got {type(x).__module__}.{type(x).__qualname__}"
+        )
+    return lib
+
+
 def _arrays(named: dict):
     """Check that every value is an array of one library on one device; return (library, device)."""
-    libs = {}
-    for name, x in named.items():
-        libs[name] = _interop.library_of(x)
-        if libs[name] is None:
-            raise TypeError(
-                f"{name} must be an array (NumPy, PyTorch, JAX, CuPy or another Array API "
-                f"library); got {type(x).__module__}.{type(x).__qualname__}"
-            )
+    libs = {name: check_array(name, x) for name, x in named.items()}
     if len(set(libs.values())) > 1:
         raise TypeError(f"all arrays must come from one library; got {libs}")
     library = next(iter(libs.values()))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _dispatch
+from ._checks import check_array
 from ._jax_ops import _buffer_callback, _device, _Folded, _gpu_launcher
 from ._mods import options as _options
 from ._packed_checks import check_max_seqlen, make_kvcache_case, make_varlen_case
@@ -42,10 +43,12 @@ def _concrete(*xs):
     return not any(isinstance(x, jax.core.Tracer) for x in xs if x is not None)
 
 
-def _small(x, concrete):
-    """An index array as the checks read it: its values when known, else a stand-in."""
+def _small(x, concrete, name):
+    """An index array as the checks read it: its values when known, else a stand-in (an
+    array, as NumPy and torch calls require: a Python list is refused by ``name``)."""
     if x is None:
         return None
+    check_array(name, x)
     return np.asarray(x) if concrete else _stand_in(x)
 
 
@@ -115,9 +118,10 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen
         check_max_seqlen("max_seqlen_q", max_seqlen_q, 0)
         check_max_seqlen("max_seqlen_k", max_seqlen_k, 0)
     case = make_varlen_case(
-        _stand_in(q), _stand_in(k), _stand_in(v), _small(cu_seqlens_q, concrete),
-        _small(cu_seqlens_k, concrete), max_seqlen_q=max_seqlen_q if concrete else None,
-        max_seqlen_k=max_seqlen_k if concrete else None, causal=causal, scale=scale,
+        _stand_in(q), _stand_in(k), _stand_in(v),
+        _small(cu_seqlens_q, concrete, "cu_seqlens_q"),
+        _small(cu_seqlens_k, concrete, "cu_seqlens_k"),
+        max_seqlen_q=max_seqlen_q if concrete else None, max_seqlen_k=max_seqlen_k if concrete else None, causal=causal, scale=scale,
         need_lse=True, explicit=backend != "auto",
         options=_stand_in_options(options, concrete), values=concrete)
     name, on_buffers = _select(case, backend, _where(q, k, v))
@@ -265,8 +269,9 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
     concrete = _concrete(cache_seqlens, block_table)
     stand = lambda x: None if x is None else _stand_in(x)  # noqa: E731
     case = make_kvcache_case(
-        _stand_in(q), stand(k_cache), stand(v_cache), _small(cache_seqlens, concrete), stand(k),
-        stand(v), _small(block_table, concrete), causal=causal, scale=scale,
+        _stand_in(q), stand(k_cache), stand(v_cache),
+        _small(cache_seqlens, concrete, "cache_seqlens"), stand(k),
+        stand(v), _small(block_table, concrete, "block_table"), causal=causal, scale=scale,
         num_splits=num_splits, need_lse=True, explicit=backend != "auto",
         options=_stand_in_options(options, concrete), values=concrete, in_place=False)
     name, on_buffers = _select(case, backend, _where(q, k_cache, v_cache))

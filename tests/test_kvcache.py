@@ -565,6 +565,28 @@ def test_jax_checks_the_append_s_values(jit, bad):
         jax.block_until_ready(f(*(jnp.asarray(x) for x in (q, kc, vc, lengths, k, v, table))))
 
 
+@pytest.mark.jax
+def test_jax_refuses_python_lists_by_name():
+    """A Python list for the lengths, the table or the offsets is refused by name in JAX
+    calls, as in NumPy and torch ones (JAX turned it into an array before)."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    kc, vc, table, q, k, v, _, _ = inputs(8, True)
+    jq, jkc, jvc = (jnp.asarray(x) for x in (q, kc, vc))
+    with pytest.raises(TypeError, match="cache_seqlens must be an array"):
+        flashcore.attention_with_kvcache(jq, jkc, jvc, cache_seqlens=SEQLENS.tolist(),
+                                         block_table=jnp.asarray(table))
+    with pytest.raises(TypeError, match="block_table must be an array"):
+        flashcore.attention_with_kvcache(jq, jkc, jvc, cache_seqlens=jnp.asarray(SEQLENS),
+                                         block_table=table.tolist())
+    x = jnp.zeros((10, 2, 16), jnp.float32)
+    for name, a, b in (("cu_seqlens_q", [0, 4, 10], jnp.asarray([0, 4, 10], jnp.int32)),
+                       ("cu_seqlens_k", jnp.asarray([0, 4, 10], jnp.int32), [0, 4, 10])):
+        with pytest.raises(TypeError, match=f"{name} must be an array"):
+            flashcore.attention_varlen(x, x, x, a, b)
+
+
 def test_split_counts():
     """num_splits=0 keeps a short or already parallel decode in one split and splits a
     long one; an explicit count shortens the key tiles until it has that many."""
