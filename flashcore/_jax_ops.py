@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _dispatch, _interop, _mods, _rules
-from ._checks import make_case
+from ._checks import check_array, make_case
 from ._errors import BackendUnavailableError
 from ._memo import Memo, typed
 
@@ -60,13 +60,25 @@ def _device(x):
 
 
 def _stand_in_options(options):
-    """The options with stand-ins for their arrays (checked as q's stand-in is)."""
+    """The options with stand-ins for their arrays (checked as q's stand-in is), after the
+    checks a stand-in would hide or that would otherwise run only in the host callback:
+    mod_args a tuple, the arrays JAX or NumPy arrays, the user's mods compiling for them
+    (a TypeError at the call, or at trace time under jit, not inside XLA's error)."""
     if options is None:
         return None
     out = dict(options)
+    if not isinstance(out["mod_args"], (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays; got "
+                        f"{type(out['mod_args']).__qualname__}")
+    named = [("alibi_slopes", out["alibi_slopes"])] * (out["alibi_slopes"] is not None)
+    for name, x in named + [(f"mod_args[{n}]", a) for n, a in enumerate(out["mod_args"])]:
+        if not _is_jax(x) and check_array(name, x) != "numpy":
+            raise TypeError(f"{name} must be a JAX (or NumPy) array in a call on JAX arrays; "
+                            f"got {type(x).__module__}.{type(x).__qualname__}")
     if out["alibi_slopes"] is not None:
         out["alibi_slopes"] = _stand_in(out["alibi_slopes"])
-    out["mod_args"] = tuple(_stand_in(a) if _is_jax(a) else a for a in out["mod_args"])
+    out["mod_args"] = tuple(_stand_in(a) for a in out["mod_args"])
+    _mods.check_compiles(out["score_mod"], out["mask_mod"], out["mod_args"])
     return out
 
 
@@ -258,6 +270,20 @@ def _fold(x, ndim):
     return x.reshape((-1, *x.shape[x.ndim - ndim + 1:])) if x.ndim > ndim else x
 
 
+def _n_slopes(case) -> int:
+    """1 where the call's option arrays start with ALiBi slopes, else 0."""
+    return 1 if case.mods is not None and case.mods.alibi is not None else 0
+
+
+def _per_batch(case, arrays):
+    """The option arrays as the callbacks take them: slopes (Hq,) or (B, Hq) as (B, Hq),
+    so that vmapped axes, which the callbacks' ``broadcast_all`` puts in front of every
+    input, fold into the batch as they do for q; the mod_args as they are."""
+    n = _n_slopes(case)
+    slopes = tuple(jnp.broadcast_to(a, (case.batch, case.heads_q)) for a in arrays[:n])
+    return (*slopes, *arrays[n:])
+
+
 def _cpu_calls(name, case, fwd_types, bwd_types):
     """Forward and backward as host callbacks that call the backend chosen by name through
     the dispatcher. ``buffer_callback`` (jax >= 0.6.1) where JAX has it: it lends XLA's
@@ -265,10 +291,21 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
     ``pure_callback``."""
     opts = {"causal": case.causal, "scale": case.scale, "layout": case.layout}
     plans = {}  # the checked host Case and backend, per (direction, shapes, dtype)
+    n_slopes = _n_slopes(case)
+    arg_dims = tuple(len(a.shape) for a in case.mod_args)
+
+    def host_arrays(arrays):
+        # Under vmap the slopes ((B, Hq): _per_batch) fold into the batch as q does; the
+        # mod_args are not mapped (attention's rule), so broadcast_all's copies in front
+        # are all the same: the first one.
+        slopes = [_fold(a, 2) for a in arrays[:n_slopes]]
+        margs = [np.asarray(a)[(0,) * (np.ndim(a) - n)]
+                 for a, n in zip(arrays[n_slopes:], arg_dims)]
+        return (*slopes, *margs)
 
     def host_plan(direction, q4, k4, v4, arrays, extra=None):
         key = (direction, q4.shape, k4.shape, q4.dtype)
-        options = _host_options(case, arrays)
+        options = _host_options(case, host_arrays(arrays))
         hit = plans.get(key)
         if hit is None:
             host = make_case(q4, k4, v4, direction=direction, need_lse=direction == "forward",
@@ -300,12 +337,12 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
 
     if buffer_callback is None:
         def fwd_call(q, k, v, *arrays):
-            return jax.pure_callback(fwd_host, fwd_types, q, k, v, *arrays,
+            return jax.pure_callback(fwd_host, fwd_types, q, k, v, *_per_batch(case, arrays),
                                      vmap_method="broadcast_all")
 
         def bwd_call(do, q, k, v, o, lse, *arrays):
-            return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse, *arrays,
-                                     vmap_method="broadcast_all")
+            return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse,
+                                     *_per_batch(case, arrays), vmap_method="broadcast_all")
 
         return fwd_call, bwd_call
 
@@ -321,7 +358,9 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
 
     fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
     bwd = buffer_callback(bwd_cb, bwd_types, vmap_method="broadcast_all")
-    return fwd, bwd
+    return (lambda q, k, v, *arrays: fwd(q, k, v, *_per_batch(case, arrays)),
+            lambda do, q, k, v, o, lse, *arrays: bwd(do, q, k, v, o, lse,
+                                                     *_per_batch(case, arrays)))
 
 
 def _host_options(case, arrays):
@@ -379,7 +418,7 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
         return replace(case, batch=case.batch * lead, device=f"cuda:{dev}",
                        direction=direction, need_lse=True)
 
-    n_slopes = 1 if case.mods is not None and case.mods.alibi is not None else 0
+    n_slopes = _n_slopes(case)
     arg_dims = tuple(len(a.shape) for a in case.mod_args)
 
     def with_options(c, arrays):
@@ -412,18 +451,11 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
     fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
     bwd = buffer_callback(bwd_cb, (*bwd_types, delta_type), vmap_method="broadcast_all")
 
-    def per_batch(arrays):
-        # Slopes (Hq,) or (B, Hq) as (B, Hq), so that vmapped axes, which buffer_callback
-        # puts in front of every input, fold into the batch as they do for q.
-        slopes = tuple(jnp.broadcast_to(a, (case.batch, case.heads_q))
-                       for a in arrays[:n_slopes])
-        return (*slopes, *arrays[n_slopes:])
-
     def fwd_call(q, k, v, *arrays):
-        return fwd(q, k, v, *per_batch(arrays))
+        return fwd(q, k, v, *_per_batch(case, arrays))
 
     def bwd_call(do, q, k, v, o, lse, *arrays):
-        dq, dk, dv, _ = bwd(do, q, k, v, o, lse, *per_batch(arrays))
+        dq, dk, dv, _ = bwd(do, q, k, v, o, lse, *_per_batch(case, arrays))
         return dq, dk, dv
 
     return fwd_call, bwd_call

@@ -29,14 +29,17 @@ import numpy as np
 
 from . import _dispatch
 from ._checks import check_array
-from ._jax_ops import _buffer_callback, _device, _Folded, _gpu_launcher
+from ._jax_ops import (
+    _buffer_callback,
+    _device,
+    _Folded,
+    _gpu_launcher,
+    _stand_in,
+    _stand_in_options,
+)
 from ._mods import options as _options
 from ._packed_checks import check_max_seqlen, make_kvcache_case, make_varlen_case
 from ._rules import lse_dtype
-
-
-def _stand_in(x):
-    return np.broadcast_to(np.zeros((), dtype=np.dtype(x.dtype)), tuple(x.shape))
 
 
 def _concrete(*xs):
@@ -70,16 +73,6 @@ def _join(static, arrays):
     out["alibi_slopes"] = arrays.pop(0) if has_alibi else None
     out["mod_args"] = tuple(arrays)
     out["block_mask"] = None
-    return out
-
-
-def _stand_in_options(options, concrete):
-    if options is None:
-        return None
-    out = dict(options)
-    if out["alibi_slopes"] is not None:
-        out["alibi_slopes"] = _stand_in(out["alibi_slopes"])
-    out["mod_args"] = tuple(_stand_in(a) for a in out["mod_args"])
     return out
 
 
@@ -123,7 +116,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen
         _small(cu_seqlens_k, concrete, "cu_seqlens_k"),
         max_seqlen_q=max_seqlen_q if concrete else None, max_seqlen_k=max_seqlen_k if concrete else None, causal=causal, scale=scale,
         need_lse=True, explicit=backend != "auto",
-        options=_stand_in_options(options, concrete), values=concrete)
+        options=_stand_in_options(options), values=concrete)
     name, on_buffers = _select(case, backend, _where(q, k, v))
     static, arrays = _split(options)
     f = _varlen_fn((max_seqlen_q, max_seqlen_k, causal, case.scale, name, static, on_buffers))
@@ -273,7 +266,7 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
         _small(cache_seqlens, concrete, "cache_seqlens"), stand(k),
         stand(v), _small(block_table, concrete, "block_table"), causal=causal, scale=scale,
         num_splits=num_splits, need_lse=True, explicit=backend != "auto",
-        options=_stand_in_options(options, concrete), values=concrete, in_place=False)
+        options=_stand_in_options(options), values=concrete, in_place=False)
     name, on_buffers = _select(case, backend, _where(q, k_cache, v_cache))
     static, arrays = _split(options)
     if on_buffers:

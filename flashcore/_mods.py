@@ -267,6 +267,46 @@ def compiled(fn):
 _COMPILED = Memo(256, plans=False)
 
 
+def checked(name, fn, leading, args):
+    """``fn`` compiled by Numba for the CPU for ``(leading..., b, h, i, j, *args)`` (types
+    of ``leading``, arrays ``args``), or TypeError: it does not compile, or a score_mod
+    (``leading`` the score's type) does not return a number."""
+    import numba
+    from numba import types
+
+    disp = compiled(fn)
+    sig = (*leading, types.int64, types.int64, types.int64, types.int64,
+           *(numba.typeof(a) for a in args))
+    try:
+        disp.compile(sig)
+    except Exception as err:  # typing errors, or a signature the function does not take
+        raise compile_error(name, fn, err) from None
+    # (a score must be a number; a mask's result is taken as true or false)
+    wanted = (types.Integer, types.Float) + (() if leading else (types.Boolean,))
+    got = next((s.return_type for s in disp.nopython_signatures if s.args == tuple(sig)),
+               None)
+    if got is not None and not isinstance(got, wanted):
+        raise TypeError(f"{name} {getattr(fn, '__qualname__', fn)!r} must return "
+                        f"{'a number' if leading else 'a bool'}; Numba types what it "
+                        f"returns as {got}")
+    return disp
+
+
+def check_compiles(score_mod, mask_mod, mod_args):
+    """The user's mods compiled for host arrays of ``mod_args``' types and shapes (NumPy
+    arrays, possibly stand-ins of no bytes): TypeError where one does not compile, before
+    a framework traces the call into a graph whose host callback would only say so later."""
+    import numba
+
+    if score_mod is None and mask_mod is None:
+        return
+    args = tuple(np.empty((0,) * len(a.shape), np.dtype(a.dtype)) for a in mod_args)
+    if score_mod is not None:
+        checked("score_mod", score_mod, (numba.float64,), args)
+    if mask_mod is not None:
+        checked("mask_mod", mask_mod, (), args)
+
+
 def compile_error(name, fn, err) -> TypeError:
     return TypeError(f"{name} {getattr(fn, '__qualname__', fn)!r} does not compile with "
                      f"Numba: {str(err).strip().splitlines()[0] if str(err).strip() else err}"

@@ -162,6 +162,69 @@ def test_vmap_over_a_leading_axis(backend):
         assert rel_err(host(g[i]), dq) <= TOL_BWD["float32"]
 
 
+def test_vmap_with_option_arrays():
+    """ALiBi slopes and mod_args through the CPU callback under vmap (they came with the
+    vmapped axis in front and failed the checks): unmapped slopes (Hq,), slopes mapped
+    with q ((V, B, Hq)), and a score_mod reading an unmapped table; forward under jit, and
+    the gradient, against the float64 reference per problem."""
+    rng = np.random.default_rng(23)
+    V, B, H, N, D = 3, 2, 4, 20, 8
+    qs = np.stack([qkv(rng, B=B, Hq=H, Hkv=H, Nq=N, Nk=N, D=D)[0] for _ in range(V)])
+    _, k, v = qkv(rng, B=B, Hq=H, Hkv=H, Nq=N, Nk=N, D=D)
+    slopes = (2.0 ** -np.arange(1, H + 1)).astype(np.float32)
+    mapped = np.stack([np.broadcast_to(slopes * (i + 1), (B, H)) for i in range(V)])
+    table = (rng.standard_normal((H, 2 * N + 1)) * 0.5).astype(np.float32)
+
+    def rel_bias(s, b, h, i, j, t):
+        return s + t[h, i - j + 20]
+
+    cases = [({"alibi_slopes": slopes}, None), (None, mapped),
+             ({"score_mod": rel_bias, "mod_args": (table,)}, None)]
+    for opts, per in cases:
+        def f(a, s=None, opts=opts):
+            extra = opts if s is None else {"alibi_slopes": s}
+            jextra = {n: (tuple(j(x) for x in val) if n == "mod_args" else
+                          j(val) if n == "alibi_slopes" else val) for n, val in extra.items()}
+            return flashcore.attention(a, j(k), j(v), causal=True, **jextra)
+
+        args = (j(qs),) if per is None else (j(qs), j(per))
+        out = jax.jit(jax.vmap(f))(*args)
+        grads = jax.vmap(jax.grad(lambda *a: jnp.sum(f(*a) ** 2)))(*args)
+        for i in range(V):
+            ref_opts = opts if per is None else {"alibi_slopes": per[i].copy()}
+            x64 = [x.astype(np.float64) for x in (qs[i], k, v)]
+            ro, rl = flashcore.attention_forward(*x64, causal=True, backend="reference",
+                                                 **ref_opts)
+            assert rel_err(host(out[i]), ro) <= TOL_FWD["float32"], (opts, per is None)
+            do = 2 * np.asarray(out[i], dtype=np.float64)
+            rq = flashcore.attention_backward(do, *x64, ro, rl, causal=True,
+                                              backend="reference", **ref_opts)[0]
+            assert rel_err(host(grads[i]), rq) <= TOL_BWD["float32"], (opts, per is None)
+
+
+def test_option_mistakes_raise_at_trace_time():
+    """Mistakes in the options are TypeErrors at the call (at trace time under jit), as in
+    NumPy calls, not errors inside XLA's host callback: a score_mod or mask_mod that does
+    not compile (wrong arity) or returns the wrong kind, mod_args not a tuple, slopes that
+    are a list or of another library."""
+    rng = np.random.default_rng(29)
+    q, k, v = (j(x) for x in qkv(rng, Hq=2, Hkv=2, Nq=8, Nk=8, D=8))
+    table = j(np.zeros((2, 4), np.float32))
+    for opts, match in [
+            ({"score_mod": lambda s, b, h, i: s}, "score_mod .* does not compile"),
+            ({"score_mod": lambda s, b, h, i, j: s > 0}, "score_mod .* must return a number"),
+            ({"mask_mod": lambda b, h, i, j: (i, j)}, "mask_mod .* must return a bool"),
+            ({"score_mod": lambda s, b, h, i, j, t: s + t[h, 0], "mod_args": table},
+             "mod_args must be a tuple"),
+            ({"alibi_slopes": [0.5, 0.25]}, "alibi_slopes must be an array")]:
+        for wrap in (lambda g: g, jax.jit):
+            with pytest.raises(TypeError, match=match):
+                wrap(lambda a, b, c, opts=opts: flashcore.attention(a, b, c, **opts))(q, k, v)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="alibi_slopes must be a JAX"):
+        flashcore.attention(q, k, v, alibi_slopes=torch.ones(2))
+
+
 # --- the "jax" backend ------------------------------------------------------------------------
 
 

@@ -129,9 +129,9 @@ def _mod_inputs(case):
     args = tuple(_interop.host_view(a, case.library) for a in case.mod_args)
     score_mod = mask_mod = None
     if mods.score_mod is not None:
-        score_mod = _checked(_mods, "score_mod", mods.score_mod, (numba_float64(),), args)
+        score_mod = _mods.checked("score_mod", mods.score_mod, (numba_float64(),), args)
     if mods.mask_mod is not None:
-        mask_mod = _checked(_mods, "mask_mod", mods.mask_mod, (), args)
+        mask_mod = _mods.checked("mask_mod", mods.mask_mod, (), args)
     left, right = mods.window_ints
     opts = (case.causal, left, right, mods.softcap or 0.0, mods.alibi is not None)
     alibi = (np.zeros((1, 1), np.float32) if mods.alibi is None else
@@ -159,29 +159,6 @@ def numba_float64():
     from numba import types
 
     return types.float64
-
-
-def _checked(_mods, name, fn, leading, args):
-    """``fn`` compiled by Numba for (leading..., b, h, i, j, *args), or TypeError."""
-    import numba
-    from numba import types
-
-    disp = _mods.compiled(fn)
-    sig = (*leading, types.int64, types.int64, types.int64, types.int64,
-           *(numba.typeof(a) for a in args))
-    try:
-        disp.compile(sig)
-    except Exception as err:  # typing errors, or a signature the function does not take
-        raise _mods.compile_error(name, fn, err) from None
-    # (a score must be a number; a mask's result is taken as true or false)
-    wanted = (types.Integer, types.Float) + (() if leading else (types.Boolean,))
-    got = next((s.return_type for s in disp.nopython_signatures if s.args == tuple(sig)),
-               None)
-    if got is not None and not isinstance(got, wanted):
-        raise TypeError(f"{name} {getattr(fn, '__qualname__', fn)!r} must return "
-                        f"{'a number' if leading else 'a bool'}; Numba types what it "
-                        f"returns as {got}")
-    return disp
 
 
 _NO_ROWS = np.zeros(0, np.int64)
