@@ -78,8 +78,17 @@ def _stand_in_options(options):
     if out["alibi_slopes"] is not None:
         out["alibi_slopes"] = _stand_in(out["alibi_slopes"])
     out["mod_args"] = tuple(_stand_in(a) for a in out["mod_args"])
-    _mods.check_compiles(out["score_mod"], out["mask_mod"], out["mod_args"])
     return out
+
+
+def check_cpu_mods(name, case):
+    """The user's mods compiled by Numba for the CPU when the call will run there on
+    numba_cpu (``case`` on the CPU, its mod_args stand-ins): a TypeError at the call, or at
+    trace time under jit, not inside XLA's callback. Not for other backends or a GPU, whose
+    mods are not the CPU's to judge (the reference runs them as Python; CUDA takes
+    float16 mod_args)."""
+    if name == "numba_cpu" and case.mods is not None and not case.on_gpu:
+        _mods.check_compiles(case.mods.score_mod, case.mods.mask_mod, case.mod_args)
 
 
 def _is_jax(x):
@@ -175,7 +184,9 @@ def _make_plan(q, k, v, causal, scale, layout, backend, traced, options):
             "backend": backend, "options": options}
     if not traced or jax.default_backend() == "cpu":
         case = _case(q, k, v, **opts)
-        return ((None, case, _dispatch.select(case, backend)),)
+        impl = _dispatch.select(case, backend)
+        check_cpu_mods(impl.NAME, case)
+        return ((None, case, impl),)
     entries, errors = [], []
     for platform, device in (("cuda", "cuda:0"), ("cpu", "cpu")):
         case = _case(q, k, v, device=device, **opts)
@@ -299,8 +310,16 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
         # mod_args are not mapped (attention's rule), so broadcast_all's copies in front
         # are all the same: the first one.
         slopes = [_fold(a, 2) for a in arrays[:n_slopes]]
-        margs = [np.asarray(a)[(0,) * (np.ndim(a) - n)]
-                 for a, n in zip(arrays[n_slopes:], arg_dims)]
+        margs = []
+        for i, (a, n) in enumerate(zip(arrays[n_slopes:], arg_dims)):
+            a = np.asarray(a)
+            first = a[(0,) * (a.ndim - n) + (Ellipsis,)]
+            if a.ndim > n and not np.array_equal(a, np.broadcast_to(first, a.shape),
+                                                 equal_nan=True):
+                raise ValueError(f"mod_args[{i}] is mapped under jax.vmap; the mod_args "
+                                 f"must not be (close over them, or fold the mapped axis "
+                                 f"into an index the mods compute)")
+            margs.append(first)
         return (*slopes, *margs)
 
     def host_plan(direction, q4, k4, v4, arrays, extra=None):

@@ -36,6 +36,7 @@ from ._jax_ops import (
     _gpu_launcher,
     _stand_in,
     _stand_in_options,
+    check_cpu_mods,
 )
 from ._mods import options as _options
 from ._packed_checks import check_max_seqlen, make_kvcache_case, make_varlen_case
@@ -117,7 +118,9 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen
         max_seqlen_q=max_seqlen_q if concrete else None, max_seqlen_k=max_seqlen_k if concrete else None, causal=causal, scale=scale,
         need_lse=True, explicit=backend != "auto",
         options=_stand_in_options(options), values=concrete)
-    name, on_buffers = _select(case, backend, _where(q, k, v))
+    where = _where(q, k, v)
+    name, on_buffers = _select(case, backend, where)
+    check_cpu_mods(name, replace(case, device=where))
     static, arrays = _split(options)
     f = _varlen_fn((max_seqlen_q, max_seqlen_k, causal, case.scale, name, static, on_buffers))
     o, lse = f(q, k, v, cu_seqlens_q, cu_seqlens_k, *arrays)
@@ -267,7 +270,9 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
         stand(v), _small(block_table, concrete, "block_table"), causal=causal, scale=scale,
         num_splits=num_splits, need_lse=True, explicit=backend != "auto",
         options=_stand_in_options(options), values=concrete, in_place=False)
-    name, on_buffers = _select(case, backend, _where(q, k_cache, v_cache))
+    where = _where(q, k_cache, v_cache)
+    name, on_buffers = _select(case, backend, where)
+    check_cpu_mods(name, replace(case, device=where))
     static, arrays = _split(options)
     if on_buffers:
         f = _kvcache_gpu_fn((causal, case.scale, num_splits, name, static,

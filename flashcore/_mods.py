@@ -275,9 +275,9 @@ def checked(name, fn, leading, args):
     from numba import types
 
     disp = compiled(fn)
-    sig = (*leading, types.int64, types.int64, types.int64, types.int64,
-           *(numba.typeof(a) for a in args))
     try:
+        sig = (*leading, types.int64, types.int64, types.int64, types.int64,
+               *(numba.typeof(a) for a in args))
         disp.compile(sig)
     except Exception as err:  # typing errors, or a signature the function does not take
         raise compile_error(name, fn, err) from None
@@ -298,6 +298,8 @@ def check_compiles(score_mod, mask_mod, mod_args):
     a framework traces the call into a graph whose host callback would only say so later."""
     import numba
 
+    check_callable("score_mod", score_mod)
+    check_callable("mask_mod", mask_mod)
     if score_mod is None and mask_mod is None:
         return
     args = tuple(np.empty((0,) * len(a.shape), np.dtype(a.dtype)) for a in mod_args)

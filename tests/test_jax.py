@@ -200,6 +200,12 @@ def test_vmap_with_option_arrays():
             rq = flashcore.attention_backward(do, *x64, ro, rl, causal=True,
                                               backend="reference", **ref_opts)[0]
             assert rel_err(host(grads[i]), rq) <= TOL_BWD["float32"], (opts, per is None)
+    # mod_args mapped by vmap are refused (each problem would read the first one's); when
+    # the call runs (a ValueError inside XLA's runtime error)
+    tables = j(np.stack([table, 2 * table, 3 * table]))
+    with pytest.raises(Exception, match=r"mod_args\[0\] is mapped under jax.vmap"):
+        jax.block_until_ready(jax.vmap(lambda a, t: flashcore.attention(
+            a, j(k), j(v), score_mod=rel_bias, mod_args=(t,)))(j(qs), tables))
 
 
 def test_option_mistakes_raise_at_trace_time():
@@ -216,10 +222,18 @@ def test_option_mistakes_raise_at_trace_time():
             ({"mask_mod": lambda b, h, i, j: (i, j)}, "mask_mod .* must return a bool"),
             ({"score_mod": lambda s, b, h, i, j, t: s + t[h, 0], "mod_args": table},
              "mod_args must be a tuple"),
-            ({"alibi_slopes": [0.5, 0.25]}, "alibi_slopes must be an array")]:
+            ({"alibi_slopes": [0.5, 0.25]}, "alibi_slopes must be an array"),
+            ({"score_mod": 3}, "score_mod must be a Python function"),
+            ({"mask_mod": "causal"}, "mask_mod must be a Python function")]:
         for wrap in (lambda g: g, jax.jit):
             with pytest.raises(TypeError, match=match):
                 wrap(lambda a, b, c, opts=opts: flashcore.attention(a, b, c, **opts))(q, k, v)
+    # (the CPU's compile check is numba_cpu's: the reference runs a mod Numba cannot
+    # compile, as Python)
+    bias = {0: 0.5, 1: -0.5}
+    o = flashcore.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[h],
+                            backend="reference")
+    assert np.isfinite(host(o)).all()
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="alibi_slopes must be a JAX"):
         flashcore.attention(q, k, v, alibi_slopes=torch.ones(2))

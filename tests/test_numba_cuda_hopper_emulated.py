@@ -99,8 +99,9 @@ else:
         """The wgmma emulation in place, the Hopper kernels chosen (the launch declines them
         under the simulator), and the kernels that ran, by name (their variants' tags in
         ``.tags``). The ping-pong forward's mbarriers, named barriers and setmaxnreg are
-        device/sim_pipeline.py's. The table's tilings with a producer warpgroup run without
-        it here, for time (the producer forms are PP_RUNS' and the varlen test's)."""
+        device/sim_pipeline.py's. The table's forward tilings with a producer warpgroup run
+        without it here, for time (the producer forms are PP_RUNS' and the varlen test's);
+        the D=64 dK/dV kernel keeps its producer form (the backward tests at D=64 run it)."""
         import wgmma_emulator
         from hopper_helpers import no_persistent
 

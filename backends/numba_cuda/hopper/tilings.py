@@ -491,7 +491,7 @@ def choose_hopper(head_dim: int, causal: bool, kernel: str = "forward",
     t = _HOPPER_TABLES[kernel].get((head_dim, bool(causal)))
     if t is not None and t.producer and kernel == "dkdv" and (masked or softcap or user
                                                               or varlen):
-        t = HOPPER_DKDV_ROWS[head_dim, bool(causal)]
+        t = HOPPER_DKDV_ROWS.get((head_dim, bool(causal)), replace(t, producer=False))
     if dense and kernel == "forward":
         t = PERSISTENT.get((head_dim, bool(causal)), t)
     if long_keys and kernel == "forward":
