@@ -67,11 +67,11 @@ def _stand_in_options(options):
     if options is None:
         return None
     out = dict(options)
-    if not isinstance(out["mod_args"], (tuple, list)):
-        raise TypeError(f"mod_args must be a tuple of arrays; got "
-                        f"{type(out['mod_args']).__qualname__}")
-    named = [("alibi_slopes", out["alibi_slopes"])] * (out["alibi_slopes"] is not None)
-    for name, x in named + [(f"mod_args[{n}]", a) for n, a in enumerate(out["mod_args"])]:
+    _mods.check_mod_args_tuple(out["mod_args"])
+    named = [(f"mod_args[{n}]", a) for n, a in enumerate(out["mod_args"])]
+    if out["alibi_slopes"] is not None:
+        named.insert(0, ("alibi_slopes", out["alibi_slopes"]))
+    for name, x in named:
         if not _is_jax(x) and check_array(name, x) != "numpy":
             raise TypeError(f"{name} must be a JAX (or NumPy) array in a call on JAX arrays; "
                             f"got {type(x).__module__}.{type(x).__qualname__}")
@@ -81,13 +81,13 @@ def _stand_in_options(options):
     return out
 
 
-def check_cpu_mods(name, case):
+def check_cpu_mods(name, case, device):
     """The user's mods compiled by Numba for the CPU when the call will run there on
-    numba_cpu (``case`` on the CPU, its mod_args stand-ins): a TypeError at the call, or at
+    numba_cpu (``device`` "cpu"; ``case``'s mod_args stand-ins): a TypeError at the call, or at
     trace time under jit, not inside XLA's callback. Not for other backends or a GPU, whose
     mods are not the CPU's to judge (the reference runs them as Python; CUDA takes
     float16 mod_args)."""
-    if name == "numba_cpu" and case.mods is not None and not case.on_gpu:
+    if name == "numba_cpu" and case.mods is not None and not device.startswith("cuda"):
         _mods.check_compiles(case.mods.score_mod, case.mods.mask_mod, case.mod_args)
 
 
@@ -185,7 +185,7 @@ def _make_plan(q, k, v, causal, scale, layout, backend, traced, options):
     if not traced or jax.default_backend() == "cpu":
         case = _case(q, k, v, **opts)
         impl = _dispatch.select(case, backend)
-        check_cpu_mods(impl.NAME, case)
+        check_cpu_mods(impl.NAME, case, case.device)
         return ((None, case, impl),)
     entries, errors = [], []
     for platform, device in (("cuda", "cuda:0"), ("cpu", "cpu")):
@@ -226,8 +226,13 @@ def _make_numba_calls(name, case):
     fwd_types = (o_type, lse_type)
     bwd_types = (o_type, kv_type, kv_type)
     if case.on_gpu:
-        return _gpu_calls(name, case, fwd_types, bwd_types, lse_type)
-    return _cpu_calls(name, case, fwd_types, bwd_types)
+        fwd, bwd = _gpu_calls(name, case, fwd_types, bwd_types, lse_type)
+    else:
+        fwd, bwd = _cpu_calls(name, case, fwd_types, bwd_types)
+    # (both platforms' callbacks take the option arrays as _per_batch gives them)
+    return (lambda q, k, v, *arrays: fwd(q, k, v, *_per_batch(case, arrays)),
+            lambda do, q, k, v, o, lse, *arrays: bwd(do, q, k, v, o, lse,
+                                                     *_per_batch(case, arrays)))
 
 
 def _numba_attention(name: str, case):
@@ -356,12 +361,12 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
 
     if buffer_callback is None:
         def fwd_call(q, k, v, *arrays):
-            return jax.pure_callback(fwd_host, fwd_types, q, k, v, *_per_batch(case, arrays),
+            return jax.pure_callback(fwd_host, fwd_types, q, k, v, *arrays,
                                      vmap_method="broadcast_all")
 
         def bwd_call(do, q, k, v, o, lse, *arrays):
-            return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse,
-                                     *_per_batch(case, arrays), vmap_method="broadcast_all")
+            return jax.pure_callback(bwd_host, bwd_types, do, q, k, v, o, lse, *arrays,
+                                     vmap_method="broadcast_all")
 
         return fwd_call, bwd_call
 
@@ -377,9 +382,7 @@ def _cpu_calls(name, case, fwd_types, bwd_types):
 
     fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
     bwd = buffer_callback(bwd_cb, bwd_types, vmap_method="broadcast_all")
-    return (lambda q, k, v, *arrays: fwd(q, k, v, *_per_batch(case, arrays)),
-            lambda do, q, k, v, o, lse, *arrays: bwd(do, q, k, v, o, lse,
-                                                     *_per_batch(case, arrays)))
+    return fwd, bwd
 
 
 def _host_options(case, arrays):
@@ -441,7 +444,7 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
     arg_dims = tuple(len(a.shape) for a in case.mod_args)
 
     def with_options(c, arrays):
-        # The option arrays: ALiBi slopes (broadcast to (B, Hq) by the calls below, so
+        # The option arrays: ALiBi slopes (broadcast to (B, Hq) by _per_batch, so
         # vmapped axes fold into the batch as q's do), then the mod_args. The mod_args are
         # not mapped under vmap (attention's rule): broadcast_all repeats them in front, and
         # folding those copies into their first axis leaves every index the mods compute
@@ -470,14 +473,11 @@ def _gpu_calls(name, case, fwd_types, bwd_types, lse_type):
     fwd = buffer_callback(fwd_cb, fwd_types, vmap_method="broadcast_all")
     bwd = buffer_callback(bwd_cb, (*bwd_types, delta_type), vmap_method="broadcast_all")
 
-    def fwd_call(q, k, v, *arrays):
-        return fwd(q, k, v, *_per_batch(case, arrays))
-
     def bwd_call(do, q, k, v, o, lse, *arrays):
-        dq, dk, dv, _ = bwd(do, q, k, v, o, lse, *_per_batch(case, arrays))
+        dq, dk, dv, _ = bwd(do, q, k, v, o, lse, *arrays)
         return dq, dk, dv
 
-    return fwd_call, bwd_call
+    return fwd, bwd_call
 
 
 class _Folded:

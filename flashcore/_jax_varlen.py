@@ -115,12 +115,13 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen
         _stand_in(q), _stand_in(k), _stand_in(v),
         _small(cu_seqlens_q, concrete, "cu_seqlens_q"),
         _small(cu_seqlens_k, concrete, "cu_seqlens_k"),
-        max_seqlen_q=max_seqlen_q if concrete else None, max_seqlen_k=max_seqlen_k if concrete else None, causal=causal, scale=scale,
+        max_seqlen_q=max_seqlen_q if concrete else None,
+        max_seqlen_k=max_seqlen_k if concrete else None, causal=causal, scale=scale,
         need_lse=True, explicit=backend != "auto",
         options=_stand_in_options(options), values=concrete)
     where = _where(q, k, v)
     name, on_buffers = _select(case, backend, where)
-    check_cpu_mods(name, replace(case, device=where))
+    check_cpu_mods(name, case, where)
     static, arrays = _split(options)
     f = _varlen_fn((max_seqlen_q, max_seqlen_k, causal, case.scale, name, static, on_buffers))
     o, lse = f(q, k, v, cu_seqlens_q, cu_seqlens_k, *arrays)
@@ -272,7 +273,7 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, causal, sc
         options=_stand_in_options(options), values=concrete, in_place=False)
     where = _where(q, k_cache, v_cache)
     name, on_buffers = _select(case, backend, where)
-    check_cpu_mods(name, replace(case, device=where))
+    check_cpu_mods(name, case, where)
     static, arrays = _split(options)
     if on_buffers:
         f = _kvcache_gpu_fn((causal, case.scale, num_splits, name, static,

@@ -167,10 +167,14 @@ def check_alibi(alibi_slopes, library, device, B, Hq):
     return shape
 
 
-def check_mod_args(mod_args, library, device):
+def check_mod_args_tuple(mod_args):
     if not isinstance(mod_args, (tuple, list)):
         raise TypeError(f"mod_args must be a tuple of arrays; got "
                         f"{type(mod_args).__qualname__}")
+
+
+def check_mod_args(mod_args, library, device):
+    check_mod_args_tuple(mod_args)
     for n, a in enumerate(mod_args):
         _same_place(f"mod_args[{n}]", a, library, device)
     return tuple(mod_args)

@@ -134,8 +134,8 @@ def next_step(gi, mq, BN, m_begin, m_end):
 
 
 def make_attn_backward_dkdvq_ws(var, sizes):
-    """The warp-specialized dkdvq (or dkdv) kernel of variant ``var`` (``sizes``: ``backward._sizes``'
-    constants for the consumers' 128 threads)."""
+    """The warp-specialized dkdvq (or dkdv) kernel of variant ``var`` (``sizes``:
+    ``backward._sizes``' constants for the consumers' 128 threads)."""
     (D, BM, BN, _NT, CH, KSTEPS, PSTEPS, NTILES, NP, CAUSAL, BF16, OVERLAP,
      PACKED, CAP, _CAP_C, ALIBI) = sizes
     t = var.tiles
